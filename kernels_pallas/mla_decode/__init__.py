@@ -1,0 +1,1 @@
+"""Paged MLA attention in absorbed form over the latent cache."""

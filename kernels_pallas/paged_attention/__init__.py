@@ -1,0 +1,1 @@
+"""Paged MHA/GQA/MQA attention: decode and chunked prefill."""

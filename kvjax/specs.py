@@ -1,0 +1,191 @@
+"""Static descriptions of attention geometry and of a paged cache.
+
+Every spec is a frozen, keyword-only, hashable dataclass that validates itself,
+so it can be passed as a static argument to `jax.jit` and stored as a static
+field of the cache pytree. Bad values raise `ValueError` naming what was given
+and what is allowed.
+"""
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["AttentionSpec", "MLASpec", "CacheSpec", "canonical_dtype"]
+
+_CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}.")
+
+
+def canonical_dtype(dtype: object) -> np.dtype:
+    """Returns `dtype` as a NumPy dtype, raising `ValueError` for unknown names."""
+    try:
+        return jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"Unknown dtype {dtype!r}.") from e
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """Multi-head, grouped-query or multi-query attention geometry.
+
+    MHA has `kv_heads == q_heads`, MQA has `kv_heads == 1`, GQA anything that
+    divides `q_heads` in between. Each KV head serves a group of
+    `q_heads // kv_heads` consecutive query heads.
+    """
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        for name in ("q_heads", "kv_heads", "head_dim"):
+            _positive_int("AttentionSpec", name, getattr(self, name))
+        if self.q_heads % self.kv_heads:
+            raise ValueError(
+                f"AttentionSpec: kv_heads={self.kv_heads} must divide q_heads={self.q_heads}; "
+                f"allowed kv_heads values are the divisors of {self.q_heads}: "
+                f"{[d for d in range(1, self.q_heads + 1) if self.q_heads % d == 0]}."
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def kind(self) -> str:
+        """'MHA', 'MQA' or 'GQA'."""
+        if self.kv_heads == self.q_heads:
+            return "MHA"
+        if self.kv_heads == 1:
+            return "MQA"
+        return "GQA"
+
+    @property
+    def cache_heads(self) -> int:
+        """Heads stored per token in the cache."""
+        return self.kv_heads
+
+    @property
+    def cache_widths(self) -> tuple[int, int]:
+        """Per-head widths of the two cached tensors, K and V."""
+        return (self.head_dim, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLASpec:
+    """Multi-head latent attention geometry (DeepSeek-V2, arXiv 2405.04434).
+
+    The cache holds one latent "head" per token: the normalised `c_KV`
+    (`kv_lora_rank` wide) and the shared rotary key (`qk_rope_head_dim` wide).
+    `q_lora_rank=None` means the query uses a plain projection (V2-Lite).
+    """
+
+    q_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    def __post_init__(self):
+        for name in ("q_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                     "v_head_dim"):
+            _positive_int("MLASpec", name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive_int("MLASpec", "q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"MLASpec.qk_rope_head_dim must be even (rotary pairs), got "
+                f"{self.qk_rope_head_dim}."
+            )
+
+    kind = "MLA"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query/key head before absorption: nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_heads(self) -> int:
+        return 1
+
+    @property
+    def cache_widths(self) -> tuple[int, int]:
+        """Widths of the two cached tensors, c_KV and k_rope."""
+        return (self.kv_lora_rank, self.qk_rope_head_dim)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheSpec:
+    """Shape and layout of a paged KV cache.
+
+    Args:
+      attention: the geometry of what is cached per token and layer.
+      num_layers: transformer layers sharing the page table.
+      page_size: tokens per page, a power of two.
+      num_pages: pages in the pool (per layer; every layer uses the same page ids).
+      max_seqs: rows of the block table (concurrent sequences).
+      max_pages_per_seq: columns of the block table; a sequence holds at most
+        `max_pages_per_seq * page_size` tokens.
+      dtype: element type of the pages: float32, bfloat16 or float16.
+    """
+
+    attention: AttentionSpec | MLASpec
+    num_layers: int
+    page_size: int
+    num_pages: int
+    max_seqs: int
+    max_pages_per_seq: int
+    dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
+
+    def __post_init__(self):
+        if not isinstance(self.attention, AttentionSpec | MLASpec):
+            raise ValueError(
+                f"CacheSpec.attention must be an AttentionSpec or MLASpec, got "
+                f"{type(self.attention).__name__}."
+            )
+        for name in ("num_layers", "page_size", "num_pages", "max_seqs", "max_pages_per_seq"):
+            _positive_int("CacheSpec", name, getattr(self, name))
+        if self.page_size & (self.page_size - 1):
+            lo = 1 << (self.page_size.bit_length() - 1)
+            raise ValueError(
+                f"CacheSpec.page_size must be a power of two, got {self.page_size}; "
+                f"nearest allowed values are {lo} and {2 * lo}."
+            )
+        dtype = canonical_dtype(self.dtype)
+        if dtype.name not in _CACHE_DTYPES:
+            raise ValueError(f"CacheSpec.dtype must be one of {_CACHE_DTYPES}, got {dtype.name}.")
+        object.__setattr__(self, "dtype", dtype)
+        if self.num_pages >= 2**31 or self.max_seqs * self.max_pages_per_seq >= 2**31:
+            raise ValueError("CacheSpec: page ids and table sizes must fit in int32.")
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+    @property
+    def is_mla(self) -> bool:
+        return isinstance(self.attention, MLASpec)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens."""
+        return math.ceil(num_tokens / self.page_size)
+
+    @property
+    def pool_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the two page pools: `[layers, heads, pages, page_size, width]`."""
+        w0, w1 = self.attention.cache_widths
+        h = self.attention.cache_heads
+        base = (self.num_layers, h, self.num_pages, self.page_size)
+        return (*base, w0), (*base, w1)
+
+    def replace(self, **changes) -> "CacheSpec":
+        return dataclasses.replace(self, **changes)

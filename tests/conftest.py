@@ -1,0 +1,27 @@
+"""Test setup: 8 simulated CPU devices, strict dtype promotion, float32 matmuls at full precision."""
+
+import os
+
+# Must happen before any JAX backend starts.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh NumPy generator per test, seeded from the test's name and a random draw.
+
+    The seed is printed on failure (pytest shows captured stdout), so a failing
+    draw can be replayed with KVJAX_TEST_SEED.
+    """
+    seed = int(os.environ.get("KVJAX_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"test seed: KVJAX_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
