@@ -1,4 +1,4 @@
-"""Test setup: 8 simulated CPU devices, strict dtype promotion, float32 matmuls at full precision."""
+"""Test setup: 8 simulated CPU devices, strict dtype promotion, full-precision f32 matmuls."""
 
 import os
 

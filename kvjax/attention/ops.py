@@ -6,8 +6,13 @@ tracers, also their values: a block-table entry a sequence uses that points
 outside the pool, or a length past `max_pages * page_size`, raises
 `ValueError` here instead of being clamped inside the computation.
 
-`impl` chooses the implementation; "xla" is the plain-jnp path from
-`kernels_pallas/*/reference.py` and "auto" picks the best one for the backend.
+`impl` chooses the implementation:
+  "reference": the plain-jnp oracle in `kernels_pallas/*/reference.py`
+    (gathers each sequence's pages, then attends);
+  "xla": the XLA path used on CPU (today the reference);
+  "pallas": the Pallas kernels (not yet available);
+  "auto": the best one for the default backend.
+Each op looks its implementation up in `_IMPLS[op][impl]`.
 """
 
 import jax
@@ -28,17 +33,48 @@ __all__ = [
     "IMPLS",
 ]
 
-IMPLS = ("auto", "xla")
+IMPLS = ("auto", "reference", "xla", "pallas")
+
+# op name -> impl name -> function with the reference's signature.
+_IMPLS = {
+    "paged_decode_attention": {
+        "reference": paged_ref.paged_decode_attention,
+        "xla": paged_ref.paged_decode_attention,
+    },
+    "paged_prefill_attention": {
+        "reference": paged_ref.paged_prefill_attention,
+        "xla": paged_ref.paged_prefill_attention,
+    },
+    "mla_decode_attention": {
+        "reference": mla_ref.mla_decode_attention,
+        "xla": mla_ref.mla_decode_attention,
+    },
+    "mla_prefill_attention": {
+        "reference": mla_ref.mla_prefill_attention,
+        "xla": mla_ref.mla_prefill_attention,
+    },
+}
+
+
+def _auto_impl(op: str) -> str:
+    """The implementation "auto" resolves to on the default backend."""
+    return "xla"
+
+
+def _select(op: str, impl: str):
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
+    name = _auto_impl(op) if impl == "auto" else impl
+    fn = _IMPLS[op].get(name)
+    if fn is None:
+        raise NotImplementedError(
+            f"{op}: impl={name!r} is not available; choose one of {sorted(_IMPLS[op])}."
+        )
+    return fn
 
 
 def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
-def _check_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
-    return "xla"
 
 
 def _check_table(op: str, batch: int, lengths, block_tables, num_pages: int, page_size: int):
@@ -140,7 +176,7 @@ def paged_decode_attention(
       scale: logit scale, default 1/sqrt(head_dim).
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
       sliding_window: if set, only the last `sliding_window` positions are seen.
-      impl: "auto" or "xla".
+      impl: one of IMPLS (see the module docstring).
 
     Returns:
       (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
@@ -153,8 +189,7 @@ def paged_decode_attention(
     _check_heads(op, q_heads, k_pages.shape[0])
     _check_options(op, scale, soft_cap, sliding_window)
     _check_table(op, batch, lengths, block_tables, k_pages.shape[1], k_pages.shape[2])
-    _check_impl(impl)
-    return paged_ref.paged_decode_attention(
+    return _select(op, impl)(
         q, k_pages, v_pages, lengths, block_tables,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
@@ -193,8 +228,7 @@ def paged_prefill_attention(
     _check_options(op, scale, soft_cap, sliding_window)
     _check_table(op, batch, lengths, block_tables, k_pages.shape[1], k_pages.shape[2])
     _check_q_lengths(op, batch, q_len, lengths, q_lengths)
-    _check_impl(impl)
-    return paged_ref.paged_prefill_attention(
+    return _select(op, impl)(
         q, k_pages, v_pages, lengths, block_tables, q_lengths,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
@@ -255,7 +289,7 @@ def mla_decode_attention(
       latent_pages, rope_pages: [pages, page_size, d_c | d_rope].
       lengths, block_tables: as in `paged_decode_attention`.
       scale: softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times any mscale.
-      impl: "auto" or "xla".
+      impl: one of IMPLS (see the module docstring).
 
     Returns:
       (out in latent space [batch, q_heads, d_c], lse float32[batch, q_heads]).
@@ -263,8 +297,7 @@ def mla_decode_attention(
     op = "mla_decode_attention"
     _check_mla(op, q_latent, q_rope, latent_pages, rope_pages, scale, lead=1)
     _check_table(op, q_latent.shape[0], lengths, block_tables, *latent_pages.shape[:2])
-    _check_impl(impl)
-    return mla_ref.mla_decode_attention(
+    return _select(op, impl)(
         q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale
     )
 
@@ -287,7 +320,6 @@ def mla_prefill_attention(
     batch, q_len = q_latent.shape[:2]
     _check_table(op, batch, lengths, block_tables, *latent_pages.shape[:2])
     _check_q_lengths(op, batch, q_len, lengths, q_lengths)
-    _check_impl(impl)
-    return mla_ref.mla_prefill_attention(
+    return _select(op, impl)(
         q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, q_lengths, scale=scale
     )

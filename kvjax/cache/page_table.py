@@ -323,7 +323,7 @@ def free(
 
 
 def check_invariants(table: PageTable) -> None:
-    """Host-side check of the allocator invariants; raises AssertionError naming the first breach."""
+    """Host-side check of the allocator invariants; raises AssertionError naming a breach."""
     bt = np.asarray(table.block_tables)
     lengths = np.asarray(table.lengths)
     rc = np.asarray(table.refcounts)

@@ -143,61 +143,60 @@ def _check_seq_vector(name: str, x, spec: CacheSpec, dtype_kind: str = "i") -> N
                         f"got {x.dtype}.")
 
 
-def _reserve(cache: PagedKVCache, num_new: Int[Array, " max_seqs"]):
+@functools.partial(jax.jit, donate_argnames="cache")
+def reserve(
+    cache: PagedKVCache, num_new: Int[Array, " max_seqs"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """Grows sequences by `num_new[s]` tokens: allocates pages, copies shared pages first.
+
+    Args:
+      cache: the cache (donated).
+      num_new: int32[max_seqs], tokens each sequence is about to receive (0 for idle slots).
+
+    Returns:
+      (cache, status): `cache.lengths` already counts the new tokens; write them
+      with `write_layer` at positions [old_length, old_length + num_new). On
+      failure (out of pages, too long) nothing changes, and
+      `status.raise_if_error()` raises `CacheFullError` on the host.
+    """
     _check_seq_vector("reserve: num_new", num_new, cache.spec, "iu")
     table, copy, status = pt.reserve(cache.table, num_new)
     pages = _copy_pages(cache.pages, copy.src, copy.dst)
     return dataclasses.replace(cache, pages=pages, table=table), status
 
 
-def _fork(cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]):
+@functools.partial(jax.jit, donate_argnames="cache")
+def fork(
+    cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """Makes each `dst[i]` slot share every page of sequence `src[i]` (no copy).
+
+    Args:
+      cache: the cache (donated).
+      src, dst: int32[n] slot ids; each dst must be empty, distinct, and not a src.
+
+    Returns:
+      (cache, status): status code BAD_FORK (nothing changed) if a target is unusable.
+    """
     table, status = pt.fork(cache.table, src, dst)
     return dataclasses.replace(cache, table=table), status
 
 
-def _free(cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False):
+@functools.partial(jax.jit, donate_argnames="cache", static_argnames="scrub")
+def free(
+    cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
+) -> PagedKVCache:
+    """Frees the flagged sequences; pages nobody else holds return to the pool.
+
+    Args:
+      cache: the cache (donated).
+      seqs: bool[max_seqs], the sequences to free.
+      scrub: zero the released pages in every pool (static).
+    """
     _check_seq_vector("free: seqs", seqs, cache.spec, "b")
     table, released = pt.free(cache.table, seqs)
     pages = _zero_pages(cache.pages, released) if scrub else cache.pages
     return dataclasses.replace(cache, pages=pages, table=table)
-
-
-reserve = jax.jit(_reserve, donate_argnames="cache")
-reserve.__doc__ = """Grows sequences by `num_new[s]` tokens: allocates pages, copies shared pages first.
-
-Args:
-  cache: the cache (donated).
-  num_new: int32[max_seqs], tokens each sequence is about to receive (0 for idle slots).
-
-Returns:
-  (cache, status): `cache.lengths` already counts the new tokens; write them with
-  `write_layer` at positions [old_length, old_length + num_new). On failure
-  (out of pages, too long) nothing changes; `status.raise_if_error()` raises
-  `CacheFullError` on the host.
-"""
-
-fork = jax.jit(_fork, donate_argnames="cache")
-fork.__doc__ = """Makes each `dst[i]` slot share every page of sequence `src[i]` (no copy).
-
-Args:
-  cache: the cache (donated).
-  src, dst: int32[n] slot ids; each dst must be empty, distinct, and not a src.
-
-Returns:
-  (cache, status): status code BAD_FORK (nothing changed) if a target is unusable.
-"""
-
-free = jax.jit(_free, donate_argnames="cache", static_argnames="scrub")
-free.__doc__ = """Frees the flagged sequences; pages nobody else holds return to the pool.
-
-Args:
-  cache: the cache (donated).
-  seqs: bool[max_seqs], the sequences to free.
-  scrub: zero the released pages in every pool (static).
-
-Returns:
-  The cache.
-"""
 
 
 def token_slots(

@@ -1,0 +1,385 @@
+"""`python -m kvjax memory`: how much memory a model's KV cache needs.
+
+Examples:
+  python -m kvjax memory --list
+  python -m kvjax memory --model llama-2-70b --context 8192 --batch 8 --kv-dtype bf16
+  python -m kvjax memory --model llama-3-8b --compare --group-size 32
+  python -m kvjax memory --model mistral-7b --lengths 100,2000,4096 --context 8192
+"""
+
+import argparse
+import functools
+from collections.abc import Sequence
+from fractions import Fraction
+
+from kvjax.memory import accounting as acc
+from kvjax.memory.paging import paging_waste
+from kvjax.memory.presets import PRESETS, ModelPreset, get_preset
+
+__all__ = ["add_parser", "run"]
+
+_DEFAULT_CONTEXT = 4096
+_COMPARE_DTYPES = ("bf16", "int8", "int4", "int2")
+_UNITS_LINE = (
+    "units: decimal kB/MB/GB/TB = 10^3/10^6/10^9/10^12 bytes; "
+    "binary KiB/MiB/GiB/TiB = 2^10/2^20/2^30/2^40 bytes"
+)
+
+
+# -- argument types: each raises ArgumentTypeError, which argparse turns into
+# -- "argument --flag: <message>" and exit status 2.
+
+
+def _int_at_least(minimum: int, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(1, text)
+
+
+def _model(text: str) -> ModelPreset:
+    try:
+        return get_preset(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _dtype(text: str) -> str:
+    try:
+        acc.dtype_bits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return acc.kv_format(text).name
+
+
+def _lengths(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}")
+    out = []
+    for p in parts:
+        try:
+            out.append(_int_at_least(0, p))
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"each length must be an integer >= 0, got {p!r} in {text!r}"
+            ) from None
+    return out
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the `memory` subcommand on `subparsers` and returns its parser."""
+    p = subparsers.add_parser(
+        "memory",
+        help="KV cache and weight memory of a model preset",
+        description=(
+            "Prints the KV cache bytes per token, per sequence and per batch of a real model, "
+            "its weight bytes and the KV/weights ratio; optionally compares MHA/GQA/MQA/MLA "
+            "caches across dtypes and simulates paging waste. "
+            "Decimal units (GB = 10^9 bytes) and binary units (GiB = 2^30 bytes) are both shown."
+        ),
+        epilog=__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", type=_model, metavar="NAME",
+        help=f"model preset, case-insensitive; one of: {', '.join(PRESETS)}",
+    )
+    p.add_argument("--list", action="store_true", help="list the model presets and exit")
+    p.add_argument(
+        "--context", type=_positive_int, default=None, metavar="TOKENS",
+        help=f"tokens per sequence (default {_DEFAULT_CONTEXT}); with --lengths, the length a "
+        "contiguous cache reserves per sequence (default: the longest length)",
+    )
+    p.add_argument(
+        "--batch", type=_positive_int, default=1, metavar="N",
+        help="sequences decoded together (default 1)",
+    )
+    p.add_argument(
+        "--kv-dtype", type=_dtype, default="bf16", metavar="DTYPE",
+        help=f"KV cache element type, one of: {', '.join(acc.DTYPE_BITS)} (default bf16)",
+    )
+    p.add_argument(
+        "--kv-bits", type=_positive_int, default=None, metavar="BITS",
+        help="KV element width in bits, overriding --kv-dtype (e.g. 6 for DeepSeek-V2's "
+        "~6-bit deployed cache)",
+    )
+    p.add_argument(
+        "--group-size", type=_positive_int, default=None, metavar="G",
+        help="elements sharing one scale and one zero point (KIVI: G tokens per key channel, "
+        "G channels per value token); adds 2*scale_bits/G bits per element to integer "
+        "KV dtypes (default: no scale/zero overhead)",
+    )
+    p.add_argument(
+        "--scale-bits", type=_positive_int, default=16, metavar="BITS",
+        help="bits of each scale and each zero point when --group-size is set (default 16)",
+    )
+    p.add_argument(
+        "--weight-dtype", type=_dtype, default="bf16", metavar="DTYPE",
+        help=f"weight element type, one of: {', '.join(acc.DTYPE_BITS)} (default bf16)",
+    )
+    p.add_argument(
+        "--compare", action="store_true",
+        help="compare bytes per token of MHA (kv_heads = q_heads), the model's own cache, MQA "
+        f"and an MLA variant (d_c = 4*head_dim, d_rope = head_dim/2) across "
+        f"{', '.join(_COMPARE_DTYPES)}",
+    )
+    spread = p.add_mutually_exclusive_group()
+    spread.add_argument(
+        "--lengths", type=_lengths, default=None, metavar="L1,L2,...",
+        help="comma-separated sequence lengths: print the memory a contiguous cache reserves "
+        "against a paged one and against what the tokens use",
+    )
+    spread.add_argument(
+        "--length-spread", type=_positive_int, default=None, metavar="N",
+        help="like --lengths with N sequences whose lengths are spread evenly up to --context: "
+        "round(context * i / N) for i = 1..N",
+    )
+    p.add_argument(
+        "--page-size", type=_positive_int, default=16, metavar="TOKENS",
+        help="tokens per page for the paging comparison (default 16, as in vLLM)",
+    )
+    p.set_defaults(func=functools.partial(run, parser=p))
+    return p
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Runs `memory` with parsed `args`; reports bad combinations through `parser.error`."""
+    if args.list:
+        print(_list_presets())
+        return 0
+    if args.model is None:
+        parser.error(
+            f"the --model argument is required (unless --list); known models: "
+            f"{', '.join(PRESETS)}"
+        )
+    preset: ModelPreset = args.model
+    kv = _kv_format(args, args.kv_dtype, args.kv_bits)
+    context = args.context or _DEFAULT_CONTEXT
+
+    lengths = args.lengths
+    if args.length_spread is not None:
+        n = args.length_spread
+        lengths = [max(1, round(context * i / n)) for i in range(1, n + 1)]
+    if lengths is not None and args.context is not None and max(lengths) > args.context:
+        parser.error(
+            f"argument --lengths: the longest length {max(lengths)} exceeds --context "
+            f"{args.context}; raise --context or drop it to reserve the longest length"
+        )
+
+    blocks = [_summary(preset, kv, context, args.batch, args.weight_dtype)]
+    if args.compare:
+        blocks.append(_compare(preset, args, context))
+    if lengths is not None:
+        blocks.append(_paging(preset, kv, lengths, args.context, args.page_size))
+    print("\n\n".join(blocks))
+    return 0
+
+
+def _kv_format(args: argparse.Namespace, dtype: str, bits: int | None = None) -> acc.KVFormat:
+    """The KV format of `dtype` (or of `bits`), with scale/zero overhead where it applies."""
+    # Scales and zero points belong to integer codes; float formats carry their own exponent.
+    quantized = bits is not None or dtype.startswith("int")
+    group = args.group_size if quantized else None
+    return acc.kv_format(dtype, bits=bits, group_size=group, scale_bits=args.scale_bits)
+
+
+# -- formatting
+
+
+def _n(x: int | Fraction) -> str:
+    """Exact count with thousands separators; two decimals only when fractional."""
+    x = Fraction(x)
+    if x.denominator == 1:
+        return f"{x.numerator:,}"
+    return f"{float(x):,.2f}"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.1f}M"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Plain-text table; the first `left` columns are left-aligned, the rest right-aligned."""
+    widths = [max(len(str(r[i])) for r in (headers, *rows)) for i in range(len(headers))]
+
+    def line(cells):
+        return "  ".join(
+            str(c).ljust(w) if i < left else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _geometry(preset: ModelPreset) -> str:
+    if preset.is_mla:
+        return (
+            f"{preset.kv_lora_rank} (c_KV) + {preset.qk_rope_head_dim} (k_rope) = "
+            f"{preset.kv_lora_rank + preset.qk_rope_head_dim:,} elements per token per layer"
+        )
+    return (
+        f"2 x {preset.kv_heads} KV heads x {preset.head_dim} = "
+        f"{2 * preset.kv_heads * preset.head_dim:,} elements per token per layer"
+    )
+
+
+def _describe(preset: ModelPreset) -> str:
+    if preset.is_mla:
+        heads = (
+            f"{preset.q_heads} query heads, MLA latent d_c {preset.kv_lora_rank}, "
+            f"d_rope {preset.qk_rope_head_dim}"
+        )
+    else:
+        heads = (
+            f"{preset.q_heads} query heads, {preset.kv_heads} KV heads, "
+            f"head_dim {preset.head_dim}"
+        )
+    return (
+        f"{preset.name}: {preset.kind}, {preset.num_layers} layers, {heads}, "
+        f"{_params(preset.num_params)} params"
+    )
+
+
+def _bytes_row(label: str, n: int | Fraction) -> list[str]:
+    return [label, _n(n), acc.format_bytes(n), acc.format_bytes(n, binary=True)]
+
+
+def _summary(
+    preset: ModelPreset, kv: acc.KVFormat, context: int, batch: int, weight_dtype: str
+) -> str:
+    spec = preset.attention
+    layers = preset.num_layers
+    per_layer = acc.bytes_per_token_per_layer(spec, kv)
+    per_token = acc.bytes_per_token(spec, layers, kv)
+    per_seq = acc.bytes_per_sequence(spec, layers, context, kv)
+    per_batch = acc.bytes_per_batch(spec, layers, context, batch, kv)
+    weights = acc.weight_bytes(preset.num_params, weight_dtype)
+    rows = [
+        _bytes_row("KV per token per layer", per_layer),
+        _bytes_row(f"KV per token ({layers} layers)", per_token),
+        _bytes_row(f"KV per sequence ({context:,} tokens)", per_seq),
+        _bytes_row(f"KV per batch ({batch} x {context:,} tokens)", per_batch),
+        _bytes_row(f"model weights ({weight_dtype}, {preset.num_params:,} params)", weights),
+        ["KV per batch / model weights", f"{float(per_batch / weights):.3f}", "", ""],
+    ]
+    head = [
+        _describe(preset),
+        f"source: {preset.source}",
+        f"KV cache: {kv.describe()}; {_geometry(preset)}",
+        _UNITS_LINE,
+        "",
+    ]
+    return "\n".join([*head, _table(["quantity", "bytes", "decimal", "binary"], rows)])
+
+
+def _cache_key(spec) -> tuple:
+    return (spec.kind, spec.cache_heads, spec.cache_widths)
+
+
+def _compare(preset: ModelPreset, args: argparse.Namespace, context: int) -> str:
+    # Imported here because kvjax.specs pulls in JAX; only this view builds new specs.
+    from kvjax.specs import AttentionSpec, MLASpec
+
+    hd, qh = preset.head_dim, preset.q_heads
+    d_c, d_rope = 4 * hd, hd // 2
+    actual = preset.attention
+    candidates = [(f"MHA ({qh} KV heads)", AttentionSpec(q_heads=qh, kv_heads=qh, head_dim=hd))]
+    if actual.kind == "GQA":
+        candidates.append((f"GQA-{actual.kv_heads}", actual))
+    candidates.append(("MQA (1 KV head)", AttentionSpec(q_heads=qh, kv_heads=1, head_dim=hd)))
+    if preset.is_mla:
+        candidates.append((f"MLA (d_c {actual.kv_lora_rank}, d_rope {actual.qk_rope_head_dim})",
+                           actual))
+    candidates.append((f"MLA (d_c {d_c}, d_rope {d_rope})", MLASpec(
+        q_heads=qh, kv_lora_rank=d_c, qk_rope_head_dim=d_rope, qk_nope_head_dim=hd,
+        v_head_dim=hd,
+    )))
+    # Two specs that cache the same tensors cost the same whatever else differs
+    # (e.g. MLA's q_lora_rank), so rows are deduplicated and matched on this key.
+    variants, seen = [], set()
+    for label, spec in candidates:
+        key = _cache_key(spec)
+        if key not in seen:
+            seen.add(key)
+            variants.append((label + (" (actual)" if key == _cache_key(actual) else ""), spec))
+
+    layers = preset.num_layers
+    base = acc.bytes_per_token(variants[0][1], layers, "bf16")
+    rows = []
+    for label, spec in variants:
+        for dtype in _COMPARE_DTYPES:
+            fmt = _kv_format(args, dtype)
+            per_token = acc.bytes_per_token(spec, layers, fmt)
+            rows.append([
+                label, dtype, _n(fmt.bits_per_element),
+                f"{acc.elements_per_token_per_layer(spec):,}", _n(per_token),
+                acc.format_bytes(per_token, binary=True),
+                acc.format_bytes(acc.bytes_per_batch(spec, layers, context, args.batch, fmt)),
+                f"{100 * acc.reduction(per_token, base):.2f}%",
+            ])
+            label = ""
+    overhead = (
+        f"integer dtypes carry a {args.scale_bits}-bit scale and zero per {args.group_size} "
+        "elements" if args.group_size else
+        "no scale/zero overhead counted (add --group-size G to include it)"
+    )
+    head = [
+        f"Cache variants for {preset.name} ({qh} query heads, head_dim {hd}, {layers} layers); "
+        f"per token across all layers, and per batch of {args.batch} x {context:,} tokens.",
+        f"Assumption: the MLA row uses d_c = 4 * head_dim = {d_c} and d_rope = head_dim / 2 = "
+        f"{d_rope}, DeepSeek-V2's ratios (arXiv 2405.04434), not a trained model's values.",
+        f"Reduction is against MHA bf16 ({_n(base)} B/token); {overhead}.",
+        "",
+    ]
+    headers = ["variant", "dtype", "bits/elem", "elems/token/layer", "bytes/token",
+               "binary", "per batch", "reduction"]
+    return "\n".join([*head, _table(headers, rows, left=2)])
+
+
+def _paging(
+    preset: ModelPreset, kv: acc.KVFormat, lengths: list[int], max_len: int | None,
+    page_size: int,
+) -> str:
+    per_token = acc.bytes_per_token(preset.attention, preset.num_layers, kv)
+    tokens = paging_waste(lengths, page_size=page_size, max_len=max_len)
+    waste = paging_waste(lengths, page_size=page_size, max_len=max_len, bytes_per_token=per_token)
+    shown = ", ".join(f"{n:,}" for n in lengths[:8]) + (", ..." if len(lengths) > 8 else "")
+    rows = [
+        ["contiguous (max_len per sequence)", _n(tokens.contiguous_bytes),
+         *_bytes_row("", waste.contiguous_bytes)[1:], f"{100 * waste.contiguous_waste:.2f}%"],
+        [f"paged ({page_size}-token pages)", _n(tokens.paged_bytes),
+         *_bytes_row("", waste.paged_bytes)[1:], f"{100 * waste.paged_waste:.2f}%"],
+        ["used by tokens", _n(tokens.used_bytes), *_bytes_row("", waste.used_bytes)[1:], ""],
+    ]
+    head = [
+        f"Paging waste for {preset.name}: {waste.num_seqs} sequences of lengths {shown}; "
+        f"a contiguous cache reserves {waste.max_len:,} tokens each; "
+        f"KV {kv.describe()} = {_n(per_token)} B/token.",
+        "",
+    ]
+    tail = f"\npaged / contiguous reservation: {waste.paged_over_contiguous:.3f}"
+    headers = ["cache", "tokens", "bytes", "decimal", "binary", "waste"]
+    return "\n".join([*head, _table(headers, rows)]) + tail
+
+
+def _list_presets() -> str:
+    rows = []
+    for p in PRESETS.values():
+        per_token = acc.bytes_per_token(p.attention, p.num_layers, "bf16")
+        heads = f"MLA d_c {p.kv_lora_rank}+{p.qk_rope_head_dim}" if p.is_mla else str(p.kv_heads)
+        rows.append([
+            p.name, p.kind, str(p.num_layers), str(p.q_heads), heads, str(p.head_dim),
+            _params(p.num_params), _n(per_token), acc.format_bytes(per_token, binary=True),
+        ])
+    headers = ["model", "kind", "layers", "q heads", "kv heads", "head_dim", "params",
+               "KV B/token bf16", "binary"]
+    return _table(headers, rows, left=2)
