@@ -70,7 +70,7 @@ _IMPLS = {
 
 def _auto_impl(op: str) -> str:
     """The implementation "auto" resolves to on the default backend."""
-    if jax.default_backend() in ("tpu", "gpu") and op in pallas_impls.KERNEL_OPS:
+    if pallas_impls.platform() in ("tpu", "gpu") and op in pallas_impls.KERNEL_OPS:
         return "pallas"
     return "xla"
 

@@ -15,14 +15,22 @@ from kernels_pallas.mla_decode import tpu as mla_tpu
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import tpu as paged_tpu
 
-__all__ = ["KERNEL_OPS", "paged_decode_attention", "mla_decode_attention", "prefill_via_xla"]
+__all__ = [
+    "KERNEL_OPS", "platform", "paged_decode_attention", "mla_decode_attention",
+    "prefill_via_xla",
+]
 
 # Ops that have a kernel of their own ("auto" picks "pallas" for them on TPU/GPU).
 KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
 
 
+def platform() -> str:
+    """The default backend's platform ("cpu", "gpu" or "tpu"); one place to stub in tests."""
+    return jax.default_backend()
+
+
 def _backend_and_interpret(interpret: bool | None) -> tuple[str, bool]:
-    backend = jax.default_backend()
+    backend = platform()
     if interpret is None:
         interpret = backend == "cpu"
     if backend == "cpu" and not interpret:
