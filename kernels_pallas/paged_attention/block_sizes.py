@@ -37,6 +37,8 @@ _DEFAULT_TOKENS = {"tpu": 512, "gpu": 64}
 # Scalar-prefetched block tables live in SMEM; keep them to a quarter of the
 # smallest TPU SMEM (1 MiB on v5e/v6e is generous; 256 KiB is safe).
 TPU_MAX_TABLE_ENTRIES = 64 * 1024
+# tl.dot needs every operand dimension >= 16, the block's token axis included.
+GPU_MIN_BLOCK_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,7 +91,7 @@ def default_block_sizes(backend: str, page_size: int, max_pages: int) -> BlockSi
     pages = max(1, _DEFAULT_TOKENS[backend] // page_size)
     pages = min(pages, max_pages)
     if backend == "gpu":
-        pages = _pow2_ceil(pages)
+        pages = _pow2_ceil(max(pages, -(-GPU_MIN_BLOCK_TOKENS // page_size)))
     return BlockSizes(block_tokens=pages * page_size)
 
 
@@ -108,6 +110,11 @@ def resolve_block_sizes(
             f"{block_sizes.block_tokens}; a block must hold whole pages."
         )
     if backend == "gpu":
+        if block_sizes.block_tokens < GPU_MIN_BLOCK_TOKENS:
+            raise ValueError(
+                f"{op}: on GPU block_tokens must be at least {GPU_MIN_BLOCK_TOKENS} (tl.dot's "
+                f"smallest operand), got {block_sizes.block_tokens}."
+            )
         ppb = block_sizes.block_tokens // page_size
         if ppb & (ppb - 1):
             raise ValueError(

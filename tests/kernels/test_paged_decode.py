@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from kernel_cases import assert_close, gqa_case, gqa_ratios, ref_decode
+from kernel_cases import assert_close, gqa_case, gqa_ratios, native_flavours, ref_decode
 
 from kernels_pallas.paged_attention import gpu, tpu
 from kernels_pallas.paged_attention.block_sizes import BlockSizes
@@ -27,8 +27,11 @@ def run_kernel(kernel, *args, block_pages=None, num_splits=None, **kwargs):
     bs = None
     if block_pages is not None or num_splits is not None:
         bs = BlockSizes(block_tokens=(block_pages or 1) * page_size, num_splits=num_splits)
-    if kernel == "gpu":
-        return gpu.paged_decode_attention(*args, block_sizes=bs, interpret=True, **kwargs)
+    if kernel in ("gpu", "gpu_native"):
+        return gpu.paged_decode_attention(*args, block_sizes=bs, interpret=kernel == "gpu",
+                                          **kwargs)
+    if kernel == "tpu_native":
+        return tpu.paged_decode_attention(*args, block_sizes=bs, **kwargs)
     interpret = tpu.interpret_params() if kernel == "tpu_interpreter" else True
     return tpu.paged_decode_attention(*args, block_sizes=bs, interpret=interpret, **kwargs)
 
@@ -60,7 +63,7 @@ def _check(rng, kernel, ratio, head_dim, page_size, dtype, block_pages, num_spli
     assert_close(got, ref_decode(*args), dtype)
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", *native_flavours()])
 @pytest.mark.parametrize("ratio,head_dim,page_size,dtype,block_pages,num_splits", CI_CASES)
 def test_kernel_matches_reference(rng, kernel, ratio, head_dim, page_size, dtype, block_pages,
                                   num_splits):
@@ -85,7 +88,7 @@ def test_kernel_sweep(rng, kernel, ratio, head_dim, page_size, dtype):
     _check(rng, kernel, ratio, head_dim, page_size, dtype, 2, None)
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter", *native_flavours()])
 def test_sliding_window_soft_cap_and_scale(rng, kernel):
     args = gqa_case(rng, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=6,
                     dtype=jnp.float32, lengths=[1, 20, 48, 33, 7])
@@ -94,7 +97,7 @@ def test_sliding_window_soft_cap_and_scale(rng, kernel):
     assert_close(got, ref_decode(*args, **opts), jnp.float32)
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter", *native_flavours()])
 def test_empty_sequences_give_zero_and_neg_inf(rng, kernel):
     args = gqa_case(rng, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=3,
                     dtype=jnp.float32, lengths=[0, 9, 0])
@@ -166,3 +169,21 @@ def test_tpu_table_larger_than_smem_raises(rng, no_kernel_tracing):
 def test_block_sizes_validate_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BlockSizes(**kwargs)
+
+
+def test_gpu_block_below_dot_minimum_raises(rng, no_kernel_tracing):
+    with pytest.raises(ValueError, match=r"at least 16"):
+        gpu.paged_decode_attention(*_small(rng), block_sizes=BlockSizes(block_tokens=8),
+                                   interpret=True)
+
+
+@pytest.mark.parametrize(
+    "backend,page_size,max_pages,want",
+    [("tpu", 16, 100, 512), ("tpu", 16, 3, 48), ("tpu", 1024, 4, 1024),
+     ("gpu", 16, 100, 64), ("gpu", 8, 1, 16), ("gpu", 16, 3, 64), ("gpu", 128, 2, 128)],
+)
+def test_default_block_sizes_fit_the_table(backend, page_size, max_pages, want):
+    from kernels_pallas.paged_attention.block_sizes import default_block_sizes
+
+    bs = default_block_sizes(backend, page_size, max_pages)
+    assert bs.block_tokens == want and bs.block_tokens % page_size == 0
