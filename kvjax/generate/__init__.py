@@ -16,9 +16,15 @@ from kvjax.generate.loop import (
     start,
     stream,
 )
+from kvjax.generate.parallel import BeamResult, beam_search, fork_samples, sample_keys, sample_n
 from kvjax.generate.sampling import SamplingConfig, as_keys, sample
 
 __all__ = [
+    "BeamResult",
+    "beam_search",
+    "fork_samples",
+    "sample_keys",
+    "sample_n",
     "CachePolicy",
     "DecodeState",
     "GenerateResult",
