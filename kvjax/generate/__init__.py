@@ -1,44 +1,28 @@
 """Generation on the paged cache: chunked prefill, the jitted decode loop, sampling,
-streaming, parallel sampling (forked prompt pages) and beam search (copy-on-write)."""
+streaming, parallel sampling (forked prompt pages) and beam search (copy-on-write).
 
-from kvjax.generate.loop import (
-    CachePolicy,
-    DecodeState,
-    GenerateResult,
-    StreamEvent,
-    decode_loop,
-    decode_step,
-    decode_step_jit,
-    default_cache_spec,
-    generate,
-    pad_prompts,
-    prefill,
-    start,
-    stream,
-)
-from kvjax.generate.parallel import BeamResult, beam_search, fork_samples, sample_keys, sample_n
-from kvjax.generate.sampling import SamplingConfig, as_keys, sample
+Names load on first use, so `kvjax.generate.cli` (the `python -m kvjax generate`
+parser) imports without JAX.
+"""
 
-__all__ = [
-    "BeamResult",
-    "beam_search",
-    "fork_samples",
-    "sample_keys",
-    "sample_n",
-    "CachePolicy",
-    "DecodeState",
-    "GenerateResult",
-    "SamplingConfig",
-    "StreamEvent",
-    "as_keys",
-    "decode_loop",
-    "decode_step",
-    "decode_step_jit",
-    "default_cache_spec",
-    "generate",
-    "pad_prompts",
-    "prefill",
-    "sample",
-    "start",
-    "stream",
-]
+import importlib
+
+# public name -> module that defines it
+_EXPORTS = {
+    **dict.fromkeys(
+        ("CachePolicy", "DecodeState", "GenerateResult", "StreamEvent", "GREEDY", "decode_loop",
+         "decode_step", "decode_step_jit", "default_cache_spec", "generate", "pad_prompts",
+         "prefill", "start", "stream"),
+        "kvjax.generate.loop"),
+    **dict.fromkeys(("BeamResult", "beam_search", "fork_samples", "sample_keys", "sample_n"),
+                    "kvjax.generate.parallel"),
+    **dict.fromkeys(("SamplingConfig", "as_keys", "sample"), "kvjax.generate.sampling"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvjax.generate' has no attribute {name!r}")

@@ -41,6 +41,7 @@ from kvjax.models.base import Model
 
 __all__ = [
     "CachePolicy",
+    "GREEDY",
     "DecodeState",
     "GenerateResult",
     "StreamEvent",
