@@ -25,7 +25,7 @@ _EXPORTS = {
     "init_cache": "kvjax.cache",
     "merge_attention_states": "kvjax.attention",
 }
-_SUBMODULES = ("attention", "cache", "memory", "specs")
+_SUBMODULES = ("attention", "cache", "generate", "memory", "models", "specs")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
