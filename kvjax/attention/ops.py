@@ -10,10 +10,17 @@ outside the pool, or a length past `max_pages * page_size`, raises
   "reference": the plain-jnp oracle in `kernels_pallas/*/reference.py`
     (gathers each sequence's pages, then attends);
   "xla": the XLA path used on CPU (today the reference);
-  "pallas": the Pallas kernels (not yet available);
-  "auto": the best one for the default backend.
+  "pallas": the Pallas kernels of `kernels_pallas/*/{tpu,gpu}.py`: the GPU
+    kernel on a GPU backend, the TPU kernel otherwise (natively on TPU, in
+    Pallas' interpret mode on CPU). `interpret=None` means interpret on CPU
+    only. The prefill ops have no kernel yet: their "pallas" entry runs the
+    "xla" path;
+  "auto": the best one for the default backend: "pallas" on TPU and GPU for
+    the ops that have a kernel, "xla" on CPU.
 Each op looks its implementation up in `_IMPLS[op][impl]`.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +30,7 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
+from kvjax.attention import pallas_impls
 
 __all__ = [
     "paged_decode_attention",
@@ -40,28 +48,34 @@ _IMPLS = {
     "paged_decode_attention": {
         "reference": paged_ref.paged_decode_attention,
         "xla": paged_ref.paged_decode_attention,
+        "pallas": pallas_impls.paged_decode_attention,
     },
     "paged_prefill_attention": {
         "reference": paged_ref.paged_prefill_attention,
         "xla": paged_ref.paged_prefill_attention,
+        "pallas": functools.partial(pallas_impls.prefill_via_xla, "paged_prefill_attention"),
     },
     "mla_decode_attention": {
         "reference": mla_ref.mla_decode_attention,
         "xla": mla_ref.mla_decode_attention,
+        "pallas": pallas_impls.mla_decode_attention,
     },
     "mla_prefill_attention": {
         "reference": mla_ref.mla_prefill_attention,
         "xla": mla_ref.mla_prefill_attention,
+        "pallas": functools.partial(pallas_impls.prefill_via_xla, "mla_prefill_attention"),
     },
 }
 
 
 def _auto_impl(op: str) -> str:
     """The implementation "auto" resolves to on the default backend."""
+    if pallas_impls.platform() in ("tpu", "gpu") and op in pallas_impls.KERNEL_OPS:
+        return "pallas"
     return "xla"
 
 
-def _select(op: str, impl: str):
+def _select(op: str, impl: str, interpret: bool | None = None):
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
     name = _auto_impl(op) if impl == "auto" else impl
@@ -70,6 +84,9 @@ def _select(op: str, impl: str):
         raise NotImplementedError(
             f"{op}: impl={name!r} is not available; choose one of {sorted(_IMPLS[op])}."
         )
+    if name == "pallas":
+        # Prefill's pallas entry looks the xla path up at call time.
+        return functools.partial(fn, interpret=interpret, impls=_IMPLS)
     return fn
 
 
@@ -160,6 +177,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_heads v_head_dim"], Float[Array, "batch q_heads"]]:
     """Decode attention (one query per sequence) over one layer's paged K/V.
 
@@ -177,6 +195,8 @@ def paged_decode_attention(
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
       sliding_window: if set, only the last `sliding_window` positions are seen.
       impl: one of IMPLS (see the module docstring).
+      interpret: only for impl "pallas" (or "auto" resolving to it): run the kernel in
+        Pallas' interpret mode; None means interpret exactly when the backend is CPU.
 
     Returns:
       (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
@@ -189,7 +209,7 @@ def paged_decode_attention(
     _check_heads(op, q_heads, k_pages.shape[0])
     _check_options(op, scale, soft_cap, sliding_window)
     _check_table(op, batch, lengths, block_tables, k_pages.shape[1], k_pages.shape[2])
-    return _select(op, impl)(
+    return _select(op, impl, interpret)(
         q, k_pages, v_pages, lengths, block_tables,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
@@ -207,6 +227,7 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads v_head_dim"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill attention: `q_lengths[b]` new queries per sequence, causal over the cache.
 
@@ -228,7 +249,7 @@ def paged_prefill_attention(
     _check_options(op, scale, soft_cap, sliding_window)
     _check_table(op, batch, lengths, block_tables, k_pages.shape[1], k_pages.shape[2])
     _check_q_lengths(op, batch, q_len, lengths, q_lengths)
-    return _select(op, impl)(
+    return _select(op, impl, interpret)(
         q, k_pages, v_pages, lengths, block_tables, q_lengths,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
@@ -280,6 +301,7 @@ def mla_decode_attention(
     *,
     scale: float,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
     """MLA decode attention in absorbed form over one layer's latent pages.
 
@@ -290,6 +312,8 @@ def mla_decode_attention(
       lengths, block_tables: as in `paged_decode_attention`.
       scale: softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times any mscale.
       impl: one of IMPLS (see the module docstring).
+      interpret: only for impl "pallas" (or "auto" resolving to it): run the kernel in
+        Pallas' interpret mode; None means interpret exactly when the backend is CPU.
 
     Returns:
       (out in latent space [batch, q_heads, d_c], lse float32[batch, q_heads]).
@@ -297,7 +321,7 @@ def mla_decode_attention(
     op = "mla_decode_attention"
     _check_mla(op, q_latent, q_rope, latent_pages, rope_pages, scale, lead=1)
     _check_table(op, q_latent.shape[0], lengths, block_tables, *latent_pages.shape[:2])
-    return _select(op, impl)(
+    return _select(op, impl, interpret)(
         q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale
     )
 
@@ -313,6 +337,7 @@ def mla_prefill_attention(
     *,
     scale: float,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads d_c"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill MLA attention in absorbed form, causal as in `paged_prefill_attention`."""
     op = "mla_prefill_attention"
@@ -320,6 +345,6 @@ def mla_prefill_attention(
     batch, q_len = q_latent.shape[:2]
     _check_table(op, batch, lengths, block_tables, *latent_pages.shape[:2])
     _check_q_lengths(op, batch, q_len, lengths, q_lengths)
-    return _select(op, impl)(
+    return _select(op, impl, interpret)(
         q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, q_lengths, scale=scale
     )

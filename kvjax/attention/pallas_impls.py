@@ -1,0 +1,69 @@
+"""The "pallas" implementations behind `kvjax.attention`'s ops.
+
+Each function has its op's reference signature plus `interpret` and `impls`
+(the registry, so prefill can defer to whatever "xla" is at call time). The
+backend decides the kernel: the Triton (GPU) kernel on a GPU backend, the TPU
+kernel otherwise — natively on TPU, in Pallas' plain interpret mode on CPU,
+where it is fastest to interpret (its pools stay in "HBM" and only the pages a
+sequence uses are copied).
+"""
+
+import jax
+
+from kernels_pallas.mla_decode import gpu as mla_gpu
+from kernels_pallas.mla_decode import tpu as mla_tpu
+from kernels_pallas.paged_attention import gpu as paged_gpu
+from kernels_pallas.paged_attention import tpu as paged_tpu
+
+__all__ = [
+    "KERNEL_OPS", "platform", "paged_decode_attention", "mla_decode_attention",
+    "prefill_via_xla",
+]
+
+# Ops that have a kernel of their own ("auto" picks "pallas" for them on TPU/GPU).
+KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
+
+
+def platform() -> str:
+    """The default backend's platform ("cpu", "gpu" or "tpu"); one place to stub in tests."""
+    return jax.default_backend()
+
+
+def _backend_and_interpret(interpret: bool | None) -> tuple[str, bool]:
+    backend = platform()
+    if interpret is None:
+        interpret = backend == "cpu"
+    if backend == "cpu" and not interpret:
+        raise ValueError(
+            "impl='pallas' with interpret=False needs a TPU or GPU backend; on CPU pass "
+            "interpret=True (or None) or use impl='xla'."
+        )
+    return ("gpu" if backend == "gpu" else "tpu"), interpret
+
+
+def paged_decode_attention(q, k_pages, v_pages, lengths, block_tables, *, scale=None,
+                           soft_cap=None, sliding_window=None, interpret=None, impls=None):
+    """Paged GQA decode through the backend's kernel (see the module docstring)."""
+    backend, interpret = _backend_and_interpret(interpret)
+    kernel = paged_gpu if backend == "gpu" else paged_tpu
+    return kernel.paged_decode_attention(
+        q, k_pages, v_pages, lengths, block_tables, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, interpret=interpret,
+    )
+
+
+def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, *,
+                         scale, interpret=None, impls=None):
+    """Absorbed-MLA decode through the backend's kernel (see the module docstring)."""
+    backend, interpret = _backend_and_interpret(interpret)
+    kernel = mla_gpu if backend == "gpu" else mla_tpu
+    return kernel.mla_decode_attention(
+        q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale,
+        interpret=interpret,
+    )
+
+
+def prefill_via_xla(op, *args, interpret=None, impls, **kwargs):
+    """Prefill has no kernel yet: "pallas" runs the op's current "xla" implementation."""
+    del interpret
+    return impls[op]["xla"](*args, **kwargs)
