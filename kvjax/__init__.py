@@ -6,24 +6,37 @@
                          num_layers=32, page_size=16, num_pages=4096, max_seqs=64,
                          max_pages_per_seq=256, dtype="bfloat16")
     cache = kvx.init_cache(spec)
+
+Submodules and names load on first use, so `python -m kvjax memory` and
+`import kvjax.memory` do not pay for importing JAX.
 """
 
-from kvjax import attention, cache, memory
-from kvjax.attention import merge_attention_states
-from kvjax.cache import CacheFullError, PagedKVCache, init_cache
-from kvjax.specs import AttentionSpec, CacheSpec, MLASpec
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AttentionSpec",
-    "CacheFullError",
-    "CacheSpec",
-    "MLASpec",
-    "PagedKVCache",
-    "attention",
-    "cache",
-    "init_cache",
-    "memory",
-    "merge_attention_states",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "AttentionSpec": "kvjax.specs",
+    "MLASpec": "kvjax.specs",
+    "CacheSpec": "kvjax.specs",
+    "PagedKVCache": "kvjax.cache",
+    "CacheFullError": "kvjax.cache",
+    "init_cache": "kvjax.cache",
+    "merge_attention_states": "kvjax.attention",
+}
+_SUBMODULES = ("attention", "cache", "generate", "memory", "models", "specs")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kvjax.{name}")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

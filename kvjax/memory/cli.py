@@ -52,12 +52,18 @@ def _model(text: str) -> ModelPreset:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _dtype(text: str) -> str:
+def _dtype(text: str, hint: str = "") -> str:
     try:
         acc.dtype_bits(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; allowed: {', '.join(acc.DTYPE_BITS)}{hint}"
+        ) from None
     return acc.kv_format(text).name
+
+
+def _kv_dtype(text: str) -> str:
+    return _dtype(text, " (or give any width with --kv-bits N)")
 
 
 def _lengths(text: str) -> list[int]:
@@ -104,7 +110,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="sequences decoded together (default 1)",
     )
     p.add_argument(
-        "--kv-dtype", type=_dtype, default="bf16", metavar="DTYPE",
+        "--kv-dtype", type=_kv_dtype, default="bf16", metavar="DTYPE",
         help=f"KV cache element type, one of: {', '.join(acc.DTYPE_BITS)} (default bf16)",
     )
     p.add_argument(

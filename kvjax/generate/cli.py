@@ -1,0 +1,259 @@
+"""`python -m kvjax generate`: generate text from a HuggingFace model directory.
+
+Examples:
+  python -m kvjax generate --model ./TinyLlama --prompt "Paged caches are" --max-new-tokens 64
+  python -m kvjax generate --model ./qwen3-tiny --prompt-ids 1,15,27 --temperature 0.8 --top-p 0.9
+  python -m kvjax generate --model ./llama --prompt "Once" --n 4 --temperature 1.0
+  python -m kvjax generate --model ./llama --prompt "Once" --num-beams 4
+"""
+
+import argparse
+import os
+import sys
+import time
+
+__all__ = ["add_parser", "run"]
+
+_KV_DTYPES = ("float32", "bfloat16", "float16")
+_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "f16": "float16",
+            "fp16": "float16"}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text!r}")
+    return value
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated non-negative token ids like 1,2,3, got {text!r}")
+    return ids
+
+
+def _dtype(text: str) -> str:
+    name = _ALIASES.get(text.lower(), text.lower())
+    if name not in _KV_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; allowed: {', '.join(_KV_DTYPES)} (or bf16, f16, f32)")
+    return name
+
+
+def _eos(text: str) -> list[int] | None:
+    if text.lower() == "none":
+        return []
+    return _ids(text)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the `generate` subcommand on `subparsers` and returns its parser."""
+    p = subparsers.add_parser(
+        "generate",
+        help="generate tokens from a HuggingFace model directory on the paged cache",
+        description=(
+            "Loads a HuggingFace model directory (config.json + safetensors), prefills the "
+            "prompts in chunks on a paged KV cache and decodes with kvjax's jitted loop. "
+            "Prints the text (or token ids without a tokenizer.json), tokens per second and "
+            "the KV cache bytes used."
+        ),
+        epilog=__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="HuggingFace model directory (config.json, *.safetensors, optionally "
+                   "tokenizer.json)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="prompt text, encoded with DIR/tokenizer.json; repeat for a batch")
+    p.add_argument("--prompt-ids", action="append", type=_ids, default=[], metavar="IDS",
+                   help="prompt as comma-separated token ids (no tokenizer needed); repeat for "
+                   "a batch")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+                   help="tokens to generate per sequence (default 64)")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 means greedy (default 0)")
+    p.add_argument("--top-p", type=_top_p, default=None, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to probability P")
+    p.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                   help="keep only the K most likely tokens when sampling")
+    p.add_argument("--n", type=_positive_int, default=1, metavar="N",
+                   help="samples per prompt; the prompt's pages are shared by all N (default 1)")
+    p.add_argument("--num-beams", type=_positive_int, default=None, metavar="W",
+                   help="beam search with W beams instead of sampling (one prompt)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
+    p.add_argument("--eos-id", type=_eos, default=None, metavar="IDS",
+                   help="token ids that end a sequence (default: config.json's eos_token_id; "
+                   "'none' to disable)")
+    p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
+                   help=f"KV cache dtype, one of {', '.join(_KV_DTYPES)} (default: the params "
+                   "dtype)")
+    p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
+                   help="params and activations dtype (default: the checkpoint's)")
+    p.add_argument("--page-size", type=_positive_int, default=16, metavar="TOKENS",
+                   help="tokens per cache page, a power of two (default 16)")
+    p.add_argument("--num-pages", type=_positive_int, default=None, metavar="PAGES",
+                   help="pages in the pool (default: enough for every sequence's full length)")
+    p.add_argument("--chunk-size", type=_positive_int, default=256, metavar="TOKENS",
+                   help="prefill chunk length (default 256)")
+    p.add_argument("--impl", choices=("auto", "reference", "xla", "pallas"), default="auto",
+                   help="attention implementation (default auto)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (shown for single-sample runs of 64+ tokens)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _load_tokenizer(path: str):
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(file)
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `generate` for parsed `args`; returns the exit status."""
+    if args.page_size & (args.page_size - 1):
+        print(f"error: --page-size must be a power of two, got {args.page_size}",
+              file=sys.stderr)
+        return 2
+    tokenizer = _load_tokenizer(args.model)
+    if args.prompt and tokenizer is None:
+        print(f"error: --prompt needs {args.model}/tokenizer.json and the 'tokenizers' package; "
+              "give token ids with --prompt-ids instead", file=sys.stderr)
+        return 2
+    prompts = [tokenizer.encode(t).ids for t in args.prompt] + list(args.prompt_ids)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        print("error: give at least one non-empty --prompt or --prompt-ids", file=sys.stderr)
+        return 2
+    if args.num_beams and (len(prompts) != 1 or args.n != 1):
+        print("error: --num-beams takes exactly one prompt and --n 1", file=sys.stderr)
+        return 2
+
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from kvjax import generate as gen
+    from kvjax import models
+
+    t0 = time.perf_counter()
+    try:
+        model, params = models.load(args.model, dtype=args.dtype)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    vocab = model.vocab_size
+    bad = [t for p in prompts for t in p if t >= vocab]
+    if bad:
+        print(f"error: token id {bad[0]} is outside the vocabulary of {vocab}", file=sys.stderr)
+        return 2
+    hf = models.read_hf_config(args.model)
+    eos = args.eos_id
+    if eos is None:
+        eos = hf.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    kv_dtype = args.kv_dtype or model.config.dtype
+    sampling = gen.SamplingConfig(temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p)
+    key = jax.random.key(args.seed)
+    common = dict(page_size=args.page_size, num_pages=args.num_pages, cache_dtype=kv_dtype,
+                  chunk_size=args.chunk_size, impl=args.impl)
+    print(f"loaded {model.config.architecture} ({model.family}, {model.config.attention}) "
+          f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    t0 = time.perf_counter()
+    first = None
+    if args.num_beams:
+        res = gen.beam_search(model, params, prompts[0], beam_width=args.num_beams,
+                              max_new_tokens=args.max_new_tokens, keep_cache=True, **common)
+        outputs, cache = [res.best], res.cache
+        peak_pages = cache.spec.num_pages - int(cache.num_free_pages)
+    elif args.n > 1:
+        res = gen.sample_n(model, params, prompts, n=args.n, key=key,
+                           max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
+                           free_finished=False, **common)
+        outputs, cache = res.sequences(), res.cache
+        peak_pages = cache.spec.num_pages - int(cache.num_free_pages)
+    else:
+        outputs = [[] for _ in prompts]
+        peak_pages = 0
+        show = not args.no_progress and args.max_new_tokens >= 64
+        with tqdm(total=args.max_new_tokens, disable=not show, unit="tok",
+                  file=sys.stderr) as bar:
+            for event in gen.stream(model, params, prompts, key=key,
+                                    max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                    eos_ids=eos, **common):
+                if first is None:
+                    first = time.perf_counter()
+                for b in np.nonzero(event.emitted)[0]:
+                    outputs[b].append(int(event.tokens[b]))
+                cache = event.state.cache
+                peak_pages = max(peak_pages,
+                                 cache.spec.num_pages - int(cache.num_free_pages))
+                bar.update(1)
+    elapsed = time.perf_counter() - t0
+
+    for i, out in enumerate(outputs):
+        src = prompts[0] if args.num_beams else prompts[i // args.n]
+        head = f"[{i}] " if len(outputs) > 1 else ""
+        if tokenizer is not None:
+            print(head + tokenizer.decode(src + out, skip_special_tokens=False))
+        else:
+            print(head + ",".join(str(t) for t in src + out))
+
+    spec = cache.spec
+    page_bytes = sum(int(np.prod(s)) for s in spec.pool_shapes) * spec.dtype.itemsize
+    page_bytes //= spec.num_pages
+    total = sum(len(o) for o in outputs)
+    decode_tokens = total - len(outputs)
+    print(f"generated {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s "
+          "including prefill and compilation)", file=sys.stderr)
+    if first is not None and decode_tokens > 0:
+        dt = time.perf_counter() - first
+        print(f"decode: {decode_tokens} tokens in {dt:.2f} s ({decode_tokens / dt:.1f} tokens/s "
+              "after the first token)", file=sys.stderr)
+    print(f"KV cache: {peak_pages} of {spec.num_pages} pages used at peak x "
+          f"{_format_bytes(page_bytes)} per page = {_format_bytes(peak_pages * page_bytes)} "
+          f"({peak_pages * page_bytes} bytes; pool {_format_bytes(spec.num_pages * page_bytes)}, "
+          f"{spec.dtype.name})", file=sys.stderr)
+    return 0

@@ -1,0 +1,85 @@
+"""Token sampling: greedy, temperature, top-k and top-p, with one explicit PRNG key per row.
+
+Each row draws from its own key (`fold_in(row_key, step)` in the decode loop),
+so a sequence's samples do not depend on which other sequences share its batch.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+__all__ = ["SamplingConfig", "sample", "as_keys"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How to pick the next token (hashable: a static argument).
+
+    Attributes:
+      temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+      top_k: keep only the k most likely tokens (None: all).
+      top_p: keep the smallest set of most likely tokens whose probability
+        reaches top_p (nucleus sampling; None: all).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}.")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"SamplingConfig.top_k must be an int >= 1 or None, got "
+                             f"{self.top_k!r}.")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must lie in (0, 1] or be None, got "
+                             f"{self.top_p}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def as_keys(key, batch: int) -> jax.Array:
+    """Typed PRNG keys [batch]: from one key (split per row) or from per-row keys.
+
+    Accepts typed keys (`jax.random.key`) or raw uint32 keys (`jax.random.PRNGKey`).
+    """
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.shape == ():
+        return jax.random.split(key, batch)
+    if key.shape != (batch,):
+        raise ValueError(f"keys must be one key or one per row ({batch},), got shape {key.shape}.")
+    return key
+
+
+def _filter(logits: Float[Array, "batch vocab"], config: SamplingConfig):
+    neg = jnp.float32(-jnp.inf)
+    if config.top_k is not None and config.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, config.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if config.top_p is not None and config.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        keep_sorted = before < jnp.float32(config.top_p)  # the top token is always kept
+        keep = jnp.zeros_like(keep_sorted).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, neg)
+    return logits
+
+
+def sample(
+    logits: Float[Array, "batch vocab"], keys: jax.Array, config: SamplingConfig
+) -> Int[Array, " batch"]:
+    """Next tokens int32[batch] from float32 logits, one typed key per row (unused if greedy)."""
+    if config.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = _filter(logits.astype(jnp.float32) / jnp.float32(config.temperature), config)
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)

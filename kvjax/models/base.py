@@ -1,0 +1,139 @@
+"""The `Model` bundle that `kvjax.generate` drives, and the registry of model families.
+
+A family is a module in `kvjax/models/` exposing (see /work/notes/MODELS.md):
+a frozen `XxxConfig` with `from_hf(dict)` and an `attention` property,
+`init_params(config, key)`, `params_from_hf(config, get_tensor)`,
+`cache_spec(config, *, page_size, num_pages, max_seqs, max_pages_per_seq, dtype)`
+and `forward(params, config, tokens, positions, cache, *, q_lengths, seq_ids, impl)`.
+The registry maps HuggingFace `architectures` names to those modules; modules
+are imported lazily, on first use.
+"""
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from kvjax.specs import CacheSpec
+
+__all__ = ["Model", "Family", "register_family", "get_family", "family_for_architecture",
+           "supported_architectures"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Family:
+    """One model family: its config class and its functions (all from one module)."""
+
+    name: str
+    config_cls: type
+    init_params: Callable
+    params_from_hf: Callable
+    forward: Callable
+    cache_spec: Callable
+
+    def model(self, config) -> "Model":
+        if not isinstance(config, self.config_cls):
+            raise TypeError(
+                f"family {self.name!r} takes a {self.config_cls.__name__}, got "
+                f"{type(config).__name__}."
+            )
+        return Model(family=self.name, config=config, forward=self.forward,
+                     cache_spec=self.cache_spec)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Model:
+    """A model family bound to one config: hashable, so it can be a static jit argument.
+
+    Attributes:
+      family: the family name ("llama", "deepseek", ...).
+      config: the family's frozen config.
+      forward: the family's `forward(params, config, tokens, positions, cache, *,
+        q_lengths, seq_ids=None, impl="auto") -> (logits, cache)`.
+      cache_spec: the family's `cache_spec(config, *, page_size, num_pages, max_seqs,
+        max_pages_per_seq, dtype) -> CacheSpec`.
+    """
+
+    family: str
+    config: Any
+    forward: Callable
+    cache_spec: Callable
+
+    def apply(self, params, tokens, positions, cache, *, q_lengths, seq_ids=None,
+              impl: str = "auto"):
+        """`forward` with this model's config bound."""
+        return self.forward(params, self.config, tokens, positions, cache,
+                            q_lengths=q_lengths, seq_ids=seq_ids, impl=impl)
+
+    def make_cache_spec(self, *, page_size: int, num_pages: int, max_seqs: int,
+                        max_pages_per_seq: int, dtype="float32") -> CacheSpec:
+        """`cache_spec` with this model's config bound."""
+        return self.cache_spec(self.config, page_size=page_size, num_pages=num_pages,
+                               max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq,
+                               dtype=dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+
+# HF `architectures` entry -> (family name, module path). Modules load on first use.
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "kvjax.models.llama"),
+    "MistralForCausalLM": ("llama", "kvjax.models.llama"),
+    "Qwen2ForCausalLM": ("llama", "kvjax.models.llama"),
+    "Qwen3ForCausalLM": ("llama", "kvjax.models.llama"),
+    "DeepseekV2ForCausalLM": ("deepseek", "kvjax.models.deepseek"),
+    "DeepseekV3ForCausalLM": ("deepseek", "kvjax.models.deepseek"),
+}
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(name: str, module: str, architectures: tuple[str, ...] = ()) -> None:
+    """Registers a family module under `name` and the HF architecture names it serves."""
+    for arch in architectures:
+        _ARCHITECTURES[arch] = (name, module)
+    _FAMILIES.pop(name, None)
+    if not architectures:
+        _ARCHITECTURES[f"<{name}>"] = (name, module)
+
+
+def _module_family(name: str, module_path: str) -> Family:
+    module = importlib.import_module(module_path)
+    configs = [
+        obj for key, obj in vars(module).items()
+        if key.endswith("Config") and isinstance(obj, type) and hasattr(obj, "from_hf")
+        and obj.__module__ == module.__name__
+    ]
+    if len(configs) != 1:
+        raise ValueError(
+            f"family module {module_path} must define exactly one *Config class with from_hf; "
+            f"found {[c.__name__ for c in configs]}."
+        )
+    return Family(name=name, config_cls=configs[0], init_params=module.init_params,
+                  params_from_hf=module.params_from_hf, forward=module.forward,
+                  cache_spec=module.cache_spec)
+
+
+def get_family(name: str) -> Family:
+    """The registered family called `name` ("llama", "deepseek")."""
+    if name not in _FAMILIES:
+        paths = {fam: mod for fam, mod in _ARCHITECTURES.values()}
+        if name not in paths:
+            raise ValueError(f"Unknown model family {name!r}; known: {sorted(paths)}.")
+        _FAMILIES[name] = _module_family(name, paths[name])
+    return _FAMILIES[name]
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(a for a in _ARCHITECTURES if not a.startswith("<")))
+
+
+def family_for_architecture(architecture: str) -> Family:
+    """The family serving a HF `architectures` entry; ValueError naming it if unsupported."""
+    if architecture not in _ARCHITECTURES or architecture.startswith("<"):
+        raise ValueError(
+            f"Unsupported architecture {architecture!r}; supported architectures: "
+            f"{', '.join(supported_architectures())}."
+        )
+    return get_family(_ARCHITECTURES[architecture][0])

@@ -1,0 +1,51 @@
+"""Notebooks: each `.ipynb` matches its jupytext `.py` source, and each `.py` runs end to end."""
+
+import os
+import pathlib
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SOURCES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+
+
+def _cells(nb):
+    return [(c.cell_type, c.source.strip()) for c in nb.cells]
+
+
+def test_there_are_notebooks():
+    assert SOURCES, "no notebooks/NN_*.py found"
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_ipynb_in_sync_with_py(src):
+    ipynb = src.with_suffix(".ipynb")
+    assert ipynb.exists(), f"{ipynb.name} is missing: run `jupytext --sync {src}`"
+    assert _cells(jupytext.read(ipynb)) == _cells(jupytext.read(src)), (
+        f"{ipynb.name} is out of sync with {src.name}: run `jupytext --sync {src}`"
+    )
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_notebook_runs(src, tmp_path, monkeypatch):
+    nb = jupytext.read(src)
+    figures = tmp_path / "figures"
+    env = {
+        "KVJAX_FIGURES": str(figures),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()  # ipykernel's built-in "python3" kernel runs this interpreter
+    pngs = list(figures.glob("*.png"))
+    assert pngs, f"{src.name} saved no figure"
+    for png in pngs:
+        assert png.stat().st_size > 1000, f"{png.name} is empty"
