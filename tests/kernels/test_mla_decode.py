@@ -45,6 +45,8 @@ CI_CASES = [
     ("gpu", 16, 256, 32, 64, jnp.float32, None, None),
     ("gpu", 8, 128, 64, 8, jnp.bfloat16, 2, None),
     ("gpu", 4, 128, 64, 32, jnp.float32, 1, 3),
+    # 32 heads in blocks of 16: two programs per sequence and split, each re-reading pages.
+    ("gpu", 32, 128, 64, 16, jnp.float32, 2, None),
 ]
 
 

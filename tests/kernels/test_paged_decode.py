@@ -164,7 +164,9 @@ def test_tpu_table_larger_than_smem_raises(rng, no_kernel_tracing):
     "kwargs,match",
     [(dict(block_tokens=0), "block_tokens"), (dict(block_tokens=8, num_splits=0), "num_splits"),
      (dict(block_tokens=8, num_warps=3), "num_warps"),
-     (dict(block_tokens=8, num_stages=0), "num_stages")],
+     (dict(block_tokens=8, num_stages=0), "num_stages"),
+     (dict(block_tokens=8, block_heads=8), "block_heads"),
+     (dict(block_tokens=8, block_heads=24), "block_heads")],
 )
 def test_block_sizes_validate_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -178,12 +180,22 @@ def test_gpu_block_below_dot_minimum_raises(rng, no_kernel_tracing):
 
 
 @pytest.mark.parametrize(
-    "backend,page_size,max_pages,want",
-    [("tpu", 16, 100, 512), ("tpu", 16, 3, 48), ("tpu", 1024, 4, 1024),
-     ("gpu", 16, 100, 64), ("gpu", 8, 1, 16), ("gpu", 16, 3, 64), ("gpu", 128, 2, 128)],
+    "backend,page_size,max_pages,rows,want",
+    [("tpu", 16, 100, 1, 512), ("tpu", 16, 3, 1, 48), ("tpu", 1024, 4, 1, 1024),
+     ("tpu", 16, 100, 128, 256), ("tpu", 64, 100, 1024, 64),
+     ("gpu", 16, 100, 1, 64), ("gpu", 8, 1, 1, 16), ("gpu", 16, 3, 1, 64),
+     ("gpu", 128, 2, 1, 128)],
 )
-def test_default_block_sizes_fit_the_table(backend, page_size, max_pages, want):
+def test_default_block_sizes_fit_the_table(backend, page_size, max_pages, rows, want):
     from kernels_pallas.paged_attention.block_sizes import default_block_sizes
 
-    bs = default_block_sizes(backend, page_size, max_pages)
+    bs = default_block_sizes(backend, page_size, max_pages, rows)
     assert bs.block_tokens == want and bs.block_tokens % page_size == 0
+
+
+def test_gpu_group_wider_than_block_heads(rng):
+    """A group of 32 query heads runs as two 16-head programs per KV head and split."""
+    args = gqa_case(rng, q_heads=64, kv_heads=2, head_dim=64, page_size=16, max_pages=3,
+                    dtype=jnp.float32)
+    got = run_kernel("gpu", *args, block_pages=1, num_splits=2)
+    assert_close(got, ref_decode(*args), jnp.float32)
