@@ -9,7 +9,8 @@ outside the pool, or a length past `max_pages * page_size`, raises
 `impl` chooses the implementation:
   "reference": the plain-jnp oracle in `kernels_pallas/*/reference.py`
     (gathers each sequence's pages, then attends);
-  "xla": the XLA path used on CPU (today the reference);
+  "xla": the XLA path used on CPU (`kvjax/attention/xla.py`: an online-softmax
+    loop over blocks of pages that never gathers a sequence's whole K/V);
   "pallas": the Pallas kernels (not yet available);
   "auto": the best one for the default backend.
 Each op looks its implementation up in `_IMPLS[op][impl]`.
@@ -23,6 +24,7 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
+from kvjax.attention import xla as xla_path
 
 __all__ = [
     "paged_decode_attention",
@@ -39,25 +41,28 @@ IMPLS = ("auto", "reference", "xla", "pallas")
 _IMPLS = {
     "paged_decode_attention": {
         "reference": paged_ref.paged_decode_attention,
-        "xla": paged_ref.paged_decode_attention,
+        "xla": xla_path.paged_decode_attention,
     },
     "paged_prefill_attention": {
         "reference": paged_ref.paged_prefill_attention,
-        "xla": paged_ref.paged_prefill_attention,
+        "xla": xla_path.paged_prefill_attention,
     },
     "mla_decode_attention": {
         "reference": mla_ref.mla_decode_attention,
-        "xla": mla_ref.mla_decode_attention,
+        "xla": xla_path.mla_decode_attention,
     },
     "mla_prefill_attention": {
         "reference": mla_ref.mla_prefill_attention,
-        "xla": mla_ref.mla_prefill_attention,
+        "xla": xla_path.mla_prefill_attention,
     },
 }
 
 
 def _auto_impl(op: str) -> str:
     """The implementation "auto" resolves to on the default backend."""
+    if jax.default_backend() == "cpu":
+        # CPU has no compiled Pallas; the blocked XLA path is the fast one there.
+        return "xla"
     return "xla"
 
 
