@@ -79,6 +79,7 @@ __all__ = [
     "write_layer",
     "write_layer_jit",
     "layer_view",
+    "dequantized_sequence",
 ]
 
 
@@ -573,3 +574,33 @@ def layer_view(cache: QuantizedKVCache, layer: int | Int[Array, ""]) -> Quantize
         block_tables=cache.block_tables, quant_lengths=cache.quant_lengths,
         lengths=cache.lengths,
     )
+
+
+def dequantized_sequence(
+    cache: QuantizedKVCache, layer: int, seq: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side read-back of one sequence of one layer, for debugging and tests.
+
+    Returns:
+      (a, b) float32 NumPy arrays `[tokens, heads, width]`: K and V (MLA: c_KV
+      and k_rope), quantized positions dequantized, tail positions as stored.
+    """
+    from kernels_pallas.quantized_attention.layout import dequantize
+
+    spec = cache.spec
+    view = layer_view(cache, layer)
+    length, q_len = int(cache.lengths[seq]), int(cache.quant_lengths[seq])
+    ps, ring = spec.page_size, tail_capacity(spec)
+    pages = np.asarray(cache.block_tables[seq, :q_len // ps])
+    out = []
+    for pool, tail in ((view.k, view.tail_k), (view.v, view.tail_v)):
+        if isinstance(pool, QuantLayer):
+            x = dequantize(pool.codes[:, pages], pool.scale[:, pages], pool.zero[:, pages],
+                           bits=pool.bits, grouping=pool.grouping)
+        else:
+            x = pool[:, pages]
+        x = np.asarray(x, np.float32)
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        t = np.asarray(tail[:, seq, np.arange(q_len, length) % ring], np.float32)
+        out.append(np.concatenate([x, t], axis=1).transpose(1, 0, 2))
+    return out[0], out[1]
