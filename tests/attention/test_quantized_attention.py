@@ -14,7 +14,7 @@ from kvjax.specs import QuantSpec
 HEAD_DIM = 32
 
 
-def dense(q, k, v, q_pos, scale, q_rope=None, k_rope=None):
+def dense(q, k, v, q_pos, scale, q_rope=None, k_rope=None, soft_cap=None, window=None):
     """float64 attention of one sequence: q [T, Hq, D], k/v [S, Hkv, D] -> out [T, Hq, Dv]."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     hq, hkv = q.shape[1], k.shape[1]
@@ -24,7 +24,13 @@ def dense(q, k, v, q_pos, scale, q_rope=None, k_rope=None):
         if q_rope is not None:
             logits += np.asarray(q_rope, np.float64)[:, h] @ np.asarray(k_rope, np.float64)[:, 0].T
         logits = logits * scale
-        logits = np.where(np.arange(k.shape[0])[None] <= q_pos[:, None], logits, -np.inf)
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        kp = np.arange(k.shape[0])[None]
+        visible = kp <= q_pos[:, None]
+        if window is not None:
+            visible &= q_pos[:, None] - kp < window
+        logits = np.where(visible, logits, -np.inf)
         p = np.exp(logits - logits.max(-1, keepdims=True))
         out[:, h] = p @ v[:, h // (hq // hkv)] / p.sum(-1, keepdims=True)
     return out
@@ -91,18 +97,20 @@ def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
         np.testing.assert_allclose(np.asarray(out[s]), want, rtol=2e-5, atol=2e-5)
 
 
-def test_prefill_rows_padding_and_seq_ids(rng):
+@pytest.mark.parametrize("soft_cap,window", [(None, None), (2.0, 20)])
+def test_prefill_rows_padding_and_seq_ids(rng, soft_cap, window):
     cache, _, _ = build(rng, bits=4, residual=16, decode=3)
     seq_ids = jnp.array([3, 0], jnp.int32)
     q_lengths = np.array([5, 2])
     q = rng.standard_normal((2, 6, 4, HEAD_DIM)).astype(np.float32)
     out, lse = attention.quantized_prefill_attention(
         jnp.asarray(q), qz.layer_view(cache, 0), jnp.asarray(q_lengths), seq_ids=seq_ids,
-        soft_cap=None)
+        soft_cap=soft_cap, sliding_window=window)
     for r, s in enumerate([3, 0]):
         k, v = qz.dequantized_sequence(cache, 0, s)
         pos = len(k) - q_lengths[r] + np.arange(q_lengths[r])
-        want = dense(q[r, :q_lengths[r]], k, v, pos, HEAD_DIM ** -0.5)
+        want = dense(q[r, :q_lengths[r]], k, v, pos, HEAD_DIM ** -0.5, soft_cap=soft_cap,
+                     window=window)
         np.testing.assert_allclose(np.asarray(out[r, :q_lengths[r]]), want, rtol=2e-5,
                                    atol=2e-5)
         assert not np.asarray(out[r, q_lengths[r]:]).any()
