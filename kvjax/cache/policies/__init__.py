@@ -12,18 +12,22 @@ from kvjax.cache.policies.base import (
     selected_decode_attention,
 )
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
+from kvjax.cache.policies.quest import Quest, QuestState, quest_page_bounds
 from kvjax.cache.policies.rope import apply_rope, rerotate, rope_inv_freq
 from kvjax.cache.policies.streaming_llm import StreamingLLM
 
 __all__ = [
     "CachePolicy",
     "NoPolicy",
+    "Quest",
+    "QuestState",
     "Selection",
     "StreamingLLM",
     "apply_rope",
     "compact",
     "full_selection",
     "keep_heavy_and_recent",
+    "quest_page_bounds",
     "rerotate",
     "rope_inv_freq",
     "selected_decode_attention",
