@@ -142,10 +142,13 @@ def keep_heavy_and_recent(
       (keep int32[..., budget], new_lengths int32[max_seqs]) for `compact`.
     """
     lead = scores.shape[:-1]
+    max_tokens = scores.shape[-1]
+    if budget >= max_tokens:  # no sequence can exceed the budget: keep everything
+        return (jnp.broadcast_to(jnp.arange(budget, dtype=jnp.int32), (*lead, budget)),
+                lengths.astype(jnp.int32))
     shape = [1] * len(lead)
     shape[seq_axis] = lengths.shape[0]
     n = lengths.reshape(*shape, 1)
-    max_tokens = scores.shape[-1]
     pos = jnp.arange(max_tokens, dtype=jnp.int32)
     older = pos < n - recent
     heavy = budget - recent

@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from kvjax.attention.scores import paged_attention_probs
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
-from kvjax.cache.policies.base import CachePolicy
+from kvjax.cache.policies.base import CachePolicy, ok_status
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
 
 __all__ = ["H2O", "H2OState"]
@@ -102,6 +102,8 @@ class H2O(CachePolicy):
         return scores + jnp.stack(per_layer)
 
     def _evict(self, cache, state):
+        if self.budget >= cache.spec.max_tokens_per_seq:  # nothing can ever be evicted
+            return cache, state, ok_status(cache)
         keep, new_lengths = keep_heavy_and_recent(
             state.scores, cache.lengths, self.budget, self.n_recent, seq_axis=1
         )

@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
-from kvjax.cache.policies.base import CachePolicy, Selection
+from kvjax.cache.policies.base import CachePolicy, Selection, ok_status
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
 from kvjax.cache.policies.snapkv import _check_snap, snapkv_scores
 
@@ -102,6 +102,8 @@ class PyramidKV(CachePolicy):
         ps = spec.page_size
         budgets = self.layer_budgets(spec.num_layers, ps)
         b_max = budgets[0]
+        if b_max >= spec.max_tokens_per_seq:  # no prompt can exceed the largest budget
+            return cache, PyramidState(skip=jnp.zeros_like(state.skip)), ok_status(cache)
         scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
                                kernel=self.kernel, pooling=self.pooling, scale=self.scale)
         lengths = cache.lengths

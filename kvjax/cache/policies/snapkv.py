@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 from kvjax.attention.scores import paged_attention_probs
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
-from kvjax.cache.policies.base import CachePolicy
+from kvjax.cache.policies.base import CachePolicy, ok_status
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
 
 __all__ = ["SnapKV", "snapkv_scores"]
@@ -136,6 +136,8 @@ class SnapKV(CachePolicy):
         queries: Float[Array, "layers batch q_len q_heads head_dim"],
         q_lengths: Int[Array, " batch"],
     ) -> tuple[PagedKVCache, None, AllocStatus]:
+        if self.budget >= cache.spec.max_tokens_per_seq:  # no prompt can exceed the budget
+            return cache, state, ok_status(cache)
         scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
                                kernel=self.kernel, pooling=self.pooling, scale=self.scale)
         keep, new_lengths = prompt_keep(cache, scores, q_lengths, self.budget, self.window)

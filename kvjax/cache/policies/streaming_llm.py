@@ -124,8 +124,7 @@ class StreamingLLM(CachePolicy):
         queries: Float[Array, "layers batch q_len q_heads head_dim"],
         q_lengths: Int[Array, " batch"],
     ) -> tuple[PagedKVCache, None, AllocStatus]:
-        cache, status = self._evict(cache)
-        return cache, state, status
+        return self.after_step(cache, state, queries[:, :, 0])
 
     def after_step(
         self,
