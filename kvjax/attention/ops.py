@@ -9,7 +9,8 @@ outside the pool, or a length past `max_pages * page_size`, raises
 `impl` chooses the implementation:
   "reference": the plain-jnp oracle in `kernels_pallas/*/reference.py`
     (gathers each sequence's pages, then attends);
-  "xla": the XLA path used on CPU (today the reference);
+  "xla": the XLA path used on CPU (`kvjax/attention/xla.py`: an online-softmax
+    loop over blocks of pages that never gathers a sequence's whole K/V);
   "pallas": the Pallas kernels of `kernels_pallas/*/{tpu,gpu}.py`: the GPU
     kernel on a GPU backend, the TPU kernel otherwise (natively on TPU, in
     Pallas' interpret mode on CPU). `interpret=None` means interpret on CPU
@@ -31,6 +32,7 @@ from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
 from kvjax.attention import pallas_impls
+from kvjax.attention import xla as xla_path
 
 __all__ = [
     "paged_decode_attention",
@@ -47,22 +49,22 @@ IMPLS = ("auto", "reference", "xla", "pallas")
 _IMPLS = {
     "paged_decode_attention": {
         "reference": paged_ref.paged_decode_attention,
-        "xla": paged_ref.paged_decode_attention,
+        "xla": xla_path.paged_decode_attention,
         "pallas": pallas_impls.paged_decode_attention,
     },
     "paged_prefill_attention": {
         "reference": paged_ref.paged_prefill_attention,
-        "xla": paged_ref.paged_prefill_attention,
+        "xla": xla_path.paged_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "paged_prefill_attention"),
     },
     "mla_decode_attention": {
         "reference": mla_ref.mla_decode_attention,
-        "xla": mla_ref.mla_decode_attention,
+        "xla": xla_path.mla_decode_attention,
         "pallas": pallas_impls.mla_decode_attention,
     },
     "mla_prefill_attention": {
         "reference": mla_ref.mla_prefill_attention,
-        "xla": mla_ref.mla_prefill_attention,
+        "xla": xla_path.mla_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "mla_prefill_attention"),
     },
 }
@@ -72,10 +74,16 @@ def _auto_impl(op: str) -> str:
     """The implementation "auto" resolves to on the default backend."""
     if pallas_impls.platform() in ("tpu", "gpu") and op in pallas_impls.KERNEL_OPS:
         return "pallas"
+    # CPU has no compiled Pallas; the blocked XLA path is the fast one there.
     return "xla"
 
 
-def _select(op: str, impl: str, interpret: bool | None = None):
+def _select(op: str, impl, interpret: bool | None = None):
+    # A non-string impl that resolves ops itself (kvjax.sharding.ShardedAttention) runs
+    # the op its own way, e.g. per device inside shard_map; models pass `impl` through.
+    resolve = getattr(impl, "resolve_attention", None)
+    if resolve is not None:
+        return resolve(op)
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
     name = _auto_impl(op) if impl == "auto" else impl

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import page_table as pt
+from kvjax.cache import sharded_table as st
 from kvjax.specs import CacheSpec
 
 __all__ = [
@@ -112,6 +113,11 @@ class Slots:
 
 def init_cache(spec: CacheSpec) -> PagedKVCache:
     """An empty cache for `spec`: zeroed pools, no sequence, every page free."""
+    if spec.quant is not None:
+        raise ValueError(
+            "init_cache: spec.quant is set; build a quantized cache with "
+            "kvjax.cache.init_quantized_cache(spec)."
+        )
     shape_a, shape_b = spec.pool_shapes
     a = jnp.zeros(shape_a, spec.dtype)
     b = jnp.zeros(shape_b, spec.dtype)
@@ -130,6 +136,11 @@ def _copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
 
 def _zero_pages(pages, ids: Int[Array, " n"]):
     return jax.tree.map(lambda x: x.at[:, :, ids].set(0, mode="drop"), pages)
+
+
+def _allocator(table: pt.PageTable):
+    """The allocator module for `table`: per-shard free stacks when the pool is sharded."""
+    return st if isinstance(table, st.ShardedPageTable) else pt
 
 
 def _check_seq_vector(name: str, x, spec: CacheSpec, dtype_kind: str = "i") -> None:
@@ -160,7 +171,7 @@ def reserve(
       `status.raise_if_error()` raises `CacheFullError` on the host.
     """
     _check_seq_vector("reserve: num_new", num_new, cache.spec, "iu")
-    table, copy, status = pt.reserve(cache.table, num_new)
+    table, copy, status = _allocator(cache.table).reserve(cache.table, num_new)
     pages = _copy_pages(cache.pages, copy.src, copy.dst)
     return dataclasses.replace(cache, pages=pages, table=table), status
 
@@ -178,7 +189,7 @@ def fork(
     Returns:
       (cache, status): status code BAD_FORK (nothing changed) if a target is unusable.
     """
-    table, status = pt.fork(cache.table, src, dst)
+    table, status = _allocator(cache.table).fork(cache.table, src, dst)
     return dataclasses.replace(cache, table=table), status
 
 
@@ -194,7 +205,7 @@ def free(
       scrub: zero the released pages in every pool (static).
     """
     _check_seq_vector("free: seqs", seqs, cache.spec, "b")
-    table, released = pt.free(cache.table, seqs)
+    table, released = _allocator(cache.table).free(cache.table, seqs)
     pages = _zero_pages(cache.pages, released) if scrub else cache.pages
     return dataclasses.replace(cache, pages=pages, table=table)
 
