@@ -19,6 +19,14 @@ addresses. The VMEM slots of pages that are not copied hold stale data (NaN
 in the TPU interpreter): logits and values of invalid tokens are selected
 away with `jnp.where`, never multiplied by zero.
 
+Cost of the self-contained steps: the first block of every (sequence, KV
+head) is fetched without overlap (jax's own paged kernel prefetches across
+steps instead, which is why it must run its grid sequentially and can hang
+with megacore on single-core chips). For long contexts this prologue is one
+block in many. Checked so far in both interpreters and by lowering to Mosaic
+from CPU (tests/kernels/test_kernel_lowering.py); not yet compiled by libtpu
+or timed on a TPU.
+
 The generic body (`decode_tpu`) takes the key as a sum of parts
 (q . k = sum_i q_i . k_i) and may use the first key part as the value; the
 MLA kernel in `kernels_pallas/mla_decode/tpu.py` is that body with key
