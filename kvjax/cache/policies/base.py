@@ -59,6 +59,8 @@ __all__ = [
     "ok_status",
     "selected_decode_attention",
     "active_rows",
+    "to_slots",
+    "rows_selection",
 ]
 
 
@@ -134,6 +136,33 @@ def selected_decode_attention(
 def active_rows(cache: PagedKVCache, active: Bool[Array, " batch"] | None) -> Bool[Array, " batch"]:
     """`active`, or every slot holding tokens when it is None."""
     return cache.lengths > 0 if active is None else jnp.asarray(active, bool)
+
+
+def to_slots(
+    cache: PagedKVCache, seq_ids: Int[Array, " batch"] | None, x: Array, axis: int = 0
+) -> Array:
+    """Scatters per-row values (rows = slots `seq_ids`) into slot order along `axis` (zeros
+    elsewhere); identity when `seq_ids` is None (rows already are the slots)."""
+    if seq_ids is None:
+        return x
+    x = jnp.moveaxis(x, axis, 0)
+    out = jnp.zeros((cache.spec.max_seqs, *x.shape[1:]), x.dtype).at[seq_ids].set(x)
+    return jnp.moveaxis(out, 0, axis)
+
+
+def rows_selection(
+    policy: "CachePolicy",
+    cache: PagedKVCache,
+    state: Any,
+    layer: int | Int[Array, ""],
+    q: Float[Array, "batch q_heads head_dim"],
+    seq_ids: Int[Array, " batch"] | None = None,
+) -> Selection:
+    """`policy.before_attention` for a batch whose rows are the slots `seq_ids`."""
+    sel = policy.before_attention(cache, state, layer, to_slots(cache, seq_ids, q))
+    if seq_ids is None:
+        return sel
+    return Selection(block_tables=sel.block_tables[seq_ids], lengths=sel.lengths[seq_ids])
 
 
 def ok_status(cache: PagedKVCache) -> AllocStatus:
