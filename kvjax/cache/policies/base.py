@@ -1,5 +1,9 @@
 """The cache-policy interface: what a decode loop calls to evict tokens or select pages.
 
+`kvjax.generate` (prefill, decode_step, decode_loop, generate, stream) takes
+`policy=` and drives these hooks; `kvjax.cache.policies.toy` does the same
+for a tiny random attention stack.
+
 A policy is a frozen, hashable dataclass (so it can be a static argument of a
 jitted step) holding only settings; everything that changes lives in a
 `state` pytree the loop threads along with the cache. The loop calls the same

@@ -26,7 +26,10 @@ Positions, two schemes:
     RoPE and rotates at attention time; here keys stay cached after RoPE at
     their cache slot, and when compaction moves a key from slot s to slot j
     it is re-rotated by j - s (`rope.rerotate`), which gives the same key.
-    The decode loop must take rotary positions from `rope_positions`.
+    The decode loop must take rotary positions from `rope_positions`
+    (`kvjax.generate` does). Re-rotation uses plain RoPE frequencies
+    theta^(-2i/d) in the rotate-half layout; models with scaled RoPE
+    (Llama 3.1, YaRN) or interleaved pairs need "original".
 """
 
 import dataclasses
