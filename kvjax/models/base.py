@@ -11,6 +11,7 @@ are imported lazily, on first use.
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -60,10 +61,20 @@ class Model:
     cache_spec: Callable
 
     def apply(self, params, tokens, positions, cache, *, q_lengths, seq_ids=None,
-              impl: str = "auto"):
-        """`forward` with this model's config bound."""
+              impl: str = "auto", policy=None, policy_state=None):
+        """`forward` with this model's config bound.
+
+        With a cache `policy` (`kvjax.cache.policies`) it also returns the
+        queries of every layer; families whose forward takes no policy raise.
+        """
+        if policy is None:
+            return self.forward(params, self.config, tokens, positions, cache,
+                                q_lengths=q_lengths, seq_ids=seq_ids, impl=impl)
+        if "policy" not in inspect.signature(self.forward).parameters:
+            raise ValueError(f"The {self.family} family does not support cache policies yet.")
         return self.forward(params, self.config, tokens, positions, cache,
-                            q_lengths=q_lengths, seq_ids=seq_ids, impl=impl)
+                            q_lengths=q_lengths, seq_ids=seq_ids, impl=impl, policy=policy,
+                            policy_state=policy_state)
 
     def make_cache_spec(self, *, page_size: int, num_pages: int, max_seqs: int,
                         max_pages_per_seq: int, dtype="float32") -> CacheSpec:
