@@ -101,7 +101,12 @@ def register_family(name: str, module: str, architectures: tuple[str, ...] = ())
 def _module_family(name: str, module_path: str) -> Family:
     """The family a module provides; its config class is `module.CONFIG` if set, else the one
     `*Config` class defined there with `from_hf` and an `attention` property."""
-    module = importlib.import_module(module_path)
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"model family {name!r} lives in {module_path}, which is not available here ({e})."
+        ) from e
     config_cls = getattr(module, "CONFIG", None)
     if config_cls is None:
         configs = [

@@ -105,11 +105,13 @@ def test_matches_transformers(name, hf_dirs, rng):
 def test_variant_switches_are_read(hf_dirs):
     """The configs really exercise what the variants differ in."""
     cfg = {n: llama.LlamaConfig.from_hf(models.read_hf_config(hf_dirs(n)[1]))
-           for n in ("llama_gqa", "llama_mqa", "llama31", "mistral", "qwen2", "qwen3")}
+           for n in ("llama_gqa", "llama_mqa", "llama31", "mistral", "qwen2", "qwen2_swa",
+                     "qwen3")}
     assert cfg["llama_gqa"].attention.group_size == 4 and cfg["llama_gqa"].tie_word_embeddings
     assert cfg["llama_mqa"].attention.kind == "MQA"
     assert cfg["mistral"].sliding_windows == (8, 8)
-    assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].o_bias
+    assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].o_bias and not cfg["qwen2"].sliding_windows
+    assert cfg["qwen2_swa"].sliding_windows == (None, 6)
     assert cfg["qwen3"].qk_norm and cfg["qwen3"].head_dim * 4 != cfg["qwen3"].hidden_size
     r = cfg["llama31"].rope
     assert r.rope_type == "llama3"
