@@ -242,3 +242,27 @@ def test_beam_search_matches_transformers(tiny, rng):
     np.testing.assert_allclose(res.scores[0], want, rtol=0, atol=1e-3)
     kv_cache.check_invariants(res.cache.table)
     assert int(res.cache.num_free_pages) == res.cache.spec.num_pages
+
+
+def test_drives_the_mla_family(tmp_path, rng):
+    """The same loop decodes a DeepSeek-V2 (MLA latent cache) checkpoint, token for token."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None, first_k_dense_replace=2,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    m = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path)
+    model, params = models.load(str(tmp_path))
+    assert model.family == "deepseek"
+    prompts = _prompts(rng, 96, lens=(6, 19))
+    res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=12,
+                       page_size=PAGE, chunk_size=PAGE)
+    for p, ours in zip(prompts, res.sequences(), strict=True):
+        with torch.no_grad():
+            ref = m.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert ours == ref
