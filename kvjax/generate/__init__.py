@@ -10,7 +10,7 @@ import importlib
 # public name -> module that defines it
 _EXPORTS = {
     **dict.fromkeys(
-        ("CachePolicy", "DecodeState", "GenerateResult", "StreamEvent", "GREEDY", "decode_loop",
+        ("StepHook", "DecodeState", "GenerateResult", "StreamEvent", "GREEDY", "decode_loop",
          "decode_step", "decode_step_jit", "default_cache_spec", "generate", "pad_prompts",
          "prefill", "start", "stream"),
         "kvjax.generate.loop"),

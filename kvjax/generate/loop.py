@@ -10,7 +10,7 @@ Pieces, each usable alone:
   * `start`: samples the first new token from those logits into a `DecodeState`.
   * `decode_step`: one token for every unfinished row: reserve one slot per
     row (pages are allocated as sequences grow), run the model, hand the cache
-    to an optional cache `policy` (eviction/selection hooks in here), sample,
+    to an optional `hook` (where cache policies - eviction, selection - plug in), sample,
     apply the per-row EOS and length stops, and free the pages of rows that
     just finished.
   * `decode_loop`: `decode_step` in a `lax.while_loop`: one compiled program,
@@ -40,7 +40,7 @@ from kvjax.generate.sampling import SamplingConfig, as_keys, sample
 from kvjax.models.base import Model
 
 __all__ = [
-    "CachePolicy",
+    "StepHook",
     "GREEDY",
     "DecodeState",
     "GenerateResult",
@@ -56,11 +56,16 @@ __all__ = [
 ]
 
 
-class CachePolicy(Protocol):
-    """A cache policy (eviction, selection) that the decode step calls after each forward.
+class StepHook(Protocol):
+    """A function the prefill and decode steps call on the cache after each forward.
 
+    The place where cache policies (eviction, selection) plug into the loop.
     Must be hashable (it is a static argument). It gets the cache holding the
-    step's new K/V and returns a cache of the same structure.
+    step's new K/V and returns a cache of the same structure. The richer
+    `kvjax.cache.policies.CachePolicy` interface (per-layer `before_attention`,
+    every layer's queries in `after_step`) needs the model's forward to take the
+    hook too; until the model contract carries it, those policies are not
+    wired here.
     """
 
     def __call__(self, cache: kv_cache.PagedKVCache, *, seq_ids: jax.Array, active: jax.Array,
@@ -115,7 +120,7 @@ def _slot_vector(cache, seq_ids, values):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk_size", "impl", "return_logits",
-                                             "policy"),
+                                             "hook"),
                    donate_argnames="cache")
 def prefill(
     model: Model,
@@ -128,7 +133,7 @@ def prefill(
     chunk_size: int,
     impl: str = "auto",
     return_logits: bool = False,
-    policy: CachePolicy | None = None,
+    hook: StepHook | None = None,
 ):
     """Appends prompts to sequences `seq_ids`, `chunk_size` tokens at a time.
 
@@ -146,7 +151,7 @@ def prefill(
       chunk_size: tokens per chunk (static).
       impl: attention implementation.
       return_logits: also return the logits at every prompt position (static).
-      policy: optional cache policy called after each chunk (static).
+      hook: optional cache hook called after each chunk (static).
 
     Returns:
       (cache, last_logits float32[batch, vocab], status, all_logits or None):
@@ -177,8 +182,8 @@ def prefill(
         positions = base[:, None] + start_tok + offsets[None, :]
         logits, cache = model.apply(params, chunk, positions, cache, q_lengths=q_lengths,
                                     seq_ids=seq_ids, impl=impl)
-        if policy is not None:
-            cache = policy(cache, seq_ids=seq_ids, active=q_lengths > 0, step=c)
+        if hook is not None:
+            cache = hook(cache, seq_ids=seq_ids, active=q_lengths > 0, step=c)
         idx = prompt_lengths - 1 - start_tok
         here = (idx >= 0) & (idx < chunk_size) & st.ok
         row = logits[rows, jnp.clip(idx, 0, chunk_size - 1)]
@@ -262,13 +267,13 @@ def decode_step(
     eos_ids: tuple[int, ...] = (),
     free_finished: bool = True,
     impl: str = "auto",
-    policy: CachePolicy | None = None,
+    hook: StepHook | None = None,
 ) -> DecodeState:
     """One new token for every unfinished row (pure; see `decode_loop` for the jitted loop).
 
     Reserves one cache slot per active row (a failed reservation stops every
     row and is kept in `state.status`), feeds each row's `last` token, lets
-    `policy` (if any) act on the cache, samples, appends, applies the EOS and
+    `hook` (if any) act on the cache, samples, appends, applies the EOS and
     per-row length stops and frees the pages of rows that finished.
     """
     cache = state.cache
@@ -280,8 +285,8 @@ def decode_step(
     logits, cache = model.apply(
         params, state.last[:, None], state.position[:, None], cache,
         q_lengths=run.astype(jnp.int32), seq_ids=state.seq_ids, impl=impl)
-    if policy is not None:
-        cache = policy(cache, seq_ids=state.seq_ids, active=run, step=state.step)
+    if hook is not None:
+        cache = hook(cache, seq_ids=state.seq_ids, active=run, step=state.step)
     step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
     tok = sample(logits[:, 0], step_keys, sampling)
     max_len = state.tokens.shape[1]
@@ -301,25 +306,25 @@ def decode_step(
 
 GREEDY = SamplingConfig()
 
-_STEP_STATIC = ("model", "sampling", "eos_ids", "free_finished", "impl", "policy")
+_STEP_STATIC = ("model", "sampling", "eos_ids", "free_finished", "impl", "hook")
 
 
 @functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames="state")
 def decode_loop(model: Model, params, state: DecodeState, *, sampling: SamplingConfig,
                 eos_ids: tuple[int, ...] = (), free_finished: bool = True, impl: str = "auto",
-                policy: CachePolicy | None = None) -> DecodeState:
+                hook: StepHook | None = None) -> DecodeState:
     """Runs `decode_step` until every row is done, as one compiled `lax.while_loop`.
 
     Args:
       model, params: the model (static) and its params.
       state: from `start` (donated: use the returned state and its cache).
-      sampling, eos_ids, free_finished, impl, policy: as in `decode_step` (static).
+      sampling, eos_ids, free_finished, impl, hook: as in `decode_step` (static).
 
     Returns:
       The final state: `tokens`, `num_generated`, the cache and `status`.
     """
     step = functools.partial(decode_step, model, params, sampling=sampling, eos_ids=eos_ids,
-                             free_finished=free_finished, impl=impl, policy=policy)
+                             free_finished=free_finished, impl=impl, hook=hook)
     return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
 
 
@@ -390,7 +395,7 @@ def _max_new_vector(max_new_tokens, batch: int) -> np.ndarray:
 
 
 def _prepare(model, params, prompts, *, key, max_new_tokens, cache, seq_ids, page_size,
-             num_pages, cache_dtype, chunk_size, impl, policy, check):
+             num_pages, cache_dtype, chunk_size, impl, hook, check):
     """Shared front half of generate/stream: prefill, then the starting state's inputs."""
     tokens, lengths, chunk = pad_prompts(prompts, chunk_size)
     batch = tokens.shape[0]
@@ -409,7 +414,7 @@ def _prepare(model, params, prompts, *, key, max_new_tokens, cache, seq_ids, pag
     base = cache.lengths[seq_ids]
     cache, last_logits, status, _ = prefill(
         model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
-        chunk_size=chunk, impl=impl, policy=policy)
+        chunk_size=chunk, impl=impl, hook=hook)
     if check:
         status.raise_if_error()
     keys = as_keys(key, batch)
@@ -434,7 +439,7 @@ def generate(
     chunk_size: int = 256,
     free_finished: bool = True,
     impl: str = "auto",
-    policy: CachePolicy | None = None,
+    hook: StepHook | None = None,
     check: bool = True,
 ) -> GenerateResult:
     """Generates continuations for a batch of prompts of different lengths.
@@ -455,19 +460,19 @@ def generate(
       chunk_size: prefill chunk length.
       free_finished: free each row's pages when it finishes.
       impl: attention implementation.
-      policy: optional cache policy (eviction/selection) run after every forward.
+      hook: optional cache hook (eviction/selection) run after every forward.
       check: raise `CacheFullError` if the cache ran out of pages.
     """
     cache, seq_ids, last_logits, positions, keys, max_new, status = _prepare(
         model, params, prompts, key=key, max_new_tokens=max_new_tokens, cache=cache,
         seq_ids=seq_ids, page_size=page_size, num_pages=num_pages, cache_dtype=cache_dtype,
-        chunk_size=chunk_size, impl=impl, policy=policy, check=check)
+        chunk_size=chunk_size, impl=impl, hook=hook, check=check)
     eos_ids = tuple(int(e) for e in eos_ids)
     state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
                   free_finished=free_finished)
     state = decode_loop(model, params, state, sampling=sampling, eos_ids=eos_ids,
-                        free_finished=free_finished, impl=impl, policy=policy)
+                        free_finished=free_finished, impl=impl, hook=hook)
     if check:
         state.status.raise_if_error()
     return GenerateResult(tokens=np.asarray(state.tokens),
@@ -501,7 +506,7 @@ def stream(
     chunk_size: int = 256,
     free_finished: bool = True,
     impl: str = "auto",
-    policy: CachePolicy | None = None,
+    hook: StepHook | None = None,
     check: bool = True,
 ) -> Iterator[StreamEvent]:
     """Like `generate`, but yields each step's tokens as they come (same step function).
@@ -513,7 +518,7 @@ def stream(
     cache, seq_ids, last_logits, positions, keys, max_new, status = _prepare(
         model, params, prompts, key=key, max_new_tokens=max_new_tokens, cache=cache,
         seq_ids=seq_ids, page_size=page_size, num_pages=num_pages, cache_dtype=cache_dtype,
-        chunk_size=chunk_size, impl=impl, policy=policy, check=check)
+        chunk_size=chunk_size, impl=impl, hook=hook, check=check)
     eos_ids = tuple(int(e) for e in eos_ids)
     state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
@@ -528,6 +533,6 @@ def stream(
         if bool(np.all(np.asarray(state.done))):
             break
         state = decode_step_jit(model, params, state, sampling=sampling, eos_ids=eos_ids,
-                                free_finished=free_finished, impl=impl, policy=policy)
+                                free_finished=free_finished, impl=impl, hook=hook)
     if check:
         state.status.raise_if_error()
