@@ -55,7 +55,6 @@ SwiGLU and RoPE helpers.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -372,26 +371,24 @@ def _is_leaf(x) -> bool:
 def init_params(config: DeepseekConfig, key: jax.Array, *, std: float = 0.02) -> Params:
     """Random parameters: normal(0, std) matrices, norm weights 1, zero router bias.
 
-    One compiled program draws every tensor (not one dispatch per tensor).
+    The draws come from a host NumPy generator seeded by `key`: deterministic per
+    key, and far cheaper than compiling threefry for every tensor shape.
     """
-    return _init_params(config, key, std)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _init_params(config: DeepseekConfig, key: jax.Array, std: float) -> Params:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    rng = np.random.default_rng(np.asarray(key, np.uint32).ravel())
     shapes = _param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_leaf)
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_leaf)[0]]
-    keys = jax.random.split(key, len(leaves))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_leaf)
     out = []
-    for path, (shape, dtype), k in zip(paths, leaves, keys, strict=True):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
-        elif "bias" in path:
-            out.append(jnp.zeros(shape, dtype))
+    for path, (shape, dtype) in flat:
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            x = np.ones(shape, np.float32)
+        elif "bias" in name:
+            x = np.zeros(shape, np.float32)
         else:
-            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+            x = (std * rng.standard_normal(shape)).astype(np.float32)
+        out.append(jnp.asarray(x).astype(dtype))
     return jax.tree.unflatten(treedef, out)
 
 

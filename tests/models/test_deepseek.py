@@ -8,6 +8,7 @@ of different lengths that cross page boundaries; 32 greedy tokens identical to
 transformers' full forward over the generated sequence.
 """
 
+import copy
 import dataclasses
 import functools
 
@@ -41,7 +42,7 @@ _BASE = dict(
 _MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             n_shared_experts=1)
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-         "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 1.0,
+         "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 1.0,
          "beta_fast": 32, "beta_slow": 1}
 
 CASES = {
@@ -101,14 +102,14 @@ def tmp_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("deepseek_hf"))
 
 
+def _getter(path: str):
+    tensors = safetensors_torch.load_file(f"{path}/model.safetensors")
+    return lambda name: tensors[name].numpy()
+
+
 def _load(path: str, hf_config: dict, **overrides):
     config = ds.DeepseekConfig.from_hf(hf_config, **overrides)
-    tensors = safetensors_torch.load_file(f"{path}/model.safetensors")
-
-    def get_tensor(name):
-        return tensors[name].numpy()
-
-    return config, ds.params_from_hf(config, get_tensor)
+    return config, ds.params_from_hf(config, _getter(path))
 
 
 _forward = jax.jit(ds.forward, static_argnames=("config", "impl"), donate_argnames="cache")
@@ -130,6 +131,8 @@ def _new_cache(config, max_seqs=3):
 
 
 def _reserve(cache, seq_ids, counts):
+    if seq_ids is None:
+        seq_ids = np.arange(cache.spec.max_seqs)
     num_new = np.zeros(cache.spec.max_seqs, np.int32)
     num_new[np.asarray(seq_ids)] = counts
     cache, status = kcache.reserve(cache, jnp.asarray(num_new))
@@ -146,8 +149,12 @@ def _prefill(params, config, cache, prompts, seq_ids):
     cache = _reserve(cache, seq_ids, q_lengths)
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
     logits, cache = _forward(params, config, jnp.asarray(tokens), jnp.asarray(positions), cache,
-                             q_lengths=jnp.asarray(q_lengths), seq_ids=jnp.asarray(seq_ids))
+                             q_lengths=jnp.asarray(q_lengths), seq_ids=_ids(seq_ids))
     return np.asarray(logits), cache
+
+
+def _ids(seq_ids):
+    return None if seq_ids is None else jnp.asarray(seq_ids)
 
 
 def _greedy(params, config, cache, prompts, seq_ids, first_logits):
@@ -162,7 +169,7 @@ def _greedy(params, config, cache, prompts, seq_ids, first_logits):
         cache = _reserve(cache, seq_ids, 1)
         logits, cache = _forward(params, config, jnp.asarray(nxt[:, None]),
                                  jnp.asarray(pos[:, None]), cache, q_lengths=ones,
-                                 seq_ids=jnp.asarray(seq_ids))
+                                 seq_ids=_ids(seq_ids))
         logits = np.asarray(logits)[:, 0]
         step_logits.append(logits)
         nxt = logits.argmax(-1).astype(np.int32)
@@ -179,8 +186,10 @@ def test_matches_transformers(name, tmp_root, rng):
     model, hf_config, path = _hf_case(name, tmp_root)
     config, params = _load(path, hf_config)
     prompts = _prompts(rng, config.vocab_size)
-    seq_ids = np.array([2, 0], np.int32)  # rows live in non-trivial cache slots
-    cache = _new_cache(config)
+    if name == "v2_dense":  # rows are all the cache's slots, in order (seq_ids=None)
+        seq_ids, cache = None, _new_cache(config, max_seqs=2)
+    else:  # rows live in non-trivial cache slots
+        seq_ids, cache = np.array([2, 0], np.int32), _new_cache(config)
 
     logits, cache = _prefill(params, config, cache, prompts, seq_ids)
     for i, p in enumerate(prompts):
@@ -200,8 +209,60 @@ def test_matches_transformers(name, tmp_root, rng):
         np.testing.assert_allclose(step_logits[i], full[len(p): len(p) + NEW_TOKENS - 1],
                                    atol=LOGIT_ATOL, rtol=0, err_msg=f"decode logits, prompt {i}")
     lengths = np.asarray(cache.lengths)
-    assert lengths[seq_ids].tolist() == [n + NEW_TOKENS - 1 for n in PROMPT_LENS]
+    rows = np.arange(2) if seq_ids is None else seq_ids
+    assert lengths[rows].tolist() == [n + NEW_TOKENS - 1 for n in PROMPT_LENS]
     kcache.check_invariants(cache.table)
+
+
+def test_chunked_prefill_equals_whole(tmp_root, rng):
+    """Two padded chunks (the second attending to the first through the cache) == one prefill."""
+    _, hf_config, path = _hf_case("v2_moe", tmp_root)
+    config, params = _load(path, hf_config)
+    prompts = _prompts(rng, config.vocab_size)
+    seq_ids = np.array([2, 0], np.int32)
+    whole, _ = _prefill(params, config, _new_cache(config), prompts, seq_ids)
+    cuts = (8, 10)  # chunk 2 starts at a page boundary (row 0) and mid-page (row 1)
+    cache = _new_cache(config)
+    heads = [p[:c] for p, c in zip(prompts, cuts, strict=True)]
+    first, cache = _prefill(params, config, cache, heads, seq_ids)
+    rest = [p[c:] for p, c in zip(prompts, cuts, strict=True)]
+    t = max(len(r) for r in rest)
+    tokens = np.zeros((2, t), np.int32)
+    positions = np.zeros((2, t), np.int32)
+    for i, (r, c) in enumerate(zip(rest, cuts, strict=True)):
+        tokens[i, : len(r)] = r
+        positions[i] = c + np.arange(t)
+    q_lengths = np.array([len(r) for r in rest], np.int32)
+    cache = _reserve(cache, seq_ids, q_lengths)
+    second, _ = _forward(params, config, jnp.asarray(tokens), jnp.asarray(positions), cache,
+                         q_lengths=jnp.asarray(q_lengths), seq_ids=jnp.asarray(seq_ids))
+    second = np.asarray(second)
+    for i, (p, c) in enumerate(zip(prompts, cuts, strict=True)):
+        np.testing.assert_allclose(first[i, :c], whole[i, :c], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(second[i, : len(p) - c], whole[i, c: len(p)], atol=1e-5,
+                                   rtol=0)
+
+
+def test_bfloat16_params_and_cache(tmp_root, rng):
+    """bf16 params, compute and cache: as close to float32 as transformers' own bf16 model is."""
+    model, hf_config, path = _hf_case("v2_qlora", tmp_root)
+    config16 = ds.DeepseekConfig.from_hf(hf_config, dtype="bfloat16")
+    params16 = ds.params_from_hf(config16, _getter(path))
+    assert params16["embed"].dtype == jnp.bfloat16
+    spec = ds.cache_spec(config16, page_size=PAGE_SIZE, num_pages=24, max_seqs=3,
+                         max_pages_per_seq=8, dtype="bfloat16")
+    prompts = _prompts(rng, config16.vocab_size)
+    got, cache = _prefill(params16, config16, kcache.init_cache(spec), prompts,
+                          np.array([2, 0], np.int32))
+    assert cache.pages.c_kv.dtype == jnp.bfloat16 and got.dtype == np.float32
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    for i, p in enumerate(prompts):
+        ref = _hf_logits(model, p)
+        with torch.no_grad():
+            hf16 = model16(torch.tensor(p)[None].long()).logits[0].float().numpy()
+        # bf16 rounding (8 mantissa bits) is the only error source on both sides.
+        hf_err = np.abs(hf16 - ref).max()
+        assert 0 < np.abs(got[i, : len(p)] - ref).max() <= 2 * hf_err + 1e-3
 
 
 def test_prefill_matches_transformers_rotate_half(tmp_root, rng):
@@ -235,12 +296,19 @@ def test_moe_dispatch_impls_agree(scoring, rng):
     if "bias" in p:
         p["bias"] = jnp.asarray(rng.standard_normal(p["bias"].shape), jnp.float32)
     x = jnp.asarray(rng.standard_normal((3, 5, base.hidden_size)), jnp.float32)
-    outs = {impl: np.asarray(jax.jit(ds._moe, static_argnums=1)(
-        p, dataclasses.replace(base, moe_impl=impl), x)) for impl in ("dense", "gather", "ragged")}
+    impls = ("dense", "gather", "ragged")
+
+    @jax.jit
+    def all_impls(p, x):  # one compile for the three dispatches
+        return {i: ds._moe(p, dataclasses.replace(base, moe_impl=i, dtype=x.dtype.name), x)
+                for i in impls}
+
+    outs = jax.tree.map(np.asarray, all_impls(p, x))
     # A per-token loop over the chosen experts in float64 as the reference.
     xf = np.asarray(x, np.float64).reshape(-1, base.hidden_size)
     logits = xf @ np.asarray(p["router"], np.float64).T
-    w, idx = ds._route(base, jnp.asarray(logits, jnp.float32), p.get("bias"))
+    w, idx = jax.jit(ds._route, static_argnums=0)(base, jnp.asarray(logits, jnp.float32),
+                                                  p.get("bias"))
     w, idx = np.asarray(w, np.float64), np.asarray(idx)
     ex = jax.tree.map(lambda a: np.asarray(a, np.float64), p["experts"])
     sh = jax.tree.map(lambda a: np.asarray(a, np.float64), p["shared"])
@@ -256,6 +324,20 @@ def test_moe_dispatch_impls_agree(scoring, rng):
     assert len(np.unique(idx)) > 2  # routing actually spreads over experts
     for impl, got in outs.items():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+    if scoring != "sigmoid_noaux":
+        return
+    # bf16 experts (router still float32): inputs and weights rounded to bf16 route exactly as
+    # their float32 copies, so only bf16 rounding of the expert math separates the two.
+    p16 = {**jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), "router": p["router"],
+           "bias": p["bias"]}
+    x16 = x.astype(jnp.bfloat16)
+    ref16 = all_impls(jax.tree.map(lambda a: a.astype(jnp.float32), p16),
+                      x16.astype(jnp.float32))["dense"]
+    for impl, got16 in all_impls(p16, x16).items():
+        assert got16.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got16, np.float32), np.asarray(ref16), rtol=0,
+                                   atol=3e-2 * np.abs(ref16).max(), err_msg=impl)
 
 
 def test_latent_cache_holds_hf_latents(tmp_root, rng):
