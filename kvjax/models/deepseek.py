@@ -50,8 +50,8 @@ Parameters are a nested dict pytree. Layers are split in two stacked groups —
 `dense_layers` (the first `first_k_dense_replace`) and `moe_layers` — each run
 with `lax.scan`, so compile time does not grow with depth.
 
-Until `kvjax/models/layers.py` lands on main this module keeps private RMSNorm,
-SwiGLU and RoPE helpers.
+RMSNorm and SwiGLU come from `kvjax.models.layers`; DeepSeek's rotary layouts
+and YaRN live here and in `kvjax.models.yarn`.
 """
 
 import dataclasses
@@ -66,6 +66,7 @@ from jaxtyping import Array, Float, Int
 from kvjax import attention as kattn
 from kvjax import cache as kcache
 from kvjax.cache import PagedKVCache
+from kvjax.models import layers
 from kvjax.models import yarn as kyarn
 from kvjax.specs import CacheSpec, MLASpec, canonical_dtype
 
@@ -88,7 +89,6 @@ _MOE_IMPLS = ("auto", "dense", "gather", "ragged")
 _PARAM_DTYPES = ("float32", "bfloat16", "float16")
 # transformers builds q_a_layernorm / kv_a_layernorm without passing rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
-_HI = jax.lax.Precision.HIGHEST
 
 
 def _pos_int(name: str, v: object, *, zero_ok: bool = False) -> None:
@@ -520,22 +520,15 @@ def cache_spec(
 
 
 # ---------------------------------------------------------------------------------------------
-# Layers (private until kvjax/models/layers.py lands on main)
-
-
-def _rms_norm(x: Float[Array, "... d"], w: Float[Array, " d"], eps: float) -> Float[Array, "... d"]:
-    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.float32(eps))
-    return w * xf.astype(x.dtype)
+# Layers
 
 
 def _mm(x, w):
-    return jnp.matmul(x, w, precision=_HI)
+    return layers.linear(x, w, None)
 
 
 def _swiglu(x, p):
-    return _mm(jax.nn.silu(_mm(x, p["gate"])) * _mm(x, p["up"]), p["down"])
+    return layers.swiglu(x, p["gate"], p["up"], p["down"])
 
 
 def _rope_tables(config: DeepseekConfig, positions: Int[Array, "batch q_len"]):
@@ -573,11 +566,12 @@ def _mla_inputs(p, config: DeepseekConfig, x, cos, sin):
     if c.q_lora_rank is None:
         q = _mm(x, p["q_proj"])
     else:
-        q = _mm(_rms_norm(_mm(x, p["q_a_proj"]), p["q_a_norm"], _LATENT_NORM_EPS), p["q_b_proj"])
+        q_a = layers.rms_norm(_mm(x, p["q_a_proj"]), p["q_a_norm"], _LATENT_NORM_EPS)
+        q = _mm(q_a, p["q_b_proj"])
     q = q.reshape(b, t, c.num_heads, c.qk_head_dim)
     q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
     kv = _mm(x, p["kv_a_proj"])
-    c_kv = _rms_norm(kv[..., :c.kv_lora_rank], p["kv_a_norm"], _LATENT_NORM_EPS)
+    c_kv = layers.rms_norm(kv[..., :c.kv_lora_rank], p["kv_a_norm"], _LATENT_NORM_EPS)
     k_rope = kv[..., c.kv_lora_rank:]
     q_rope = _apply_rope(q_rope, cos, sin, c.rope_interleaved)
     k_rope = _apply_rope(k_rope[:, :, None], cos, sin, c.rope_interleaved)[:, :, 0]
@@ -586,13 +580,13 @@ def _mla_inputs(p, config: DeepseekConfig, x, cos, sin):
 
 def _absorb_query(p, q_nope):
     """q_latent[h] = q_nope[h] @ W_UK[h]: [B,T,H,dn] -> [B,T,H,dc]."""
-    return jnp.einsum("bthn,hnc->bthc", q_nope, p["w_uk"], precision=_HI)
+    return jnp.einsum("bthn,hnc->bthc", q_nope, p["w_uk"])
 
 
 def _output(p, config: DeepseekConfig, out_latent):
     """W_UV per head on the latent attention output, then o_proj: [B,T,H,dc] -> [B,T,hidden]."""
     b, t = out_latent.shape[:2]
-    v = jnp.einsum("bthc,hcv->bthv", out_latent, p["w_uv"], precision=_HI)
+    v = jnp.einsum("bthc,hcv->bthv", out_latent, p["w_uv"])
     return _mm(v.reshape(b, t, config.num_heads * config.v_head_dim), p["o_proj"])
 
 
@@ -638,16 +632,16 @@ def mla_attention_naive(
     c = config
     f32 = jnp.float32
     kv_b_k = p["w_uk"].astype(f32)  # [H, dn, dc]
-    k_nope = jnp.einsum("bsc,hnc->bshn", c_kv.astype(f32), kv_b_k, precision=_HI)
-    v = jnp.einsum("bsc,hcv->bshv", c_kv.astype(f32), p["w_uv"].astype(f32), precision=_HI)
-    logits = (jnp.einsum("bthn,bshn->bhts", q_nope.astype(f32), k_nope, precision=_HI)
-              + jnp.einsum("bthr,bsr->bhts", q_rope.astype(f32), k_rope.astype(f32),
-                           precision=_HI)) * f32(c.softmax_scale)
+    k_nope = jnp.einsum("bsc,hnc->bshn", c_kv.astype(f32), kv_b_k)
+    v = jnp.einsum("bsc,hcv->bshv", c_kv.astype(f32), p["w_uv"].astype(f32))
+    logits = (jnp.einsum("bthn,bshn->bhts", q_nope.astype(f32), k_nope)
+              + jnp.einsum("bthr,bsr->bhts", q_rope.astype(f32), k_rope.astype(f32)))
+    logits = logits * f32(c.softmax_scale)
     s = jnp.arange(c_kv.shape[1])
     visible = (s[None, None, :] <= q_pos[:, :, None]) & (s[None, None, :] < lengths[:, None, None])
     logits = jnp.where(visible[:, None], logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhts,bshv->bthv", probs, v, precision=_HI)
+    out = jnp.einsum("bhts,bshv->bthv", probs, v)
     b, t = out.shape[:2]
     return _mm(out.reshape(b, t, -1), p["o_proj"].astype(f32))
 
@@ -703,17 +697,16 @@ def _experts(config: DeepseekConfig, ex, x, weights, idx):
     impl = _moe_impl(config, n)
     if impl == "dense":
         dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)
-        g = jnp.einsum("nh,ehi->nei", x, ex["gate"], precision=_HI)
-        u = jnp.einsum("nh,ehi->nei", x, ex["up"], precision=_HI)
-        y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, ex["down"], precision=_HI)
-        return jnp.einsum("neh,ne->nh", y.astype(jnp.float32), dense_w,
-                          precision=_HI).astype(x.dtype)
+        g = jnp.einsum("nh,ehi->nei", x, ex["gate"])
+        u = jnp.einsum("nh,ehi->nei", x, ex["up"])
+        y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, ex["down"])
+        return jnp.einsum("neh,ne->nh", y.astype(jnp.float32), dense_w).astype(x.dtype)
     if impl == "gather":
         flat = idx.reshape(-1)  # [N*k]
         xs = jnp.repeat(x, k, axis=0)
-        g = jnp.einsum("mh,mhi->mi", xs, ex["gate"][flat], precision=_HI)
-        u = jnp.einsum("mh,mhi->mi", xs, ex["up"][flat], precision=_HI)
-        y = jnp.einsum("mi,mih->mh", jax.nn.silu(g) * u, ex["down"][flat], precision=_HI)
+        g = jnp.einsum("mh,mhi->mi", xs, ex["gate"][flat])
+        u = jnp.einsum("mh,mhi->mi", xs, ex["up"][flat])
+        y = jnp.einsum("mi,mih->mh", jax.nn.silu(g) * u, ex["down"][flat])
         y = y.astype(jnp.float32).reshape(n, k, h) * weights[..., None]
         return y.sum(1).astype(x.dtype)
     # ragged: sort (token, choice) pairs by expert; one grouped GEMM per projection.
@@ -722,9 +715,9 @@ def _experts(config: DeepseekConfig, ex, x, weights, idx):
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]
-    g = jax.lax.ragged_dot(xs, ex["gate"], sizes, precision=_HI)
-    u = jax.lax.ragged_dot(xs, ex["up"], sizes, precision=_HI)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, ex["down"], sizes, precision=_HI)
+    g = jax.lax.ragged_dot(xs, ex["gate"], sizes)
+    u = jax.lax.ragged_dot(xs, ex["up"], sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, ex["down"], sizes)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, h), jnp.float32).at[token].add(y).astype(x.dtype)
 
@@ -818,10 +811,10 @@ def forward(
         def body(carry, xs):
             x, cache = carry
             p, i = xs
-            attn, cache = _attention(p, config, _rms_norm(x, p["input_norm"], eps), cos, sin,
+            attn, cache = _attention(p, config, layers.rms_norm(x, p["input_norm"], eps), cos, sin,
                                      cache, offset + i, ctx, impl)
             x = x + attn
-            x = x + mlp_fn(p, _rms_norm(x, p["post_norm"], eps))
+            x = x + mlp_fn(p, layers.rms_norm(x, p["post_norm"], eps))
             return (x, cache), None
         return body
 
@@ -836,7 +829,7 @@ def forward(
         (x, cache), _ = jax.lax.scan(body, (x, cache),
                                      (params["moe_layers"], jnp.arange(n, dtype=jnp.int32)))
 
-    x = _rms_norm(x, params["final_norm"], eps)
+    x = layers.rms_norm(x, params["final_norm"], eps)
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = _mm(x, head).astype(jnp.float32)
     return logits, cache

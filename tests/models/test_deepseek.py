@@ -198,11 +198,7 @@ def test_matches_transformers(name, tmp_root, rng):
 
     tokens, step_logits, cache = _greedy(params, config, cache, prompts, seq_ids, logits)
     for i, p in enumerate(prompts):
-        with torch.no_grad():
-            hf = model.generate(torch.tensor(p)[None].long(), max_new_tokens=NEW_TOKENS,
-                                do_sample=False, attention_mask=torch.ones(1, len(p)).long())
-        hf_new = hf[0, len(p):].numpy()
-        assert len(hf_new) == NEW_TOKENS
+        hf_new = _hf_greedy(model, p)
         np.testing.assert_array_equal(tokens[i], hf_new, err_msg=f"greedy tokens, prompt {i}")
         # Every absorbed-decode step against transformers' full forward over the sequence.
         full = _hf_logits(model, np.concatenate([p, hf_new]))
@@ -212,6 +208,31 @@ def test_matches_transformers(name, tmp_root, rng):
     rows = np.arange(2) if seq_ids is None else seq_ids
     assert lengths[rows].tolist() == [n + NEW_TOKENS - 1 for n in PROMPT_LENS]
     kcache.check_invariants(cache.table)
+
+
+def _hf_greedy(model, prompt) -> np.ndarray:
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompt)[None].long(), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt)).long())
+    new = out[0, len(prompt):].numpy()
+    assert len(new) == NEW_TOKENS
+    return new
+
+
+def test_load_and_generate_end_to_end(tmp_root, rng):
+    """kvjax.models.load on the saved directory + kvjax.generate's jitted loop == HF greedy."""
+    import kvjax.generate as kgen
+    import kvjax.models as kmodels
+
+    model, _, path = _hf_case("v3", tmp_root)
+    kv_model, params = kmodels.load(path)
+    assert kv_model.family == "deepseek" and isinstance(kv_model.config, ds.DeepseekConfig)
+    prompts = _prompts(rng, kv_model.vocab_size)
+    result = kgen.generate(kv_model, params, [p.tolist() for p in prompts],
+                           key=jax.random.key(0), max_new_tokens=NEW_TOKENS, page_size=PAGE_SIZE,
+                           chunk_size=16)  # the 21-token prompt prefills in two chunks
+    for i, p in enumerate(prompts):
+        np.testing.assert_array_equal(result.tokens[i], _hf_greedy(model, p))
 
 
 def test_chunked_prefill_equals_whole(tmp_root, rng):
