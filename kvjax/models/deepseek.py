@@ -237,7 +237,9 @@ class DeepseekConfig:
         """Builds a config from a DeepSeek `config.json` (transformers 5 or the original format).
 
         Reads `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
-        (original checkpoints). `overrides` replace fields (e.g. dtype, moe_impl).
+        (original checkpoints). The params dtype defaults to the checkpoint's
+        `dtype` / `torch_dtype` (else float32). `overrides` replace fields (e.g.
+        dtype, moe_impl).
         Raises ValueError naming any setting this implementation does not support.
         """
         c = dict(hf_config)
@@ -289,6 +291,7 @@ class DeepseekConfig:
             routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(c.get("norm_topk_prob", v3)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
         )
         fields.update(overrides)
         return cls(**fields)

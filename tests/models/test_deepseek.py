@@ -286,6 +286,27 @@ def test_bfloat16_params_and_cache(tmp_root, rng):
         assert 0 < np.abs(got[i, : len(p)] - ref).max() <= 2 * hf_err + 1e-3
 
 
+def test_decode_with_pallas_kernel_matches_xla(rng):
+    """forward(impl="pallas") (the MLA decode kernel, interpreted on CPU) == impl="xla"."""
+    config = ds.DeepseekConfig(  # kernel-supported latent widths (d_c, d_rope multiples of 64)
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+        kv_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+    )
+    params = ds.init_params(config, jax.random.key(int(rng.integers(2**31))), std=0.2)
+    prompts = _prompts(rng, config.vocab_size)
+    seq_ids = np.array([2, 0], np.int32)
+    logits, cache = _prefill(params, config, _new_cache(config), prompts, seq_ids)
+    cache = _reserve(cache, seq_ids, 1)
+    tokens = jnp.asarray(logits[[0, 1], [len(p) - 1 for p in prompts]].argmax(-1)[:, None],
+                         jnp.int32)
+    positions = jnp.asarray([[len(p)] for p in prompts], jnp.int32)
+    step = jax.jit(ds.forward, static_argnames=("config", "impl"))
+    out = {impl: np.asarray(step(params, config, tokens, positions, cache,
+                                 q_lengths=jnp.ones(2, jnp.int32), seq_ids=jnp.asarray(seq_ids),
+                                 impl=impl)[0]) for impl in ("xla", "pallas")}
+    np.testing.assert_allclose(out["pallas"], out["xla"], atol=1e-5, rtol=0)
+
+
 def test_prefill_matches_transformers_rotate_half(tmp_root, rng):
     model, hf_config, path = _hf_case("v3_no_interleave", tmp_root)
     config, params = _load(path, hf_config)
@@ -503,7 +524,8 @@ def test_original_checkpoint_config_format():
                           beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
         hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
     )
-    config = ds.DeepseekConfig.from_hf(lite)
+    config = ds.DeepseekConfig.from_hf({**lite, "torch_dtype": "bfloat16"})
+    assert config.dtype == np.dtype(jnp.bfloat16)
     assert config.q_lora_rank is None and config.num_moe_layers == 26
     assert config.yarn.factor == 40 and kyarn.attention_factor(config.yarn) == 1.0
     m = 0.1 * 0.707 * np.log(40) + 1
