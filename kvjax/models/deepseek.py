@@ -46,6 +46,11 @@ MoE dispatch (`DeepseekConfig.moe_impl`):
 * "auto": "gather" when tokens * top_k <= number of experts (decode), else
   "ragged" on TPU/GPU and "dense" on CPU.
 
+Loading (`params_from_hf`) reads per-expert or fused expert tensors, and
+dequantizes DeepSeek-V3's block-FP8 weights (`weight` + `weight_scale_inv`) to
+the params dtype; multi-token-prediction layers past `num_hidden_layers` are
+not read.
+
 Parameters are a nested dict pytree. Layers are split in two stacked groups —
 `dense_layers` (the first `first_k_dense_replace`) and `moe_layers` — each run
 with `lax.scan`, so compile time does not grow with depth.
@@ -112,6 +117,8 @@ class DeepseekConfig:
       scoring_func: "softmax" (V2) or "sigmoid" (V3).
       topk_method: "greedy" / "group_limited_greedy" (softmax) or "noaux_tc" (sigmoid).
       moe_impl: expert dispatch, one of "auto", "dense", "gather", "ragged" (module docstring).
+      fp8_block_size: tile of one scale in block-quantized FP8 checkpoints (DeepSeek-V3's
+        `quantization_config.weight_block_size`); weights are dequantized on load.
       dtype: parameter and compute dtype (router weights stay float32).
     """
 
@@ -142,6 +149,7 @@ class DeepseekConfig:
     norm_topk_prob: bool = False
     tie_word_embeddings: bool = False
     moe_impl: str = "auto"
+    fp8_block_size: tuple[int, int] = (128, 128)
     dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
 
     def __post_init__(self):
@@ -195,6 +203,11 @@ class DeepseekConfig:
                 if self.topk_method == "noaux_tc" and e // self.n_group < 2:
                     raise ValueError("DeepseekConfig: noaux_tc scores a group by its top two "
                                      "experts, so each group needs at least 2 experts.")
+        fb = self.fp8_block_size
+        if (not isinstance(fb, tuple) or len(fb) != 2
+                or not all(isinstance(b, int) and b > 0 for b in fb)):
+            raise ValueError(f"DeepseekConfig.fp8_block_size must be two positive ints, got "
+                             f"{fb!r}.")
         if self.moe_impl not in _MOE_IMPLS:
             raise ValueError(f"DeepseekConfig.moe_impl must be one of {_MOE_IMPLS}, got "
                              f"{self.moe_impl!r}.")
@@ -271,6 +284,16 @@ class DeepseekConfig:
             raise ValueError(f"DeepseekConfig.from_hf: topk_method={c['topk_method']!r} is not "
                              f"supported for deepseek_v3 (only 'noaux_tc').")
         theta, yarn = _rope_from_hf(c)
+        fp8_block = (128, 128)
+        quant = c.get("quantization_config")
+        if quant:
+            if quant.get("quant_method") != "fp8":
+                raise ValueError(
+                    f"DeepseekConfig.from_hf: quantization_config quant_method="
+                    f"{quant.get('quant_method')!r} is not supported (only block 'fp8', which "
+                    f"is dequantized on load)."
+                )
+            fp8_block = tuple(int(b) for b in quant.get("weight_block_size") or (128, 128))
         n_experts = c.get("n_routed_experts") or 0
         first_dense = c.get("first_k_dense_replace")
         fields = dict(
@@ -292,6 +315,7 @@ class DeepseekConfig:
             norm_topk_prob=bool(c.get("norm_topk_prob", v3)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
+            fp8_block_size=fp8_block,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -430,6 +454,8 @@ def params_from_hf(
         if t.shape != shape:
             raise ValueError(f"params_from_hf: tensor {name!r} has shape {t.shape}, expected "
                              f"{shape} for this config.")
+        if t.dtype.name.startswith("float8"):
+            t = _dequantize_fp8(name, t, get_tensor, config.fp8_block_size)
         return t
 
     c = config
@@ -508,6 +534,31 @@ def params_from_hf(
         out.append(jnp.asarray(leaves[j]))
         leaves[j] = None
     return jax.tree.unflatten(treedef, out)
+
+
+def _dequantize_fp8(name: str, w: np.ndarray, get_tensor, block: tuple[int, int]) -> np.ndarray:
+    """float32 weights from a block-quantized FP8 checkpoint tensor (DeepSeek-V3's format).
+
+    Each `block[0] x block[1]` tile of the [out, in] weight has one float32 factor in
+    `<name>_scale_inv` (despite its name, a multiplier: w = fp8 * scale_inv).
+    """
+    scale_name = name + "_scale_inv"
+    try:
+        scale = np.asarray(get_tensor(scale_name), np.float32)
+    except KeyError as e:
+        raise KeyError(f"params_from_hf: {name!r} is {w.dtype.name} but the checkpoint has no "
+                       f"{scale_name!r} to dequantize it.") from e
+    if w.ndim != 2:
+        raise ValueError(f"params_from_hf: FP8 tensor {name!r} must be 2-D, got {w.shape}.")
+    bo, bi = block
+    want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi))
+    if scale.shape != want:
+        raise ValueError(
+            f"params_from_hf: {scale_name!r} has shape {scale.shape}; a {w.shape} weight in "
+            f"{block} blocks needs {want}."
+        )
+    full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[: w.shape[0], : w.shape[1]]
+    return w.astype(np.float32) * full
 
 
 def cache_spec(

@@ -491,6 +491,45 @@ def test_params_from_fused_state_dict_equal_saved(tmp_root):
                  saved, fused)
 
 
+def test_fp8_block_quantized_checkpoint(tmp_root):
+    """DeepSeek-V3's FP8 format (weight + per-tile weight_scale_inv) dequantizes on load."""
+    import ml_dtypes
+
+    _, hf_config, path = _hf_case("v3", tmp_root)
+    tensors = {k: np.asarray(v) for k, v in safetensors_torch.load_file(
+        f"{path}/model.safetensors").items()}
+    block = (32, 32)  # 48- and 96-wide weights leave partial edge tiles
+    quantized, expected = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if (w.ndim != 2 or not name.endswith("_proj.weight") or "embed" in name):
+            continue
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        pad = np.zeros((rows * block[0], cols * block[1]), np.float32)
+        pad[: w.shape[0], : w.shape[1]] = np.abs(w)
+        scale = (pad.reshape(rows, block[0], cols, block[1]).max((1, 3)) / 448.0)
+        scale = np.maximum(scale, 1e-12).astype(np.float32)
+        full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[: w.shape[0], : w.shape[1]]
+        q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = q, scale
+        expected[name] = q.astype(np.float32) * full
+    n_fp8 = sum(v.dtype == ml_dtypes.float8_e4m3fn for v in quantized.values())
+    assert n_fp8 > 20
+    fp8_config = {**hf_config, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}}
+    config = ds.DeepseekConfig.from_hf(fp8_config)
+    assert config.fp8_block_size == block
+    got = ds.params_from_hf(config, quantized.__getitem__)
+    want = ds.params_from_hf(config, expected.__getitem__)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 got, want)
+    del quantized["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    with pytest.raises(KeyError, match="o_proj.weight_scale_inv"):
+        ds.params_from_hf(config, quantized.__getitem__)
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes'"):
+        ds.DeepseekConfig.from_hf({**hf_config, "quantization_config": {
+            "quant_method": "bitsandbytes"}})
+
+
 def test_loading_errors(tmp_root):
     model, hf_config, path = _hf_case("v2_dense", tmp_root)
     config = ds.DeepseekConfig.from_hf(hf_config)
