@@ -43,8 +43,8 @@ MoE dispatch (`DeepseekConfig.moe_impl`):
 * "ragged": sort (token, choice) pairs by expert and run `lax.ragged_dot`
   (a grouped GEMM on TPU/GPU; on CPU XLA lowers it to a masked product over all
   experts, no cheaper than "dense").
-* "auto": "gather" when tokens * top_k <= number of experts (decode), else
-  "ragged" on TPU/GPU and "dense" on CPU.
+* "auto": "gather" when 2 * tokens * top_k <= number of experts (small-batch
+  decode), else "ragged" on TPU/GPU and "dense" on CPU.
 
 Loading (`params_from_hf`) reads per-expert or fused expert tensors, and
 dequantizes DeepSeek-V3's block-FP8 weights (`weight` + `weight_scale_inv`) to
@@ -739,7 +739,9 @@ def _group_mask(group_scores, c: DeepseekConfig):
 def _moe_impl(config: DeepseekConfig, num_tokens: int) -> str:
     if config.moe_impl != "auto":
         return config.moe_impl
-    if num_tokens * config.num_experts_per_tok <= config.n_routed_experts:
+    # "gather" reads (and copies) one expert per (token, choice); "dense" reads every expert
+    # once. Gathering pays off while it touches at most half of the experts.
+    if 2 * num_tokens * config.num_experts_per_tok <= config.n_routed_experts:
         return "gather"
     return "dense" if jax.default_backend() == "cpu" else "ragged"
 

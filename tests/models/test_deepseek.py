@@ -39,7 +39,8 @@ _BASE = dict(
     max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
     pad_token_id=0, rms_norm_eps=1e-5,
 )
-_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+# 8 experts, top 2: decode of two rows dispatches by "gather", prefill by "dense" ("auto").
+_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             n_shared_experts=1)
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
          "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 1.0,
@@ -60,10 +61,10 @@ CASES = {
                                      first_k_dense_replace=1, topk_method="group_limited_greedy",
                                      n_group=2, topk_group=1, rope_parameters=_YARN, **_MOE)),
     # (d) V3: sigmoid + noaux_tc with a correction bias, normalised weights, YaRN.
-    "v3": ("v3", dict(num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1, n_group=2,
-                      topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    "v3": ("v3", dict(num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1, n_group=4,
+                      topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
                       rope_parameters=_YARN, **_MOE)),
-    # V3 with the rotate-half rope layout (prefill only, see test_prefill_matches_transformers).
+    # V3 with the rotate-half rope layout (prefill only; see the rotate_half test).
     "v3_no_interleave": ("v3", dict(num_hidden_layers=2, q_lora_rank=None,
                                     first_k_dense_replace=1, n_group=1, topk_group=1,
                                     rope_interleave=False, **_MOE)),
