@@ -259,10 +259,12 @@ def test_chunked_prefill_equals_whole(tmp_root, rng):
     second, _ = _forward(params, config, jnp.asarray(tokens), jnp.asarray(positions), cache,
                          q_lengths=jnp.asarray(q_lengths), seq_ids=jnp.asarray(seq_ids))
     second = np.asarray(second)
+    # Other padded shapes change XLA's f32 summation order: agreement is ~1e-5, not bitwise;
+    # bounded like the HF comparison.
     for i, (p, c) in enumerate(zip(prompts, cuts, strict=True)):
-        np.testing.assert_allclose(first[i, :c], whole[i, :c], atol=1e-5, rtol=0)
-        np.testing.assert_allclose(second[i, : len(p) - c], whole[i, c: len(p)], atol=1e-5,
-                                   rtol=0)
+        np.testing.assert_allclose(first[i, :c], whole[i, :c], atol=LOGIT_ATOL, rtol=0)
+        np.testing.assert_allclose(second[i, : len(p) - c], whole[i, c: len(p)],
+                                   atol=LOGIT_ATOL, rtol=0)
 
 
 def test_bfloat16_params_and_cache(tmp_root, rng):
