@@ -368,7 +368,8 @@ def test_moe_dispatch_impls_agree(scoring, rng):
         for n in range(xf.shape[0])]).reshape(x.shape)
     assert len(np.unique(idx)) > 2  # routing actually spreads over experts
     for impl, got in outs.items():
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=impl)  # f32 vs a float64 reference
 
     if scoring != "sigmoid_noaux":
         return
@@ -464,7 +465,9 @@ def test_absorbed_attention_equals_decompressed(q_len, rng):
                                              q_pos))
     for i in range(b):
         n = q_lengths[i]
-        np.testing.assert_allclose(got[i, :n], want[i, :n], rtol=1e-5, atol=1e-5)
+        # Two f32 evaluation orders of the same sums: a few ulps of the output's scale.
+        np.testing.assert_allclose(got[i, :n], want[i, :n], rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max())
     assert np.abs(want).max() > 1e-2  # a real signal, not zeros
 
 
