@@ -9,7 +9,8 @@ outside the pool, or a length past `max_pages * page_size`, raises
 `impl` chooses the implementation:
   "reference": the plain-jnp oracle in `kernels_pallas/*/reference.py`
     (gathers each sequence's pages, then attends);
-  "xla": the XLA path used on CPU (today the reference);
+  "xla": the XLA path used on CPU (`kvjax/attention/xla.py`: an online-softmax
+    loop over blocks of pages that never gathers a sequence's whole K/V);
   "pallas": the Pallas kernels of `kernels_pallas/*/{tpu,gpu}.py`: the GPU
     kernel on a GPU backend, the TPU kernel otherwise (natively on TPU, in
     Pallas' interpret mode on CPU). `interpret=None` means interpret on CPU
@@ -31,6 +32,7 @@ from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
 from kvjax.attention import pallas_impls
+from kvjax.attention import xla as xla_path
 
 __all__ = [
     "paged_decode_attention",
@@ -47,22 +49,22 @@ IMPLS = ("auto", "reference", "xla", "pallas")
 _IMPLS = {
     "paged_decode_attention": {
         "reference": paged_ref.paged_decode_attention,
-        "xla": paged_ref.paged_decode_attention,
+        "xla": xla_path.paged_decode_attention,
         "pallas": pallas_impls.paged_decode_attention,
     },
     "paged_prefill_attention": {
         "reference": paged_ref.paged_prefill_attention,
-        "xla": paged_ref.paged_prefill_attention,
+        "xla": xla_path.paged_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "paged_prefill_attention"),
     },
     "mla_decode_attention": {
         "reference": mla_ref.mla_decode_attention,
-        "xla": mla_ref.mla_decode_attention,
+        "xla": xla_path.mla_decode_attention,
         "pallas": pallas_impls.mla_decode_attention,
     },
     "mla_prefill_attention": {
         "reference": mla_ref.mla_prefill_attention,
-        "xla": mla_ref.mla_prefill_attention,
+        "xla": xla_path.mla_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "mla_prefill_attention"),
     },
 }

@@ -1,0 +1,211 @@
+"""The XLA path of paged attention against the gather reference.
+
+Tolerances: float32 inputs agree with the float32 reference to 1e-5 (both compute
+in f32; only the summation order differs); bf16 inputs give bf16 outputs, so they
+agree to a couple of bf16 ulps (2e-2 relative), while their float32 lse agrees to
+1e-5 (same bf16 values, f32 arithmetic).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.mla_decode import reference as mla_ref
+from kernels_pallas.paged_attention import reference as paged_ref
+from kvjax.attention import (
+    mla_decode_attention,
+    mla_prefill_attention,
+    ops,
+    paged_decode_attention,
+    paged_prefill_attention,
+    xla,
+)
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _lengths_for(page_size, max_pages, batch, rng):
+    """A mixed batch: 0, 1, ps-1, ps, ps+1, max, then random lengths."""
+    max_tokens = page_size * max_pages
+    edge = [0, 1, page_size - 1, page_size, page_size + 1, max_tokens]
+    edge = [x for x in edge if 0 <= x <= max_tokens]
+    extra = rng.integers(0, max_tokens + 1, size=max(0, batch - len(edge))).tolist()
+    return np.asarray((edge + extra)[:batch], np.int32)
+
+
+def _tables(lengths, page_size, max_pages, num_pages, rng):
+    """Randomly permuted page assignments; entries a sequence does not use hold garbage."""
+    batch = len(lengths)
+    tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+    used = np.arange(max_pages)[None, :] * page_size < lengths[:, None]
+    garbage = rng.integers(-(10**6), 10**6, size=tables.shape)
+    return np.where(used, tables, garbage).astype(np.int32)
+
+
+def _case(rng, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, dtype, q_len=None,
+          lengths=None):
+    num_pages = batch * max_pages + 3
+    if lengths is None:
+        lengths = _lengths_for(page_size, max_pages, batch, rng)
+    tables = _tables(lengths, page_size, max_pages, num_pages, rng)
+    q_shape = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
+    q = jnp.asarray(rng.standard_normal(q_shape), dtype)
+    k = jnp.asarray(rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), dtype)
+    return q, k, v, jnp.asarray(lengths), jnp.asarray(tables)
+
+
+def _close(got, want, dtype):
+    (o, lse), (o_ref, lse_ref) = got, want
+    assert o.dtype == o_ref.dtype and o.shape == o_ref.shape
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),
+                               rtol=tol, atol=tol)
+    # lse is float32 in both and -inf exactly where a row sees nothing.
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
+
+
+# GQA ratio 1 (MHA), 2, 4, 8 and MQA, each page size and dtype at least once (the full
+# product adds compile time, not coverage: the ratio only changes the folded row count).
+@pytest.mark.parametrize("q_heads,kv_heads,page_size,dtype", [
+    (4, 4, 8, jnp.float32),
+    (4, 2, 16, jnp.float32),
+    (8, 2, 32, jnp.float32),
+    (16, 2, 8, jnp.float32),
+    (8, 1, 16, jnp.float32),
+    (4, 4, 32, jnp.bfloat16),
+    (8, 2, 8, jnp.bfloat16),
+    (16, 2, 16, jnp.bfloat16),
+    (8, 1, 32, jnp.bfloat16),
+])
+def test_decode_matches_reference(rng, q_heads, kv_heads, page_size, dtype):
+    case = _case(rng, batch=7, q_heads=q_heads, kv_heads=kv_heads, head_dim=32,
+                 page_size=page_size, max_pages=5, dtype=dtype)
+    got = paged_decode_attention(*case, impl="xla")
+    want = paged_decode_attention(*case, impl="reference")
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("block_tokens", [1, 24, 1000])
+def test_decode_block_sizes(rng, block_tokens):
+    # Blocks smaller than a page, not dividing the table, and larger than the table.
+    case = _case(rng, batch=6, q_heads=8, kv_heads=2, head_dim=16, page_size=8, max_pages=7,
+                 dtype=jnp.float32)
+    got = xla.paged_decode_attention(*case, block_tokens=block_tokens)
+    _close(got, paged_ref.paged_decode_attention(*case), jnp.float32)
+
+
+@pytest.mark.parametrize("soft_cap,sliding_window", [(2.0, None), (None, 1), (None, 13),
+                                                     (3.0, 5)])
+def test_decode_soft_cap_and_window(rng, soft_cap, sliding_window):
+    case = _case(rng, batch=6, q_heads=8, kv_heads=2, head_dim=16, page_size=8, max_pages=6,
+                 dtype=jnp.float32)
+    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window)
+    got = xla.paged_decode_attention(*case, block_tokens=8, **kw)
+    _close(got, paged_ref.paged_decode_attention(*case, **kw), jnp.float32)
+
+
+def test_decode_all_rows_empty(rng):
+    case = _case(rng, batch=3, q_heads=4, kv_heads=2, head_dim=16, page_size=8, max_pages=3,
+                 dtype=jnp.float32, lengths=np.zeros(3, np.int32))
+    out, lse = paged_decode_attention(*case, impl="xla")
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_unused_pages_are_never_read(rng):
+    # Every page no sequence uses is NaN: reading one (even with zero weight) would leak NaN.
+    q, k, v, lengths, tables = _case(rng, batch=5, q_heads=8, kv_heads=2, head_dim=16,
+                                     page_size=8, max_pages=6, dtype=jnp.float32)
+    lengths_np, tables_np = np.asarray(lengths), np.asarray(tables)
+    used = np.arange(6)[None, :] * 8 < lengths_np[:, None]
+    live = set(tables_np[used].tolist()) | {0}  # dead entries read page 0 (masked), as the ref
+    dead = np.array([p not in live for p in range(k.shape[1])])
+    k = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, k)
+    v = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, v)
+    out, lse = xla.paged_decode_attention(q, k, v, lengths, tables, block_tokens=16)
+    assert np.all(np.isfinite(np.asarray(out)))
+    _close((out, lse), paged_ref.paged_decode_attention(q, k, v, lengths, tables), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype,sliding_window,soft_cap", [
+    (jnp.float32, None, None), (jnp.bfloat16, None, None), (jnp.float32, 4, 2.5)])
+def test_prefill_matches_reference(rng, dtype, sliding_window, soft_cap):
+    q, k, v, lengths, tables = _case(rng, batch=6, q_heads=8, kv_heads=2, head_dim=16,
+                                     page_size=8, max_pages=5, dtype=dtype, q_len=6)
+    # Chunks of 0 (idle row), 1, the whole row, and random sizes, never past the row's length.
+    q_lengths = np.minimum(np.asarray([0, 1, 6, 3, 5, 2]), np.asarray(lengths)).astype(np.int32)
+    kw = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, k, v, lengths, tables, jnp.asarray(q_lengths))
+    got = paged_prefill_attention(*args, impl="xla", **kw)
+    _close(got, paged_prefill_attention(*args, impl="reference", **kw), dtype)
+
+
+def _mla_case(rng, dtype, q_len=None, batch=6, heads=4, d_c=32, d_rope=8, page_size=8,
+              max_pages=5):
+    num_pages = batch * max_pages + 2
+    lengths = _lengths_for(page_size, max_pages, batch, rng)
+    tables = _tables(lengths, page_size, max_pages, num_pages, rng)
+    lead = (batch, heads) if q_len is None else (batch, q_len, heads)
+    ql = jnp.asarray(rng.standard_normal((*lead, d_c)), dtype)
+    qr = jnp.asarray(rng.standard_normal((*lead, d_rope)), dtype)
+    lat = jnp.asarray(rng.standard_normal((num_pages, page_size, d_c)), dtype)
+    rope = jnp.asarray(rng.standard_normal((num_pages, page_size, d_rope)), dtype)
+    return ql, qr, lat, rope, jnp.asarray(lengths), jnp.asarray(tables)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mla_decode_matches_reference(rng, dtype):
+    case = _mla_case(rng, dtype)
+    got = mla_decode_attention(*case, scale=0.15, impl="xla")
+    _close(got, mla_decode_attention(*case, scale=0.15, impl="reference"), dtype)
+    got_small_blocks = xla.mla_decode_attention(*case, scale=0.15, block_tokens=8)
+    _close(got_small_blocks, mla_ref.mla_decode_attention(*case, scale=0.15), dtype)
+
+
+def test_mla_prefill_matches_reference(rng):
+    ql, qr, lat, rope, lengths, tables = _mla_case(rng, jnp.float32, q_len=4)
+    q_lengths = jnp.asarray(np.minimum([0, 1, 4, 2, 3, 4], np.asarray(lengths)), jnp.int32)
+    args = (ql, qr, lat, rope, lengths, tables, q_lengths)
+    got = mla_prefill_attention(*args, scale=0.2, impl="xla")
+    _close(got, mla_prefill_attention(*args, scale=0.2, impl="reference"), jnp.float32)
+
+
+def test_auto_is_xla_on_cpu():
+    assert jax.default_backend() == "cpu"
+    for op in ("paged_decode_attention", "paged_prefill_attention", "mla_decode_attention",
+               "mla_prefill_attention"):
+        assert ops._auto_impl(op) == "xla"
+        assert ops._IMPLS[op]["xla"] is getattr(xla, op)
+        assert ops._IMPLS[op]["reference"] is not getattr(xla, op)
+
+
+def _largest_intermediate(fn, *args):
+    """Element count of the largest array in the optimised HLO that is not an input."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    inputs = {int(np.prod(a.shape)) for a in args}
+    sizes = []
+    for dims in re.findall(r"\b(?:f32|bf16|f16|s32|pred)\[([0-9,]*)\]", text):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        if n not in inputs:  # the pools themselves (and bitcasts of them) are not copies
+            sizes.append(n)
+    return max(sizes)
+
+
+def test_no_gathered_copy_of_the_sequence():
+    batch, kv_heads, head_dim, page_size, max_pages = 4, 2, 32, 8, 32
+    rng = np.random.default_rng(0)
+    q, k, v, lengths, tables = _case(rng, batch=batch, q_heads=8, kv_heads=kv_heads,
+                                     head_dim=head_dim, page_size=page_size,
+                                     max_pages=max_pages, dtype=jnp.float32,
+                                     lengths=np.full(batch, page_size * max_pages, np.int32))
+    gathered = batch * kv_heads * max_pages * page_size * head_dim
+    args = (q, k, v, lengths, tables)
+    # The check can fail: the reference materialises exactly that gathered copy.
+    assert _largest_intermediate(paged_ref.paged_decode_attention, *args) >= gathered
+    largest = _largest_intermediate(
+        lambda *a: xla.paged_decode_attention(*a, block_tokens=2 * page_size), *args)
+    assert largest <= gathered // 8, (largest, gathered)
