@@ -18,20 +18,29 @@ columns past every sequence's length are never read, and the step's cost does
 not depend on the pool's capacity. With a sliding window it also starts at the
 first block any query can see.
 
-Pages are read through `BlockReader`s: a reader maps a block of page ids
-`int32[batch, pages_per_block]` to float32 `[kv_heads, batch, block_tokens,
-width]`. `dense_reader` reads plain pages; a quantized cache supplies a reader
-that gathers codes and scales of the same pages and dequantizes the block — the
-loop itself does not change.
+Pages are read through `BlockReader`s: a reader holds the arrays it reads
+(a pool, or a quantized pool's codes and scales) and a function mapping them and
+a block of page ids `int32[batch, pages_per_block]` to float32 `[kv_heads, batch,
+block_tokens, width]`. `dense_reader` reads plain pages; a quantized cache
+supplies a reader that gathers the codes and scales of the same pages and
+dequantizes the block — the loop itself does not change.
 
-All arithmetic is float32 (bf16 pages are upcast one block at a time: bf16
+All arithmetic is float32: bf16 pages are upcast one block at a time (bf16
 arithmetic is slower than f32 on CPU, and accumulating in bf16 would lose
-precision). Outputs follow the reference's conventions: `out` in the query's
+precision). XLA:CPU has no bf16 gather or dynamic-slice: it rewrites them as
+f32 ones on a converted operand, and since the pool is loop-invariant it then
+hoists that conversion out of the loop — a float32 copy of the whole pool at
+every step. The loop therefore passes the readers' arrays through an
+`optimization_barrier` together with the loop counter, which makes them
+loop-variant to XLA, so every conversion stays inside the block it belongs to
+(benchmarks/NOTES.md). Outputs follow the reference's conventions: `out` in the query's
 dtype, `lse` float32, rows that see no key give 0 and -inf.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,32 +68,50 @@ DEFAULT_BLOCK_BYTES = 4 << 20
 MIN_BLOCK_TOKENS = 16
 MAX_BLOCK_TOKENS = 512
 
-BlockReader = Callable[[Int[Array, "batch block_pages"]], Float[Array, "heads batch tokens width"]]
-"""Maps page ids of one block to float32 `[heads, batch, block_pages * page_size, width]`."""
+@dataclasses.dataclass(frozen=True)
+class BlockReader:
+    """Reads one block of pages of every sequence as float32.
+
+    Attributes:
+      arrays: the pytree of arrays the reader reads (full-precision pages, or a
+        quantized pool's codes and scales). The loop passes them to `read`
+        through an optimization barrier (see the module docstring), so `read`
+        must use these, not arrays it closes over.
+      read: `(arrays, idx int32[batch, block_pages]) -> float32 [heads, batch,
+        block_pages * page_size, width]`.
+    """
+
+    arrays: Any
+    read: Callable[[Any, Int[Array, "batch block_pages"]], Float[Array, "heads batch tokens width"]]
+
+    def __call__(self, idx, arrays=None):
+        return self.read(self.arrays if arrays is None else arrays, idx)
+
+
+_ROW_GATHER = jax.lax.GatherDimensionNumbers(
+    offset_dims=(0, 2), collapsed_slice_dims=(1,), start_index_map=(1,)
+)
+
+
+def _read_dense(pages, idx):
+    heads, num_pages, page_size, width = pages.shape
+    batch, block_pages = idx.shape
+    # One page of one head is a contiguous row of page_size * width elements. Gathering rows
+    # straight into [heads, batch * block_pages, row] needs no transpose afterwards (jnp.take
+    # on axis 1 puts the gathered axis first and transposes).
+    rows = pages.reshape(heads, num_pages, page_size * width)
+    # Dead table entries were replaced by page 0; CLIP keeps a bad live entry (only
+    # checkable outside jit) from reading outside the pool, as the reference does.
+    block = jax.lax.gather(
+        rows, idx.reshape(-1, 1), _ROW_GATHER, (heads, 1, page_size * width),
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
+    return block.reshape(heads, batch, block_pages * page_size, width).astype(jnp.float32)
 
 
 def dense_reader(pages: Float[Array, "heads pages page_size width"]) -> BlockReader:
     """A `BlockReader` for full-precision pages `[heads, pages, page_size, width]`."""
-    heads, num_pages, page_size, width = pages.shape
-    # One page of one head is a contiguous row of page_size * width elements. Gathering rows
-    # straight into [heads, batch * block_pages, row] needs no transpose afterwards (jnp.take
-    # on axis 1 puts the gathered axis first and transposes; see benchmarks/NOTES.md).
-    rows = pages.reshape(heads, num_pages, page_size * width)
-    dnums = jax.lax.GatherDimensionNumbers(
-        offset_dims=(0, 2), collapsed_slice_dims=(1,), start_index_map=(1,)
-    )
-
-    def read(idx):
-        batch, block_pages = idx.shape
-        # Dead table entries were replaced by page 0; CLIP keeps a bad live entry (only
-        # checkable outside jit) from reading outside the pool, as the reference does.
-        block = jax.lax.gather(
-            rows, idx.reshape(-1, 1), dnums, (heads, 1, page_size * width),
-            mode=jax.lax.GatherScatterMode.CLIP,
-        )
-        return block.reshape(heads, batch, block_pages * page_size, width).astype(jnp.float32)
-
-    return read
+    return BlockReader(arrays=pages, read=_read_dense)
 
 
 def default_block_tokens(heads: int, batch: int, widths: int) -> int:
@@ -169,11 +196,17 @@ def paged_attention_core(
     if sliding_window is not None:
         low = q_pos - (sliding_window - 1)
 
+    readers = (*k_readers, *(() if v_reader is None else (v_reader,)))
+
     def body(carry):
         i, m, denom, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(safe, i * bp, bp, axis=1)  # [batch, bp]
-        ks = [r(idx) for r in k_readers]
-        v = ks[0] if v_reader is None else v_reader(idx)
+        # Tie the pools to the loop counter so XLA cannot hoist per-block work on them
+        # (bf16 -> f32 conversion) out of the loop as whole-pool work (module docstring).
+        arrays, _ = jax.lax.optimization_barrier(([r.arrays for r in readers], i))
+        blocks = [r(idx, a) for r, a in zip(readers, arrays, strict=True)]
+        ks = blocks[: len(k_readers)]
+        v = ks[0] if v_reader is None else blocks[-1]
         # Logits as [heads, batch, tokens, rows]: the block is the matmul's large left operand
         # and the few query rows its right one, which XLA:CPU runs about 2x faster than
         # rows x tokens (benchmarks/NOTES.md).
