@@ -93,7 +93,10 @@ _ROW_GATHER = jax.lax.GatherDimensionNumbers(
 )
 
 
-def _read_dense(pages, idx):
+def _read_dense(arrays, idx):
+    pages, layer = arrays
+    if layer is not None:
+        pages = pages[layer]  # fused into the gather below: never a copy of the layer
     heads, num_pages, page_size, width = pages.shape
     batch, block_pages = idx.shape
     # One page of one head is a contiguous row of page_size * width elements. Gathering rows
@@ -109,9 +112,21 @@ def _read_dense(pages, idx):
     return block.reshape(heads, batch, block_pages * page_size, width).astype(jnp.float32)
 
 
-def dense_reader(pages: Float[Array, "heads pages page_size width"]) -> BlockReader:
-    """A `BlockReader` for full-precision pages `[heads, pages, page_size, width]`."""
-    return BlockReader(arrays=pages, read=_read_dense)
+def dense_reader(
+    pages: Float[Array, "*layers heads pages page_size width"],
+    layer: int | Int[Array, ""] | None = None,
+) -> BlockReader:
+    """A `BlockReader` for full-precision pages.
+
+    Args:
+      pages: `[heads, pages, page_size, width]`, or with `layer` the whole
+        multi-layer pool `[layers, heads, pages, page_size, width]`.
+      layer: the layer to read (a traced index is fine). Reading the layer
+        inside the loop's gather, instead of slicing `pages[layer]` before the
+        call, matters: XLA materialises a sliced layer when its consumer is in a
+        loop (a copy of the layer's whole pool per step).
+    """
+    return BlockReader(arrays=(pages, layer), read=_read_dense)
 
 
 def default_block_tokens(heads: int, batch: int, widths: int) -> int:
@@ -281,20 +296,26 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads v_head_dim"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill attention; same signature and semantics as the reference.
+
+    With `layer`, `k_pages` and `v_pages` are a cache's whole pools
+    `[layers, kv_heads, pages, page_size, width]` and that layer is read (see
+    `dense_reader`: never a sliced copy of the layer).
 
     Returns:
       (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
     """
     batch, q_len, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, _, page_size, _ = k_pages.shape[-4:]
     if scale is None:
         scale = head_dim**-0.5
     lengths = lengths.astype(jnp.int32)
     q_pos = _row_positions(lengths, q_lengths.astype(jnp.int32), q_len, q_heads // kv_heads)
     out, lse = paged_attention_core(
-        (_fold_queries(q, kv_heads),), (dense_reader(k_pages),), dense_reader(v_pages),
+        (_fold_queries(q, kv_heads),), (dense_reader(k_pages, layer),),
+        dense_reader(v_pages, layer),
         q_pos, lengths, block_tables,
         page_size=page_size, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         block_tokens=block_tokens,
@@ -314,8 +335,11 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_heads v_head_dim"], Float[Array, "batch q_heads"]]:
     """Decode attention (one query per sequence at `lengths - 1`); the reference's signature.
+
+    `layer` as in `paged_prefill_attention`.
 
     Returns:
       (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
@@ -324,6 +348,7 @@ def paged_decode_attention(
     out, lse = paged_prefill_attention(
         q[:, None], k_pages, v_pages, lengths, block_tables, q_lengths,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_tokens=block_tokens,
+        layer=layer,
     )
     return out[:, 0], lse[:, 0]
 
@@ -340,22 +365,27 @@ def mla_prefill_attention(
     *,
     scale: float,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads d_c"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill MLA attention in absorbed form; the reference's signature.
 
     MQA over the latent: one "KV head" whose key is [c_kv, k_rope] and whose
-    value is c_kv; each latent block is read once and used for both.
+    value is c_kv; each latent block is read once and used for both. With
+    `layer`, the pages are a cache's whole latent pools `[layers, 1, pages,
+    page_size, width]` and that layer is read.
 
     Returns:
       (out [batch, q_len, q_heads, d_c] in q_latent's dtype, lse float32[batch, q_len, q_heads]).
     """
     batch, q_len, q_heads, _ = q_latent.shape
-    page_size = latent_pages.shape[1]
+    page_size = latent_pages.shape[-2]
+    if layer is None:
+        latent_pages, rope_pages = latent_pages[None], rope_pages[None]  # one "KV head"
     lengths = lengths.astype(jnp.int32)
     q_pos = _row_positions(lengths, q_lengths.astype(jnp.int32), q_len, q_heads)
     out, lse = paged_attention_core(
         (_fold_queries(q_latent, 1), _fold_queries(q_rope, 1)),
-        (dense_reader(latent_pages[None]), dense_reader(rope_pages[None])), None,
+        (dense_reader(latent_pages, layer), dense_reader(rope_pages, layer)), None,
         q_pos, lengths, block_tables,
         page_size=page_size, scale=scale, block_tokens=block_tokens,
     )
@@ -373,8 +403,11 @@ def mla_decode_attention(
     *,
     scale: float,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
     """Decode MLA attention in absorbed form; the reference's signature.
+
+    `layer` as in `mla_prefill_attention`.
 
     Returns:
       (out [batch, q_heads, d_c] in q_latent's dtype, lse float32[batch, q_heads]).
@@ -382,6 +415,6 @@ def mla_decode_attention(
     q_lengths = jnp.minimum(jnp.ones_like(lengths), lengths)
     out, lse = mla_prefill_attention(
         q_latent[:, None], q_rope[:, None], latent_pages, rope_pages, lengths, block_tables,
-        q_lengths, scale=scale, block_tokens=block_tokens,
+        q_lengths, scale=scale, block_tokens=block_tokens, layer=layer,
     )
     return out[:, 0], lse[:, 0]

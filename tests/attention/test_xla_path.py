@@ -232,3 +232,68 @@ def test_no_gathered_copy_of_the_sequence(dtype):
     # Neither a gathered copy of the sequences nor a converted copy of the pool (XLA:CPU
     # hoists a bf16 pool's f32 conversion out of the loop unless prevented).
     assert max(n for _, n in written) <= gathered // 8, written
+
+
+def _scan_layers(attend, q, pools, num_layers):
+    """Runs `attend(x, pools, layer)` for each layer in a jitted scan (a traced layer)."""
+
+    def run(q, pools):
+        def body(x, layer):
+            return attend(x, pools, layer).astype(x.dtype), None
+
+        return jax.lax.scan(body, q, jnp.arange(num_layers))[0]
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_of_whole_pools(rng, dtype):
+    """layer=... on a cache's whole pools: equals the reference on that layer's slice,
+    and a scan over layers never copies a layer's pool (nor converts the pools)."""
+    layers = 3
+    q, k, v, lengths, tables = _case(rng, batch=4, q_heads=8, kv_heads=2, head_dim=16,
+                                     page_size=8, max_pages=6, dtype=dtype)
+    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), dtype)
+    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), dtype)
+    for layer in range(layers):
+        got = paged_decode_attention(q, k_all, v_all, lengths, tables, impl="xla", layer=layer)
+        want = paged_decode_attention(q, k_all, v_all, lengths, tables, impl="reference",
+                                      layer=layer)
+        _close(got, want, dtype)
+
+    def attend(impl):
+        return lambda x, pools, layer: paged_decode_attention(
+            x, *pools, lengths, tables, impl=impl, layer=layer)[0]
+
+    run_xla = _scan_layers(attend("xla"), q, (k_all, v_all), layers)
+    run_ref = _scan_layers(attend("reference"), q, (k_all, v_all), layers)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(run_xla(q, (k_all, v_all)), np.float32),
+                               np.asarray(run_ref(q, (k_all, v_all)), np.float32),
+                               rtol=tol, atol=tol)
+    layer_pool = int(np.prod(k.shape))
+    written = _materialised(lambda q, k, v: run_xla(q, (k, v)), q, k_all, v_all)
+    assert max(n for _, n in written) < layer_pool, written
+
+
+def test_prefill_and_mla_layer_of_whole_pools(rng):
+    layer = 1  # of 2 layers
+    q, k, v, lengths, tables = _case(rng, batch=4, q_heads=4, kv_heads=2, head_dim=16,
+                                     page_size=8, max_pages=4, dtype=jnp.float32, q_len=3)
+    q_lengths = jnp.minimum(jnp.asarray([3, 1, 2, 3], jnp.int32), lengths)
+    k_all = jnp.stack([jnp.flip(k, 1), k])
+    v_all = jnp.stack([jnp.flip(v, 1), v])
+    got = paged_prefill_attention(q, k_all, v_all, lengths, tables, q_lengths, impl="xla",
+                                  layer=jnp.int32(layer))
+    _close(got, paged_ref.paged_prefill_attention(q, k, v, lengths, tables, q_lengths),
+           jnp.float32)
+
+    ql, qr, lat, rope, lengths, tables = _mla_case(rng, jnp.float32)
+    lat_all = jnp.stack([jnp.flip(lat, 0), lat])[:, None]  # [layers, 1, pages, ps, d_c]
+    rope_all = jnp.stack([jnp.flip(rope, 0), rope])[:, None]
+    got = mla_decode_attention(ql, qr, lat_all, rope_all, lengths, tables, scale=0.2,
+                               impl="xla", layer=layer)
+    _close(got, mla_ref.mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=0.2),
+           jnp.float32)
+    with pytest.raises(ValueError, match="whole pools"):
+        mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=0.2, layer=0)
