@@ -23,7 +23,13 @@ Pages are read through `BlockReader`s: a reader holds the arrays it reads
 a block of page ids `int32[batch, pages_per_block]` to float32 `[kv_heads, batch,
 block_tokens, width]`. `dense_reader` reads plain pages; a quantized cache
 supplies a reader that gathers the codes and scales of the same pages and
-dequantizes the block — the loop itself does not change.
+dequantizes the block and calls `paged_attention_core` with it — the loop itself
+does not change.
+
+Inside a model, pass the cache's whole pools with `layer=` (the public ops
+forward it here): the reader then indexes the layer inside its gather. Slicing
+`pool[layer]` before the call makes XLA copy the layer's whole pool whenever the
+slice feeds a loop, e.g. in a `lax.scan` over layers.
 
 All arithmetic is float32: bf16 pages are upcast one block at a time (bf16
 arithmetic is slower than f32 on CPU, and accumulating in bf16 would lose
@@ -33,8 +39,8 @@ hoists that conversion out of the loop — a float32 copy of the whole pool at
 every step. The loop therefore passes the readers' arrays through an
 `optimization_barrier` together with the loop counter, which makes them
 loop-variant to XLA, so every conversion stays inside the block it belongs to
-(benchmarks/NOTES.md). Outputs follow the reference's conventions: `out` in the query's
-dtype, `lse` float32, rows that see no key give 0 and -inf.
+(benchmarks/NOTES.md). Outputs follow the reference's conventions: `out` in the
+query's dtype, `lse` float32, rows that see no key give 0 and -inf.
 """
 
 import dataclasses
