@@ -78,7 +78,12 @@ def _auto_impl(op: str) -> str:
     return "xla"
 
 
-def _select(op: str, impl: str, interpret: bool | None = None):
+def _select(op: str, impl, interpret: bool | None = None):
+    # A non-string impl that resolves ops itself (kvjax.sharding.ShardedAttention) runs
+    # the op its own way, e.g. per device inside shard_map; models pass `impl` through.
+    resolve = getattr(impl, "resolve_attention", None)
+    if resolve is not None:
+        return resolve(op, interpret=interpret)
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
     name = _auto_impl(op) if impl == "auto" else impl

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import page_table as pt
+from kvjax.cache import sharded_table as st
 from kvjax.specs import CacheSpec
 
 __all__ = [
@@ -132,6 +133,11 @@ def _zero_pages(pages, ids: Int[Array, " n"]):
     return jax.tree.map(lambda x: x.at[:, :, ids].set(0, mode="drop"), pages)
 
 
+def _allocator(table: pt.PageTable):
+    """The allocator module for `table`: per-shard free stacks when the pool is sharded."""
+    return st if isinstance(table, st.ShardedPageTable) else pt
+
+
 def _check_seq_vector(name: str, x, spec: CacheSpec, dtype_kind: str = "i") -> None:
     shape = getattr(x, "shape", None)
     if shape != (spec.max_seqs,):
@@ -160,7 +166,7 @@ def reserve(
       `status.raise_if_error()` raises `CacheFullError` on the host.
     """
     _check_seq_vector("reserve: num_new", num_new, cache.spec, "iu")
-    table, copy, status = pt.reserve(cache.table, num_new)
+    table, copy, status = _allocator(cache.table).reserve(cache.table, num_new)
     pages = _copy_pages(cache.pages, copy.src, copy.dst)
     return dataclasses.replace(cache, pages=pages, table=table), status
 
@@ -178,7 +184,7 @@ def fork(
     Returns:
       (cache, status): status code BAD_FORK (nothing changed) if a target is unusable.
     """
-    table, status = pt.fork(cache.table, src, dst)
+    table, status = _allocator(cache.table).fork(cache.table, src, dst)
     return dataclasses.replace(cache, table=table), status
 
 
@@ -194,7 +200,7 @@ def free(
       scrub: zero the released pages in every pool (static).
     """
     _check_seq_vector("free: seqs", seqs, cache.spec, "b")
-    table, released = pt.free(cache.table, seqs)
+    table, released = _allocator(cache.table).free(cache.table, seqs)
     pages = _zero_pages(cache.pages, released) if scrub else cache.pages
     return dataclasses.replace(cache, pages=pages, table=table)
 

@@ -1,0 +1,124 @@
+"""Shardings for the paged cache pytree, and building a cache directly on a mesh.
+
+Every pool is `[layers, heads, pages, page_size, width]`; its sharding is
+
+    P(None, heads_axis, page_axes, None, None)
+
+with `heads_axis = "model"` under `"heads"` (None under the replicate
+fallback and for MLA's single latent head) and `page_axes` the data and/or
+context axes (`ShardingPlan.page_axes`, data-major, so pool shard k = d * C + c
+holds page ids [k * n, (k + 1) * n), n = num_pages / (D * C)).
+
+The page table is replicated: it is a few KB of int32 next to pools of GBs,
+and keeping it on every device lets every device run the allocator (the same
+deterministic result everywhere) with no communication. Under `"sequences"` or
+`"context"` it is a `ShardedPageTable`, whose allocator hands each sequence
+slot pages from the shard that holds it (`kvjax.cache.sharded_table`), so
+`kvjax.cache.reserve/fork/free` keep their meaning per shard.
+"""
+
+import dataclasses
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.cache import PagedKVCache, init_cache
+from kvjax.cache import page_table as pt
+from kvjax.cache import sharded_table as st
+from kvjax.sharding.mesh import ShardingPlan
+from kvjax.specs import CacheSpec
+
+__all__ = ["pool_spec", "cache_shardings", "init_sharded_cache", "kv_heads_sharded"]
+
+
+def kv_heads_sharded(plan: ShardingPlan, spec: CacheSpec) -> bool:
+    """Whether the pools' heads axis is split over `model` (validates the heads strategy).
+
+    Raises:
+      ValueError: `"heads"` is asked for, the `model` size does not divide the
+        cache's KV heads, and the fallback is `"error"` or cannot apply (kv_heads
+        does not divide the `model` size either).
+    """
+    if "heads" not in plan.strategies:
+        return False
+    m = plan.axis_size("model")
+    heads = spec.attention.cache_heads
+    if heads % m == 0:
+        return m > 1
+    what = "an MLA cache has 1 latent head" if spec.is_mla else f"kv_heads={heads}"
+    if plan.kv_heads_fallback == "replicate" and m % heads == 0:
+        return False
+    raise ValueError(
+        f"strategy 'heads': mesh axis 'model' has size {m}, which does not divide the cache's "
+        f"heads ({what}); use a 'model' size dividing {heads}, kv_heads_fallback='replicate' "
+        f"(needs {heads} to divide {m}), or the 'sequences'/'context' strategies."
+    )
+
+
+def _validate(plan: ShardingPlan, spec: CacheSpec) -> None:
+    kv_heads_sharded(plan, spec)
+    D, C = plan.data_shards, plan.context_shards
+    if spec.num_pages % (D * C):
+        axes = " * ".join(f"'{a}'={plan.axis_size(a)}" for a in plan.page_axes)
+        raise ValueError(
+            f"the pool's pages are split over mesh axes {axes} = {D * C} shards, which does not "
+            f"divide num_pages={spec.num_pages}; choose num_pages a multiple of {D * C}."
+        )
+    if spec.max_seqs % D:
+        raise ValueError(
+            f"strategy 'sequences': mesh axis 'data' has size {D}, which does not divide "
+            f"max_seqs={spec.max_seqs}; choose max_seqs a multiple of {D}."
+        )
+
+
+def pool_spec(plan: ShardingPlan, spec: CacheSpec) -> P:
+    """PartitionSpec of every pool `[layers, heads, pages, page_size, width]` (validates)."""
+    _validate(plan, spec)
+    heads = "model" if kv_heads_sharded(plan, spec) else None
+    axes = plan.page_axes
+    pages = None if not axes else axes[0] if len(axes) == 1 else axes
+    return P(None, heads, pages, None, None)
+
+
+def cache_shardings(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
+    """A `PagedKVCache`-shaped pytree of `NamedSharding`s for `spec` under `plan`.
+
+    Use it as `in_shardings`/`out_shardings` of a jitted step, or with
+    `jax.device_put`. Raises ValueError naming the mesh axis and sizes when the
+    mesh does not fit the cache (see `kv_heads_sharded` and the page/seq counts).
+    """
+    pool = NamedSharding(plan.mesh, pool_spec(plan, spec))
+    rep = NamedSharding(plan.mesh, P())
+    abstract = jax.eval_shape(lambda: _build(plan, spec))
+    pages = jax.tree.map(lambda _: pool, abstract.pages)
+    table = jax.tree.map(lambda _: rep, abstract.table)
+    return dataclasses.replace(abstract, pages=pages, table=table)
+
+
+def _build(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
+    cache = init_cache(spec)
+    if plan.page_shards == 1:
+        return cache
+    table = st.init_sharded_page_table(
+        num_pages=spec.num_pages, max_seqs=spec.max_seqs,
+        max_pages_per_seq=spec.max_pages_per_seq, page_size=spec.page_size,
+        data_shards=plan.data_shards, context_shards=plan.context_shards,
+    )
+    return dataclasses.replace(cache, table=table)
+
+
+def init_sharded_cache(spec: CacheSpec, plan: ShardingPlan) -> PagedKVCache:
+    """An empty cache whose pools are created already sharded (no full pool on any device).
+
+    Under `"sequences"` or `"context"` the table is a `ShardedPageTable`
+    (`num_free` is then int32[shards]); otherwise a plain `PageTable`.
+    """
+    shardings = cache_shardings(plan, spec)
+    return jax.jit(lambda: _build(plan, spec), out_shardings=shardings)()
+
+
+def is_sharded_table(table: pt.PageTable) -> bool:
+    return isinstance(table, st.ShardedPageTable)
+
+
