@@ -1,0 +1,152 @@
+"""Sharded attention equals single-device attention, for every strategy and its combinations.
+
+The reference runs on one device from host copies of the same pools; the
+sharded ops run jitted on the sharded pools of `kvjax.sharding.init_sharded_cache`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import attention as kva
+from kvjax import sharding as kvs
+from kvjax.specs import AttentionSpec
+from tests.sharding.helpers import (
+    PLANS,
+    filled_cache,
+    gqa_spec,
+    make_plan,
+    mla_spec,
+    plan_id,
+    sharded_view,
+    view,
+)
+
+# f32 everywhere; the merge reorders sums of exp-weighted outputs: ~1e-6 relative.
+TOL = dict(rtol=2e-5, atol=2e-5)
+# Lengths: empty, shorter than one page (only context shard 0 has pages), exactly a page,
+# around page boundaries, and long enough to wrap round-robin over 8 context shards.
+LENGTHS = np.array([0, 3, 4, 5, 13, 33, 63, 64], np.int32)
+Q_LEN = 5
+
+
+def _close(got, want):
+    out_g, lse_g = map(np.asarray, got)
+    out_w, lse_w = map(np.asarray, want)
+    np.testing.assert_array_equal(np.isneginf(lse_g), np.isneginf(lse_w))
+    fin = np.isfinite(lse_w)
+    np.testing.assert_allclose(lse_g[fin], lse_w[fin], **TOL)
+    np.testing.assert_allclose(out_g, out_w, **TOL)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "kw"))
+def _gqa_both(q, qp, k, v, lengths, tables, q_lengths, impl, kw=()):
+    kw = dict(kw)
+    return (kva.paged_decode_attention(q, k, v, lengths, tables, impl=impl, **kw),
+            kva.paged_prefill_attention(qp, k, v, lengths, tables, q_lengths, impl=impl, **kw))
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "scale"))
+def _mla_both(ql, qr, qlp, qrp, c, r, lengths, tables, q_lengths, impl, scale):
+    return (kva.mla_decode_attention(ql, qr, c, r, lengths, tables, scale=scale, impl=impl),
+            kva.mla_prefill_attention(qlp, qrp, c, r, lengths, tables, q_lengths, scale=scale,
+                                      impl=impl))
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "window"))
+def _decode(q, k, v, lengths, tables, impl, window=None):
+    return kva.paged_decode_attention(q, k, v, lengths, tables, sliding_window=window, impl=impl)
+
+
+def _q_lengths(rng, lengths, batch):
+    return jnp.asarray(np.minimum(rng.integers(0, Q_LEN + 1, batch), lengths), jnp.int32)
+
+
+@pytest.mark.parametrize("plan_args", PLANS, ids=plan_id)
+def test_gqa_decode_and_prefill_match_one_device(plan_args, rng):
+    plan = make_plan(*plan_args)
+    spec = gqa_spec()
+    lengths = rng.permutation(LENGTHS)
+    cache = filled_cache(spec, plan, lengths, rng)
+    b = spec.max_seqs
+    q = jnp.asarray(rng.standard_normal((b, 16, 16)), jnp.float32)
+    qp = jnp.asarray(rng.standard_normal((b, Q_LEN, 16, 16)), jnp.float32)
+    q_lengths = _q_lengths(rng, lengths, b)
+    kw = (("soft_cap", 30.0),)
+    v = view(cache)
+    want = _gqa_both(q, qp, v.k, v.v, v.lengths, v.block_tables, q_lengths, "reference", kw)
+    s = sharded_view(cache)
+    got = _gqa_both(q, qp, s.k, s.v, s.lengths, s.block_tables, q_lengths,
+                    kvs.ShardedAttention(plan), kw)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+@pytest.mark.parametrize("plan_args", [PLANS[2], PLANS[4], PLANS[5]], ids=plan_id)
+def test_mla_decode_and_prefill_match_one_device(plan_args, rng):
+    # MLA has one latent head: it shards by pages (sequences, context); heads only splits q.
+    plan = make_plan(*plan_args)
+    spec = mla_spec()
+    lengths = rng.permutation(LENGTHS)
+    cache = filled_cache(spec, plan, lengths, rng)
+    b = spec.max_seqs
+    ql = jnp.asarray(rng.standard_normal((b, 8, 32)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((b, 8, 8)), jnp.float32)
+    qlp = jnp.asarray(rng.standard_normal((b, Q_LEN, 8, 32)), jnp.float32)
+    qrp = jnp.asarray(rng.standard_normal((b, Q_LEN, 8, 8)), jnp.float32)
+    q_lengths = _q_lengths(rng, lengths, b)
+    scale = 24 ** -0.5
+    v = view(cache)
+    want = _mla_both(ql, qr, qlp, qrp, v.k, v.v, v.lengths, v.block_tables, q_lengths,
+                     "reference", scale)
+    s = sharded_view(cache)
+    got = _mla_both(ql, qr, qlp, qrp, s.k, s.v, s.lengths, s.block_tables, q_lengths,
+                    kvs.ShardedAttention(plan), scale)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+def test_context_merge_with_devices_holding_no_pages(rng):
+    # A 2-page sequence and a 1-token one on 8 context devices: 6 devices hold nothing of
+    # them and must contribute lse -inf without disturbing the merge.
+    plan = make_plan((8,), ("context",), ("context",))
+    spec = gqa_spec(max_seqs=2)
+    cache = filled_cache(spec, plan, np.array([6, 1], np.int32), rng)
+    v = view(cache)
+    held = v.block_tables[0, :2] // (spec.num_pages // 8)
+    assert sorted(held.tolist()) == [0, 1]
+    q = jnp.asarray(rng.standard_normal((2, 16, 16)), jnp.float32)
+    want = _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference")
+    s = sharded_view(cache)
+    _close(_decode(q, s.k, s.v, s.lengths, s.block_tables, kvs.ShardedAttention(plan)), want)
+
+
+def test_kv_heads_fallback_replicates_and_matches(rng):
+    # kv_heads=2 on model=8: KV heads replicated over model, query heads still split.
+    plan = make_plan((8,), ("model",), ("heads",))
+    spec = gqa_spec(attention=AttentionSpec(q_heads=16, kv_heads=2, head_dim=16))
+    assert kvs.pool_spec(plan, spec)[1] is None
+    cache = filled_cache(spec, plan, rng.permutation(LENGTHS), rng)
+    q = jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 16)), jnp.float32)
+    v = view(cache)
+    want = _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference")
+    s = sharded_view(cache)
+    _close(_decode(q, s.k, s.v, s.lengths, s.block_tables, kvs.ShardedAttention(plan)), want)
+
+
+def test_sequences_sliding_window_matches_and_context_rejects_it(rng):
+    plan = make_plan((2, 4), ("data", "model"), ("sequences", "heads"))
+    spec = gqa_spec()
+    cache = filled_cache(spec, plan, rng.permutation(LENGTHS), rng)
+    q = jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 16)), jnp.float32)
+    v = view(cache)
+    want = _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference", 5)
+    s = sharded_view(cache)
+    _close(_decode(q, s.k, s.v, s.lengths, s.block_tables, kvs.ShardedAttention(plan), 5), want)
+    ctx = make_plan((8,), ("context",), ("context",))
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        kvs.sharded_paged_decode_attention(ctx, q, s.k, s.v, s.lengths, s.block_tables,
+                                           sliding_window=4)
