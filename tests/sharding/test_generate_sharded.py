@@ -8,6 +8,7 @@ and one more decode step's logits are compared with a single-device run.
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,21 +17,24 @@ import pytest
 
 from kvjax import generate as kvg
 from kvjax import sharding as kvs
-from kvjax.cache import init_cache
+from kvjax.cache import init_cache, reserve
 from kvjax.models import deepseek as ds
 from kvjax.models import llama
 from kvjax.models.base import get_family
 from kvjax.models.layers import RopeConfig
 from tests.sharding.helpers import make_plan, plan_id
 
-# (8,) per strategy, then (2, 4) and (2, 2, 2) combining them.
-GEN_PLANS = [
+# (8,) per strategy, then (2, 4) and (2, 2, 2) combining them. Each generation compiles a
+# prefill, a decode loop and a step (~25 s of CPU per plan), so by default only the (2, 2, 2)
+# plan with all three strategies runs; KVJAX_SHARDING_FULL=1 runs the whole matrix.
+_ALL_PLANS = [
     ((8,), ("model",), ("heads",)),
     ((8,), ("data",), ("sequences",)),
     ((8,), ("context",), ("context",)),
     ((2, 4), ("data", "model"), ("sequences", "heads")),
     ((2, 2, 2), ("data", "model", "context"), ("sequences", "heads", "context")),
 ]
+GEN_PLANS = _ALL_PLANS if os.environ.get("KVJAX_SHARDING_FULL") else _ALL_PLANS[-1:]
 # f32 logits; the sharded run sums matmul partials and attention pieces in another order.
 LOGIT_TOL = dict(rtol=1e-4, atol=1e-4)
 PROMPT_LENS = (5, 11, 3, 8, 1, 9, 6, 13)
@@ -71,24 +75,31 @@ def _setup(kind):
 
 def _run(model, params, cache, prompts, impl):
     tokens, lengths, chunk = kvg.pad_prompts(prompts, 8)
-    seq_ids = jnp.arange(len(prompts), dtype=jnp.int32)
+    batch = len(prompts)
+    seq_ids = jnp.arange(batch, dtype=jnp.int32)
     cache, last, status, logits = kvg.prefill(
         model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
         chunk_size=chunk, impl=impl, return_logits=True)
     status.raise_if_error()
-    res = kvg.generate(model, params, prompts=[[t] for t in np.asarray(jnp.argmax(last, -1))],
-                       key=jax.random.key(0), max_new_tokens=MAX_NEW, cache=cache,
-                       seq_ids=np.arange(len(prompts)), free_finished=False, impl=impl)
-    cache = res.cache
-    # One more decode step on the grown cache: its logits.
-    cache, st = jax.jit(kvg.loop.kv_cache.reserve)(cache, jnp.ones((8,), jnp.int32))
-    st.raise_if_error()
-    lens = cache.lengths
-    step = jax.jit(lambda p, c, t, pos: model.apply(p, t, pos, c, q_lengths=jnp.ones(
-        (8,), jnp.int32), impl=impl))
-    step_logits, cache = step(params, cache, jnp.asarray(res.tokens[:, -1:]), (lens - 1)[:, None])
+    state = kvg.start(cache, seq_ids, last, jnp.asarray(lengths),
+                      kvg.as_keys(jax.random.key(0), batch), jnp.full((batch,), MAX_NEW),
+                      status, sampling=kvg.GREEDY, eos_ids=(), max_len=MAX_NEW,
+                      free_finished=False)
+    state = kvg.decode_loop(model, params, state, sampling=kvg.GREEDY, free_finished=False,
+                            impl=impl)
+    state.status.raise_if_error()
+    # One more decode step on the grown cache, for its logits (reserve + forward, one jit).
+    step = jax.jit(functools.partial(_decode_step, model=model, impl=impl))
+    step_logits, cache = step(params, state.cache, state.last, state.position)
     valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    return np.asarray(logits)[valid], res.tokens, np.asarray(step_logits), cache
+    return np.asarray(logits)[valid], np.asarray(state.tokens), np.asarray(step_logits), cache
+
+
+def _decode_step(params, cache, last, position, *, model, impl):
+    cache, _ = reserve(cache, jnp.ones((cache.spec.max_seqs,), jnp.int32))
+    ones = jnp.ones((cache.spec.max_seqs,), jnp.int32)
+    return model.apply(params, last[:, None], position[:, None], cache, q_lengths=ones,
+                       impl=impl)
 
 
 @functools.cache
