@@ -50,6 +50,9 @@ def _parse(argv=None):
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--pages-per-device", type=int, default=64,
                     help="KV pages each device's pool shard holds")
+    ap.add_argument("--check", action="store_true",
+                    help="process 0 also generates on one local device without sharding and "
+                         "exits non-zero if the greedy tokens differ")
     ap.add_argument("--launch-local", type=int, default=0, metavar="N",
                     help="spawn N local CPU processes (4 devices each) running this script, "
                          "coordinated on localhost, and exit with their status")
@@ -133,6 +136,7 @@ def main(argv=None):
                                  max_seqs=max_seqs, max_pages_per_seq=pages_per_seq,
                                  dtype="float32")
     # Params and cache are created/placed sharded: no host holds a full copy of the pools.
+    params0 = params
     params = kvs.shard_params(params, plan, kv_heads=kv_heads)
     cache = kvs.init_sharded_cache(spec, plan)
     impl = kvs.ShardedAttention(plan)
@@ -149,12 +153,25 @@ def main(argv=None):
     state = kvg.decode_loop(model, params, state, sampling=kvg.GREEDY, impl=impl)
     out = np.asarray(multihost_utils.process_allgather(state.tokens, tiled=True))
     code = int(np.asarray(multihost_utils.process_allgather(state.status.code, tiled=True)))
+    failed = False
     if jax.process_index() == 0:
         print(f"{hosts} processes x {local} devices, mesh {dict(mesh.shape)}, "
               f"strategies {strategies}, status {code}")
         for p, t in zip(prompts, out, strict=True):
             print(f"prompt {p} -> {t.tolist()}")
+        if args.check:
+            # The same generation on one local device, unsharded: the sharded run must agree.
+            dev = jax.local_devices()[0]
+            with jax.default_device(dev):
+                # params0 is this process's own (identical) copy, not a global array.
+                single = jax.tree.map(lambda x: jax.device_put(np.asarray(x), dev), params0)
+                res = kvg.generate(model, single, prompts, key=jax.random.key(0),
+                                   max_new_tokens=args.max_new_tokens, page_size=args.page_size)
+            failed = not np.array_equal(res.tokens, out)
+            print("single-device check:", "MISMATCH" if failed else "same greedy tokens")
     jax.distributed.shutdown()
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ cross devices; the pools never move.
 Query heads are split over `model` when its size divides q_heads; if the KV
 heads are not split (replicate fallback, MLA), each device slices the KV
 heads its query heads read.
+
+Batch rows are not split over `data`: the model code may pass any rows
+(`seq_ids`), so every device takes every row and gives the rows of other data
+shards length 0. The per-device ops stop at the longest row they see, so those
+rows cost little; a kernel that skips them entirely is future work.
 """
 
 import dataclasses
@@ -180,6 +185,14 @@ class ShardedAttention:
             )
         q_heads = qs[0].shape[-2]
         kv_heads = 1 if mla else pools[0].shape[0]
+        num_pages = pools[0].shape[-3]
+        if num_pages % plan.page_shards:
+            axes = " * ".join(f"'{a}'={plan.axis_size(a)}" for a in plan.page_axes)
+            raise ValueError(
+                f"ShardedAttention: the pool's {num_pages} pages do not split over mesh axes "
+                f"{axes} = {plan.page_shards} shards; build the cache with "
+                f"kvjax.sharding.init_sharded_cache."
+            )
         lay = _layout(plan, q_heads, kv_heads, mla)
         page_axes = plan.page_axes
         pages_entry = None if not page_axes else page_axes[0] if len(page_axes) == 1 else page_axes
