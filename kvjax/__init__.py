@@ -20,6 +20,7 @@ _EXPORTS = {
     "AttentionSpec": "kvjax.specs",
     "MLASpec": "kvjax.specs",
     "CacheSpec": "kvjax.specs",
+    "QuantSpec": "kvjax.specs",
     "PagedKVCache": "kvjax.cache",
     "CacheFullError": "kvjax.cache",
     "init_cache": "kvjax.cache",

@@ -12,9 +12,11 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["AttentionSpec", "MLASpec", "CacheSpec", "canonical_dtype"]
+__all__ = ["AttentionSpec", "MLASpec", "CacheSpec", "QuantSpec", "canonical_dtype"]
 
 _CACHE_DTYPES = ("float32", "bfloat16", "float16")
+_QUANT_BITS = (2, 4, 8)
+_SCALE_DTYPES = ("float16", "bfloat16")
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:
@@ -124,6 +126,100 @@ class MLASpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """KIVI-style low-bit quantization of a paged cache (arXiv 2402.02750).
+
+    Keys are quantized per channel in groups of `group_size` consecutive
+    tokens, values per token in groups of `group_size` consecutive channels
+    (MLA: the latent c_KV per token in channel groups; k_rope stays in the
+    cache dtype). Each group stores a scale and a zero point. The most recent
+    tokens stay in full precision (the cache dtype) in a per-sequence tail:
+    a sequence of L tokens keeps its first
+    `page_size * floor(max(L - residual, 0) / page_size)` tokens quantized, so
+    the tail holds between `residual` and `residual + page_size - 1` tokens
+    (all of them while L < residual).
+
+    Args:
+      bits: code width, 2, 4 or 8; an int for every layer or a tuple with one
+        entry per layer (e.g. the first layers at 8 bits).
+      group_size: G, elements per scale/zero group. Must divide the page size
+        (keys group along tokens inside a page) and the quantized widths.
+      residual: R, tokens kept in full precision; a multiple of the page size (0 allowed).
+      scale_dtype: storage of scales and zero points, "float16" (default) or
+        "bfloat16". float16 is the default because its 11-bit significand puts
+        the zero point within 2^-11 of the group minimum (bfloat16: 2^-8, which
+        at 8 bits can exceed half a quantization step when a group's range is
+        small next to its magnitude); its range (|x| <= 65504) is ample for
+        keys and values. Use bfloat16 for activations beyond that range.
+    """
+
+    bits: int | tuple[int, ...] = 4
+    group_size: int = 32
+    residual: int = 0
+    scale_dtype: np.dtype = dataclasses.field(default=np.dtype("float16"))
+
+    def __post_init__(self):
+        bits = self.bits
+        if isinstance(bits, list | tuple):
+            bits = tuple(bits)
+            if not bits:
+                raise ValueError("QuantSpec.bits must not be an empty tuple.")
+        for b in bits if isinstance(bits, tuple) else (bits,):
+            if isinstance(b, bool) or b not in _QUANT_BITS:
+                raise ValueError(f"QuantSpec.bits entries must be one of {_QUANT_BITS}, got {b!r}.")
+        object.__setattr__(self, "bits", bits)
+        _positive_int("QuantSpec", "group_size", self.group_size)
+        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or (
+                self.residual < 0):
+            raise ValueError(f"QuantSpec.residual must be an int >= 0, got {self.residual!r}.")
+        dtype = canonical_dtype(self.scale_dtype)
+        if dtype.name not in _SCALE_DTYPES:
+            raise ValueError(
+                f"QuantSpec.scale_dtype must be one of {_SCALE_DTYPES}, got {dtype.name}."
+            )
+        object.__setattr__(self, "scale_dtype", dtype)
+
+    def layer_bits(self, num_layers: int) -> tuple[int, ...]:
+        """Bits of every layer."""
+        if isinstance(self.bits, tuple):
+            return self.bits
+        return (self.bits,) * num_layers
+
+    def validate_for(self, spec: "CacheSpec") -> None:
+        """Raises `ValueError` if this quantization does not fit `spec`'s geometry."""
+        ps, g = spec.page_size, self.group_size
+        if isinstance(self.bits, tuple) and len(self.bits) != spec.num_layers:
+            raise ValueError(
+                f"QuantSpec.bits has {len(self.bits)} entries but the cache has "
+                f"{spec.num_layers} layers; give one per layer or a single int."
+            )
+        if self.residual % ps:
+            raise ValueError(
+                f"QuantSpec.residual={self.residual} must be a multiple of page_size={ps}."
+            )
+        # Widths quantized per token in channel groups: values, or MLA's latent.
+        widths = (spec.attention.cache_widths[0] if spec.is_mla
+                  else spec.attention.head_dim,)
+        if not spec.is_mla and ps % g:
+            raise ValueError(
+                f"QuantSpec.group_size={g} must divide page_size={ps}: keys are grouped along "
+                f"tokens inside a page. Use a page size that is a multiple of {g}."
+            )
+        for w in widths:
+            if w % g:
+                raise ValueError(
+                    f"QuantSpec.group_size={g} must divide the quantized width {w} "
+                    f"(values are grouped along channels)."
+                )
+            for b in set(self.layer_bits(spec.num_layers)):
+                if w % (8 // b):
+                    raise ValueError(
+                        f"Quantized width {w} must be a multiple of {8 // b} to pack "
+                        f"{b}-bit codes into bytes."
+                    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheSpec:
     """Shape and layout of a paged KV cache.
 
@@ -136,6 +232,8 @@ class CacheSpec:
       max_pages_per_seq: columns of the block table; a sequence holds at most
         `max_pages_per_seq * page_size` tokens.
       dtype: element type of the pages: float32, bfloat16 or float16.
+      quant: if set, the cache stores low-bit codes (see `QuantSpec`); `dtype`
+        is then the type of the full-precision tail and of MLA's k_rope.
     """
 
     attention: AttentionSpec | MLASpec
@@ -145,6 +243,7 @@ class CacheSpec:
     max_seqs: int
     max_pages_per_seq: int
     dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
+    quant: QuantSpec | None = None
 
     def __post_init__(self):
         if not isinstance(self.attention, AttentionSpec | MLASpec):
@@ -166,6 +265,12 @@ class CacheSpec:
         object.__setattr__(self, "dtype", dtype)
         if self.num_pages >= 2**31 or self.max_seqs * self.max_pages_per_seq >= 2**31:
             raise ValueError("CacheSpec: page ids and table sizes must fit in int32.")
+        if self.quant is not None:
+            if not isinstance(self.quant, QuantSpec):
+                raise ValueError(
+                    f"CacheSpec.quant must be a QuantSpec or None, got {type(self.quant).__name__}."
+                )
+            self.quant.validate_for(self)
 
     @property
     def max_tokens_per_seq(self) -> int:

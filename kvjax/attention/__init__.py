@@ -8,6 +8,12 @@ from kvjax.attention.ops import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from kvjax.attention.quantized import (
+    quantized_decode_attention,
+    quantized_mla_decode_attention,
+    quantized_mla_prefill_attention,
+    quantized_prefill_attention,
+)
 
 __all__ = [
     "IMPLS",
@@ -16,4 +22,8 @@ __all__ = [
     "mla_prefill_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "quantized_decode_attention",
+    "quantized_mla_decode_attention",
+    "quantized_mla_prefill_attention",
+    "quantized_prefill_attention",
 ]

@@ -1,5 +1,6 @@
 """The paged KV cache pytree, its page allocator, and operations on both."""
 
+from kvjax.cache import quant, quantized
 from kvjax.cache.page_table import (
     AllocStatus,
     CacheFullError,
@@ -21,6 +22,12 @@ from kvjax.cache.paged import (
     write_layer,
     write_layer_jit,
 )
+from kvjax.cache.quantized import (
+    QuantizedKVCache,
+    QuantizedKVPages,
+    QuantizedLatentPages,
+    init_quantized_cache,
+)
 
 __all__ = [
     "AllocStatus",
@@ -40,4 +47,10 @@ __all__ = [
     "token_slots",
     "write_layer",
     "write_layer_jit",
+    "quant",
+    "quantized",
+    "QuantizedKVCache",
+    "QuantizedKVPages",
+    "QuantizedLatentPages",
+    "init_quantized_cache",
 ]

@@ -34,6 +34,8 @@ __all__ = [
     "reserve",
     "fork",
     "free",
+    "truncate",
+    "unshare",
     "check_invariants",
 ]
 
@@ -42,6 +44,7 @@ OK = 0
 OUT_OF_PAGES = 1
 TOO_LONG = 2
 BAD_FORK = 3
+BAD_TRUNCATE = 4
 
 
 class CacheFullError(RuntimeError):
@@ -64,7 +67,8 @@ class AllocStatus:
 
     Attributes:
       code: int32[], 0 ok, 1 out of pages, 2 a sequence would exceed
-        max_pages_per_seq * page_size tokens, 3 a fork target is in use.
+        max_pages_per_seq * page_size tokens, 3 a fork target is in use,
+        4 a truncation asked to grow a sequence or for a negative length.
       pages_needed: int32[], new pages the operation asked for.
       pages_free: int32[], pages that were free before it.
     """
@@ -91,6 +95,10 @@ class AllocStatus:
             raise ValueError(
                 "fork: every target slot must be empty (length 0), distinct, and differ from "
                 "its source; free the target first."
+            )
+        if code == BAD_TRUNCATE:
+            raise ValueError(
+                "truncate: new lengths must lie in [0, current length] for every sequence."
             )
 
 
@@ -293,15 +301,36 @@ def free(
       (table, released): `released` lists the pages that became free, padded
       with `num_pages`; pass it to a scrub to zero them.
     """
-    max_seqs, max_pages = table.block_tables.shape
-    sink = table.num_pages
-    owned = seqs[:, None] & (
-        jnp.arange(max_pages)[None, :] < table.pages_used()[:, None]
+    owned = seqs[:, None] & _owned(table, table.lengths)
+    table, released = _release(table, owned)
+    table = dataclasses.replace(
+        table,
+        block_tables=jnp.where(seqs[:, None], -1, table.block_tables),
+        lengths=jnp.where(seqs, 0, table.lengths),
     )
-    refs = jnp.where(owned, table.block_tables, sink).reshape(-1)
+    return table, released
+
+
+def _owned(table: PageTable, lengths: Int[Array, " max_seqs"]) -> Bool[Array, "max_seqs max_pages"]:
+    """Block-table entries a sequence of the given length holds."""
+    cols = jnp.arange(table.max_pages_per_seq)[None, :]
+    return cols < table.pages_used(lengths)[:, None]
+
+
+def _release(
+    table: PageTable, drop: Bool[Array, "max_seqs max_pages"]
+) -> tuple[PageTable, Int[Array, " entries"]]:
+    """Drops the block-table references flagged in `drop` (block tables left as they are).
+
+    Reference counts go down by one per dropped entry; pages that reach zero are
+    pushed onto the free stack once each, even when several dropped entries
+    name them.
+    """
+    sink = table.num_pages
+    refs = jnp.where(drop, table.block_tables, sink).reshape(-1)
     refcounts = table.refcounts.at[refs].add(-1, mode="drop")
-    # A page shared by several freed sequences must be pushed once: sort and
-    # keep the first of each run.
+    # A page dropped by several entries must be pushed once: sort and keep the
+    # first of each run.
     refs = jnp.sort(refs)
     first = jnp.concatenate([jnp.array([True]), refs[1:] != refs[:-1]])
     hit = first & (refs < sink)
@@ -313,13 +342,95 @@ def free(
     )
     table = dataclasses.replace(
         table,
-        block_tables=jnp.where(seqs[:, None], -1, table.block_tables),
-        lengths=jnp.where(seqs, 0, table.lengths),
         refcounts=refcounts,
         free_stack=free_stack,
         num_free=table.num_free + jnp.sum(released_mask, dtype=jnp.int32),
     )
     return table, released
+
+
+def truncate(
+    table: PageTable, new_lengths: Int[Array, " max_seqs"]
+) -> tuple[PageTable, Int[Array, " entries"], AllocStatus]:
+    """Shortens sequences to `new_lengths`; whole pages past the new end return to the pool.
+
+    Tokens at positions >= new_lengths[s] are dropped. A page that other
+    sequences still share only loses this sequence's reference; a page whose
+    count reaches 0 is pushed onto the free stack. The partly filled last page
+    that remains is kept (its stale tail is masked by length and overwritten
+    by later writes; `reserve` copies it first if it is shared).
+
+    All or nothing: if any new length is negative or longer than the current
+    one, nothing changes and the status code is BAD_TRUNCATE.
+
+    Returns:
+      (table, released, status): `released` lists the pages that became free,
+      padded with `num_pages`.
+    """
+    new_lengths = jnp.asarray(new_lengths, jnp.int32)
+    ok = jnp.all((new_lengths >= 0) & (new_lengths <= table.lengths))
+    drop = ok & _owned(table, table.lengths) & ~_owned(table, new_lengths)
+    table, released = _release(table, drop)
+    table = dataclasses.replace(
+        table,
+        block_tables=jnp.where(drop, -1, table.block_tables),
+        lengths=jnp.where(ok, new_lengths, table.lengths),
+    )
+    status = AllocStatus(code=jnp.where(ok, OK, BAD_TRUNCATE).astype(jnp.int32),
+                         pages_needed=jnp.int32(0), pages_free=table.num_free)
+    return table, released, status
+
+
+def unshare(
+    table: PageTable, entries: Bool[Array, "max_seqs max_pages"]
+) -> tuple[PageTable, CopyPlan, AllocStatus]:
+    """Gives each flagged block-table entry a private page if its page is shared (copy-on-write).
+
+    Use before writing into pages other than a sequence's growing tail (e.g.
+    compacting kept tokens after an eviction). Entries past a sequence's
+    length are ignored. An entry whose page has refcount 1 keeps it. When
+    every holder of a shared page is flagged, the last of them (in row-major
+    order) keeps the original so that no page is orphaned.
+
+    All or nothing: if the pool cannot supply the copies, nothing changes and
+    the status code is OUT_OF_PAGES.
+
+    Returns:
+      (table, copy_plan, status): `copy_plan` has `max_seqs * max_pages`
+      entries; copy page `src[i]` to `dst[i]` in every pool before writing
+      (`dst == num_pages` means no copy).
+    """
+    num_pages = table.num_pages
+    sink = jnp.int32(num_pages)
+    bt = table.block_tables
+    flat_bt = bt.reshape(-1)
+    safe = jnp.clip(flat_bt, 0, num_pages - 1)
+    flagged = (entries & _owned(table, table.lengths)).reshape(-1)
+    flagged &= table.refcounts[safe] > 1
+    target = jnp.where(flagged, flat_bt, sink)
+    # Scratch counters indexed by page id: int32[num_pages], no page data touched.
+    n_flagged = jnp.zeros((num_pages,), jnp.int32).at[target].add(1, mode="drop")
+    idx = jnp.arange(flat_bt.shape[0], dtype=jnp.int32)
+    last_holder = jnp.full((num_pages,), -1, jnp.int32).at[target].max(idx, mode="drop")
+    keeps = flagged & (table.refcounts[safe] == n_flagged[safe]) & (last_holder[safe] == idx)
+    cow = flagged & ~keeps
+    pages_needed = jnp.sum(cow, dtype=jnp.int32)
+    ok = pages_needed <= table.num_free
+    fresh = _pop(table, jnp.cumsum(cow, dtype=jnp.int32) - 1)
+    do = ok & cow
+    free_before = table.num_free
+    refcounts = table.refcounts.at[jnp.where(do, fresh, sink)].set(1, mode="drop")
+    refcounts = refcounts.at[jnp.where(do, flat_bt, sink)].add(-1, mode="drop")
+    table = dataclasses.replace(
+        table,
+        block_tables=jnp.where(do, fresh, flat_bt).reshape(bt.shape),
+        refcounts=refcounts,
+        num_free=table.num_free - jnp.where(ok, pages_needed, 0),
+    )
+    copy = CopyPlan(src=jnp.where(do, flat_bt, 0), dst=jnp.where(do, fresh, sink))
+    status = AllocStatus(code=jnp.where(ok, OK, OUT_OF_PAGES).astype(jnp.int32),
+                         pages_needed=pages_needed, pages_free=free_before)
+    return table, copy, status
 
 
 def check_invariants(table: PageTable) -> None:

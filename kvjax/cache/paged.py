@@ -113,6 +113,11 @@ class Slots:
 
 def init_cache(spec: CacheSpec) -> PagedKVCache:
     """An empty cache for `spec`: zeroed pools, no sequence, every page free."""
+    if spec.quant is not None:
+        raise ValueError(
+            "init_cache: spec.quant is set; build a quantized cache with "
+            "kvjax.cache.init_quantized_cache(spec)."
+        )
     shape_a, shape_b = spec.pool_shapes
     a = jnp.zeros(shape_a, spec.dtype)
     b = jnp.zeros(shape_b, spec.dtype)

@@ -5,10 +5,13 @@ Examples:
   python -m kvjax memory --model llama-2-70b --context 8192 --batch 8 --kv-dtype bf16
   python -m kvjax memory --model llama-3-8b --compare --group-size 32
   python -m kvjax memory --model mistral-7b --lengths 100,2000,4096 --context 8192
+  python -m kvjax memory --model llama-3-8b --kv-dtype int2 --group 32 --residual 128 \
+      --budget 16 --length-spread 64 --context 8192
 """
 
 import argparse
 import functools
+import math
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -43,6 +46,16 @@ def _int_at_least(minimum: int, text: str) -> int:
 
 def _positive_int(text: str) -> int:
     return _int_at_least(1, text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def _model(text: str) -> ModelPreset:
@@ -119,10 +132,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "~6-bit deployed cache)",
     )
     p.add_argument(
-        "--group-size", type=_positive_int, default=None, metavar="G",
+        "--group-size", "--group", type=_positive_int, default=None, metavar="G",
         help="elements sharing one scale and one zero point (KIVI: G tokens per key channel, "
         "G channels per value token); adds 2*scale_bits/G bits per element to integer "
         "KV dtypes (default: no scale/zero overhead)",
+    )
+    p.add_argument(
+        "--residual", type=lambda t: _int_at_least(0, t), default=0, metavar="R",
+        help="KIVI full-precision tail: the most recent R tokens of each sequence stay bf16 "
+        "(integer KV dtypes only; a multiple of --page-size for --budget; default 0)",
+    )
+    p.add_argument(
+        "--budget", type=_positive_float, default=None, metavar="GIB",
+        help="KV memory budget in GiB: print how many tokens (whole sequences of --context "
+        "tokens) and how many sequences of --lengths/--length-spread fit with contiguous "
+        "bf16, paged bf16 and paged int8/int4/int2 caches in kvjax's layout (quantized "
+        "pages with scale/zero per group of --group elements, default min(32, --page-size), "
+        "plus a bf16 ring "
+        "of --residual + --page-size tokens per sequence)",
     )
     p.add_argument(
         "--scale-bits", type=_positive_int, default=16, metavar="BITS",
@@ -181,11 +208,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"{args.context}; raise --context or drop it to reserve the longest length"
         )
 
+    if args.budget is not None and args.group_size and args.page_size % args.group_size:
+        parser.error(
+            f"argument --group: {args.group_size} must divide --page-size {args.page_size} for "
+            f"--budget (keys are grouped along the tokens of a page); raise --page-size"
+        )
+    if args.budget is not None and args.residual % args.page_size:
+        parser.error(
+            f"argument --residual: {args.residual} must be a multiple of --page-size "
+            f"{args.page_size} for --budget (the tail is flushed a page at a time)"
+        )
+
     blocks = [_summary(preset, kv, context, args.batch, args.weight_dtype)]
     if args.compare:
         blocks.append(_compare(preset, args, context))
     if lengths is not None:
         blocks.append(_paging(preset, kv, lengths, args.context, args.page_size))
+    if args.budget is not None:
+        blocks.append(_capacity(preset, args, context, lengths))
     print("\n\n".join(blocks))
     return 0
 
@@ -195,7 +235,57 @@ def _kv_format(args: argparse.Namespace, dtype: str, bits: int | None = None) ->
     # Scales and zero points belong to integer codes; float formats carry their own exponent.
     quantized = bits is not None or dtype.startswith("int")
     group = args.group_size if quantized else None
-    return acc.kv_format(dtype, bits=bits, group_size=group, scale_bits=args.scale_bits)
+    residual = args.residual if quantized else 0
+    return acc.kv_format(dtype, bits=bits, group_size=group, scale_bits=args.scale_bits,
+                         residual=residual)
+
+
+def _capacity(
+    preset: ModelPreset, args: argparse.Namespace, context: int, lengths: list[int] | None
+) -> str:
+    from kvjax.memory import capacity as cap
+
+    spec, layers, ps = preset.attention, preset.num_layers, args.page_size
+    budget = Fraction(args.budget) * acc.GiB
+    group = args.group_size or min(32, ps)
+    layouts = [("paged bf16", acc.kv_format("bf16"))]
+    for dtype in ("int8", "int4", "int2"):
+        layouts.append((f"paged {dtype}", acc.kv_format(
+            dtype, group_size=group, scale_bits=args.scale_bits, residual=args.residual)))
+    base = cap.tokens_in_budget(spec, layers, budget, seq_len=context, page_size=ps,
+                                fmt=layouts[0][1])
+    headers = ["cache", "bytes/page", "ring bytes/seq", f"tokens ({context:,}-token seqs)",
+               "x paged bf16"]
+    rows = []
+    if lengths is not None:
+        headers.append(f"seqs of the {len(lengths)} lengths")
+        n, _ = cap.sequences_in_budget(spec, layers, budget, lengths, page_size=None,
+                                       max_len=args.context or max(lengths))
+        contiguous_tokens = math.floor(budget / cap.contiguous_cache_bytes(
+            spec, layers, max_len=context, max_seqs=1)) * context
+        rows.append(["contiguous bf16", "", "", f"{contiguous_tokens:,}",
+                     f"{contiguous_tokens / base:.2f}" if base else "-", f"{n:,}"])
+    for label, fmt in layouts:
+        tokens = cap.tokens_in_budget(spec, layers, budget, seq_len=context, page_size=ps,
+                                      fmt=fmt)
+        row = [label, _n(cap.page_bytes(spec, layers, ps, fmt)),
+               _n(cap.tail_bytes(spec, layers, ps, fmt)), f"{tokens:,}",
+               f"{tokens / base:.2f}" if base else "-"]
+        if lengths is not None:
+            n, _ = cap.sequences_in_budget(spec, layers, budget, lengths, page_size=ps, fmt=fmt)
+            row.append(f"{n:,}")
+        rows.append(row)
+    head = [
+        f"Capacity of a {args.budget:g} GiB KV budget for {preset.name} "
+        f"({ps}-token pages; integer rows: {args.scale_bits}-bit scale and zero per {group} "
+        f"elements, bf16 ring of residual {args.residual} + {ps} tokens per sequence"
+        + (", k_rope kept bf16" if preset.is_mla else "") + ").",
+        "Tokens count whole sequences of --context tokens; sequences are admitted in the "
+        "order given until the next one does not fit; contiguous slots reserve "
+        f"{args.context or (max(lengths) if lengths else context):,} tokens each.",
+        "",
+    ]
+    return "\n".join([*head, _table(headers, rows)])
 
 
 # -- formatting

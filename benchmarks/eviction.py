@@ -1,0 +1,139 @@
+"""Peak KV pages in use while a tiny model decodes far past its cache budget, per policy.
+
+The model is kvjax's toy attention stack (`kvjax.cache.policies.toy`: random
+weights, RMS norm, RoPE, GQA attention over the real paged cache, no MLP),
+not a trained LM: this measures memory, not quality. For each policy the
+script prefills `--batch` prompts, decodes `--steps` tokens greedily, and
+records the pages held (pool size minus free pages) during prefill (the
+whole prompt is cached before a prefill-time policy compresses it), after
+prefill, after every step, and inside every step right after `reserve` (the
+true decode peak: one new token per sequence before eviction runs). Quest evicts nothing; it is
+listed with the pages it reads per step instead.
+
+Each run is checked in the same process: allocator invariants hold after
+every step and no sequence exceeds its policy's budget.
+
+    PYTHONPATH=$PWD python benchmarks/eviction.py --steps 200
+"""
+
+import argparse
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from kvjax.cache import check_invariants, init_cache
+from kvjax.cache.policies import H2O, NoPolicy, PyramidKV, Quest, SnapKV, StreamingLLM
+from kvjax.cache.policies.toy import init_toy, toy_decode_step, toy_prefill
+from kvjax.specs import AttentionSpec, CacheSpec
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--batch", type=int, default=2, help="sequences decoded together")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=160, help="tokens generated per sequence")
+    p.add_argument("--budget", type=int, default=32,
+                   help="tokens per sequence each eviction policy keeps (SnapKV/PyramidKV: of "
+                        "the prompt; PyramidKV: the per-layer average)")
+    p.add_argument("--window", type=int, default=8,
+                   help="recent / observation window of the policies")
+    p.add_argument("--page-size", type=int, default=8, help="tokens per page")
+    p.add_argument("--layers", type=int, default=2, help="attention layers")
+    p.add_argument("--quest-pages", type=int, default=4,
+                   help="pages Quest reads per step and KV head (current page included)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def _run(policy, spec, params, prompts, steps, budget_of):
+    cache = init_cache(spec)
+    state = policy.init_state(cache)
+    batch, plen = prompts.shape
+    rows = np.zeros((spec.max_seqs, plen), np.int32)
+    rows[:batch] = prompts
+    q_lengths = np.zeros(spec.max_seqs, np.int32)
+    q_lengths[:batch] = plen
+    logits, cache, state, rs, ps = toy_prefill(params, cache, state, policy, jnp.asarray(rows),
+                                               jnp.asarray(q_lengths))
+    rs.raise_if_error()
+    ps.raise_if_error()
+    prefill_peak = spec.num_pages - int(rs.pages_free) + int(rs.pages_needed)
+    peak_in_step = 0
+    after = [spec.num_pages - int(cache.num_free_pages)]
+    active = jnp.asarray(q_lengths > 0, jnp.int32)
+    for i in tqdm(range(steps), desc=type(policy).__name__, leave=False):
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        pos = jnp.full((spec.max_seqs,), plen + i, jnp.int32)
+        logits, cache, state, rs, ps = toy_decode_step(params, cache, state, policy, nxt, pos,
+                                                       active)
+        rs.raise_if_error()
+        ps.raise_if_error()
+        peak_in_step = max(peak_in_step,
+                           spec.num_pages - int(rs.pages_free) + int(rs.pages_needed))
+        after.append(spec.num_pages - int(cache.num_free_pages))
+        check_invariants(cache.table)
+        limit = budget_of(i + 1)
+        if limit is not None and int(np.asarray(cache.lengths).max()) > limit:
+            raise AssertionError(f"{policy} holds more than {limit} tokens after step {i + 1}")
+    return dict(prefill_peak_pages=prefill_peak, after_prefill_pages=after[0],
+                peak_pages_in_step=peak_in_step, peak_pages_after_step=max(after),
+                final_pages=after[-1], final_tokens=np.asarray(cache.lengths)[:batch].tolist())
+
+
+def main(argv=None):
+    a = _parse(argv)
+    total = a.prompt_len + a.steps
+    max_pages = math.ceil(total / a.page_size) + 1
+    spec = CacheSpec(attention=AttentionSpec(q_heads=4, kv_heads=2, head_dim=16),
+                     num_layers=a.layers, page_size=a.page_size,
+                     num_pages=a.batch * max_pages + 1, max_seqs=a.batch,
+                     max_pages_per_seq=max_pages)
+    params = init_toy(spec, seed=a.seed)
+    prompts = np.random.default_rng(a.seed).integers(0, 64, (a.batch, a.prompt_len))
+    b, w = a.budget, a.window
+    pyramid = PyramidKV(budget=b, beta=2.0, window=w, kernel=3)
+    b_max = pyramid.layer_budgets(a.layers, a.page_size)[0]
+    cases = [
+        ("none", NoPolicy(), lambda i: None),
+        ("streaming_llm", StreamingLLM(n_sink=4, window=b - 4), lambda i: b),
+        ("h2o", H2O(budget=b, recent=w), lambda i: b),
+        ("snapkv", SnapKV(budget=b, window=w, kernel=3), lambda i: b + i),
+        ("pyramidkv", pyramid, lambda i: b_max + i),
+        ("quest", Quest(top_k=a.quest_pages, dense_layers=0), lambda i: None),
+    ]
+    results = {}
+    for name, policy, budget_of in tqdm(cases, desc="policies"):
+        results[name] = _run(policy, spec, params, prompts, a.steps, budget_of)
+        results[name]["policy"] = repr(policy)
+    results["quest"]["pages_read_per_step_per_head"] = a.quest_pages
+    print(f"\ntoy GQA stack (random weights): {a.layers} layers, 4 q / 2 kv heads, head_dim 16; "
+          f"{a.batch} sequences, prompt {a.prompt_len}, {a.steps} new tokens, "
+          f"page_size {a.page_size}, budget {b}, backend {jax.default_backend()}")
+    print("pages in use (all sequences): during prefill (whole prompt, before eviction), after "
+          "prefill, decode peak inside a step (after reserve, before eviction), decode peak "
+          "between steps, at the end")
+    print(f"{'policy':<15}{'prefill':>9}{'after prefill':>15}{'decode in-step':>16}"
+          f"{'decode between':>16}{'final':>7}  final tokens/seq")
+    for name, r in results.items():
+        print(f"{name:<15}{r['prefill_peak_pages']:>9}{r['after_prefill_pages']:>15}"
+              f"{r['peak_pages_in_step']:>16}{r['peak_pages_after_step']:>16}"
+              f"{r['final_pages']:>7}  {r['final_tokens']}")
+    print("quest evicts nothing: it reads "
+          f"{a.quest_pages} pages per KV head per step instead of all.")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(args=vars(a), results=results), f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

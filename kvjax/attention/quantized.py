@@ -1,0 +1,219 @@
+"""Attention over a quantized paged cache with a full-precision tail (GQA and MLA).
+
+Each op takes the `QuantizedLayerView` of one layer (`kvjax.cache.quantized.layer_view`)
+and computes attention on the quantized pages each sequence's block table names
+(dequantized after the gather, never the whole pool) and on its full-precision
+tail, then merges the two with `merge_attention_states`.
+
+`impl` chooses the implementation, as in `kvjax.attention.ops`:
+  "reference" / "xla": `kernels_pallas/quantized_attention/reference.py`
+    (gather the used pages' codes and scales, dequantize in float32, attend);
+  "pallas": the Pallas kernels (not yet available);
+  "auto": the best one for the default backend.
+"""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kernels_pallas.quantized_attention import reference as qref
+from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
+
+__all__ = [
+    "quantized_decode_attention",
+    "quantized_prefill_attention",
+    "quantized_mla_decode_attention",
+    "quantized_mla_prefill_attention",
+]
+
+IMPLS = ("auto", "reference", "xla", "pallas")
+
+_IMPLS = {
+    "quantized_attention": {
+        "reference": qref.quantized_attention,
+        "xla": qref.quantized_attention,
+    },
+    "quantized_mla_attention": {
+        "reference": qref.quantized_mla_attention,
+        "xla": qref.quantized_mla_attention,
+    },
+}
+
+
+def _select(op: str, impl: str):
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
+    name = "xla" if impl == "auto" else impl
+    fn = _IMPLS[op].get(name)
+    if fn is None:
+        raise NotImplementedError(
+            f"{op}: impl={name!r} is not available; choose one of {sorted(_IMPLS[op])}."
+        )
+    return fn
+
+
+def _rows(view: QuantizedLayerView, seq_ids, batch: int, op: str):
+    """Block tables, lengths and tails of the batch rows."""
+    max_seqs = view.lengths.shape[0]
+    if seq_ids is None:
+        if batch != max_seqs:
+            raise ValueError(
+                f"{op}: q has batch {batch} but the cache has {max_seqs} slots; pass seq_ids."
+            )
+        return view.block_tables, view.quant_lengths, view.lengths, view.tail_k, view.tail_v
+    if seq_ids.shape != (batch,):
+        raise ValueError(f"{op}: seq_ids must be int32[{batch}], got shape {seq_ids.shape}.")
+    return (view.block_tables[seq_ids], view.quant_lengths[seq_ids], view.lengths[seq_ids],
+            view.tail_k[:, seq_ids], view.tail_v[:, seq_ids])
+
+
+def _q_pos(lengths, q_lengths, q_len):
+    """Query t of row b sits at lengths[b] - q_lengths[b] + t; padding rows get -1."""
+    t = jnp.arange(q_len)[None, :]
+    pos = lengths[:, None] - q_lengths[:, None] + t
+    return jnp.where(t < q_lengths[:, None], pos, -1).astype(jnp.int32)
+
+
+def _check_gqa(op, q, view):
+    if not isinstance(view, QuantizedLayerView) or not isinstance(view.v, QuantLayer):
+        raise TypeError(f"{op}: view must be the QuantizedLayerView of a GQA/MHA/MQA cache.")
+    kv_heads, head_dim = view.k.codes.shape[0], view.tail_k.shape[-1]
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"{op}: q head_dim {q.shape[-1]} != cache head_dim {head_dim}.")
+    if q.shape[-2] % kv_heads:
+        raise ValueError(
+            f"{op}: q has {q.shape[-2]} heads, not a multiple of the cache's {kv_heads} KV heads."
+        )
+
+
+def quantized_prefill_attention(
+    q: Float[Array, "batch q_len q_heads head_dim"],
+    view: QuantizedLayerView,
+    q_lengths: Int[Array, " batch"],
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    seq_ids: Int[Array, " batch"] | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "batch q_len q_heads head_dim"], Float[Array, "batch q_len q_heads"]]:
+    """Chunked-prefill attention over a quantized layer; the cache already holds the new tokens.
+
+    Query t of row b sits at position `lengths[s] - q_lengths[b] + t` (s the
+    row's slot) and sees every cached key at or before it; rows
+    t >= q_lengths[b] are padding (output 0, lse -inf).
+
+    Args:
+      q: [batch, q_len, q_heads, head_dim].
+      view: `layer_view(cache, layer)` of a quantized GQA/MHA/MQA cache.
+      q_lengths: int32[batch], new tokens per row.
+      scale: logit scale, default 1/sqrt(head_dim).
+      soft_cap, sliding_window: as in `kvjax.attention.paged_prefill_attention`.
+      seq_ids: int32[batch], the slots of the rows (default: all slots in order).
+      impl: one of IMPLS.
+
+    Returns:
+      (out [batch, q_len, q_heads, head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
+    """
+    op = "quantized_prefill_attention"
+    if q.ndim != 4:
+        raise ValueError(f"{op}: q must be [batch, q_len, q_heads, head_dim], got {q.shape}.")
+    _check_gqa(op, q, view)
+    bt, ql, ln, tk, tv = _rows(view, seq_ids, q.shape[0], op)
+    if q_lengths.shape != (q.shape[0],):
+        raise ValueError(f"{op}: q_lengths must be int32[{q.shape[0]}], got {q_lengths.shape}.")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _select("quantized_attention", impl)(
+        q, view.k.codes, view.k.scale, view.k.zero, view.v.codes, view.v.scale, view.v.zero,
+        tk, tv, ql, ln, bt, _q_pos(ln, q_lengths, q.shape[1]),
+        k_bits=view.k.bits, v_bits=view.v.bits, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window,
+    )
+
+
+def quantized_decode_attention(
+    q: Float[Array, "batch q_heads head_dim"],
+    view: QuantizedLayerView,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    seq_ids: Int[Array, " batch"] | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "batch q_heads head_dim"], Float[Array, "batch q_heads"]]:
+    """Decode attention (one query per row at position lengths - 1) over a quantized layer.
+
+    Arguments as in `quantized_prefill_attention`. Rows whose sequence is
+    empty give output 0 and lse -inf.
+    """
+    if q.ndim != 3:
+        raise ValueError(
+            f"quantized_decode_attention: q must be [batch, q_heads, head_dim], got {q.shape}."
+        )
+    lengths = view.lengths if seq_ids is None else view.lengths[seq_ids]
+    ones = jnp.minimum(jnp.ones_like(lengths), lengths)
+    out, lse = quantized_prefill_attention(
+        q[:, None], view, ones, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        seq_ids=seq_ids, impl=impl)
+    return out[:, 0], lse[:, 0]
+
+
+def quantized_mla_prefill_attention(
+    q_latent: Float[Array, "batch q_len q_heads d_c"],
+    q_rope: Float[Array, "batch q_len q_heads d_rope"],
+    view: QuantizedLayerView,
+    q_lengths: Int[Array, " batch"],
+    *,
+    scale: float,
+    seq_ids: Int[Array, " batch"] | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "batch q_len q_heads d_c"], Float[Array, "batch q_len q_heads"]]:
+    """Absorbed MLA chunked-prefill attention over a quantized latent layer.
+
+    Args:
+      q_latent: queries times W_UK, [batch, q_len, q_heads, d_c].
+      q_rope: [batch, q_len, q_heads, d_rope].
+      view: `layer_view(cache, layer)` of a quantized MLA cache.
+      q_lengths, seq_ids, impl: as in `quantized_prefill_attention`.
+      scale: softmax scale (1/sqrt(qk_nope + qk_rope) times any mscale).
+
+    Returns:
+      (out in latent space [batch, q_len, q_heads, d_c], lse float32[batch, q_len, q_heads]).
+    """
+    op = "quantized_mla_prefill_attention"
+    if isinstance(view.v, QuantLayer) or view.k.codes.shape[0] != 1:
+        raise TypeError(f"{op}: view must be the QuantizedLayerView of an MLA cache.")
+    if q_latent.ndim != 4 or q_rope.shape[:-1] != q_latent.shape[:-1]:
+        raise ValueError(
+            f"{op}: q_latent {q_latent.shape} and q_rope {q_rope.shape} must be "
+            f"[batch, q_len, q_heads, width] with the same leading axes."
+        )
+    if q_latent.shape[-1] != view.tail_k.shape[-1] or q_rope.shape[-1] != view.v.shape[-1]:
+        raise ValueError(
+            f"{op}: widths {q_latent.shape[-1]}/{q_rope.shape[-1]} do not match the cache's "
+            f"d_c={view.tail_k.shape[-1]}, d_rope={view.v.shape[-1]}."
+        )
+    if not scale > 0:
+        raise ValueError(f"{op}: scale must be positive, got {scale}.")
+    bt, ql, ln, tk, tv = _rows(view, seq_ids, q_latent.shape[0], op)
+    return _select("quantized_mla_attention", impl)(
+        q_latent, q_rope, view.k.codes[0], view.k.scale[0], view.k.zero[0], view.v[0],
+        tk[0], tv[0], ql, ln, bt, _q_pos(ln, q_lengths, q_latent.shape[1]),
+        bits=view.k.bits, scale=scale,
+    )
+
+
+def quantized_mla_decode_attention(
+    q_latent: Float[Array, "batch q_heads d_c"],
+    q_rope: Float[Array, "batch q_heads d_rope"],
+    view: QuantizedLayerView,
+    *,
+    scale: float,
+    seq_ids: Int[Array, " batch"] | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
+    """Absorbed MLA decode attention over a quantized latent layer (query at lengths - 1)."""
+    lengths = view.lengths if seq_ids is None else view.lengths[seq_ids]
+    ones = jnp.minimum(jnp.ones_like(lengths), lengths)
+    out, lse = quantized_mla_prefill_attention(
+        q_latent[:, None], q_rope[:, None], view, ones, scale=scale, seq_ids=seq_ids, impl=impl)
+    return out[:, 0], lse[:, 0]

@@ -1,0 +1,142 @@
+"""PyramidKV: SnapKV's prompt compression with budgets that shrink with depth.
+
+Paper: Cai, Zhang, Gao, Liu, Liu, Lu, Xiong, Dong, Chang, Hu, Xiao,
+"PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
+Funneling", arXiv 2406.02069.
+
+Rule (paraphrased): attention is spread widely in the lower layers and
+concentrates on a few tokens in the upper ones ("pyramidal information
+funneling"), so lower layers get more cache and upper layers less. The
+per-layer budgets form an arithmetic sequence from the bottom layer to the
+top one, with the top layer's budget the average divided by beta (default
+20) and the bottom layer's twice the average minus the top's, so that the
+total matches a uniform allocation. Within a layer, tokens are chosen as in
+SnapKV (observation-window attention, pooled, top tokens plus the window).
+
+On a paged cache with one block table per sequence, a page id names the
+same slots in every layer, so memory can only be returned down to the
+largest (bottom-layer) budget. The smaller layers save reads instead: each
+layer's kept tokens are compacted to the END of the kept region, layer l
+leaving `skip_l` whole pages at its front unused, and `before_attention`
+hands the attention a block table that starts `skip_l` pages later (a
+`Selection`). To make the skipped part whole pages, each layer's budget is
+rounded up to `max_budget - skip_l * page_size`.
+
+A prompt that fits the largest budget is kept whole in every layer.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kvjax.cache.page_table import AllocStatus
+from kvjax.cache.paged import PagedKVCache
+from kvjax.cache.policies.base import CachePolicy, Selection, ok_status
+from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
+from kvjax.cache.policies.snapkv import _check_snap, snapkv_scores
+
+__all__ = ["PyramidKV", "PyramidState"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PyramidState:
+    """skip: int32[layers, max_seqs], front pages of the kept region a layer does not read."""
+
+    skip: Int[Array, "layers max_seqs"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PyramidKV(CachePolicy):
+    """SnapKV selection with per-layer budgets decreasing linearly with depth.
+
+    Attributes:
+      budget: average prompt tokens kept per layer (window included). Default 1024.
+      beta: the top layer keeps budget / beta tokens (paper: 20).
+      window, kernel, pooling, scale: as in `SnapKV`.
+    """
+
+    budget: int = 1024
+    beta: float = 20.0
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    scale: float | None = None
+
+    def __post_init__(self):
+        _check_snap("PyramidKV", self.budget, self.window, self.kernel, self.pooling)
+        if not self.beta >= 1:
+            raise ValueError(f"PyramidKV.beta must be >= 1, got {self.beta!r}.")
+        if self.budget / self.beta <= self.window:
+            raise ValueError(
+                f"PyramidKV: the top layer's budget budget/beta = {self.budget / self.beta:g} "
+                f"must exceed window={self.window}; raise budget or lower beta."
+            )
+
+    def layer_budgets(self, num_layers: int, page_size: int) -> tuple[int, ...]:
+        """Tokens each layer keeps, bottom first, after rounding up to whole skipped pages."""
+        top = self.budget / self.beta
+        bottom = 2 * self.budget - top
+        raw = [bottom - (bottom - top) * i / max(num_layers - 1, 1) for i in range(num_layers)]
+        if num_layers == 1:
+            raw = [float(self.budget)]
+        b_max = int(raw[0])
+        return tuple(b_max - int((b_max - r) // page_size) * page_size for r in raw)
+
+    def init_state(self, cache: PagedKVCache) -> PyramidState:
+        spec = cache.spec
+        if spec.is_mla:
+            raise ValueError("PyramidKV scores MHA/GQA/MQA caches (KVPages), not MLA caches.")
+        return PyramidState(skip=jnp.zeros((spec.num_layers, spec.max_seqs), jnp.int32))
+
+    def after_prefill(
+        self,
+        cache: PagedKVCache,
+        state: PyramidState,
+        queries: Float[Array, "layers batch q_len q_heads head_dim"],
+        q_lengths: Int[Array, " batch"],
+    ) -> tuple[PagedKVCache, PyramidState, AllocStatus]:
+        spec = cache.spec
+        ps = spec.page_size
+        budgets = self.layer_budgets(spec.num_layers, ps)
+        b_max = budgets[0]
+        if b_max >= spec.max_tokens_per_seq:  # no prompt can exceed the largest budget
+            return cache, PyramidState(skip=jnp.zeros_like(state.skip)), ok_status(cache)
+        scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
+                               kernel=self.kernel, pooling=self.pooling, scale=self.scale)
+        lengths = cache.lengths
+        evict = (q_lengths > 0) & (lengths > b_max)
+        keeps, skips = [], []
+        for layer, b in enumerate(budgets):
+            keep_l, _ = keep_heavy_and_recent(scores[layer], lengths, b, self.window,
+                                              seq_axis=0)  # [batch, heads, b]
+            front = jnp.broadcast_to(jnp.arange(b_max - b, dtype=jnp.int32),
+                                     (*keep_l.shape[:2], b_max - b))
+            keeps.append(jnp.concatenate([front, keep_l], axis=-1))
+            skips.append((b_max - b) // ps)
+        keep = jnp.stack(keeps)
+        same = jnp.broadcast_to(jnp.arange(b_max, dtype=jnp.int32), keep.shape)
+        keep = jnp.where(evict[None, :, None, None], keep, same)
+        new_lengths = jnp.where(evict, b_max, lengths)
+        cache, _, status = compact(cache, keep, new_lengths)
+        skip = jnp.asarray(skips, jnp.int32)[:, None]
+        skip = jnp.where(evict[None, :], skip, jnp.where(q_lengths[None, :] > 0, 0, state.skip))
+        skip = jnp.where(status.ok, skip, state.skip)
+        return cache, PyramidState(skip=skip), status
+
+    def before_attention(
+        self,
+        cache: PagedKVCache,
+        state: PyramidState,
+        layer: int | Int[Array, ""],
+        q: Float[Array, "batch q_heads head_dim"],
+    ) -> Selection:
+        skip = state.skip[layer]  # [batch]
+        bt = cache.block_tables
+        cols = jnp.arange(bt.shape[1])[None, :] + skip[:, None]
+        shifted = jnp.take_along_axis(bt, jnp.clip(cols, 0, bt.shape[1] - 1), axis=1)
+        shifted = jnp.where(cols < bt.shape[1], shifted, -1)
+        lengths = cache.lengths - skip * cache.spec.page_size
+        return Selection(block_tables=shifted[:, None], lengths=lengths[:, None])

@@ -1,0 +1,142 @@
+"""StreamingLLM: attention sinks plus a window of recent tokens.
+
+Paper: Xiao, Tian, Chen, Han, Lewis, "Efficient Streaming Language Models
+with Attention Sinks", arXiv 2309.17453 (ICLR 2024).
+
+Rule (paraphrased): the first few tokens soak up a large share of attention
+whatever their content ("attention sinks"), so a rolling cache that keeps the
+KV of those initial tokens together with the most recent tokens stays stable
+far past the training length, where a plain sliding window collapses. Their
+default is 4 sink tokens; the rest of the cache budget is the recent window.
+
+Here, once a sequence holds more than `n_sink + window` tokens, every token
+between the sinks and the window is evicted: the window is compacted next to
+the sinks and the pages past the new end return to the pool (see
+`compaction.py`). Eviction happens after each step, so a sequence never holds
+more than `n_sink + window` tokens between steps (and one more during a step).
+
+Positions, two schemes:
+  * "original" (default): keys are cached after RoPE at their position in the
+    text, and queries use their text position. Moving a key in the cache does
+    not change it. Distances between the query and the kept keys are the
+    true ones, which may exceed the model's training length.
+  * "cache" (the paper's): rotary positions are counted inside the cache, so
+    the query of a cache holding n tokens sits at position n and every
+    distance stays below n_sink + window + 1. The paper caches keys before
+    RoPE and rotates at attention time; here keys stay cached after RoPE at
+    their cache slot, and when compaction moves a key from slot s to slot j
+    it is re-rotated by j - s (`rope.rerotate`), which gives the same key.
+    The decode loop must take rotary positions from `rope_positions`.
+"""
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kvjax.cache.page_table import AllocStatus
+from kvjax.cache.paged import PagedKVCache
+from kvjax.cache.policies import rope
+from kvjax.cache.policies.base import CachePolicy, ok_status
+from kvjax.cache.policies.compaction import compact
+
+__all__ = ["StreamingLLM"]
+
+_SCHEMES = ("original", "cache")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamingLLM(CachePolicy):
+    """Keep `n_sink` first tokens and the last `window` tokens; evict the rest.
+
+    Attributes:
+      n_sink: initial tokens always kept (paper: 4).
+      window: recent tokens kept. Default 1020, so the cache holds 1024 tokens
+        per sequence, one of the cache sizes the paper evaluates.
+      positions: "original" or "cache" (see the module docstring).
+      rope_theta: RoPE base, used by the "cache" scheme to re-rotate moved keys.
+      rotary_dim: rotated channels per head for the "cache" scheme (None: all).
+    """
+
+    n_sink: int = 4
+    window: int = 1020
+    positions: str = "original"
+    rope_theta: float = 10000.0
+    rotary_dim: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"StreamingLLM.n_sink must be an int >= 0, got {self.n_sink!r}.")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"StreamingLLM.window must be an int >= 1, got {self.window!r}.")
+        if self.positions not in _SCHEMES:
+            raise ValueError(
+                f"StreamingLLM.positions must be one of {_SCHEMES}, got {self.positions!r}."
+            )
+
+    @property
+    def budget(self) -> int:
+        """Tokens a sequence holds after every step once it is long enough."""
+        return self.n_sink + self.window
+
+    def init_state(self, cache: PagedKVCache) -> None:
+        if self.positions == "cache" and cache.spec.is_mla:
+            raise ValueError(
+                "StreamingLLM(positions='cache') re-rotates cached keys and supports MHA/GQA/MQA "
+                "caches only; use positions='original' for MLA."
+            )
+        return None
+
+    def rope_positions(
+        self, cache: PagedKVCache, state: None, positions: Int[Array, "batch q_len"]
+    ) -> Int[Array, "batch q_len"]:
+        if self.positions == "original":
+            return positions
+        q_len = positions.shape[1]
+        return (cache.lengths[: positions.shape[0], None]
+                + jnp.arange(q_len, dtype=jnp.int32)[None, :]).astype(positions.dtype)
+
+    def _evict(self, cache: PagedKVCache) -> tuple[PagedKVCache, AllocStatus]:
+        spec = cache.spec
+        lengths = cache.lengths
+        j = jnp.arange(self.budget, dtype=jnp.int32)[None, :]
+        n = lengths[:, None]
+        evicting = n > self.budget
+        keep = jnp.where(evicting & (j >= self.n_sink), n - self.budget + j, j)
+        keep = jnp.broadcast_to(
+            keep[None, :, None, :],
+            (spec.num_layers, spec.max_seqs, spec.attention.cache_heads, self.budget),
+        )
+        rerotate = None
+        if self.positions == "cache":
+            head_dim = spec.attention.head_dim
+            inv_freq = rope.rope_inv_freq(self.rotary_dim or head_dim, self.rope_theta)
+            rerotate = functools.partial(_rerotate, inv_freq=inv_freq)
+        cache, _, status = compact(cache, keep, jnp.minimum(lengths, self.budget),
+                                   rerotate_keys=rerotate)
+        return cache, status
+
+    def after_prefill(
+        self,
+        cache: PagedKVCache,
+        state: None,
+        queries: Float[Array, "layers batch q_len q_heads head_dim"],
+        q_lengths: Int[Array, " batch"],
+    ) -> tuple[PagedKVCache, None, AllocStatus]:
+        return self.after_step(cache, state, queries[:, :, 0])
+
+    def after_step(
+        self,
+        cache: PagedKVCache,
+        state: None,
+        queries: Float[Array, "layers batch q_heads head_dim"],
+    ) -> tuple[PagedKVCache, None, AllocStatus]:
+        if cache.spec.max_tokens_per_seq <= self.budget:
+            return cache, state, ok_status(cache)
+        cache, status = self._evict(cache)
+        return cache, state, status
+
+
+def _rerotate(keys, delta, *, inv_freq):
+    return rope.rerotate(keys, delta, inv_freq)

@@ -1,0 +1,297 @@
+"""Attention over quantized pages + full-precision tail: exactness, error bounds, KIVI, memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax as kvx
+from kvjax import attention
+from kvjax.cache import quant
+from kvjax.cache import quantized as qz
+from kvjax.specs import QuantSpec
+
+HEAD_DIM = 32
+
+
+def dense(q, k, v, q_pos, scale, q_rope=None, k_rope=None, soft_cap=None, window=None):
+    """float64 attention of one sequence: q [T, Hq, D], k/v [S, Hkv, D] -> out [T, Hq, Dv]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    hq, hkv = q.shape[1], k.shape[1]
+    out = np.zeros((q.shape[0], hq, v.shape[-1]))
+    for h in range(hq):
+        logits = q[:, h] @ k[:, h // (hq // hkv)].T
+        if q_rope is not None:
+            logits += np.asarray(q_rope, np.float64)[:, h] @ np.asarray(k_rope, np.float64)[:, 0].T
+        logits = logits * scale
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        kp = np.arange(k.shape[0])[None]
+        visible = kp <= q_pos[:, None]
+        if window is not None:
+            visible &= q_pos[:, None] - kp < window
+        logits = np.where(visible, logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        out[:, h] = p @ v[:, h // (hq // hkv)] / p.sum(-1, keepdims=True)
+    return out
+
+
+def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5, group=16,
+          page_size=16, num_pages=64, outliers=False, mla=False):
+    """A quantized cache filled by a prefill of `lengths` then `decode` single-token steps.
+
+    Returns (cache, K, V) with the true full-precision tokens per sequence.
+    """
+    S = len(lengths)
+    if mla:
+        att = kvx.MLASpec(q_heads=4, kv_lora_rank=64, qk_rope_head_dim=16,
+                          qk_nope_head_dim=16, v_head_dim=16)
+        widths, heads = (64, 16), 1
+    else:
+        att = kvx.AttentionSpec(q_heads=4, kv_heads=kv_heads, head_dim=HEAD_DIM)
+        widths, heads = (HEAD_DIM, HEAD_DIM), kv_heads
+    spec = kvx.CacheSpec(attention=att, num_layers=1, page_size=page_size, num_pages=num_pages,
+                         max_seqs=S, max_pages_per_seq=8,
+                         quant=QuantSpec(bits=bits, group_size=group, residual=residual))
+    cache = qz.init_quantized_cache(spec)
+    chunk = 128  # fixed prefill shape, so tests with the same spec share compilations
+    total = chunk + decode
+    ka = rng.standard_normal((S, total, heads, widths[0])).astype(np.float32)
+    vb = rng.standard_normal((S, total, heads, widths[1])).astype(np.float32)
+    if outliers:
+        ka[..., :2] = ka[..., :2] * 4 + 10
+    lengths = np.asarray(lengths)
+    cache, st = qz.reserve(cache, jnp.asarray(lengths, jnp.int32))
+    st.raise_if_error()
+    cache = qz.write_layer_jit(cache, 0, jnp.asarray(ka[:, :chunk]), jnp.asarray(vb[:, :chunk]))
+    for i in range(decode):
+        cache, st = qz.reserve(cache, jnp.ones(S, jnp.int32))
+        st.raise_if_error()
+        cache = qz.write_layer_jit(cache, 0, jnp.asarray(ka[np.arange(S), chunk + i][:, None]),
+                                   jnp.asarray(vb[np.arange(S), chunk + i][:, None]))
+    # True tokens of sequence s: its prefill, then the decoded ones (stored past the chunk).
+    ks = [np.concatenate([ka[s, :lengths[s]], ka[s, chunk:]]) for s in range(S)]
+    vs = [np.concatenate([vb[s, :lengths[s]], vb[s, chunk:]]) for s in range(S)]
+    return cache, ks, vs
+
+
+def rel_err(got, want):
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
+    # Attention mechanics (gather, tail ring positions, GQA, LSE merge) are
+    # exact: compared with float64 attention over the very K/V the cache
+    # reconstructs, only float32 rounding remains.
+    cache, _, _ = build(rng, bits=bits, residual=16, kv_heads=kv_heads)
+    S = cache.spec.max_seqs
+    q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
+    view = qz.layer_view(cache, 0)
+    out, lse = jax.jit(attention.quantized_decode_attention)(jnp.asarray(q), view)
+    assert out.shape == (S, 4, HEAD_DIM) and lse.shape == (S, 4)
+    for s in range(S):
+        k, v = qz.dequantized_sequence(cache, 0, s)
+        want = dense(q[s][None], k, v, np.array([len(k) - 1]), HEAD_DIM ** -0.5)[0]
+        np.testing.assert_allclose(np.asarray(out[s]), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("soft_cap,window", [(None, None), (2.0, 20)])
+def test_prefill_rows_padding_and_seq_ids(rng, soft_cap, window):
+    cache, _, _ = build(rng, bits=4, residual=16, decode=3)
+    seq_ids = jnp.array([3, 0], jnp.int32)
+    q_lengths = np.array([5, 2])
+    q = rng.standard_normal((2, 6, 4, HEAD_DIM)).astype(np.float32)
+    out, lse = attention.quantized_prefill_attention(
+        jnp.asarray(q), qz.layer_view(cache, 0), jnp.asarray(q_lengths), seq_ids=seq_ids,
+        soft_cap=soft_cap, sliding_window=window)
+    for r, s in enumerate([3, 0]):
+        k, v = qz.dequantized_sequence(cache, 0, s)
+        pos = len(k) - q_lengths[r] + np.arange(q_lengths[r])
+        want = dense(q[r, :q_lengths[r]], k, v, pos, HEAD_DIM ** -0.5, soft_cap=soft_cap,
+                     window=window)
+        np.testing.assert_allclose(np.asarray(out[r, :q_lengths[r]]), want, rtol=2e-5,
+                                   atol=2e-5)
+        assert not np.asarray(out[r, q_lengths[r]:]).any()
+        assert np.isneginf(np.asarray(lse[r, q_lengths[r]:])).all()
+
+
+def test_8bit_within_1e2_of_full_precision(rng):
+    cache, ks, vs = build(rng, bits=8, residual=0, lengths=(100, 64, 17, 120))
+    S = cache.spec.max_seqs
+    q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
+    out, _ = attention.quantized_decode_attention(jnp.asarray(q), qz.layer_view(cache, 0))
+    for s in range(S):
+        want = dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]), HEAD_DIM ** -0.5)[0]
+        assert rel_err(np.asarray(out[s]), want) < 1e-2
+
+
+def _scale_bound(q, k, v, k_step, v_step, scale):
+    """Worst-case |out_hat - out| per (head, channel) from the stored scales.
+
+    With |k_hat - k| <= k_step/2 and |v_hat - v| <= v_step/2 elementwise, each
+    logit moves by at most delta = scale * max_s sum_d |q_d| k_step[s, d] / 2,
+    so every softmax weight changes by a factor in [e^-2delta, e^2delta] and
+    sum_s |p_hat_s - p_s| <= e^(2 delta) - 1. Hence, per output channel d,
+        |out_hat_d - out_d| <= max_s v_step[s, d] / 2
+                               + (e^(2 delta) - 1) * (max_s v[s, d] - min_s v[s, d]) / 2.
+    """
+    hq, hkv = q.shape[0], k.shape[1]
+    bound = np.zeros((hq, v.shape[-1]))
+    for h in range(hq):
+        g = h // (hq // hkv)
+        delta = scale * np.max(np.abs(q[h])[None] @ k_step[:, g].T / 2)
+        spread = (v[:, g].max(0) - v[:, g].min(0)) / 2
+        bound[h] = v_step[:, g].max(0) / 2 + np.expm1(2 * delta) * spread
+    return bound
+
+
+def _steps(cache, s):
+    """Per-element stored step (scale) of a sequence's K and V; 0 in the tail."""
+    spec = cache.spec
+    view = qz.layer_view(cache, 0)
+    n_q = int(cache.quant_lengths[s])
+    L = int(cache.lengths[s])
+    pages = np.asarray(cache.block_tables[s, :n_q // spec.page_size])
+    out = []
+    for pool in (view.k, view.v):
+        sc = np.asarray(pool.scale, np.float32)[:, pages]
+        rep = spec.page_size // sc.shape[-2] if pool.grouping == "tokens" else None
+        sc = np.repeat(sc, rep, -2) if rep else np.repeat(sc, HEAD_DIM // sc.shape[-1], -1)
+        sc = sc.reshape(sc.shape[0], -1, HEAD_DIM).transpose(1, 0, 2)
+        out.append(np.concatenate([sc, np.zeros((L - n_q, *sc.shape[1:]))], 0))
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_low_bit_error_below_scale_bound(rng, bits):
+    cache, ks, vs = build(rng, bits=bits, residual=16, lengths=(70, 40, 33, 90))
+    S = cache.spec.max_seqs
+    q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
+    out, _ = attention.quantized_decode_attention(jnp.asarray(q), qz.layer_view(cache, 0))
+    scale = HEAD_DIM ** -0.5
+    for s in range(S):
+        want = dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]), scale)[0]
+        k_step, v_step = _steps(cache, s)
+        bound = _scale_bound(q[s], ks[s], vs[s], k_step, v_step, scale)
+        err = np.abs(np.asarray(out[s], np.float64) - want)
+        assert np.all(err <= bound + 1e-5), f"max excess {np.max(err - bound)}"
+        assert err.max() > 0  # really quantized
+
+
+def test_kivi_per_channel_keys_beat_per_token_keys_with_outlier_channels(rng):
+    # Real LLM keys have a few channels of large magnitude. Grouping keys per
+    # channel (along tokens) isolates them; grouping per token (along
+    # channels) lets them stretch every group's range and wipes out the rest.
+    S, D, G, trials = 256, 64, 32, 8
+    scale = D ** -0.5
+    errs = {"tokens": [], "channels": []}
+    for _ in range(trials):
+        k = rng.standard_normal((S, 1, D)).astype(np.float32)
+        out_ch = rng.choice(D, 3, replace=False)
+        k[:, :, out_ch] = k[:, :, out_ch] * 5 + rng.choice([-15, 15], 3)
+        v = rng.standard_normal((S, 1, D)).astype(np.float32)
+        q = rng.standard_normal((4, 4, D)).astype(np.float32)
+        pos = np.full(4, S - 1)
+        want = dense(q, k, v, pos, scale)
+        for grouping in errs:
+            codes, sc, z = quant.quantize(jnp.asarray(k[:, 0]), bits=2, group_size=G,
+                                          grouping=grouping)
+            k_hat = np.asarray(quant.dequantize(quant.pack_codes(codes, 2), sc, z, bits=2,
+                                                grouping=grouping))[:, None]
+            errs[grouping].append(np.abs(dense(q, k_hat, v, pos, scale) - want).mean())
+    per_channel, per_token = np.mean(errs["tokens"]), np.mean(errs["channels"])
+    assert per_channel < per_token, (per_channel, per_token)
+    print(f"2-bit keys, attention-output mean error: per-channel {per_channel:.4f}, "
+          f"per-token {per_token:.4f}")
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_mla_equals_dense_on_dequantized_and_8bit_close(rng, bits):
+    cache, cs, rs = build(rng, bits=bits, residual=16, mla=True, lengths=(50, 3, 33))
+    S = cache.spec.max_seqs
+    ql = rng.standard_normal((S, 4, 64)).astype(np.float32)
+    qr = rng.standard_normal((S, 4, 16)).astype(np.float32)
+    scale = 32 ** -0.5
+    out, _ = attention.quantized_mla_decode_attention(jnp.asarray(ql), jnp.asarray(qr),
+                                                      qz.layer_view(cache, 0), scale=scale)
+    for s in range(S):
+        c, r = qz.dequantized_sequence(cache, 0, s)
+        np.testing.assert_array_equal(r, rs[s])  # k_rope is kept in full precision
+        pos = np.array([len(c) - 1])
+        want = dense(ql[s][None], c, c, pos, scale, qr[s][None], r)[0]
+        np.testing.assert_allclose(np.asarray(out[s]), want, rtol=2e-5, atol=2e-5)
+        if bits == 8:
+            exact = dense(ql[s][None], cs[s], cs[s], pos, scale, qr[s][None], rs[s])[0]
+            assert rel_err(np.asarray(out[s]), exact) < 1e-2
+
+
+def _float_arrays(jaxpr):
+    """Every float-typed value produced anywhere in a (closed) jaxpr, sub-jaxprs included."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            aval = var.aval
+            if hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating):
+                yield eqn.primitive.name, aval.shape
+        for param in eqn.params.values():
+            subs = param if isinstance(param, list | tuple) else [param]
+            for sub in subs:
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    yield from _float_arrays(inner if hasattr(inner, "eqns") else inner.jaxpr)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_decode_step_never_materialises_a_dequantized_pool(rng, mla):
+    # A pool much larger than what the sequences read: 64 pages of 16 tokens
+    # versus 4 sequences x 8 block-table entries.
+    cache, _, _ = build(rng, bits=4, residual=16, mla=mla, num_pages=256, lengths=(30, 3, 20, 9))
+    spec = cache.spec
+    heads = spec.attention.cache_heads
+    width = spec.attention.cache_widths[0]
+    pool_elems = heads * spec.num_pages * spec.page_size * width
+    S = spec.max_seqs
+    new_a = jnp.ones((S, 1, heads, spec.attention.cache_widths[0]), jnp.float32)
+    new_b = jnp.ones((S, 1, heads, spec.attention.cache_widths[1]), jnp.float32)
+
+    if mla:
+        def step(c, ql, qr):
+            c = qz.write_layer(c, 0, new_a, new_b)
+            return attention.quantized_mla_decode_attention(ql, qr, qz.layer_view(c, 0),
+                                                            scale=0.1), c
+        args = (jnp.ones((S, 4, 64)), jnp.ones((S, 4, 16)))
+    else:
+        def step(c, q):
+            c = qz.write_layer(c, 0, new_a, new_b)
+            return attention.quantized_decode_attention(q, qz.layer_view(c, 0)), c
+        args = (jnp.ones((S, 4, HEAD_DIM)),)
+
+    closed = jax.make_jaxpr(step)(cache, *args)
+    big = [(p, s) for p, s in _float_arrays(closed.jaxpr) if np.prod(s) >= pool_elems]
+    assert not big, f"full-pool-sized float arrays in the decode step: {big}"
+
+    # The check can fail: dequantizing the whole pool is caught.
+    def naive(c):
+        v = qz.layer_view(c, 0)
+        return quant.dequantize(v.k.codes, v.k.scale, v.k.zero, bits=4, grouping=v.k.grouping)
+
+    naive_big = [s for _, s in _float_arrays(jax.make_jaxpr(naive)(cache).jaxpr)
+                 if np.prod(s) >= pool_elems]
+    assert naive_big
+
+
+def test_bad_inputs(rng):
+    cache, _, _ = build(rng, bits=4, residual=16, decode=1)
+    view = qz.layer_view(cache, 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention.quantized_decode_attention(jnp.ones((4, 4, 8)), view)
+    with pytest.raises(ValueError, match="seq_ids"):
+        attention.quantized_decode_attention(jnp.ones((2, 4, HEAD_DIM)), view)
+    with pytest.raises(ValueError, match="impl"):
+        attention.quantized_decode_attention(jnp.ones((4, 4, HEAD_DIM)), view, impl="cuda")
+    with pytest.raises(NotImplementedError, match="pallas"):
+        attention.quantized_decode_attention(jnp.ones((4, 4, HEAD_DIM)), view, impl="pallas")
+    with pytest.raises(TypeError, match="MLA"):
+        attention.quantized_mla_decode_attention(jnp.ones((4, 4, HEAD_DIM)),
+                                                 jnp.ones((4, 4, 8)), view, scale=0.1)

@@ -1,0 +1,260 @@
+"""The quantized paged cache: tail state machine, flushes, allocator (fork/CoW/free), MLA."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax as kvx
+from kvjax.cache import CacheFullError, check_invariants
+from kvjax.cache import quantized as qz
+from kvjax.cache.quant import dequantize
+from kvjax.specs import QuantSpec
+
+EPS = np.finfo(np.float32).eps
+
+
+def gqa_spec(*, bits=4, group=8, residual=16, page_size=8, num_pages=64, max_seqs=4,
+             max_pages=8, layers=2, dtype="float32"):
+    return kvx.CacheSpec(
+        attention=kvx.AttentionSpec(q_heads=4, kv_heads=2, head_dim=16), num_layers=layers,
+        page_size=page_size, num_pages=num_pages, max_seqs=max_seqs,
+        max_pages_per_seq=max_pages, dtype=dtype,
+        quant=QuantSpec(bits=bits, group_size=group, residual=residual),
+    )
+
+
+def mla_spec(*, bits=4, group=8, residual=8, page_size=8, num_pages=48, max_seqs=3,
+             max_pages=8):
+    return kvx.CacheSpec(
+        attention=kvx.MLASpec(q_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=8),
+        num_layers=1, page_size=page_size, num_pages=num_pages, max_seqs=max_seqs,
+        max_pages_per_seq=max_pages, quant=QuantSpec(bits=bits, group_size=group,
+                                                     residual=residual),
+    )
+
+
+def _expand(s, grouping, rows, width):
+    s = np.asarray(s, np.float32)
+    return np.repeat(s, rows // s.shape[-2], -2) if grouping == "tokens" else np.repeat(
+        s, width // s.shape[-1], -1)
+
+
+def reconstruct(cache, layer, seq):
+    """Host-side read-back of one sequence: (a, b, step_a, step_b), each [tokens, heads, width].
+
+    Quantized positions are dequantized (step = the stored scale of each
+    element); tail positions are read from the ring (step 0).
+    """
+    spec = cache.spec
+    view = qz.layer_view(cache, layer)
+    L, Q = int(cache.lengths[seq]), int(cache.quant_lengths[seq])
+    ps, ring = spec.page_size, qz.tail_capacity(spec)
+    pages = np.asarray(cache.block_tables[seq, :Q // ps])
+    outs = []
+    parts = [(view.k, view.tail_k), (view.v, view.tail_v)]
+    for pool, tail in parts:
+        if isinstance(pool, qz.QuantLayer):
+            codes, scale, zero = (np.asarray(x)[:, pages] for x in (pool.codes, pool.scale,
+                                                                     pool.zero))
+            q = np.asarray(dequantize(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(zero),
+                                      bits=pool.bits, grouping=pool.grouping))
+            h, n, _, w = q.shape
+            step = _expand(scale, pool.grouping, ps, w)
+        else:  # MLA k_rope: full precision pages
+            q = np.asarray(pool)[:, pages].astype(np.float32)
+            h, n, _, w = q.shape
+            step = np.zeros_like(q)
+        q = q.reshape(h, n * ps, w)
+        step = step.reshape(h, n * ps, w)
+        t = np.asarray(tail)[:, seq, np.arange(Q, L) % ring].astype(np.float32)
+        outs.append((np.concatenate([q, t], 1).transpose(1, 0, 2),
+                     np.concatenate([step, np.zeros_like(t)], 1).transpose(1, 0, 2)))
+    (a, sa), (b, sb) = outs
+    return a, b, sa, sb
+
+
+def assert_close_to_truth(got, step, want):
+    """Quantized elements within half a stored step (plus f32 rounding); tail elements exact."""
+    want = np.asarray(want, np.float32)
+    err = np.abs(got - want)
+    bound = step / 2 + 8 * EPS * (np.abs(want) + step * 256)
+    assert got.shape == want.shape
+    assert np.all(err <= bound), f"max excess {np.max(err - bound)}"
+    tail = step.reshape(len(step), -1).max(axis=1) == 0
+    np.testing.assert_array_equal(got[tail], want[tail])
+
+
+def _step(cache, num_new, toks_a, toks_b, layers, seq_ids=None):
+    cache, status = qz.reserve(cache, jnp.asarray(num_new, jnp.int32))
+    status.raise_if_error()
+    for layer in range(layers):
+        cache = qz.write_layer_jit(cache, layer, jnp.asarray(toks_a[layer]),
+                                   jnp.asarray(toks_b[layer]), seq_ids)
+    return cache
+
+
+@pytest.mark.parametrize("residual", [0, 16])
+def test_tail_state_machine_random_prefill_then_decode(rng, residual):
+    spec = gqa_spec(residual=residual, bits=(8, 2), num_pages=64, max_pages=8)
+    ps, S, layers = spec.page_size, spec.max_seqs, spec.num_layers
+    chunk = 24  # padded prefill length, static
+    for _ in range(2):  # two fresh random draws of T and n per run
+        cache = qz.init_quantized_cache(spec)
+        T = rng.integers(0, chunk + 1, S)
+        n = int(rng.integers(1, 2 * ps + 3))
+        truth_a = rng.standard_normal((layers, S, chunk + n, 2, 16)).astype(np.float32) * 3
+        truth_b = rng.standard_normal((layers, S, chunk + n, 2, 16)).astype(np.float32)
+        # Prefill rows carry garbage past T[s] (padding): it must never be stored.
+        pad_a = truth_a[:, :, :chunk].copy()
+        pad_b = truth_b[:, :, :chunk].copy()
+        for s in range(S):
+            pad_a[:, s, T[s]:] = 1e4
+            pad_b[:, s, T[s]:] = -1e4
+        cache = _step(cache, T, pad_a, pad_b, layers)
+        seqs = [truth_a[:, s, :T[s]] for s in range(S)], [truth_b[:, s, :T[s]] for s in range(S)]
+        for _step_i in range(n):
+            new_a = rng.standard_normal((layers, S, 1, 2, 16)).astype(np.float32)
+            new_b = rng.standard_normal((layers, S, 1, 2, 16)).astype(np.float32)
+            cache = _step(cache, np.ones(S), new_a, new_b, layers)
+            for s in range(S):
+                seqs[0][s] = np.concatenate([seqs[0][s], new_a[:, s]], 1)
+                seqs[1][s] = np.concatenate([seqs[1][s], new_b[:, s]], 1)
+        L = T + n
+        Q = ps * (np.maximum(L - residual, 0) // ps)
+        np.testing.assert_array_equal(np.asarray(cache.lengths)[:S], L)
+        np.testing.assert_array_equal(np.asarray(cache.quant_lengths), Q)
+        tail = L - Q
+        assert np.all(np.where(L >= residual, (tail >= residual) & (tail < residual + ps),
+                               tail == L))
+        check_invariants(cache.table)
+        assert int(cache.num_free_pages) == spec.num_pages - Q.sum() // ps
+        for s in range(S):
+            for layer in range(layers):
+                a, b, sa, sb = reconstruct(cache, layer, s)
+                assert_close_to_truth(a, sa, seqs[0][s][layer])
+                assert_close_to_truth(b, sb, seqs[1][s][layer])
+
+
+def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
+    spec = gqa_spec(residual=8, num_pages=32, layers=1)
+    cache = qz.init_quantized_cache(spec)
+    T = np.array([21, 0, 0, 0])
+    a = rng.standard_normal((1, 4, 21, 2, 16)).astype(np.float32)
+    b = rng.standard_normal((1, 4, 21, 2, 16)).astype(np.float32)
+    cache = _step(cache, T, a, b, 1)
+    shared = np.asarray(cache.block_tables[0, :1])  # Q = 8: one quantized page
+    cache, status = qz.fork(cache, jnp.array([0, 0]), jnp.array([1, 2]))
+    status.raise_if_error()
+    assert np.asarray(cache.table.refcounts)[shared].tolist() == [3]
+    check_invariants(cache.table)
+    # Diverge: each sequence decodes its own tokens until a flush happens in all three.
+    hist = {s: (a[0, 0], b[0, 0]) for s in range(3)}
+    for _ in range(5):
+        na = rng.standard_normal((1, 4, 1, 2, 16)).astype(np.float32)
+        nb = rng.standard_normal((1, 4, 1, 2, 16)).astype(np.float32)
+        cache = _step(cache, np.array([1, 1, 1, 0]), na, nb, 1)
+        for s in range(3):
+            hist[s] = (np.concatenate([hist[s][0], na[0, s]]), np.concatenate([hist[s][1],
+                                                                               nb[0, s]]))
+    assert np.asarray(cache.quant_lengths).tolist() == [16, 16, 16, 0]
+    check_invariants(cache.table)
+    for s in range(3):
+        x, y, sx, sy = reconstruct(cache, 0, s)
+        assert_close_to_truth(x, sx, hist[s][0])
+        assert_close_to_truth(y, sy, hist[s][1])
+    # The shared page survives freeing its creator; the new pages are private.
+    cache = qz.free(cache, jnp.array([True, False, False, False]), scrub=True)
+    assert np.asarray(cache.table.refcounts)[shared].tolist() == [2]
+    check_invariants(cache.table)
+    x, _, sx, _ = reconstruct(cache, 0, 1)
+    assert_close_to_truth(x, sx, hist[1][0])
+    cache = qz.free(cache, jnp.array([False, True, True, False]), scrub=True)
+    assert int(cache.num_free_pages) == spec.num_pages
+    # Scrubbed: the pools and the tails hold zeros again.
+    assert not np.asarray(cache.paged.pages.k[0].codes).any()
+    assert not np.asarray(cache.tail.a).any()
+
+
+def test_fork_into_busy_slot_is_refused(rng):
+    spec = gqa_spec(residual=16, layers=1)
+    cache = qz.init_quantized_cache(spec)
+    x = rng.standard_normal((1, 4, 5, 2, 16)).astype(np.float32)
+    cache = _step(cache, np.array([5, 3, 0, 0]), x, x, 1)  # slot 1: tail only, Q = 0
+    cache, status = qz.fork(cache, jnp.array([0]), jnp.array([1]))
+    with pytest.raises(ValueError, match="fork"):
+        status.raise_if_error()
+    assert np.asarray(cache.lengths).tolist() == [5, 3, 0, 0]
+
+
+def test_out_of_pages_is_cache_full_and_changes_nothing(rng):
+    spec = gqa_spec(residual=0, num_pages=3, layers=1)
+    cache = qz.init_quantized_cache(spec)
+    cache, status = qz.reserve(cache, jnp.array([17, 0, 0, 0], jnp.int32))
+    status.raise_if_error()  # 2 quantized pages, 1 tail token
+    before = np.asarray(cache.lengths).copy()
+    cache, status = qz.reserve(cache, jnp.array([8, 8, 0, 0], jnp.int32))
+    with pytest.raises(CacheFullError):
+        status.raise_if_error()
+    np.testing.assert_array_equal(np.asarray(cache.lengths), before)
+    assert np.asarray(cache.quant_lengths).tolist() == [16, 0, 0, 0]
+    # The failed step's writes are no-ops.
+    x = jnp.asarray(rng.standard_normal((4, 8, 2, 16)), jnp.float32)
+    cache2 = qz.write_layer_jit(cache, 0, x, x)
+    assert int(cache2.lengths[1]) == 0
+    check_invariants(cache2.table)
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_mla_latent_quantized_rope_full_precision(rng, bits):
+    spec = mla_spec(bits=bits)
+    cache = qz.init_quantized_cache(spec)
+    T = np.array([19, 9, 0])
+    c = rng.standard_normal((1, 3, 19, 32)).astype(np.float32)
+    r = rng.standard_normal((1, 3, 19, 8)).astype(np.float32)
+    cache = _step(cache, T, c, r, 1)
+    hist = [(c[0, s, :T[s]], r[0, s, :T[s]]) for s in range(3)]
+    for _ in range(9):
+        nc = rng.standard_normal((1, 3, 1, 32)).astype(np.float32)
+        nr = rng.standard_normal((1, 3, 1, 8)).astype(np.float32)
+        cache = _step(cache, np.array([1, 1, 0]), nc, nr, 1)
+        for s in range(2):
+            hist[s] = (np.concatenate([hist[s][0], nc[0, s]]),
+                       np.concatenate([hist[s][1], nr[0, s]]))
+    assert np.asarray(cache.quant_lengths).tolist() == [16, 8, 0]
+    for s in range(2):
+        x, y, sx, sy = reconstruct(cache, 0, s)
+        assert_close_to_truth(x[:, 0], sx[:, 0], hist[s][0])
+        np.testing.assert_array_equal(y[:, 0], hist[s][1])  # k_rope is never quantized
+        assert sx[:16 if s == 0 else 8].min() > 0  # the flushed part is really quantized
+
+
+def test_per_layer_bits_pools_and_traced_layer_rule():
+    spec = gqa_spec(bits=(8, 2, 8), layers=3)
+    cache = qz.init_quantized_cache(spec)
+    ks = cache.paged.pages.k
+    assert [p.bits for p in ks] == [8, 2]
+    assert [p.codes.shape[0] for p in ks] == [2, 1]
+    assert ks[0].codes.shape[-1] == 16 and ks[1].codes.shape[-1] == 4
+    assert qz.layer_groups(spec)[1] == ((0, 0), (1, 0), (0, 1))
+    with pytest.raises(TypeError, match="Python int"):
+        qz.layer_view(cache, jnp.int32(1))
+    uniform = qz.init_quantized_cache(gqa_spec(bits=4, layers=2))
+    view = qz.layer_view(uniform, jnp.int32(1))  # a traced/array layer works with one width
+    assert view.k.bits == 4
+
+
+def test_quant_spec_validation():
+    with pytest.raises(ValueError, match="bits entries"):
+        QuantSpec(bits=3)
+    with pytest.raises(ValueError, match="residual"):
+        gqa_spec(residual=12)
+    with pytest.raises(ValueError, match="divide page_size"):
+        gqa_spec(group=16, page_size=8)
+    with pytest.raises(ValueError, match="3 entries"):
+        gqa_spec(bits=(2, 4, 8), layers=2)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        QuantSpec(scale_dtype="float32")
+    assert hash(QuantSpec(bits=[2, 4])) == hash(QuantSpec(bits=(2, 4)))
+    with pytest.raises(ValueError, match="quant="):
+        qz.init_quantized_cache(gqa_spec().replace(quant=None))
