@@ -23,6 +23,7 @@ from kvjax.models import llama
 from kvjax.models.base import get_family
 from kvjax.models.layers import RopeConfig
 from tests.sharding.helpers import make_plan, plan_id
+from tests.sharding.test_hlo import collective_shapes, pool_like
 
 # (8,) per strategy, then (2, 4) and (2, 2, 2) combining them. Each generation compiles a
 # prefill, a decode loop and a step (~25 s of CPU per plan), so by default only the (2, 2, 2)
@@ -90,9 +91,11 @@ def _run(model, params, cache, prompts, impl):
     state.status.raise_if_error()
     # One more decode step on the grown cache, for its logits (reserve + forward, one jit).
     step = jax.jit(functools.partial(_decode_step, model=model, impl=impl))
-    step_logits, cache = step(params, state.cache, state.last, state.position)
+    compiled = step.lower(params, state.cache, state.last, state.position).compile()
+    step_logits, cache = compiled(params, state.cache, state.last, state.position)
     valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    return np.asarray(logits)[valid], np.asarray(state.tokens), np.asarray(step_logits), cache
+    return (np.asarray(logits)[valid], np.asarray(state.tokens), np.asarray(step_logits), cache,
+            compiled.as_text())
 
 
 def _decode_step(params, cache, last, position, *, model, impl):
@@ -130,6 +133,10 @@ def test_sharded_generation_matches_one_device(kind, plan_args):
         assert pool.sharding.is_equivalent_to(sh, pool.ndim), (pool.sharding, sh)
     if plan.page_shards > 1:
         kvs.check_invariants(cache.table)
+    # The model's compiled decode step (tensor-parallel matmuls included) moves no pool:
+    # no collective result looks like pool pages [..., >= pages per shard, page_size, width].
+    found = collective_shapes(got[4])
+    assert not [(op, shape) for op, shape in found if pool_like(shape, spec, plan)], found
 
 
 def test_param_shardings_split_heads_mlp_and_vocab():
