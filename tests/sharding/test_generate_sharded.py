@@ -8,7 +8,6 @@ and one more decode step's logits are compared with a single-device run.
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from kvjax.models import deepseek as ds
 from kvjax.models import llama
 from kvjax.models.base import get_family
 from kvjax.models.layers import RopeConfig
-from tests.sharding.helpers import make_plan, plan_id
+from tests.sharding.helpers import FULL, make_plan, plan_id
 from tests.sharding.test_hlo import collective_shapes, pool_like
 
 # (8,) per strategy, then (2, 4) and (2, 2, 2) combining them. Each generation compiles a
@@ -35,7 +34,7 @@ _ALL_PLANS = [
     ((2, 4), ("data", "model"), ("sequences", "heads")),
     ((2, 2, 2), ("data", "model", "context"), ("sequences", "heads", "context")),
 ]
-GEN_PLANS = _ALL_PLANS if os.environ.get("KVJAX_SHARDING_FULL") else _ALL_PLANS[-1:]
+GEN_PLANS = _ALL_PLANS if FULL else _ALL_PLANS[-1:]
 # f32 logits; the sharded run sums matmul partials and attention pieces in another order.
 LOGIT_TOL = dict(rtol=1e-4, atol=1e-4)
 PROMPT_LENS = (5, 11, 3, 8, 1, 9, 6, 13)
