@@ -83,7 +83,7 @@ def _select(op: str, impl, interpret: bool | None = None):
     # the op its own way, e.g. per device inside shard_map; models pass `impl` through.
     resolve = getattr(impl, "resolve_attention", None)
     if resolve is not None:
-        return resolve(op)
+        return resolve(op, interpret=interpret)
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
     name = _auto_impl(op) if impl == "auto" else impl

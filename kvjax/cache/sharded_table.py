@@ -268,11 +268,15 @@ def owner_shards(table: ShardedPageTable) -> np.ndarray:
     return s * table.context_shards + j
 
 
-def check_invariants(table: ShardedPageTable) -> None:
+def check_invariants(table: pt.PageTable) -> None:
     """Host-side: the global allocator invariants, plus every page in its owner shard.
 
-    Raises AssertionError naming the breach.
+    A plain `PageTable` gets `page_table.check_invariants`. Raises AssertionError
+    naming the breach.
     """
+    if not isinstance(table, ShardedPageTable):
+        pt.check_invariants(table)
+        return
     S, n = table.num_shards, table.pages_per_shard
     num_free = np.asarray(table.num_free)
     stack = np.asarray(table.free_stack).reshape(S, n)

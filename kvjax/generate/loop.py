@@ -97,8 +97,9 @@ class DecodeState:
 
 
 def _ok_status(cache) -> AllocStatus:
+    # A sharded allocator keeps one free count per shard: report the total.
     return AllocStatus(code=jnp.int32(0), pages_needed=jnp.int32(0),
-                       pages_free=cache.table.num_free)
+                       pages_free=jnp.sum(cache.table.num_free, dtype=jnp.int32))
 
 
 def _first_error(old: AllocStatus, new: AllocStatus) -> AllocStatus:

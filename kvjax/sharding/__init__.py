@@ -24,6 +24,7 @@ from kvjax.sharding.cache import (
     pool_spec,
 )
 from kvjax.sharding.mesh import AXES, STRATEGIES, ShardingPlan, make_mesh
+from kvjax.sharding.params import param_shardings, shard_params
 
 __all__ = [
     "AXES",
@@ -36,7 +37,9 @@ __all__ = [
     "init_sharded_cache",
     "kv_heads_sharded",
     "make_mesh",
+    "param_shardings",
     "pool_spec",
+    "shard_params",
     "sharded_mla_decode_attention",
     "sharded_mla_prefill_attention",
     "sharded_paged_decode_attention",

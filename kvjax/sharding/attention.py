@@ -22,9 +22,15 @@ cross devices; the pools never move.
 Query heads are split over `model` when its size divides q_heads; if the KV
 heads are not split (replicate fallback, MLA), each device slices the KV
 heads its query heads read.
+
+Batch rows are not split over `data`: the model code may pass any rows
+(`seq_ids`), so every device takes every row and gives the rows of other data
+shards length 0. The per-device ops stop at the longest row they see, so those
+rows cost little; a kernel that skips them entirely is future work.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -110,8 +116,18 @@ class ShardedAttention:
             raise ValueError(f"ShardedAttention: impl must be one of {kv_attention.IMPLS}, got "
                              f"{self.impl!r}.")
 
-    def resolve_attention(self, op: str):
-        """The function `kvjax.attention` calls for `op` (same signature as the reference)."""
+    def resolve_attention(self, op: str, interpret: bool | None = None):
+        """The function `kvjax.attention` calls for `op` (same signature as the reference).
+
+        `interpret` goes to the per-device op (Pallas kernels). It must be a bool or None:
+        the TPU interpreter (`pltpu.InterpretParams`) hangs inside `shard_map` in jax
+        0.10, while plain `interpret=True` works there.
+        """
+        if interpret is not None and not isinstance(interpret, bool):
+            raise ValueError(
+                f"ShardedAttention: interpret must be True, False or None inside shard_map, got "
+                f"{type(interpret).__name__} (the TPU interpreter hangs inside shard_map)."
+            )
         fns = {
             "paged_decode_attention": self._paged_decode,
             "paged_prefill_attention": self._paged_prefill,
@@ -120,34 +136,36 @@ class ShardedAttention:
         }
         if op not in fns:
             raise NotImplementedError(f"ShardedAttention: no sharded version of {op}.")
-        return fns[op]
+        return functools.partial(fns[op], interpret=interpret)
 
     # -- the four ops ----------------------------------------------------------------------------
 
     def _paged_decode(self, q, k_pages, v_pages, lengths, block_tables, *, scale=None,
-                      soft_cap=None, sliding_window=None):
-        kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, impl=self.impl)
+                      soft_cap=None, sliding_window=None, interpret=None):
+        kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, impl=self.impl,
+                  interpret=interpret)
         return self._run((q,), (k_pages, v_pages), lengths, block_tables, None,
                          kv_attention.paged_decode_attention, kw, mla=False,
                          sliding_window=sliding_window)
 
     def _paged_prefill(self, q, k_pages, v_pages, lengths, block_tables, q_lengths, *,
-                       scale=None, soft_cap=None, sliding_window=None):
-        kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, impl=self.impl)
+                       scale=None, soft_cap=None, sliding_window=None, interpret=None):
+        kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, impl=self.impl,
+                  interpret=interpret)
         return self._run((q,), (k_pages, v_pages), lengths, block_tables, q_lengths,
                          kv_attention.paged_decode_attention, kw, mla=False,
                          sliding_window=sliding_window,
                          prefill_op=kv_attention.paged_prefill_attention)
 
     def _mla_decode(self, q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, *,
-                    scale):
-        kw = dict(scale=scale, impl=self.impl)
+                    scale, interpret=None):
+        kw = dict(scale=scale, impl=self.impl, interpret=interpret)
         return self._run((q_latent, q_rope), (latent_pages, rope_pages), lengths, block_tables,
                          None, kv_attention.mla_decode_attention, kw, mla=True)
 
     def _mla_prefill(self, q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables,
-                     q_lengths, *, scale):
-        kw = dict(scale=scale, impl=self.impl)
+                     q_lengths, *, scale, interpret=None):
+        kw = dict(scale=scale, impl=self.impl, interpret=interpret)
         return self._run((q_latent, q_rope), (latent_pages, rope_pages), lengths, block_tables,
                          q_lengths, kv_attention.mla_decode_attention, kw, mla=True,
                          prefill_op=kv_attention.mla_prefill_attention)
@@ -167,6 +185,14 @@ class ShardedAttention:
             )
         q_heads = qs[0].shape[-2]
         kv_heads = 1 if mla else pools[0].shape[0]
+        num_pages = pools[0].shape[-3]
+        if num_pages % plan.page_shards:
+            axes = " * ".join(f"'{a}'={plan.axis_size(a)}" for a in plan.page_axes)
+            raise ValueError(
+                f"ShardedAttention: the pool's {num_pages} pages do not split over mesh axes "
+                f"{axes} = {plan.page_shards} shards; build the cache with "
+                f"kvjax.sharding.init_sharded_cache."
+            )
         lay = _layout(plan, q_heads, kv_heads, mla)
         page_axes = plan.page_axes
         pages_entry = None if not page_axes else page_axes[0] if len(page_axes) == 1 else page_axes
@@ -230,8 +256,11 @@ class ShardedAttention:
         if prefill:
             in_specs.append(P())
             args.append(q_lengths)
+        # check_vma=False: the per-device ops are written for plain arrays (the XLA path's
+        # while_loop carries start device-invariant and become varying), and the outputs
+        # are made invariant over the page axes by the psum merge above.
         fn = jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs),
-                           out_specs=(q_spec, lse_spec))
+                           out_specs=(q_spec, lse_spec), check_vma=False)
         out, lse = fn(*args)
         return out.astype(qs[0].dtype), lse
 

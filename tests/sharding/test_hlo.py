@@ -20,6 +20,24 @@ _COLLECTIVE = re.compile(
 )
 
 
+def collective_shapes(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(op, result shape) for every array result of every collective in `hlo`."""
+    found = []
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            for dims in re.findall(r"\w+\[([\d,]*)\]", m.group("type")):
+                found.append((m.group("op"), tuple(int(d) for d in dims.split(",") if d)))
+    return found
+
+
+def pool_like(shape, spec, plan) -> bool:
+    """Whether a collective's result looks like pool pages: [..., >= a shard's pages, ps, w]."""
+    return (len(shape) >= 3 and shape[-2] == spec.page_size
+            and shape[-1] in set(spec.attention.cache_widths)
+            and shape[-3] >= spec.num_pages // plan.page_shards)
+
+
 def collectives(hlo: str) -> list[tuple[str, int]]:
     """(op, largest element count among its results) for every collective in `hlo`."""
     found = []
@@ -87,3 +105,15 @@ def test_the_check_catches_a_pool_sized_collective(rng):
     found, _ = _compiled_collectives(plan, spec, "reference", rng)
     kv_read = 4 * spec.max_seqs * spec.max_pages_per_seq * spec.page_size * 16  # local heads
     assert max(size for _, size in found) >= kv_read
+
+
+def test_pool_like_check_catches_a_gathered_pool(rng):
+    # Control for the model-level check in test_generate_sharded: replicating the pool
+    # inside a step compiles to an all-gather that `pool_like` flags.
+    plan = make_plan((2, 2, 2), ("data", "model", "context"), ("sequences", "heads", "context"))
+    spec = gqa_spec()
+    cache = kvs.init_sharded_cache(spec, plan)
+    rep = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+    step = jax.jit(lambda k: jnp.sum(jax.lax.with_sharding_constraint(k * 2, rep)[:, :, 3]))
+    found = collective_shapes(step.lower(cache.pages.k).compile().as_text())
+    assert any(pool_like(shape, spec, plan) for _, shape in found), found
