@@ -32,6 +32,16 @@ Groups and scale/zero layout (per page of `page_size` tokens and width D)
          scale, zero [page_size, D / G]: one pair per token per G channels.
   MLA's latent c_KV uses the "channels" grouping.
   Scales and zeros are float16 by default (see `kvjax.specs.QuantSpec`).
+
+Reading it in a kernel
+  Because field i of the packed bytes is the contiguous channel slice
+  [i * W/k, (i+1) * W/k), a kernel need not concatenate the unpacked fields:
+  q . k = sum_i q[:, slice_i] . ((bytes >> i*b) & mask) * scale[slice_i] + ...,
+  and p @ v can keep one accumulator per slice, each written to its own slice
+  of the output. Keys' scales are per channel ([page_size / G, W]: slice them
+  like the codes and broadcast over the G tokens of a group); values' scales
+  are per token and group ([page_size, W / G]), constant over runs of G
+  channels.
 """
 
 import jax.numpy as jnp

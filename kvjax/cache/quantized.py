@@ -152,17 +152,18 @@ class QuantizedKVCache:
         pages; its page table counts the quantized tokens only.
       tail: the full-precision ring buffers.
       lengths: int32[max_seqs], all tokens of each sequence (quantized + tail).
-      start: int32[max_seqs], `lengths` before the last `reserve`: the tokens
-        `write_layer` writes next are positions [start, lengths).
-      quant_start: int32[max_seqs], quantized tokens before the last `reserve`:
-        `write_layer` quantizes positions [quant_start, quantized lengths).
+      pending: int32[2, max_seqs], what the last `reserve` added: row 0 the new
+        tokens (`write_layer` writes positions [start, lengths), start =
+        lengths - pending[0]), row 1 the newly quantized tokens (`write_layer`
+        quantizes positions [quant_start, quant_lengths)). One array rather
+        than two fields, so that no jitted step can return one buffer for two
+        leaves (XLA merges identical outputs), which donation would reject.
     """
 
     paged: paged.PagedKVCache
     tail: KVTail
     lengths: Int[Array, " max_seqs"]
-    start: Int[Array, " max_seqs"]
-    quant_start: Int[Array, " max_seqs"]
+    pending: Int[Array, "2 max_seqs"]
 
     @property
     def spec(self) -> CacheSpec:
@@ -171,6 +172,16 @@ class QuantizedKVCache:
     @property
     def table(self) -> pt.PageTable:
         return self.paged.table
+
+    @property
+    def start(self) -> Int[Array, " max_seqs"]:
+        """Length of each sequence before the last `reserve`."""
+        return self.lengths - self.pending[0]
+
+    @property
+    def quant_start(self) -> Int[Array, " max_seqs"]:
+        """Quantized tokens of each sequence before the last `reserve`."""
+        return self.paged.table.lengths - self.pending[1]
 
     @property
     def quant_lengths(self) -> Int[Array, " max_seqs"]:
@@ -305,10 +316,10 @@ def init_quantized_cache(spec: CacheSpec) -> QuantizedKVCache:
         num_pages=spec.num_pages, max_seqs=spec.max_seqs,
         max_pages_per_seq=spec.max_pages_per_seq, page_size=spec.page_size,
     )
-    zeros = jnp.zeros((spec.max_seqs,), jnp.int32)
     return QuantizedKVCache(
         paged=paged.PagedKVCache(pages=pages, table=table, spec=spec), tail=tail,
-        lengths=zeros, start=zeros, quant_start=zeros,
+        lengths=jnp.zeros((spec.max_seqs,), jnp.int32),
+        pending=jnp.zeros((2, spec.max_seqs), jnp.int32),
     )
 
 
@@ -350,8 +361,7 @@ def reserve(
         cache,
         paged=dataclasses.replace(cache.paged, pages=pages, table=table),
         lengths=jnp.where(ok, new_len, old_len),
-        start=old_len,
-        quant_start=old_q,
+        pending=jnp.where(ok, jnp.stack([num_new, new_q - old_q]), 0),
     ), status
 
 
@@ -388,8 +398,8 @@ def fork(
         status, code=jnp.where(ok, pt.OK, pt.BAD_FORK).astype(jnp.int32))
     return dataclasses.replace(
         cache, paged=dataclasses.replace(cache.paged, table=table), tail=tail,
-        lengths=copy_row(cache.lengths), start=copy_row(cache.lengths),
-        quant_start=copy_row(cache.quant_lengths),
+        lengths=copy_row(cache.lengths),
+        pending=cache.pending.at[:, tgt].set(0, mode="drop"),
     ), status
 
 
@@ -412,8 +422,7 @@ def free(
     return dataclasses.replace(
         cache, paged=pc, tail=tail,
         lengths=jnp.where(seqs, zero, cache.lengths),
-        start=jnp.where(seqs, zero, cache.start),
-        quant_start=jnp.where(seqs, zero, cache.quant_start),
+        pending=jnp.where(seqs[None, :], 0, cache.pending),
     )
 
 

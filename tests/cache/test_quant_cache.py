@@ -1,5 +1,6 @@
 """The quantized paged cache: tail state machine, flushes, allocator (fork/CoW/free), MLA."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -307,6 +308,9 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
             cache = qz.free(cache, jnp.asarray(mask), scrub=bool(rng.integers(2)))
             truth[s] = (truth[s][0][:0], truth[s][1][:0])
         check_invariants(cache.table)
+        # Donation needs every leaf in its own buffer (XLA may merge equal outputs).
+        ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)]
+        assert len(set(ptrs)) == len(ptrs), "two cache leaves share a device buffer"
         L = np.asarray(cache.lengths)
         np.testing.assert_array_equal(L, [len(truth[s][0]) for s in range(S)])
         np.testing.assert_array_equal(np.asarray(cache.quant_lengths),
