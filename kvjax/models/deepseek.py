@@ -650,19 +650,21 @@ def _attention(p, config: DeepseekConfig, x, cos, sin, cache: PagedKVCache, laye
     q_nope, q_rope, c_kv, k_rope = _mla_inputs(p, config, x, cos, sin)
     dt = cache.spec.dtype
     cache = kcache.write_layer(cache, layer, slots, c_kv.astype(dt), k_rope.astype(dt))
-    view = kcache.layer_view(cache, layer)
+    # The whole latent pools plus layer=: the XLA path reads this layer's pages in its
+    # gathers instead of XLA copying the layer's pool out of the scan's carry.
+    pools = (cache.pages.c_kv, cache.pages.k_rope)
     q_latent = _absorb_query(p, q_nope)
     scale = config.softmax_scale
     if x.shape[1] == 1:
         out, _ = kattn.mla_decode_attention(
-            q_latent[:, 0], q_rope[:, 0], view.k, view.v, lengths, block_tables,
-            scale=scale, impl=impl,
+            q_latent[:, 0], q_rope[:, 0], *pools, lengths, block_tables,
+            scale=scale, impl=impl, layer=layer,
         )
         out = out[:, None]
     else:
         out, _ = kattn.mla_prefill_attention(
-            q_latent, q_rope, view.k, view.v, lengths, block_tables, q_lengths,
-            scale=scale, impl=impl,
+            q_latent, q_rope, *pools, lengths, block_tables, q_lengths,
+            scale=scale, impl=impl, layer=layer,
         )
     return _output(p, config, out.astype(x.dtype)), cache
 

@@ -361,14 +361,16 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_i
                                            sliding_window=window, impl=impl)
         out = out[:, None]
     elif q_len == 1:
+        # The whole pools plus layer=: the XLA path then reads this layer's pages in its
+        # gathers instead of XLA copying the layer's pool out of the scan's carry.
         out, _ = kv_attention.paged_decode_attention(
-            q[:, 0], view.k, view.v, lengths, tables, scale=scale, sliding_window=window,
-            impl=impl)
+            q[:, 0], cache.pages.k, cache.pages.v, lengths, tables, scale=scale,
+            sliding_window=window, impl=impl, layer=layer)
         out = out[:, None]
     else:
         out, _ = kv_attention.paged_prefill_attention(
-            q, view.k, view.v, lengths, tables, q_lengths, scale=scale, sliding_window=window,
-            impl=impl)
+            q, cache.pages.k, cache.pages.v, lengths, tables, q_lengths, scale=scale,
+            sliding_window=window, impl=impl, layer=layer)
     x = x + linear(out.astype(x.dtype).reshape(batch, q_len, -1), lp.wo, lp.bo)
     h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
     x = x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down, lp.b_gate, lp.b_up, lp.b_down)
