@@ -1,8 +1,10 @@
 """Peak KV pages in use while a tiny model decodes far past its cache budget, per policy.
 
-The model is kvjax's toy attention stack (`kvjax.cache.policies.toy`: random
-weights, RMS norm, RoPE, GQA attention over the real paged cache, no MLP),
-not a trained LM: this measures memory, not quality. For each policy the
+Two models, both with random weights (this measures memory, not quality):
+`--model llama` (default), a tiny Llama (kvjax.models, GQA 8:2, SwiGLU MLP)
+decoded by `kvjax.generate.stream` with the policy passed as `policy=`; and
+`--model toy`, the attention-only stack of `kvjax.cache.policies.toy`, whose
+step functions also expose the in-step peak. For each policy the
 script prefills `--batch` prompts, decodes `--steps` tokens greedily, and
 records the pages held (pool size minus free pages) during prefill (the
 whole prompt is cached before a prefill-time policy compresses it), after
@@ -50,6 +52,9 @@ def _parse(argv):
     p.add_argument("--quest-pages", type=int, default=4,
                    help="pages Quest reads per step and KV head (current page included)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts")
+    p.add_argument("--model", choices=("llama", "toy"), default="llama",
+                   help="llama: a tiny random kvjax Llama run by kvjax.generate; toy: the "
+                        "attention-only stack of kvjax.cache.policies.toy")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -89,16 +94,58 @@ def _run(policy, spec, params, prompts, steps, budget_of):
                 final_pages=after[-1], final_tokens=np.asarray(cache.lengths)[:batch].tolist())
 
 
+def _tiny_llama(a):
+    from kvjax.models import get_family
+    from kvjax.models.layers import RopeConfig
+    from kvjax.models.llama import LlamaConfig
+
+    family = get_family("llama")
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                         num_layers=a.layers, q_heads=8, kv_heads=2, head_dim=8,
+                         rope=RopeConfig(theta=10000.0, dim=8))
+    return family.model(config), family.init_params(config, jax.random.key(a.seed))
+
+
+def _run_llama(policy, model, params, spec, prompts, steps, budget_of):
+    import kvjax.generate as gen
+
+    chunk = -(-prompts.shape[1] // 8) * 8  # one prefill chunk: prompt compressors see it all
+    after = []
+    events = gen.stream(model, params, prompts.tolist(), key=jax.random.key(0),
+                        max_new_tokens=steps, cache=init_cache(spec), chunk_size=chunk,
+                        policy=None if isinstance(policy, NoPolicy) else policy,
+                        free_finished=False)
+    for i, event in enumerate(tqdm(events, total=steps, desc=type(policy).__name__,
+                                   leave=False)):
+        cache = event.state.cache
+        check_invariants(cache.table)
+        after.append(spec.num_pages - int(cache.num_free_pages))
+        limit = budget_of(i)
+        if limit is not None and int(np.asarray(cache.lengths).max()) > limit:
+            raise AssertionError(f"{policy} holds more than {limit} tokens after step {i}")
+    event.state.status.raise_if_error()
+    batch, plen = prompts.shape
+    return dict(prefill_peak_pages=batch * math.ceil(plen / spec.page_size),
+                after_prefill_pages=after[0], peak_pages_in_step=None,
+                peak_pages_after_step=max(after), final_pages=after[-1],
+                final_tokens=np.asarray(cache.lengths)[:batch].tolist())
+
+
 def main(argv=None):
     a = _parse(argv)
     total = a.prompt_len + a.steps
     max_pages = math.ceil(total / a.page_size) + 1
-    spec = CacheSpec(attention=AttentionSpec(q_heads=4, kv_heads=2, head_dim=16),
-                     num_layers=a.layers, page_size=a.page_size,
+    if a.model == "llama":
+        model, params = _tiny_llama(a)
+        attention = model.config.attention
+    else:
+        attention = AttentionSpec(q_heads=4, kv_heads=2, head_dim=16)
+    spec = CacheSpec(attention=attention, num_layers=a.layers, page_size=a.page_size,
                      num_pages=a.batch * max_pages + 1, max_seqs=a.batch,
                      max_pages_per_seq=max_pages)
-    params = init_toy(spec, seed=a.seed)
-    prompts = np.random.default_rng(a.seed).integers(0, 64, (a.batch, a.prompt_len))
+    if a.model == "toy":
+        params = init_toy(spec, seed=a.seed)
+    prompts = np.random.default_rng(a.seed).integers(3, 64, (a.batch, a.prompt_len))
     b, w = a.budget, a.window
     pyramid = PyramidKV(budget=b, beta=2.0, window=w, kernel=3)
     b_max = pyramid.layer_budgets(a.layers, a.page_size)[0]
@@ -112,10 +159,19 @@ def main(argv=None):
     ]
     results = {}
     for name, policy, budget_of in tqdm(cases, desc="policies"):
-        results[name] = _run(policy, spec, params, prompts, a.steps, budget_of)
+        if a.model == "llama":
+            # stream's first event is after prefill (step 0): lengths there are budget_of(0).
+            results[name] = _run_llama(policy, model, params, spec, prompts, a.steps,
+                                       budget_of)
+        else:
+            results[name] = _run(policy, spec, params, prompts, a.steps, budget_of)
         results[name]["policy"] = repr(policy)
     results["quest"]["pages_read_per_step_per_head"] = a.quest_pages
-    print(f"\ntoy GQA stack (random weights): {a.layers} layers, 4 q / 2 kv heads, head_dim 16; "
+    what = ("tiny random Llama (kvjax.models + kvjax.generate): "
+            f"{a.layers} layers, 8 q / 2 kv heads, head_dim 8" if a.model == "llama" else
+            f"toy attention stack (random weights): {a.layers} layers, 4 q / 2 kv heads, "
+            "head_dim 16")
+    print(f"\n{what}; "
           f"{a.batch} sequences, prompt {a.prompt_len}, {a.steps} new tokens, "
           f"page_size {a.page_size}, budget {b}, backend {jax.default_backend()}")
     print("pages in use (all sequences): during prefill (whole prompt, before eviction), after "
@@ -124,8 +180,9 @@ def main(argv=None):
     print(f"{'policy':<15}{'prefill':>9}{'after prefill':>15}{'decode in-step':>16}"
           f"{'decode between':>16}{'final':>7}  final tokens/seq")
     for name, r in results.items():
+        in_step = "n/a" if r["peak_pages_in_step"] is None else r["peak_pages_in_step"]
         print(f"{name:<15}{r['prefill_peak_pages']:>9}{r['after_prefill_pages']:>15}"
-              f"{r['peak_pages_in_step']:>16}{r['peak_pages_after_step']:>16}"
+              f"{in_step:>16}{r['peak_pages_after_step']:>16}"
               f"{r['final_pages']:>7}  {r['final_tokens']}")
     print("quest evicts nothing: it reads "
           f"{a.quest_pages} pages per KV head per step instead of all.")

@@ -63,8 +63,9 @@ def mla_decode_attention(
         raise ValueError(f"{op}: scale must be positive, got {scale}.")
     check_table_width(op, block_tables.shape, max_pages, "tpu")
     page_size = latent_pages.shape[1]
-    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1])
     batch, q_heads, _ = q_latent.shape
+    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1],
+                             rows=q_heads)
     out, lse = decode_tpu(
         (q_latent[:, None], q_rope[:, None]), (latent_pages[None], rope_pages[None]), None,
         lengths, block_tables,

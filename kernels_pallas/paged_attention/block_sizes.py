@@ -37,6 +37,10 @@ _DEFAULT_TOKENS = {"tpu": 512, "gpu": 64}
 # Scalar-prefetched block tables live in SMEM; keep them to a quarter of the
 # smallest TPU SMEM (1 MiB on v5e/v6e is generous; 256 KiB is safe).
 TPU_MAX_TABLE_ENTRIES = 64 * 1024
+# Elements of one step's f32 logits tile on TPU (128 KiB).
+_TPU_MAX_LOGITS = 32 * 1024
+# tl.dot needs every operand dimension >= 16, the block's token axis included.
+GPU_MIN_BLOCK_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,11 +53,15 @@ class BlockSizes:
       num_splits: GPU only: the pages of a sequence are split into this many
         contiguous ranges computed in parallel and merged by log-sum-exp.
         None lets the wrapper choose from the batch and head counts.
+      block_heads: GPU only: query heads of one KV head per program (a power of
+        two >= 16, tl.dot's minimum). Groups wider than this (MLA's 16-128 heads)
+        are split over programs, each re-reading the pages, to bound registers.
       num_warps, num_stages: GPU only: Triton launch parameters.
     """
 
     block_tokens: int
     num_splits: int | None = None
+    block_heads: int = 16
     num_warps: int = 4
     num_stages: int = 2
 
@@ -66,6 +74,10 @@ class BlockSizes:
         ):
             raise ValueError(f"BlockSizes.num_splits must be an int >= 1 or None, got "
                              f"{self.num_splits!r}.")
+        if (not isinstance(self.block_heads, int) or self.block_heads < 16
+                or self.block_heads & (self.block_heads - 1)):
+            raise ValueError(f"BlockSizes.block_heads must be a power of two >= 16, got "
+                             f"{self.block_heads!r}.")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"BlockSizes.num_warps must be a power of two in [1, 16], got "
                              f"{self.num_warps!r}.")
@@ -78,27 +90,35 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(x)))
 
 
-def default_block_sizes(backend: str, page_size: int, max_pages: int) -> BlockSizes:
+def default_block_sizes(backend: str, page_size: int, max_pages: int,
+                        rows: int = 1) -> BlockSizes:
     """A backend's default block sizes for pages of `page_size` tokens and a table of `max_pages`.
 
     The block is a whole number of pages and never wider than the table
-    (rounded up to a power of two on GPU, where block shapes must be).
+    (rounded up to a power of two on GPU, where block shapes must be). On TPU
+    the [rows, block_tokens] f32 logits of one step stay within 128 KiB, so a
+    wide group (`rows` query heads per KV head, e.g. MLA's 128) gets a shorter
+    block.
     """
     if backend not in _DEFAULT_TOKENS:
         raise ValueError(f"backend must be one of {sorted(_DEFAULT_TOKENS)}, got {backend!r}.")
-    pages = max(1, _DEFAULT_TOKENS[backend] // page_size)
+    tokens = _DEFAULT_TOKENS[backend]
+    if backend == "tpu":
+        tokens = min(tokens, _TPU_MAX_LOGITS // max(1, rows))
+    pages = max(1, tokens // page_size)
     pages = min(pages, max_pages)
     if backend == "gpu":
-        pages = _pow2_ceil(pages)
+        pages = _pow2_ceil(max(pages, -(-GPU_MIN_BLOCK_TOKENS // page_size)))
     return BlockSizes(block_tokens=pages * page_size)
 
 
 def resolve_block_sizes(
-    op: str, backend: str, block_sizes: BlockSizes | None, page_size: int, max_pages: int
+    op: str, backend: str, block_sizes: BlockSizes | None, page_size: int, max_pages: int,
+    rows: int = 1,
 ) -> BlockSizes:
     """Validates explicit block sizes against the cache geometry, or picks the defaults."""
     if block_sizes is None:
-        return default_block_sizes(backend, page_size, max_pages)
+        return default_block_sizes(backend, page_size, max_pages, rows)
     if not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"{op}: block_sizes must be a BlockSizes or None, got "
                         f"{type(block_sizes).__name__}.")
@@ -108,6 +128,11 @@ def resolve_block_sizes(
             f"{block_sizes.block_tokens}; a block must hold whole pages."
         )
     if backend == "gpu":
+        if block_sizes.block_tokens < GPU_MIN_BLOCK_TOKENS:
+            raise ValueError(
+                f"{op}: on GPU block_tokens must be at least {GPU_MIN_BLOCK_TOKENS} (tl.dot's "
+                f"smallest operand), got {block_sizes.block_tokens}."
+            )
         ppb = block_sizes.block_tokens // page_size
         if ppb & (ppb - 1):
             raise ValueError(

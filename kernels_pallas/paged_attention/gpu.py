@@ -7,6 +7,8 @@ Design:
     and the partials are combined with `kernels_pallas.merge`;
   * the query heads of one KV head form one [group, head_dim] tile (padded to
     16 rows, tl.dot's minimum), so each K/V page read serves the whole group;
+    groups wider than `block_heads` (MLA's 16-128 heads) are split over
+    programs (grid axis 1 enumerates KV head x head block) to bound registers;
   * each inner step gathers `block_tokens / page_size` pages through the block
     table; table entries outside a sequence's visible pages are replaced by
     page 0 before they are used as addresses (the tokens are masked anyway);
@@ -15,6 +17,10 @@ Design:
 
 Like the TPU kernel, the body takes the key as a sum of parts and may use the
 first part as the value, which makes it the MLA kernel too.
+
+Checked so far in Pallas' interpret mode and by lowering to Triton IR from CPU
+(tests/kernels/test_kernel_lowering.py); not yet compiled by Triton/ptxas or
+timed on a GPU (benchmarks/kernels.py does both on a GPU machine).
 """
 
 import functools
@@ -56,21 +62,21 @@ def _decode_kernel(
     sliding_window: int | None,
     exact_f32: bool,
 ):
-    q_refs = refs[:num_parts]  # [group_p, d_i]
+    q_refs = refs[:num_parts]  # [block_heads, d_i]
     k_refs = refs[num_parts:2 * num_parts]  # [pages, page_size, d_i]
     rest = refs[2 * num_parts:]
     if value_is_key0:
         v_ref = k_refs[0]
     else:
         v_ref, rest = rest[0], rest[1:]
-    o_ref, lse_ref = rest  # [group_p, dv] f32, [group_p] f32
+    o_ref, lse_ref = rest  # [block_heads, dv] f32, [block_heads] f32
 
     split = pl.program_id(2)
     page_size = k_refs[0].shape[1]
     ppb = pages_per_block
     bk = ppb * page_size
     dv = v_ref.shape[-1]
-    group_p = q_refs[0].shape[0]
+    rows = q_refs[0].shape[0]
     length = lengths_ref[0]
     first = jnp.int32(0) if sliding_window is None else jnp.maximum(length - sliding_window, 0)
     first_page = first // page_size
@@ -108,9 +114,9 @@ def _decode_kernel(
         return m_new, l_new, alpha[:, None] * acc_prev + pv
 
     init = (
-        jnp.full((group_p,), NEG_INF, jnp.float32),
-        jnp.zeros((group_p,), jnp.float32),
-        jnp.zeros((group_p, dv), jnp.float32),
+        jnp.full((rows,), NEG_INF, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, dv), jnp.float32),
     )
     m, l_sum, acc = jax.lax.fori_loop(lo // ppb, pl.cdiv(hi, ppb), body, init)
     seen = l_sum > 0.0
@@ -119,9 +125,9 @@ def _decode_kernel(
     lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), NEG_INF)
 
 
-def choose_num_splits(batch: int, kv_heads: int, num_blocks: int) -> int:
-    """Splits per sequence so that batch * kv_heads * splits fills about two waves of SMs."""
-    want = -(-_TARGET_PROGRAMS // max(1, batch * kv_heads))
+def choose_num_splits(batch: int, programs_per_seq: int, num_blocks: int) -> int:
+    """Splits per sequence so that batch * programs_per_seq * splits fills ~two waves of SMs."""
+    want = -(-_TARGET_PROGRAMS // max(1, batch * programs_per_seq))
     return max(1, min(want, num_blocks))
 
 
@@ -158,25 +164,30 @@ def decode_gpu(
     ppb = block_sizes.block_tokens // page_size
     max_pages = block_tables.shape[1]
     num_blocks = pl.cdiv(max_pages, ppb)
-    splits = block_sizes.num_splits or choose_num_splits(batch, kv_heads, num_blocks)
+    group_p = max(_MIN_DOT_ROWS, pl.next_power_of_2(group))
+    # Both are powers of two, so head blocks tile the padded group exactly. Grid
+    # axis 1 enumerates (kv head, head block) pairs: Triton grids have 3 axes.
+    bh = min(block_sizes.block_heads, group_p)
+    n_hb = group_p // bh
+    splits = block_sizes.num_splits or choose_num_splits(batch, kv_heads * n_hb, num_blocks)
     splits = min(splits, num_blocks)
     blocks_per_split = pl.cdiv(num_blocks, splits)
     splits = pl.cdiv(num_blocks, blocks_per_split)  # no split left without pages
     pps = blocks_per_split * ppb
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, splits * pps - max_pages)))
 
-    group_p = max(_MIN_DOT_ROWS, pl.next_power_of_2(group))
     qs = tuple(jnp.pad(q, ((0, 0), (0, 0), (0, group_p - group), (0, 0))) for q in qs)
 
     def pool_spec(d):
-        return pl.BlockSpec((None, num_pool_pages, page_size, d), lambda b, h, s: (h, 0, 0, 0))
+        return pl.BlockSpec((None, num_pool_pages, page_size, d),
+                            lambda b, i, s: (i // n_hb, 0, 0, 0))
 
     in_specs = [
-        pl.BlockSpec((1,), lambda b, h, s: (b,)),
-        pl.BlockSpec((None, pps), lambda b, h, s: (b, s)),
+        pl.BlockSpec((1,), lambda b, i, s: (b,)),
+        pl.BlockSpec((None, pps), lambda b, i, s: (b, s)),
     ]
     in_specs += [
-        pl.BlockSpec((None, None, group_p, q.shape[-1]), lambda b, h, s: (b, h, 0, 0))
+        pl.BlockSpec((None, None, bh, q.shape[-1]), lambda b, i, s: (b, i // n_hb, i % n_hb, 0))
         for q in qs
     ]
     in_specs += [pool_spec(k.shape[-1]) for k in k_parts]
@@ -197,11 +208,12 @@ def decode_gpu(
     )
     out, lse = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, splits),
+        grid=(batch, kv_heads * n_hb, splits),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, None, group_p, dv), lambda b, h, s: (s, b, h, 0, 0)),
-            pl.BlockSpec((None, None, None, group_p), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, bh, dv),
+                         lambda b, i, s: (s, b, i // n_hb, i % n_hb, 0)),
+            pl.BlockSpec((None, None, None, bh), lambda b, i, s: (s, b, i // n_hb, i % n_hb)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((splits, batch, kv_heads, group_p, dv), jnp.float32),
@@ -213,10 +225,20 @@ def decode_gpu(
         interpret=interpret,
         name=name,
     )(*args)
-    o, l_out = out[0], lse[0]
-    for s in range(1, splits):
-        o, l_out = merge_attention_states(o, l_out, out[s], lse[s])
+    o, l_out = _merge_splits(out, lse)
     return o[:, :, :group].astype(qs[0].dtype), l_out[:, :, :group]
+
+
+def _merge_splits(out, lse):
+    """Combines the split axis (axis 0) by log-sum-exp in a tree of log2(splits) merges."""
+    while out.shape[0] > 1:
+        if out.shape[0] % 2:
+            # An empty piece (output 0, lse -inf) contributes nothing.
+            out = jnp.concatenate([out, jnp.zeros_like(out[:1])])
+            lse = jnp.concatenate([lse, jnp.full_like(lse[:1], NEG_INF)])
+        half = out.shape[0] // 2
+        out, lse = merge_attention_states(out[:half], lse[:half], out[half:], lse[half:])
+    return out[0], lse[0]
 
 
 def paged_decode_attention(

@@ -19,6 +19,14 @@ addresses. The VMEM slots of pages that are not copied hold stale data (NaN
 in the TPU interpreter): logits and values of invalid tokens are selected
 away with `jnp.where`, never multiplied by zero.
 
+Cost of the self-contained steps: the first block of every (sequence, KV
+head) is fetched without overlap (jax's own paged kernel prefetches across
+steps instead, which is why it must run its grid sequentially and can hang
+with megacore on single-core chips). For long contexts this prologue is one
+block in many. Checked so far in both interpreters and by lowering to Mosaic
+from CPU (tests/kernels/test_kernel_lowering.py); not yet compiled by libtpu
+or timed on a TPU.
+
 The generic body (`decode_tpu`) takes the key as a sum of parts
 (q . k = sum_i q_i . k_i) and may use the first key part as the value; the
 MLA kernel in `kernels_pallas/mla_decode/tpu.py` is that body with key
@@ -71,7 +79,8 @@ def _decode_kernel(
     else:
         v_hbm, rest = rest[0], rest[1:]
     o_ref, lse_ref = rest[0], rest[1]  # VMEM [group, dv], [group, 1]
-    scratch = rest[2:]
+    acc_ref = rest[2]  # VMEM f32[group, dv]: kept out of the loop carry (MLA: 128 x 512)
+    scratch = rest[3:]
     k_bufs = scratch[:num_parts]  # VMEM [2, pages_per_block, page_size, d_i]
     if value_is_key0:
         v_buf, sems = k_bufs[0], scratch[num_parts]
@@ -119,7 +128,7 @@ def _decode_kernel(
     dv = o_ref.shape[-1]
 
     def body(blk, carry):
-        m_prev, l_prev, acc_prev = carry
+        m_prev, l_prev = carry
         slot = (blk - start_blk) % 2
 
         @pl.when(blk + 1 < end_blk)
@@ -159,14 +168,13 @@ def _decode_kernel(
             p, v, (((1,), (0,)), ((), ())),
             precision=precision, preferred_element_type=jnp.float32,
         )
-        return m_new, l_new, alpha * acc_prev + pv
+        acc_ref[...] = alpha * acc_ref[...] + pv
+        return m_new, l_new
 
-    init = (
-        jnp.full((group, 1), NEG_INF, jnp.float32),
-        jnp.zeros((group, 1), jnp.float32),
-        jnp.zeros((group, dv), jnp.float32),
-    )
-    m, l_sum, acc = jax.lax.fori_loop(start_blk, end_blk, body, init)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+    init = (jnp.full((group, 1), NEG_INF, jnp.float32), jnp.zeros((group, 1), jnp.float32))
+    m, l_sum = jax.lax.fori_loop(start_blk, end_blk, body, init)
+    acc = acc_ref[...]
     seen = l_sum > 0.0
     o_ref[...] = jnp.where(seen, acc / jnp.where(seen, l_sum, 1.0), 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l_sum, 1.0)), NEG_INF)
@@ -218,12 +226,13 @@ def decode_tpu(
     in_specs = [q_spec(q.shape[-1]) for q in qs]
     in_specs += [pl.BlockSpec(memory_space=pl.ANY) for _ in k_parts]
     args = [*qs, *k_parts]
-    scratch = [pltpu.VMEM((2, ppb, page_size, k.shape[-1]), k.dtype) for k in k_parts]
+    scratch = [pltpu.VMEM((group, dv), jnp.float32)]
+    scratch += [pltpu.VMEM((2, ppb, page_size, k.shape[-1]), k.dtype) for k in k_parts]
     if not value_is_key0:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         args.append(v_pages)
         scratch.append(pltpu.VMEM((2, ppb, page_size, dv), v_pages.dtype))
-    scratch.append(pltpu.SemaphoreType.DMA((len(scratch), 2)))
+    scratch.append(pltpu.SemaphoreType.DMA((len(scratch) - 1, 2)))
 
     kernel = functools.partial(
         _decode_kernel,
@@ -302,8 +311,9 @@ def paged_decode_attention(
     check_head_dim(op, "head_dim", head_dim, "tpu")
     check_head_dim(op, "v_head_dim", v_pages.shape[-1], "tpu")
     check_table_width(op, block_tables.shape, max_pages, "tpu")
-    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1])
     group = q_heads // kv_heads
+    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1],
+                             rows=group)
     out, lse = decode_tpu(
         (q.reshape(batch, kv_heads, group, head_dim),), (k_pages,), v_pages,
         lengths, block_tables,

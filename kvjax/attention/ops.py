@@ -98,6 +98,35 @@ def _select(op: str, impl, interpret: bool | None = None):
     return fn
 
 
+def _layer_views(op, pools, layer, *, mla):
+    """One layer of a cache's pools (for validation and for impls that take one layer).
+
+    Under jit an unused slice costs nothing (XLA drops it); the "xla" impl is
+    handed the whole pools and the layer instead (see `_with_layer`).
+    """
+    if layer is None:
+        return pools
+    for p in pools:
+        if p.ndim != 5 or (mla and p.shape[1] != 1):
+            want = "[layers, 1, pages, page_size, width]" if mla else (
+                "[layers, kv_heads, pages, page_size, width]")
+            raise ValueError(f"{op}: with layer=..., the pools must be a cache's whole pools "
+                             f"{want}; got shape {p.shape}.")
+    if isinstance(layer, int) and not 0 <= layer < pools[0].shape[0]:
+        raise ValueError(f"{op}: layer {layer} is outside the pools' {pools[0].shape[0]} layers.")
+    return tuple(p[layer, 0] if mla else p[layer] for p in pools)
+
+
+def _with_layer(op, impl, interpret, layer, views, pools):
+    """The implementation and the pools to pass it: the whole pools plus `layer` for
+    the "xla" path, which reads the layer inside its gathers; one layer otherwise."""
+    fn = _select(op, impl, interpret)
+    name = _auto_impl(op) if impl == "auto" else impl
+    if layer is not None and name == "xla":
+        return functools.partial(fn, layer=layer), pools
+    return fn, views
+
+
 def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
@@ -186,6 +215,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_heads v_head_dim"], Float[Array, "batch q_heads"]]:
     """Decode attention (one query per sequence) over one layer's paged K/V.
 
@@ -205,6 +235,11 @@ def paged_decode_attention(
       impl: one of IMPLS (see the module docstring).
       interpret: only for impl "pallas" (or "auto" resolving to it): run the kernel in
         Pallas' interpret mode; None means interpret exactly when the backend is CPU.
+      layer: if given, k_pages and v_pages are a cache's whole pools
+        [layers, kv_heads, pages, page_size, width] and this layer (an int or a traced
+        int32 scalar) is attended. The "xla" path then reads the layer's pages straight
+        from the pools; slicing `pool[layer]` first makes XLA copy the layer's whole pool
+        when the slice feeds a loop (e.g. inside a scan over layers).
 
     Returns:
       (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
@@ -213,11 +248,14 @@ def paged_decode_attention(
     if q.ndim != 3:
         raise ValueError(f"{op}: q must be [batch, q_heads, head_dim], got shape {q.shape}.")
     batch, q_heads, head_dim = q.shape
+    pools = (k_pages, v_pages)
+    k_pages, v_pages = _layer_views(op, pools, layer, mla=False)
     _check_pages(op, k_pages, v_pages, head_dim)
     _check_heads(op, q_heads, k_pages.shape[0])
     _check_options(op, scale, soft_cap, sliding_window)
     _check_table(op, batch, lengths, block_tables, k_pages.shape[1], k_pages.shape[2])
-    return _select(op, impl, interpret)(
+    fn, (k_pages, v_pages) = _with_layer(op, impl, interpret, layer, (k_pages, v_pages), pools)
+    return fn(
         q, k_pages, v_pages, lengths, block_tables,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
@@ -236,6 +274,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads v_head_dim"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill attention: `q_lengths[b]` new queries per sequence, causal over the cache.
 
@@ -252,12 +291,15 @@ def paged_prefill_attention(
             f"{op}: q must be [batch, q_len, q_heads, head_dim], got shape {q.shape}."
         )
     batch, q_len, q_heads, head_dim = q.shape
+    pools = (k_pages, v_pages)
+    k_pages, v_pages = _layer_views(op, pools, layer, mla=False)
     _check_pages(op, k_pages, v_pages, head_dim)
     _check_heads(op, q_heads, k_pages.shape[0])
     _check_options(op, scale, soft_cap, sliding_window)
     _check_table(op, batch, lengths, block_tables, k_pages.shape[1], k_pages.shape[2])
     _check_q_lengths(op, batch, q_len, lengths, q_lengths)
-    return _select(op, impl, interpret)(
+    fn, (k_pages, v_pages) = _with_layer(op, impl, interpret, layer, (k_pages, v_pages), pools)
+    return fn(
         q, k_pages, v_pages, lengths, block_tables, q_lengths,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
@@ -310,6 +352,7 @@ def mla_decode_attention(
     scale: float,
     impl: str = "auto",
     interpret: bool | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
     """MLA decode attention in absorbed form over one layer's latent pages.
 
@@ -322,16 +365,20 @@ def mla_decode_attention(
       impl: one of IMPLS (see the module docstring).
       interpret: only for impl "pallas" (or "auto" resolving to it): run the kernel in
         Pallas' interpret mode; None means interpret exactly when the backend is CPU.
+      layer: if given, latent_pages and rope_pages are a cache's whole latent pools
+        [layers, 1, pages, page_size, width]; as in `paged_decode_attention`.
 
     Returns:
       (out in latent space [batch, q_heads, d_c], lse float32[batch, q_heads]).
     """
     op = "mla_decode_attention"
+    pools = (latent_pages, rope_pages)
+    latent_pages, rope_pages = _layer_views(op, pools, layer, mla=True)
     _check_mla(op, q_latent, q_rope, latent_pages, rope_pages, scale, lead=1)
     _check_table(op, q_latent.shape[0], lengths, block_tables, *latent_pages.shape[:2])
-    return _select(op, impl, interpret)(
-        q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale
-    )
+    fn, (latent_pages, rope_pages) = _with_layer(
+        op, impl, interpret, layer, (latent_pages, rope_pages), pools)
+    return fn(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale)
 
 
 def mla_prefill_attention(
@@ -346,13 +393,18 @@ def mla_prefill_attention(
     scale: float,
     impl: str = "auto",
     interpret: bool | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads d_c"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill MLA attention in absorbed form, causal as in `paged_prefill_attention`."""
     op = "mla_prefill_attention"
+    pools = (latent_pages, rope_pages)
+    latent_pages, rope_pages = _layer_views(op, pools, layer, mla=True)
     _check_mla(op, q_latent, q_rope, latent_pages, rope_pages, scale, lead=2)
     batch, q_len = q_latent.shape[:2]
     _check_table(op, batch, lengths, block_tables, *latent_pages.shape[:2])
     _check_q_lengths(op, batch, q_len, lengths, q_lengths)
-    return _select(op, impl, interpret)(
+    fn, (latent_pages, rope_pages) = _with_layer(
+        op, impl, interpret, layer, (latent_pages, rope_pages), pools)
+    return fn(
         q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, q_lengths, scale=scale
     )

@@ -18,20 +18,35 @@ columns past every sequence's length are never read, and the step's cost does
 not depend on the pool's capacity. With a sliding window it also starts at the
 first block any query can see.
 
-Pages are read through `BlockReader`s: a reader maps a block of page ids
-`int32[batch, pages_per_block]` to float32 `[kv_heads, batch, block_tokens,
-width]`. `dense_reader` reads plain pages; a quantized cache supplies a reader
-that gathers codes and scales of the same pages and dequantizes the block — the
-loop itself does not change.
+Pages are read through `BlockReader`s: a reader holds the arrays it reads
+(a pool, or a quantized pool's codes and scales) and a function mapping them and
+a block of page ids `int32[batch, pages_per_block]` to float32 `[kv_heads, batch,
+block_tokens, width]`. `dense_reader` reads plain pages; a quantized cache
+supplies a reader that gathers the codes and scales of the same pages and
+dequantizes the block and calls `paged_attention_core` with it — the loop itself
+does not change.
 
-All arithmetic is float32 (bf16 pages are upcast one block at a time: bf16
+Inside a model, pass the cache's whole pools with `layer=` (the public ops
+forward it here): the reader then indexes the layer inside its gather. Slicing
+`pool[layer]` before the call makes XLA copy the layer's whole pool whenever the
+slice feeds a loop, e.g. in a `lax.scan` over layers.
+
+All arithmetic is float32: bf16 pages are upcast one block at a time (bf16
 arithmetic is slower than f32 on CPU, and accumulating in bf16 would lose
-precision). Outputs follow the reference's conventions: `out` in the query's
-dtype, `lse` float32, rows that see no key give 0 and -inf.
+precision). XLA:CPU has no bf16 gather or dynamic-slice: it rewrites them as
+f32 ones on a converted operand, and since the pool is loop-invariant it then
+hoists that conversion out of the loop — a float32 copy of the whole pool at
+every step. The loop therefore passes the readers' arrays through an
+`optimization_barrier` together with the loop counter, which makes them
+loop-variant to XLA, so every conversion stays inside the block it belongs to
+(benchmarks/NOTES.md). Outputs follow the reference's conventions: `out` in the
+query's dtype, `lse` float32, rows that see no key give 0 and -inf.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,32 +74,65 @@ DEFAULT_BLOCK_BYTES = 4 << 20
 MIN_BLOCK_TOKENS = 16
 MAX_BLOCK_TOKENS = 512
 
-BlockReader = Callable[[Int[Array, "batch block_pages"]], Float[Array, "heads batch tokens width"]]
-"""Maps page ids of one block to float32 `[heads, batch, block_pages * page_size, width]`."""
+@dataclasses.dataclass(frozen=True)
+class BlockReader:
+    """Reads one block of pages of every sequence as float32.
+
+    Attributes:
+      arrays: the pytree of arrays the reader reads (full-precision pages, or a
+        quantized pool's codes and scales). The loop passes them to `read`
+        through an optimization barrier (see the module docstring), so `read`
+        must use these, not arrays it closes over.
+      read: `(arrays, idx int32[batch, block_pages]) -> float32 [heads, batch,
+        block_pages * page_size, width]`.
+    """
+
+    arrays: Any
+    read: Callable[[Any, Int[Array, "batch block_pages"]], Float[Array, "heads batch tokens width"]]
+
+    def __call__(self, idx, arrays=None):
+        return self.read(self.arrays if arrays is None else arrays, idx)
 
 
-def dense_reader(pages: Float[Array, "heads pages page_size width"]) -> BlockReader:
-    """A `BlockReader` for full-precision pages `[heads, pages, page_size, width]`."""
+_ROW_GATHER = jax.lax.GatherDimensionNumbers(
+    offset_dims=(0, 2), collapsed_slice_dims=(1,), start_index_map=(1,)
+)
+
+
+def _read_dense(arrays, idx):
+    pages, layer = arrays
+    if layer is not None:
+        pages = pages[layer]  # fused into the gather below: never a copy of the layer
     heads, num_pages, page_size, width = pages.shape
+    batch, block_pages = idx.shape
     # One page of one head is a contiguous row of page_size * width elements. Gathering rows
     # straight into [heads, batch * block_pages, row] needs no transpose afterwards (jnp.take
-    # on axis 1 puts the gathered axis first and transposes; see benchmarks/NOTES.md).
+    # on axis 1 puts the gathered axis first and transposes).
     rows = pages.reshape(heads, num_pages, page_size * width)
-    dnums = jax.lax.GatherDimensionNumbers(
-        offset_dims=(0, 2), collapsed_slice_dims=(1,), start_index_map=(1,)
+    # Dead table entries were replaced by page 0; CLIP keeps a bad live entry (only
+    # checkable outside jit) from reading outside the pool, as the reference does.
+    block = jax.lax.gather(
+        rows, idx.reshape(-1, 1), _ROW_GATHER, (heads, 1, page_size * width),
+        mode=jax.lax.GatherScatterMode.CLIP,
     )
+    return block.reshape(heads, batch, block_pages * page_size, width).astype(jnp.float32)
 
-    def read(idx):
-        batch, block_pages = idx.shape
-        # Dead table entries were replaced by page 0; CLIP keeps a bad live entry (only
-        # checkable outside jit) from reading outside the pool, as the reference does.
-        block = jax.lax.gather(
-            rows, idx.reshape(-1, 1), dnums, (heads, 1, page_size * width),
-            mode=jax.lax.GatherScatterMode.CLIP,
-        )
-        return block.reshape(heads, batch, block_pages * page_size, width).astype(jnp.float32)
 
-    return read
+def dense_reader(
+    pages: Float[Array, "*layers heads pages page_size width"],
+    layer: int | Int[Array, ""] | None = None,
+) -> BlockReader:
+    """A `BlockReader` for full-precision pages.
+
+    Args:
+      pages: `[heads, pages, page_size, width]`, or with `layer` the whole
+        multi-layer pool `[layers, heads, pages, page_size, width]`.
+      layer: the layer to read (a traced index is fine). Reading the layer
+        inside the loop's gather, instead of slicing `pages[layer]` before the
+        call, matters: XLA materialises a sliced layer when its consumer is in a
+        loop (a copy of the layer's whole pool per step).
+    """
+    return BlockReader(arrays=(pages, layer), read=_read_dense)
 
 
 def default_block_tokens(heads: int, batch: int, widths: int) -> int:
@@ -169,11 +217,17 @@ def paged_attention_core(
     if sliding_window is not None:
         low = q_pos - (sliding_window - 1)
 
+    readers = (*k_readers, *(() if v_reader is None else (v_reader,)))
+
     def body(carry):
         i, m, denom, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(safe, i * bp, bp, axis=1)  # [batch, bp]
-        ks = [r(idx) for r in k_readers]
-        v = ks[0] if v_reader is None else v_reader(idx)
+        # Tie the pools to the loop counter so XLA cannot hoist per-block work on them
+        # (bf16 -> f32 conversion) out of the loop as whole-pool work (module docstring).
+        arrays, _ = jax.lax.optimization_barrier(([r.arrays for r in readers], i))
+        blocks = [r(idx, a) for r, a in zip(readers, arrays, strict=True)]
+        ks = blocks[: len(k_readers)]
+        v = ks[0] if v_reader is None else blocks[-1]
         # Logits as [heads, batch, tokens, rows]: the block is the matmul's large left operand
         # and the few query rows its right one, which XLA:CPU runs about 2x faster than
         # rows x tokens (benchmarks/NOTES.md).
@@ -248,20 +302,26 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads v_head_dim"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill attention; same signature and semantics as the reference.
+
+    With `layer`, `k_pages` and `v_pages` are a cache's whole pools
+    `[layers, kv_heads, pages, page_size, width]` and that layer is read (see
+    `dense_reader`: never a sliced copy of the layer).
 
     Returns:
       (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
     """
     batch, q_len, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, _, page_size, _ = k_pages.shape[-4:]
     if scale is None:
         scale = head_dim**-0.5
     lengths = lengths.astype(jnp.int32)
     q_pos = _row_positions(lengths, q_lengths.astype(jnp.int32), q_len, q_heads // kv_heads)
     out, lse = paged_attention_core(
-        (_fold_queries(q, kv_heads),), (dense_reader(k_pages),), dense_reader(v_pages),
+        (_fold_queries(q, kv_heads),), (dense_reader(k_pages, layer),),
+        dense_reader(v_pages, layer),
         q_pos, lengths, block_tables,
         page_size=page_size, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         block_tokens=block_tokens,
@@ -281,8 +341,11 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_heads v_head_dim"], Float[Array, "batch q_heads"]]:
     """Decode attention (one query per sequence at `lengths - 1`); the reference's signature.
+
+    `layer` as in `paged_prefill_attention`.
 
     Returns:
       (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
@@ -291,6 +354,7 @@ def paged_decode_attention(
     out, lse = paged_prefill_attention(
         q[:, None], k_pages, v_pages, lengths, block_tables, q_lengths,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_tokens=block_tokens,
+        layer=layer,
     )
     return out[:, 0], lse[:, 0]
 
@@ -307,22 +371,27 @@ def mla_prefill_attention(
     *,
     scale: float,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads d_c"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill MLA attention in absorbed form; the reference's signature.
 
     MQA over the latent: one "KV head" whose key is [c_kv, k_rope] and whose
-    value is c_kv; each latent block is read once and used for both.
+    value is c_kv; each latent block is read once and used for both. With
+    `layer`, the pages are a cache's whole latent pools `[layers, 1, pages,
+    page_size, width]` and that layer is read.
 
     Returns:
       (out [batch, q_len, q_heads, d_c] in q_latent's dtype, lse float32[batch, q_len, q_heads]).
     """
     batch, q_len, q_heads, _ = q_latent.shape
-    page_size = latent_pages.shape[1]
+    page_size = latent_pages.shape[-2]
+    if layer is None:
+        latent_pages, rope_pages = latent_pages[None], rope_pages[None]  # one "KV head"
     lengths = lengths.astype(jnp.int32)
     q_pos = _row_positions(lengths, q_lengths.astype(jnp.int32), q_len, q_heads)
     out, lse = paged_attention_core(
         (_fold_queries(q_latent, 1), _fold_queries(q_rope, 1)),
-        (dense_reader(latent_pages[None]), dense_reader(rope_pages[None])), None,
+        (dense_reader(latent_pages, layer), dense_reader(rope_pages, layer)), None,
         q_pos, lengths, block_tables,
         page_size=page_size, scale=scale, block_tokens=block_tokens,
     )
@@ -340,8 +409,11 @@ def mla_decode_attention(
     *,
     scale: float,
     block_tokens: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
 ) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
     """Decode MLA attention in absorbed form; the reference's signature.
+
+    `layer` as in `mla_prefill_attention`.
 
     Returns:
       (out [batch, q_heads, d_c] in q_latent's dtype, lse float32[batch, q_heads]).
@@ -349,6 +421,6 @@ def mla_decode_attention(
     q_lengths = jnp.minimum(jnp.ones_like(lengths), lengths)
     out, lse = mla_prefill_attention(
         q_latent[:, None], q_rope[:, None], latent_pages, rope_pages, lengths, block_tables,
-        q_lengths, scale=scale, block_tokens=block_tokens,
+        q_lengths, scale=scale, block_tokens=block_tokens, layer=layer,
     )
     return out[:, 0], lse[:, 0]

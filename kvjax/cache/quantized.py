@@ -40,6 +40,14 @@ Per-layer bits
   all layers the `layer` argument may be traced (scan over layers); with
   mixed widths it must be a Python int.
 
+Example (one decode step of a model with `num_layers` layers)::
+
+    cache, status = reserve(cache, num_new)          # jitted, cache donated
+    for layer in range(num_layers):                  # inside the model's jit
+        k, v = ...                                   # [max_seqs, 1, kv_heads, head_dim]
+        cache = write_layer(cache, layer, k, v)      # flushes completed pages
+        out, lse = kvjax.attention.quantized_decode_attention(q, layer_view(cache, layer))
+
 Entry points mirror `kvjax.cache.paged`: `init_quantized_cache`, `reserve`,
 `fork`, `free` (jitted, cache donated), and the pure `write_layer` and
 `layer_view` for the model's forward pass: after `reserve`, write the new
@@ -449,7 +457,9 @@ def write_layer(
       layer: layer index (may be traced when every layer has the same bits).
       a, b: K and V `[batch, q_len, kv_heads, head_dim]`; MLA c_KV
         `[batch, q_len, d_c]` and k_rope `[batch, q_len, d_rope]` (a head axis
-        of 1 may be present). Must have the cache dtype.
+        of 1 may be present). Must have the cache dtype, and q_len must cover
+        every token the last `reserve` added to each row (checked when the
+        cache is concrete; under jit, missing tokens would be read as padding).
       seq_ids: int32[batch], distinct slots.
 
     Returns:
@@ -484,6 +494,14 @@ def write_layer(
     gi, li = _locate(spec, layer)
     ps, ring = spec.page_size, tail_capacity(spec)
     quant = spec.quant
+    if not any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, cache.start, seq_ids)):
+        pending = np.asarray(cache.lengths)[np.asarray(seq_ids)] - np.asarray(
+            cache.start)[np.asarray(seq_ids)]
+        if pending.max(initial=0) > q_len:
+            raise ValueError(
+                f"write_layer: the last reserve added up to {pending.max()} tokens to a row, "
+                f"but a and b hold only q_len={q_len}; write all reserved tokens in one call."
+            )
 
     start = cache.start[seq_ids]
     end = cache.lengths[seq_ids]

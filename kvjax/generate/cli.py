@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     t0 = time.perf_counter()
-    first = None
+    first, decoded_before = None, 0
     if args.num_beams:
         res = gen.beam_search(model, params, prompts[0], beam_width=args.num_beams,
                               max_new_tokens=args.max_new_tokens, keep_cache=True, **common)
@@ -216,21 +216,20 @@ def run(args: argparse.Namespace) -> int:
         peak_pages = cache.spec.num_pages - int(cache.num_free_pages)
     else:
         outputs = [[] for _ in prompts]
-        peak_pages = 0
         show = not args.no_progress and args.max_new_tokens >= 64
+        # Pages are kept until the end, so the final count is the peak.
         with tqdm(total=args.max_new_tokens, disable=not show, unit="tok",
                   file=sys.stderr) as bar:
-            for event in gen.stream(model, params, prompts, key=key,
-                                    max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                    eos_ids=eos, **common):
-                if first is None:
-                    first = time.perf_counter()
+            for i, event in enumerate(gen.stream(
+                    model, params, prompts, key=key, max_new_tokens=args.max_new_tokens,
+                    sampling=sampling, eos_ids=eos, free_finished=False, **common)):
                 for b in np.nonzero(event.emitted)[0]:
                     outputs[b].append(int(event.tokens[b]))
-                cache = event.state.cache
-                peak_pages = max(peak_pages,
-                                 cache.spec.num_pages - int(cache.num_free_pages))
+                if i == 1:  # the decode step is compiled by now
+                    first, decoded_before = time.perf_counter(), sum(map(len, outputs))
                 bar.update(1)
+        cache = event.state.cache
+        peak_pages = cache.spec.num_pages - int(cache.num_free_pages)
     elapsed = time.perf_counter() - t0
 
     for i, out in enumerate(outputs):
@@ -245,13 +244,12 @@ def run(args: argparse.Namespace) -> int:
     page_bytes = sum(int(np.prod(s)) for s in spec.pool_shapes) * spec.dtype.itemsize
     page_bytes //= spec.num_pages
     total = sum(len(o) for o in outputs)
-    decode_tokens = total - len(outputs)
     print(f"generated {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s "
           "including prefill and compilation)", file=sys.stderr)
-    if first is not None and decode_tokens > 0:
-        dt = time.perf_counter() - first
-        print(f"decode: {decode_tokens} tokens in {dt:.2f} s ({decode_tokens / dt:.1f} tokens/s "
-              "after the first token)", file=sys.stderr)
+    if first is not None and total > decoded_before:
+        dt, n = time.perf_counter() - first, total - decoded_before
+        print(f"decode: {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s, steady state after "
+              "compilation)", file=sys.stderr)
     print(f"KV cache: {peak_pages} of {spec.num_pages} pages used at peak x "
           f"{_format_bytes(page_bytes)} per page = {_format_bytes(peak_pages * page_bytes)} "
           f"({peak_pages * page_bytes} bytes; pool {_format_bytes(spec.num_pages * page_bytes)}, "

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import cache as kv_cache
 from kvjax.cache.page_table import AllocStatus
+from kvjax.cache.policies.base import CachePolicy, to_slots
 from kvjax.generate.sampling import SamplingConfig, as_keys, sample
 from kvjax.models.base import Model
 
@@ -56,15 +57,9 @@ __all__ = [
 ]
 
 
-class CachePolicy(Protocol):
-    """A cache policy (eviction, selection) that the decode step calls after each forward.
-
-    Must be hashable (it is a static argument). It gets the cache holding the
-    step's new K/V and returns a cache of the same structure.
-    """
-
-    def __call__(self, cache: kv_cache.PagedKVCache, *, seq_ids: jax.Array, active: jax.Array,
-                 step: jax.Array) -> kv_cache.PagedKVCache: ...
+# Cache policies (eviction / page selection) are `kvjax.cache.policies.CachePolicy`
+# objects: hashable, static here. Their state rides in `DecodeState.policy_state`; the
+# loop calls the same hooks for all of them (see kvjax/cache/policies/base.py).
 
 
 @jax.tree_util.register_dataclass
@@ -84,6 +79,7 @@ class DecodeState:
       keys: typed PRNG keys [batch]; step i of a row samples with fold_in(key, i).
       status: the first failed allocation, or OK.
       step: int32[], decode steps run.
+      policy_state: the cache policy's state (None without a policy).
     """
 
     cache: kv_cache.PagedKVCache
@@ -97,6 +93,7 @@ class DecodeState:
     keys: jax.Array
     status: AllocStatus
     step: Int[Array, ""]
+    policy_state: Any = None
 
 
 def _ok_status(cache) -> AllocStatus:
@@ -130,6 +127,7 @@ def prefill(
     impl: str = "auto",
     return_logits: bool = False,
     policy: CachePolicy | None = None,
+    policy_state=None,
 ):
     """Appends prompts to sequences `seq_ids`, `chunk_size` tokens at a time.
 
@@ -147,10 +145,14 @@ def prefill(
       chunk_size: tokens per chunk (static).
       impl: attention implementation.
       return_logits: also return the logits at every prompt position (static).
-      policy: optional cache policy called after each chunk (static).
+      policy: optional cache policy (static); its `after_prefill` runs after
+        each chunk, so prompt compressors (SnapKV, PyramidKV) see the whole
+        prompt only when it fits one chunk.
+      policy_state: the policy's state (from `policy.init_state(cache)`).
 
     Returns:
-      (cache, last_logits float32[batch, vocab], status, all_logits or None):
+      (cache, last_logits float32[batch, vocab], status, all_logits or None),
+      plus the new policy state as a fifth element when a policy is given:
       `last_logits[b]` predicts the token after row b's prompt; `all_logits` is
       float32[batch, prompt_len, vocab] when asked for. On an allocation
       failure the remaining chunks are skipped and `status` says why.
@@ -168,30 +170,43 @@ def prefill(
     rows = jnp.arange(batch)
 
     def body(carry, xs):
-        cache, last_logits, status, ok = carry
+        cache, last_logits, status, ok, pstate = carry
         c, chunk = xs
         start_tok = c * chunk_size
         q_lengths = jnp.where(ok, jnp.clip(prompt_lengths - start_tok, 0, chunk_size), 0)
+        positions = base[:, None] + start_tok + offsets[None, :]
+        if policy is not None:  # rotary positions may count cache slots (before reserve)
+            positions = policy.rope_positions(
+                cache, pstate, to_slots(cache, seq_ids, positions))[seq_ids]
         cache, st = kv_cache.reserve(cache, _slot_vector(cache, seq_ids, q_lengths))
         status = _first_error(status, st)
         q_lengths = jnp.where(st.ok, q_lengths, 0)
-        positions = base[:, None] + start_tok + offsets[None, :]
-        logits, cache = model.apply(params, chunk, positions, cache, q_lengths=q_lengths,
-                                    seq_ids=seq_ids, impl=impl)
-        if policy is not None:
-            cache = policy(cache, seq_ids=seq_ids, active=q_lengths > 0, step=c)
+        if policy is None:
+            logits, cache = model.apply(params, chunk, positions, cache, q_lengths=q_lengths,
+                                        seq_ids=seq_ids, impl=impl)
+        else:
+            logits, cache, queries = model.apply(
+                params, chunk, positions, cache, q_lengths=q_lengths, seq_ids=seq_ids,
+                impl=impl, policy=policy, policy_state=pstate)
+            cache, pstate, pst = policy.after_prefill(
+                cache, pstate, to_slots(cache, seq_ids, queries, axis=1),
+                _slot_vector(cache, seq_ids, q_lengths))
+            status = _first_error(status, pst)
         idx = prompt_lengths - 1 - start_tok
         here = (idx >= 0) & (idx < chunk_size) & st.ok
         row = logits[rows, jnp.clip(idx, 0, chunk_size - 1)]
         last_logits = jnp.where(here[:, None], row, last_logits)
-        return (cache, last_logits, status, ok & st.ok), (logits if return_logits else None)
+        ok = ok & st.ok & (status.code == 0)
+        return (cache, last_logits, status, ok, pstate), (logits if return_logits else None)
 
     init = (cache, jnp.zeros((batch, model.vocab_size), jnp.float32), _ok_status(cache),
-            jnp.bool_(True))
-    (cache, last_logits, status, _), all_logits = jax.lax.scan(
+            jnp.bool_(True), policy_state)
+    (cache, last_logits, status, _, policy_state), all_logits = jax.lax.scan(
         body, init, (jnp.arange(n_chunks, dtype=jnp.int32), chunks))
     if return_logits:
         all_logits = all_logits.transpose(1, 0, 2, 3).reshape(batch, prompt_len, -1)
+    if policy is not None:
+        return cache, last_logits, status, all_logits, policy_state
     return cache, last_logits, status, all_logits
 
 
@@ -221,6 +236,7 @@ def start(
     eos_ids: tuple[int, ...] = (),
     max_len: int,
     free_finished: bool = True,
+    policy_state=None,
 ) -> DecodeState:
     """Samples each row's first new token from its prompt logits; returns the loop state.
 
@@ -236,6 +252,7 @@ def start(
       sampling, eos_ids: how to sample and which tokens stop a row (static).
       max_len: width of the token buffer (static).
       free_finished: free a row's pages as soon as it finishes (static).
+      policy_state: the cache policy's state after prefill (None without a policy).
     """
     batch = seq_ids.shape[0]
     ok = status.code == 0
@@ -250,7 +267,7 @@ def start(
         cache=cache, seq_ids=jnp.asarray(seq_ids, jnp.int32), last=tok,
         position=jnp.asarray(positions, jnp.int32), tokens=tokens, num_generated=num,
         max_new=jnp.asarray(max_new, jnp.int32), done=finished | ~ok, keys=keys, status=status,
-        step=jnp.int32(0),
+        step=jnp.int32(0), policy_state=policy_state,
     )
 
 
@@ -275,14 +292,27 @@ def decode_step(
     cache = state.cache
     batch = state.seq_ids.shape[0]
     active = ~state.done
+    positions = state.position[:, None]
+    pstate = state.policy_state
+    if policy is not None:  # rotary positions may count cache slots (before reserve)
+        positions = policy.rope_positions(
+            cache, pstate, to_slots(cache, state.seq_ids, positions))[state.seq_ids]
     cache, st = kv_cache.reserve(
         cache, _slot_vector(cache, state.seq_ids, active.astype(jnp.int32)))
     run = active & st.ok
-    logits, cache = model.apply(
-        params, state.last[:, None], state.position[:, None], cache,
-        q_lengths=run.astype(jnp.int32), seq_ids=state.seq_ids, impl=impl)
-    if policy is not None:
-        cache = policy(cache, seq_ids=state.seq_ids, active=run, step=state.step)
+    if policy is None:
+        logits, cache = model.apply(
+            params, state.last[:, None], positions, cache,
+            q_lengths=run.astype(jnp.int32), seq_ids=state.seq_ids, impl=impl)
+    else:
+        logits, cache, queries = model.apply(
+            params, state.last[:, None], positions, cache, q_lengths=run.astype(jnp.int32),
+            seq_ids=state.seq_ids, impl=impl, policy=policy, policy_state=pstate)
+        cache, pstate, pst = policy.after_step(
+            cache, pstate, to_slots(cache, state.seq_ids, queries[:, :, 0], axis=1),
+            _slot_vector(cache, state.seq_ids, run))
+        st = _first_error(st, pst)
+        run = run & pst.ok
     step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
     tok = sample(logits[:, 0], step_keys, sampling)
     max_len = state.tokens.shape[1]
@@ -296,7 +326,7 @@ def decode_step(
         state, cache=cache, last=jnp.where(run, tok, state.last),
         position=state.position + run.astype(jnp.int32), tokens=tokens, num_generated=num,
         done=state.done | finished | ~st.ok, status=_first_error(state.status, st),
-        step=state.step + 1,
+        step=state.step + 1, policy_state=pstate,
     )
 
 
@@ -408,14 +438,20 @@ def _prepare(model, params, prompts, *, key, max_new_tokens, cache, seq_ids, pag
         seq_ids = np.arange(batch, dtype=np.int32)
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     base = cache.lengths[seq_ids]
-    cache, last_logits, status, _ = prefill(
-        model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
-        chunk_size=chunk, impl=impl, policy=policy)
+    policy_state = None
+    if policy is None:
+        cache, last_logits, status, _ = prefill(
+            model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
+            chunk_size=chunk, impl=impl)
+    else:
+        cache, last_logits, status, _, policy_state = prefill(
+            model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
+            chunk_size=chunk, impl=impl, policy=policy, policy_state=policy.init_state(cache))
     if check:
         status.raise_if_error()
     keys = as_keys(key, batch)
     positions = base + jnp.asarray(lengths)
-    return cache, seq_ids, last_logits, positions, keys, max_new, status
+    return cache, seq_ids, last_logits, positions, keys, max_new, status, policy_state
 
 
 def generate(
@@ -459,14 +495,14 @@ def generate(
       policy: optional cache policy (eviction/selection) run after every forward.
       check: raise `CacheFullError` if the cache ran out of pages.
     """
-    cache, seq_ids, last_logits, positions, keys, max_new, status = _prepare(
+    cache, seq_ids, last_logits, positions, keys, max_new, status, policy_state = _prepare(
         model, params, prompts, key=key, max_new_tokens=max_new_tokens, cache=cache,
         seq_ids=seq_ids, page_size=page_size, num_pages=num_pages, cache_dtype=cache_dtype,
         chunk_size=chunk_size, impl=impl, policy=policy, check=check)
     eos_ids = tuple(int(e) for e in eos_ids)
     state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
-                  free_finished=free_finished)
+                  free_finished=free_finished, policy_state=policy_state)
     state = decode_loop(model, params, state, sampling=sampling, eos_ids=eos_ids,
                         free_finished=free_finished, impl=impl, policy=policy)
     if check:
@@ -511,14 +547,14 @@ def stream(
     the prompts; each later one comes from one jitted `decode_step`. The last
     event's `state` holds the final cache.
     """
-    cache, seq_ids, last_logits, positions, keys, max_new, status = _prepare(
+    cache, seq_ids, last_logits, positions, keys, max_new, status, policy_state = _prepare(
         model, params, prompts, key=key, max_new_tokens=max_new_tokens, cache=cache,
         seq_ids=seq_ids, page_size=page_size, num_pages=num_pages, cache_dtype=cache_dtype,
         chunk_size=chunk_size, impl=impl, policy=policy, check=check)
     eos_ids = tuple(int(e) for e in eos_ids)
     state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
-                  free_finished=free_finished)
+                  free_finished=free_finished, policy_state=policy_state)
     prev = np.zeros(seq_ids.shape, np.int32)
     while True:
         num = np.asarray(state.num_generated)

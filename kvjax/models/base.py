@@ -11,6 +11,7 @@ are imported lazily, on first use.
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -60,10 +61,20 @@ class Model:
     cache_spec: Callable
 
     def apply(self, params, tokens, positions, cache, *, q_lengths, seq_ids=None,
-              impl: str = "auto"):
-        """`forward` with this model's config bound."""
+              impl: str = "auto", policy=None, policy_state=None):
+        """`forward` with this model's config bound.
+
+        With a cache `policy` (`kvjax.cache.policies`) it also returns the
+        queries of every layer; families whose forward takes no policy raise.
+        """
+        if policy is None:
+            return self.forward(params, self.config, tokens, positions, cache,
+                                q_lengths=q_lengths, seq_ids=seq_ids, impl=impl)
+        if "policy" not in inspect.signature(self.forward).parameters:
+            raise ValueError(f"The {self.family} family does not support cache policies yet.")
         return self.forward(params, self.config, tokens, positions, cache,
-                            q_lengths=q_lengths, seq_ids=seq_ids, impl=impl)
+                            q_lengths=q_lengths, seq_ids=seq_ids, impl=impl, policy=policy,
+                            policy_state=policy_state)
 
     def make_cache_spec(self, *, page_size: int, num_pages: int, max_seqs: int,
                         max_pages_per_seq: int, dtype="float32") -> CacheSpec:
@@ -99,18 +110,29 @@ def register_family(name: str, module: str, architectures: tuple[str, ...] = ())
 
 
 def _module_family(name: str, module_path: str) -> Family:
-    module = importlib.import_module(module_path)
-    configs = [
-        obj for key, obj in vars(module).items()
-        if key.endswith("Config") and isinstance(obj, type) and hasattr(obj, "from_hf")
-        and obj.__module__ == module.__name__
-    ]
-    if len(configs) != 1:
+    """The family a module provides; its config class is `module.CONFIG` if set, else the one
+    `*Config` class defined there with `from_hf` and an `attention` property."""
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
         raise ValueError(
-            f"family module {module_path} must define exactly one *Config class with from_hf; "
-            f"found {[c.__name__ for c in configs]}."
-        )
-    return Family(name=name, config_cls=configs[0], init_params=module.init_params,
+            f"model family {name!r} lives in {module_path}, which is not available here ({e})."
+        ) from e
+    config_cls = getattr(module, "CONFIG", None)
+    if config_cls is None:
+        configs = [
+            obj for key, obj in vars(module).items()
+            if key.endswith("Config") and isinstance(obj, type) and hasattr(obj, "from_hf")
+            and hasattr(obj, "attention") and obj.__module__ == module.__name__
+        ]
+        if len(configs) != 1:
+            raise ValueError(
+                f"family module {module_path} must define exactly one *Config class with "
+                f"from_hf and attention (or name it in CONFIG); found "
+                f"{[c.__name__ for c in configs]}."
+            )
+        config_cls = configs[0]
+    return Family(name=name, config_cls=config_cls, init_params=module.init_params,
                   params_from_hf=module.params_from_hf, forward=module.forward,
                   cache_spec=module.cache_spec)
 

@@ -43,19 +43,23 @@ MoE dispatch (`DeepseekConfig.moe_impl`):
 * "ragged": sort (token, choice) pairs by expert and run `lax.ragged_dot`
   (a grouped GEMM on TPU/GPU; on CPU XLA lowers it to a masked product over all
   experts, no cheaper than "dense").
-* "auto": "gather" when tokens * top_k <= number of experts (decode), else
-  "ragged" on TPU/GPU and "dense" on CPU.
+* "auto": "gather" when 2 * tokens * top_k <= number of experts (small-batch
+  decode), else "ragged" on TPU/GPU and "dense" on CPU.
+
+Loading (`params_from_hf`) reads per-expert or fused expert tensors, and
+dequantizes DeepSeek-V3's block-FP8 weights (`weight` + `weight_scale_inv`) to
+the params dtype; multi-token-prediction layers past `num_hidden_layers` are
+not read.
 
 Parameters are a nested dict pytree. Layers are split in two stacked groups —
 `dense_layers` (the first `first_k_dense_replace`) and `moe_layers` — each run
 with `lax.scan`, so compile time does not grow with depth.
 
-Until `kvjax/models/layers.py` lands on main this module keeps private RMSNorm,
-SwiGLU and RoPE helpers.
+RMSNorm and SwiGLU come from `kvjax.models.layers`; DeepSeek's rotary layouts
+and YaRN live here and in `kvjax.models.yarn`.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +71,7 @@ from jaxtyping import Array, Float, Int
 from kvjax import attention as kattn
 from kvjax import cache as kcache
 from kvjax.cache import PagedKVCache
+from kvjax.models import layers
 from kvjax.models import yarn as kyarn
 from kvjax.specs import CacheSpec, MLASpec, canonical_dtype
 
@@ -89,7 +94,6 @@ _MOE_IMPLS = ("auto", "dense", "gather", "ragged")
 _PARAM_DTYPES = ("float32", "bfloat16", "float16")
 # transformers builds q_a_layernorm / kv_a_layernorm without passing rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
-_HI = jax.lax.Precision.HIGHEST
 
 
 def _pos_int(name: str, v: object, *, zero_ok: bool = False) -> None:
@@ -113,6 +117,8 @@ class DeepseekConfig:
       scoring_func: "softmax" (V2) or "sigmoid" (V3).
       topk_method: "greedy" / "group_limited_greedy" (softmax) or "noaux_tc" (sigmoid).
       moe_impl: expert dispatch, one of "auto", "dense", "gather", "ragged" (module docstring).
+      fp8_block_size: tile of one scale in block-quantized FP8 checkpoints (DeepSeek-V3's
+        `quantization_config.weight_block_size`); weights are dequantized on load.
       dtype: parameter and compute dtype (router weights stay float32).
     """
 
@@ -143,6 +149,7 @@ class DeepseekConfig:
     norm_topk_prob: bool = False
     tie_word_embeddings: bool = False
     moe_impl: str = "auto"
+    fp8_block_size: tuple[int, int] = (128, 128)
     dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
 
     def __post_init__(self):
@@ -196,6 +203,11 @@ class DeepseekConfig:
                 if self.topk_method == "noaux_tc" and e // self.n_group < 2:
                     raise ValueError("DeepseekConfig: noaux_tc scores a group by its top two "
                                      "experts, so each group needs at least 2 experts.")
+        fb = self.fp8_block_size
+        if (not isinstance(fb, tuple) or len(fb) != 2
+                or not all(isinstance(b, int) and b > 0 for b in fb)):
+            raise ValueError(f"DeepseekConfig.fp8_block_size must be two positive ints, got "
+                             f"{fb!r}.")
         if self.moe_impl not in _MOE_IMPLS:
             raise ValueError(f"DeepseekConfig.moe_impl must be one of {_MOE_IMPLS}, got "
                              f"{self.moe_impl!r}.")
@@ -238,7 +250,9 @@ class DeepseekConfig:
         """Builds a config from a DeepSeek `config.json` (transformers 5 or the original format).
 
         Reads `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
-        (original checkpoints). `overrides` replace fields (e.g. dtype, moe_impl).
+        (original checkpoints). The params dtype defaults to the checkpoint's
+        `dtype` / `torch_dtype` (else float32). `overrides` replace fields (e.g.
+        dtype, moe_impl).
         Raises ValueError naming any setting this implementation does not support.
         """
         c = dict(hf_config)
@@ -270,6 +284,16 @@ class DeepseekConfig:
             raise ValueError(f"DeepseekConfig.from_hf: topk_method={c['topk_method']!r} is not "
                              f"supported for deepseek_v3 (only 'noaux_tc').")
         theta, yarn = _rope_from_hf(c)
+        fp8_block = (128, 128)
+        quant = c.get("quantization_config")
+        if quant:
+            if quant.get("quant_method") != "fp8":
+                raise ValueError(
+                    f"DeepseekConfig.from_hf: quantization_config quant_method="
+                    f"{quant.get('quant_method')!r} is not supported (only block 'fp8', which "
+                    f"is dequantized on load)."
+                )
+            fp8_block = tuple(int(b) for b in quant.get("weight_block_size") or (128, 128))
         n_experts = c.get("n_routed_experts") or 0
         first_dense = c.get("first_k_dense_replace")
         fields = dict(
@@ -277,7 +301,7 @@ class DeepseekConfig:
             intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
             num_heads=heads, kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
             qk_rope_head_dim=c["qk_rope_head_dim"], qk_nope_head_dim=c["qk_nope_head_dim"],
-            v_head_dim=c["v_head_dim"], rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            v_head_dim=c["v_head_dim"], rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
             rope_theta=theta, yarn=yarn,
             rope_interleaved=bool(c.get("rope_interleave", True)) if v3 else True,
             first_k_dense_replace=(3 if v3 else 0) if first_dense is None else first_dense,
@@ -287,9 +311,11 @@ class DeepseekConfig:
             n_shared_experts=c.get("n_shared_experts") or 0,
             scoring_func=scoring, topk_method=topk_method,
             n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
-            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
             norm_topk_prob=bool(c.get("norm_topk_prob", v3)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
+            fp8_block_size=fp8_block,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -372,26 +398,24 @@ def _is_leaf(x) -> bool:
 def init_params(config: DeepseekConfig, key: jax.Array, *, std: float = 0.02) -> Params:
     """Random parameters: normal(0, std) matrices, norm weights 1, zero router bias.
 
-    One compiled program draws every tensor (not one dispatch per tensor).
+    The draws come from a host NumPy generator seeded by `key`: deterministic per
+    key, and far cheaper than compiling threefry for every tensor shape.
     """
-    return _init_params(config, key, std)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _init_params(config: DeepseekConfig, key: jax.Array, std: float) -> Params:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    rng = np.random.default_rng(np.asarray(key, np.uint32).ravel())
     shapes = _param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_leaf)
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_leaf)[0]]
-    keys = jax.random.split(key, len(leaves))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_leaf)
     out = []
-    for path, (shape, dtype), k in zip(paths, leaves, keys, strict=True):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
-        elif "bias" in path:
-            out.append(jnp.zeros(shape, dtype))
+    for path, (shape, dtype) in flat:
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            x = np.ones(shape, np.float32)
+        elif "bias" in name:
+            x = np.zeros(shape, np.float32)
         else:
-            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+            x = (std * rng.standard_normal(shape)).astype(np.float32)
+        out.append(jnp.asarray(x).astype(dtype))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -430,6 +454,8 @@ def params_from_hf(
         if t.shape != shape:
             raise ValueError(f"params_from_hf: tensor {name!r} has shape {t.shape}, expected "
                              f"{shape} for this config.")
+        if t.dtype.name.startswith("float8"):
+            t = _dequantize_fp8(name, t, get_tensor, config.fp8_block_size)
         return t
 
     c = config
@@ -510,6 +536,31 @@ def params_from_hf(
     return jax.tree.unflatten(treedef, out)
 
 
+def _dequantize_fp8(name: str, w: np.ndarray, get_tensor, block: tuple[int, int]) -> np.ndarray:
+    """float32 weights from a block-quantized FP8 checkpoint tensor (DeepSeek-V3's format).
+
+    Each `block[0] x block[1]` tile of the [out, in] weight has one float32 factor in
+    `<name>_scale_inv` (despite its name, a multiplier: w = fp8 * scale_inv).
+    """
+    scale_name = name + "_scale_inv"
+    try:
+        scale = np.asarray(get_tensor(scale_name), np.float32)
+    except KeyError as e:
+        raise KeyError(f"params_from_hf: {name!r} is {w.dtype.name} but the checkpoint has no "
+                       f"{scale_name!r} to dequantize it.") from e
+    if w.ndim != 2:
+        raise ValueError(f"params_from_hf: FP8 tensor {name!r} must be 2-D, got {w.shape}.")
+    bo, bi = block
+    want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi))
+    if scale.shape != want:
+        raise ValueError(
+            f"params_from_hf: {scale_name!r} has shape {scale.shape}; a {w.shape} weight in "
+            f"{block} blocks needs {want}."
+        )
+    full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[: w.shape[0], : w.shape[1]]
+    return w.astype(np.float32) * full
+
+
 def cache_spec(
     config: DeepseekConfig, *, page_size: int, num_pages: int, max_seqs: int,
     max_pages_per_seq: int, dtype: object = "float32",
@@ -523,22 +574,15 @@ def cache_spec(
 
 
 # ---------------------------------------------------------------------------------------------
-# Layers (private until kvjax/models/layers.py lands on main)
-
-
-def _rms_norm(x: Float[Array, "... d"], w: Float[Array, " d"], eps: float) -> Float[Array, "... d"]:
-    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.float32(eps))
-    return w * xf.astype(x.dtype)
+# Layers
 
 
 def _mm(x, w):
-    return jnp.matmul(x, w, precision=_HI)
+    return layers.linear(x, w, None)
 
 
 def _swiglu(x, p):
-    return _mm(jax.nn.silu(_mm(x, p["gate"])) * _mm(x, p["up"]), p["down"])
+    return layers.swiglu(x, p["gate"], p["up"], p["down"])
 
 
 def _rope_tables(config: DeepseekConfig, positions: Int[Array, "batch q_len"]):
@@ -576,11 +620,12 @@ def _mla_inputs(p, config: DeepseekConfig, x, cos, sin):
     if c.q_lora_rank is None:
         q = _mm(x, p["q_proj"])
     else:
-        q = _mm(_rms_norm(_mm(x, p["q_a_proj"]), p["q_a_norm"], _LATENT_NORM_EPS), p["q_b_proj"])
+        q_a = layers.rms_norm(_mm(x, p["q_a_proj"]), p["q_a_norm"], _LATENT_NORM_EPS)
+        q = _mm(q_a, p["q_b_proj"])
     q = q.reshape(b, t, c.num_heads, c.qk_head_dim)
     q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
     kv = _mm(x, p["kv_a_proj"])
-    c_kv = _rms_norm(kv[..., :c.kv_lora_rank], p["kv_a_norm"], _LATENT_NORM_EPS)
+    c_kv = layers.rms_norm(kv[..., :c.kv_lora_rank], p["kv_a_norm"], _LATENT_NORM_EPS)
     k_rope = kv[..., c.kv_lora_rank:]
     q_rope = _apply_rope(q_rope, cos, sin, c.rope_interleaved)
     k_rope = _apply_rope(k_rope[:, :, None], cos, sin, c.rope_interleaved)[:, :, 0]
@@ -589,13 +634,13 @@ def _mla_inputs(p, config: DeepseekConfig, x, cos, sin):
 
 def _absorb_query(p, q_nope):
     """q_latent[h] = q_nope[h] @ W_UK[h]: [B,T,H,dn] -> [B,T,H,dc]."""
-    return jnp.einsum("bthn,hnc->bthc", q_nope, p["w_uk"], precision=_HI)
+    return jnp.einsum("bthn,hnc->bthc", q_nope, p["w_uk"])
 
 
 def _output(p, config: DeepseekConfig, out_latent):
     """W_UV per head on the latent attention output, then o_proj: [B,T,H,dc] -> [B,T,hidden]."""
     b, t = out_latent.shape[:2]
-    v = jnp.einsum("bthc,hcv->bthv", out_latent, p["w_uv"], precision=_HI)
+    v = jnp.einsum("bthc,hcv->bthv", out_latent, p["w_uv"])
     return _mm(v.reshape(b, t, config.num_heads * config.v_head_dim), p["o_proj"])
 
 
@@ -641,16 +686,16 @@ def mla_attention_naive(
     c = config
     f32 = jnp.float32
     kv_b_k = p["w_uk"].astype(f32)  # [H, dn, dc]
-    k_nope = jnp.einsum("bsc,hnc->bshn", c_kv.astype(f32), kv_b_k, precision=_HI)
-    v = jnp.einsum("bsc,hcv->bshv", c_kv.astype(f32), p["w_uv"].astype(f32), precision=_HI)
-    logits = (jnp.einsum("bthn,bshn->bhts", q_nope.astype(f32), k_nope, precision=_HI)
-              + jnp.einsum("bthr,bsr->bhts", q_rope.astype(f32), k_rope.astype(f32),
-                           precision=_HI)) * f32(c.softmax_scale)
+    k_nope = jnp.einsum("bsc,hnc->bshn", c_kv.astype(f32), kv_b_k)
+    v = jnp.einsum("bsc,hcv->bshv", c_kv.astype(f32), p["w_uv"].astype(f32))
+    logits = (jnp.einsum("bthn,bshn->bhts", q_nope.astype(f32), k_nope)
+              + jnp.einsum("bthr,bsr->bhts", q_rope.astype(f32), k_rope.astype(f32)))
+    logits = logits * f32(c.softmax_scale)
     s = jnp.arange(c_kv.shape[1])
     visible = (s[None, None, :] <= q_pos[:, :, None]) & (s[None, None, :] < lengths[:, None, None])
     logits = jnp.where(visible[:, None], logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhts,bshv->bthv", probs, v, precision=_HI)
+    out = jnp.einsum("bhts,bshv->bthv", probs, v)
     b, t = out.shape[:2]
     return _mm(out.reshape(b, t, -1), p["o_proj"].astype(f32))
 
@@ -694,7 +739,9 @@ def _group_mask(group_scores, c: DeepseekConfig):
 def _moe_impl(config: DeepseekConfig, num_tokens: int) -> str:
     if config.moe_impl != "auto":
         return config.moe_impl
-    if num_tokens * config.num_experts_per_tok <= config.n_routed_experts:
+    # "gather" reads (and copies) one expert per (token, choice); "dense" reads every expert
+    # once. Gathering pays off while it touches at most half of the experts.
+    if 2 * num_tokens * config.num_experts_per_tok <= config.n_routed_experts:
         return "gather"
     return "dense" if jax.default_backend() == "cpu" else "ragged"
 
@@ -706,17 +753,16 @@ def _experts(config: DeepseekConfig, ex, x, weights, idx):
     impl = _moe_impl(config, n)
     if impl == "dense":
         dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)
-        g = jnp.einsum("nh,ehi->nei", x, ex["gate"], precision=_HI)
-        u = jnp.einsum("nh,ehi->nei", x, ex["up"], precision=_HI)
-        y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, ex["down"], precision=_HI)
-        return jnp.einsum("neh,ne->nh", y.astype(jnp.float32), dense_w,
-                          precision=_HI).astype(x.dtype)
+        g = jnp.einsum("nh,ehi->nei", x, ex["gate"])
+        u = jnp.einsum("nh,ehi->nei", x, ex["up"])
+        y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, ex["down"])
+        return jnp.einsum("neh,ne->nh", y.astype(jnp.float32), dense_w).astype(x.dtype)
     if impl == "gather":
         flat = idx.reshape(-1)  # [N*k]
         xs = jnp.repeat(x, k, axis=0)
-        g = jnp.einsum("mh,mhi->mi", xs, ex["gate"][flat], precision=_HI)
-        u = jnp.einsum("mh,mhi->mi", xs, ex["up"][flat], precision=_HI)
-        y = jnp.einsum("mi,mih->mh", jax.nn.silu(g) * u, ex["down"][flat], precision=_HI)
+        g = jnp.einsum("mh,mhi->mi", xs, ex["gate"][flat])
+        u = jnp.einsum("mh,mhi->mi", xs, ex["up"][flat])
+        y = jnp.einsum("mi,mih->mh", jax.nn.silu(g) * u, ex["down"][flat])
         y = y.astype(jnp.float32).reshape(n, k, h) * weights[..., None]
         return y.sum(1).astype(x.dtype)
     # ragged: sort (token, choice) pairs by expert; one grouped GEMM per projection.
@@ -725,9 +771,9 @@ def _experts(config: DeepseekConfig, ex, x, weights, idx):
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]
-    g = jax.lax.ragged_dot(xs, ex["gate"], sizes, precision=_HI)
-    u = jax.lax.ragged_dot(xs, ex["up"], sizes, precision=_HI)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, ex["down"], sizes, precision=_HI)
+    g = jax.lax.ragged_dot(xs, ex["gate"], sizes)
+    u = jax.lax.ragged_dot(xs, ex["up"], sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, ex["down"], sizes)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, h), jnp.float32).at[token].add(y).astype(x.dtype)
 
@@ -821,10 +867,10 @@ def forward(
         def body(carry, xs):
             x, cache = carry
             p, i = xs
-            attn, cache = _attention(p, config, _rms_norm(x, p["input_norm"], eps), cos, sin,
+            attn, cache = _attention(p, config, layers.rms_norm(x, p["input_norm"], eps), cos, sin,
                                      cache, offset + i, ctx, impl)
             x = x + attn
-            x = x + mlp_fn(p, _rms_norm(x, p["post_norm"], eps))
+            x = x + mlp_fn(p, layers.rms_norm(x, p["post_norm"], eps))
             return (x, cache), None
         return body
 
@@ -839,7 +885,7 @@ def forward(
         (x, cache), _ = jax.lax.scan(body, (x, cache),
                                      (params["moe_layers"], jnp.arange(n, dtype=jnp.int32)))
 
-    x = _rms_norm(x, params["final_norm"], eps)
+    x = layers.rms_norm(x, params["final_norm"], eps)
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = _mm(x, head).astype(jnp.float32)
     return logits, cache

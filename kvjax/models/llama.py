@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax import attention as kv_attention
 from kvjax import cache as kv_cache
+from kvjax.cache.policies.base import CachePolicy, rows_selection, selected_decode_attention
 from kvjax.models.layers import RopeConfig, apply_rope, linear, rms_norm, rope_cos_sin, swiglu
 from kvjax.specs import AttentionSpec, CacheSpec, canonical_dtype
 
@@ -333,8 +334,8 @@ def cache_spec(config: LlamaConfig, *, page_size: int, num_pages: int, max_seqs:
 
 
 def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
-           window, impl):
-    """One decoder layer: attention over the paged cache, then the MLP. Returns (x, cache)."""
+           window, impl, policy=None, policy_state=None):
+    """One decoder layer: attention over the paged cache, then the MLP. Returns (x, cache, q)."""
     c = config
     batch, q_len, _ = x.shape
     h = rms_norm(x, lp.attn_norm, c.rms_norm_eps)
@@ -353,7 +354,13 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_i
     if seq_ids is not None:
         lengths, tables = lengths[seq_ids], tables[seq_ids]
     scale = c.head_dim ** -0.5
-    if q_len == 1:
+    if q_len == 1 and policy is not None:
+        # The policy picks what decode attention reads (Quest pages, PyramidKV layer budgets).
+        sel = rows_selection(policy, cache, policy_state, layer, q[:, 0], seq_ids)
+        out, _ = selected_decode_attention(q[:, 0], view.k, view.v, sel, scale=scale,
+                                           sliding_window=window, impl=impl)
+        out = out[:, None]
+    elif q_len == 1:
         out, _ = kv_attention.paged_decode_attention(
             q[:, 0], view.k, view.v, lengths, tables, scale=scale, sliding_window=window,
             impl=impl)
@@ -365,7 +372,7 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_i
     x = x + linear(out.astype(x.dtype).reshape(batch, q_len, -1), lp.wo, lp.bo)
     h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
     x = x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down, lp.b_gate, lp.b_up, lp.b_down)
-    return x, cache
+    return x, cache, q
 
 
 def forward(
@@ -378,7 +385,9 @@ def forward(
     q_lengths: Int[Array, " batch"],
     seq_ids: Int[Array, " batch"] | None = None,
     impl: str = "auto",
-) -> tuple[Float[Array, "batch q_len vocab"], kv_cache.PagedKVCache]:
+    policy: CachePolicy | None = None,
+    policy_state=None,
+):
     """Runs the model on new tokens whose cache slots are already reserved.
 
     Args:
@@ -392,9 +401,14 @@ def forward(
       q_lengths: int32[batch], real tokens per row.
       seq_ids: int32[batch] cache slots of the rows; None = every slot in order.
       impl: attention implementation (see `kvjax.attention`).
+      policy: optional cache policy (`kvjax.cache.policies`); in decode
+        (q_len == 1) its `before_attention` chooses what each layer reads.
+      policy_state: the policy's state.
 
     Returns:
-      (float32 logits [batch, q_len, vocab], the cache with the new K/V written).
+      (float32 logits [batch, q_len, vocab], the cache with the new K/V written),
+      plus, when a policy is given, the post-RoPE queries of every layer
+      [layers, batch, q_len, q_heads, head_dim] for the policy's hooks.
     """
     c = config
     if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -423,18 +437,23 @@ def forward(
         def body(carry, inputs):
             x, cache = carry
             lp, layer = inputs
-            x, cache = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
-                              windows[0], impl)
-            return (x, cache), None
+            x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
+                                 windows[0], impl, policy, policy_state)
+            return (x, cache), (q if policy is not None else None)
 
-        (x, cache), _ = jax.lax.scan(
+        (x, cache), queries = jax.lax.scan(
             body, (x, cache), (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
     else:
+        queries = []
         for layer in range(c.num_layers):
             lp = jax.tree.map(lambda p, i=layer: p[i], params.layers)
-            x, cache = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
-                              windows[layer], impl)
+            x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
+                                 windows[layer], impl, policy, policy_state)
+            queries.append(q)
+        queries = jnp.stack(queries)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
     head = params.embed.T if params.lm_head is None else params.lm_head
     logits = jnp.einsum("bth,hv->btv", x, head.astype(dtype))
+    if policy is not None:
+        return logits.astype(jnp.float32), cache, queries
     return logits.astype(jnp.float32), cache

@@ -7,6 +7,7 @@ handles bfloat16 through ml_dtypes), so loading never holds a second full copy
 of the weights.
 """
 
+import dataclasses
 import json
 import mmap
 import os
@@ -136,8 +137,12 @@ def load(path: str, *, dtype: str | None = None,
     if not archs:
         raise ValueError(f"{path}/config.json has no 'architectures' entry; cannot pick a family.")
     family = family_for_architecture(archs[0])
-    kw = {} if dtype is None else {"dtype": dtype}
-    config = family.config_cls.from_hf(hf, **kw)
+    config = family.config_cls.from_hf(hf)
+    if dtype is not None:
+        if not any(f.name == "dtype" for f in dataclasses.fields(config)):
+            raise ValueError(f"{family.config_cls.__name__} has no dtype field; cannot load "
+                             f"as {dtype}.")
+        config = dataclasses.replace(config, dtype=dtype)
     reader = get_tensor if get_tensor is not None else CheckpointReader(path)
     params = family.params_from_hf(config, reader)
     return family.model(config), params

@@ -1,14 +1,12 @@
-"""`kvjax.attention` dispatch to the Pallas kernels, and a decode loop through them.
+"""`kvjax.attention` dispatch to the Pallas kernels.
 
 The kernels themselves are tested in tests/kernels; here: "auto" picks the
 kernel on TPU/GPU and the XLA path on CPU, "pallas" runs the backend's kernel
-(interpreted on CPU), and a multi-layer attention stack decoded greedily with
-impl="pallas", interpret=True emits the same tokens as with impl="xla".
+(interpreted on CPU). Whole models decoded through the kernels are in
+test_pallas_models.py.
 """
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,10 +14,8 @@ import pytest
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import reference as paged_ref
-from kvjax import cache as kvc
 from kvjax.attention import ops, pallas_impls
 from kvjax.attention import paged_decode_attention as decode_op
-from kvjax.specs import AttentionSpec, CacheSpec
 
 
 def _gqa_inputs(rng, batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=3):
@@ -99,84 +95,3 @@ def test_mla_and_prefill_through_pallas(rng):
     want = ops.paged_prefill_attention(q, k, v, lengths, tables, q_lengths, impl="xla")
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
-# --- a tiny multi-layer attention stack decoded greedily ------------------------------------
-
-VOCAB, D_MODEL, LAYERS = 48, 64, 3
-ATTN = AttentionSpec(q_heads=4, kv_heads=2, head_dim=64)
-
-
-def _params(rng):
-    def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32)
-
-    layers = [
-        dict(wq=w(D_MODEL, ATTN.q_heads * ATTN.head_dim),
-             wk=w(D_MODEL, ATTN.kv_heads * ATTN.head_dim),
-             wv=w(D_MODEL, ATTN.kv_heads * ATTN.head_dim),
-             wo=w(ATTN.q_heads * ATTN.head_dim, D_MODEL),
-             w1=w(D_MODEL, 2 * D_MODEL), w2=w(2 * D_MODEL, D_MODEL))
-        for _ in range(LAYERS)
-    ]
-    embed = jnp.asarray(rng.standard_normal((VOCAB, D_MODEL)), jnp.float32)
-    return dict(embed=embed, layers=layers, unembed=w(D_MODEL, VOCAB))
-
-
-def _norm(x):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-
-
-@functools.partial(jax.jit, static_argnames=("impl", "interpret"), donate_argnames="cache")
-def _decode_step(params, cache, tokens, active, *, impl, interpret):
-    """One token per active sequence through every layer; returns (cache, logits [B, V])."""
-    batch = tokens.shape[0]
-    slots = kvc.token_slots(cache, (cache.lengths - 1)[:, None], active[:, None])
-    x = params["embed"][tokens]
-    for i, p in enumerate(params["layers"]):
-        h = _norm(x)
-        q = (h @ p["wq"]).reshape(batch, ATTN.q_heads, ATTN.head_dim)
-        k = (h @ p["wk"]).reshape(batch, 1, ATTN.kv_heads, ATTN.head_dim)
-        v = (h @ p["wv"]).reshape(batch, 1, ATTN.kv_heads, ATTN.head_dim)
-        cache = kvc.write_layer(cache, i, slots, k, v)
-        view = kvc.layer_view(cache, i)
-        out, _ = decode_op(q, view.k, view.v, view.lengths, view.block_tables, impl=impl,
-                           interpret=interpret)
-        x = x + out.reshape(batch, -1) @ p["wo"]
-        x = x + jax.nn.gelu(_norm(x) @ p["w1"]) @ p["w2"]
-    return cache, _norm(x) @ params["unembed"]
-
-
-def _greedy(params, prompts, steps, impl, interpret):
-    spec = CacheSpec(attention=ATTN, num_layers=LAYERS, page_size=8, num_pages=16,
-                     max_seqs=len(prompts), max_pages_per_seq=4)
-    cache = kvc.init_cache(spec)
-    longest = max(len(p) for p in prompts)
-    emitted = [[] for _ in prompts]
-    all_logits = []
-    for t in range(longest + steps):
-        # Prompts are right-aligned so the sequences reach different lengths.
-        active = np.array([t >= longest - len(p) for p in prompts])
-        tokens = []
-        for s, p in enumerate(prompts):
-            j = t - (longest - len(p))
-            tokens.append(p[j] if 0 <= j < len(p) else (emitted[s][-1] if emitted[s] else 0))
-        cache, status = kvc.reserve(cache, jnp.asarray(active, jnp.int32))
-        status.raise_if_error()
-        cache, logits = _decode_step(params, cache, jnp.asarray(tokens, jnp.int32),
-                                     jnp.asarray(active), impl=impl, interpret=interpret)
-        if t >= longest - 1:
-            all_logits.append(np.asarray(logits))
-            for s, tok in enumerate(np.argmax(np.asarray(logits), axis=-1)):
-                emitted[s].append(int(tok))
-    return emitted, np.stack(all_logits)
-
-
-def test_stack_decodes_same_greedy_tokens_with_pallas_as_with_xla(rng):
-    params = _params(rng)
-    prompts = [list(rng.integers(0, VOCAB, size=3)), list(rng.integers(0, VOCAB, size=9))]
-    tokens_xla, logits_xla = _greedy(params, prompts, steps=8, impl="xla", interpret=None)
-    tokens_pallas, logits_pallas = _greedy(params, prompts, steps=8, impl="pallas",
-                                           interpret=True)
-    assert tokens_pallas == tokens_xla
-    np.testing.assert_allclose(logits_pallas, logits_xla, rtol=1e-4, atol=1e-4)

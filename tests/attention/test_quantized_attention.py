@@ -1,5 +1,7 @@
 """Attention over quantized pages + full-precision tail: exactness, error bounds, KIVI, memory."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,11 @@ from kvjax.cache import quantized as qz
 from kvjax.specs import QuantSpec
 
 HEAD_DIM = 32
+
+
+def jitted(fn, *args, **static):
+    """Calls `fn` under one jit (a single compilation instead of op-by-op dispatch)."""
+    return jax.jit(functools.partial(fn, **static))(*args)
 
 
 def dense(q, k, v, q_pos, scale, q_rope=None, k_rope=None, soft_cap=None, window=None):
@@ -79,8 +86,7 @@ def rel_err(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("bits,kv_heads", [(2, 2), (4, 1), (8, 2)])  # GQA-2, MQA
 def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
     # Attention mechanics (gather, tail ring positions, GQA, LSE merge) are
     # exact: compared with float64 attention over the very K/V the cache
@@ -103,9 +109,9 @@ def test_prefill_rows_padding_and_seq_ids(rng, soft_cap, window):
     seq_ids = jnp.array([3, 0], jnp.int32)
     q_lengths = np.array([5, 2])
     q = rng.standard_normal((2, 6, 4, HEAD_DIM)).astype(np.float32)
-    out, lse = attention.quantized_prefill_attention(
-        jnp.asarray(q), qz.layer_view(cache, 0), jnp.asarray(q_lengths), seq_ids=seq_ids,
-        soft_cap=soft_cap, sliding_window=window)
+    out, lse = jitted(attention.quantized_prefill_attention, jnp.asarray(q),
+                      qz.layer_view(cache, 0), jnp.asarray(q_lengths), seq_ids=seq_ids,
+                      soft_cap=soft_cap, sliding_window=window)
     for r, s in enumerate([3, 0]):
         k, v = qz.dequantized_sequence(cache, 0, s)
         pos = len(k) - q_lengths[r] + np.arange(q_lengths[r])
@@ -121,7 +127,7 @@ def test_8bit_within_1e2_of_full_precision(rng):
     cache, ks, vs = build(rng, bits=8, residual=0, lengths=(100, 64, 17, 120))
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, _ = attention.quantized_decode_attention(jnp.asarray(q), qz.layer_view(cache, 0))
+    out, _ = jitted(attention.quantized_decode_attention, jnp.asarray(q), qz.layer_view(cache, 0))
     for s in range(S):
         want = dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]), HEAD_DIM ** -0.5)[0]
         assert rel_err(np.asarray(out[s]), want) < 1e-2
@@ -169,7 +175,7 @@ def test_low_bit_error_below_scale_bound(rng, bits):
     cache, ks, vs = build(rng, bits=bits, residual=16, lengths=(70, 40, 33, 90))
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, _ = attention.quantized_decode_attention(jnp.asarray(q), qz.layer_view(cache, 0))
+    out, _ = jitted(attention.quantized_decode_attention, jnp.asarray(q), qz.layer_view(cache, 0))
     scale = HEAD_DIM ** -0.5
     for s in range(S):
         want = dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]), scale)[0]
@@ -214,8 +220,8 @@ def test_mla_equals_dense_on_dequantized_and_8bit_close(rng, bits):
     ql = rng.standard_normal((S, 4, 64)).astype(np.float32)
     qr = rng.standard_normal((S, 4, 16)).astype(np.float32)
     scale = 32 ** -0.5
-    out, _ = attention.quantized_mla_decode_attention(jnp.asarray(ql), jnp.asarray(qr),
-                                                      qz.layer_view(cache, 0), scale=scale)
+    out, _ = jitted(attention.quantized_mla_decode_attention, jnp.asarray(ql), jnp.asarray(qr),
+                    qz.layer_view(cache, 0), scale=scale)
     for s in range(S):
         c, r = qz.dequantized_sequence(cache, 0, s)
         np.testing.assert_array_equal(r, rs[s])  # k_rope is kept in full precision

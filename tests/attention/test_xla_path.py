@@ -183,29 +183,117 @@ def test_auto_is_xla_on_cpu():
         assert ops._IMPLS[op]["reference"] is not getattr(xla, op)
 
 
-def _largest_intermediate(fn, *args):
-    """Element count of the largest array in the optimised HLO that is not an input."""
+_ALIASING = {"parameter", "get-tuple-element", "bitcast", "tuple", "while", "opt-barrier",
+             "constant", "call", "conditional"}
+
+
+def _materialised(fn, *args):
+    """(opcode, element count) of every array the optimised program writes to memory.
+
+    Instructions inside fused computations are computed element by element and
+    never stored, so only the top-level computations (entry, loop bodies) count;
+    ops that only alias a buffer (parameters, bitcasts, tuples) are skipped.
+    """
     text = jax.jit(fn).lower(*args).compile().as_text()
-    inputs = {int(np.prod(a.shape)) for a in args}
-    sizes = []
-    for dims in re.findall(r"\b(?:f32|bf16|f16|s32|pred)\[([0-9,]*)\]", text):
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        if n not in inputs:  # the pools themselves (and bitcasts of them) are not copies
-            sizes.append(n)
-    return max(sizes)
+    fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
+    out, skip = [], False
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) .*\{$", line)
+        if head:
+            skip = head.group(1) in fused
+            continue
+        m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([0-9,]*)\]\{?[^ ]* ([\w\-]+)\(", line)
+        if skip or not m or m.group(3) in _ALIASING:
+            continue
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        out.append((m.group(3), int(np.prod(dims)) if dims else 1))
+    return out
 
 
-def test_no_gathered_copy_of_the_sequence():
+def _no_gather_case(dtype):
     batch, kv_heads, head_dim, page_size, max_pages = 4, 2, 32, 8, 32
     rng = np.random.default_rng(0)
-    q, k, v, lengths, tables = _case(rng, batch=batch, q_heads=8, kv_heads=kv_heads,
-                                     head_dim=head_dim, page_size=page_size,
-                                     max_pages=max_pages, dtype=jnp.float32,
-                                     lengths=np.full(batch, page_size * max_pages, np.int32))
+    args = _case(rng, batch=batch, q_heads=8, kv_heads=kv_heads, head_dim=head_dim,
+                 page_size=page_size, max_pages=max_pages, dtype=dtype,
+                 lengths=np.full(batch, page_size * max_pages, np.int32))
     gathered = batch * kv_heads * max_pages * page_size * head_dim
-    args = (q, k, v, lengths, tables)
+    return args, gathered, page_size
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_no_gathered_copy_of_the_sequence(dtype):
+    args, gathered, page_size = _no_gather_case(dtype)
+    pool = int(np.prod(args[1].shape))
+    assert pool > gathered
     # The check can fail: the reference materialises exactly that gathered copy.
-    assert _largest_intermediate(paged_ref.paged_decode_attention, *args) >= gathered
-    largest = _largest_intermediate(
+    assert max(n for _, n in _materialised(paged_ref.paged_decode_attention, *args)) >= gathered
+    written = _materialised(
         lambda *a: xla.paged_decode_attention(*a, block_tokens=2 * page_size), *args)
-    assert largest <= gathered // 8, (largest, gathered)
+    # Neither a gathered copy of the sequences nor a converted copy of the pool (XLA:CPU
+    # hoists a bf16 pool's f32 conversion out of the loop unless prevented).
+    assert max(n for _, n in written) <= gathered // 8, written
+
+
+def _scan_layers(attend, q, pools, num_layers):
+    """Runs `attend(x, pools, layer)` for each layer in a jitted scan (a traced layer)."""
+
+    def run(q, pools):
+        def body(x, layer):
+            return attend(x, pools, layer).astype(x.dtype), None
+
+        return jax.lax.scan(body, q, jnp.arange(num_layers))[0]
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_of_whole_pools(rng, dtype):
+    """layer=... on a cache's whole pools: equals the reference on that layer's slice,
+    and a scan over layers never copies a layer's pool (nor converts the pools)."""
+    layers = 3
+    q, k, v, lengths, tables = _case(rng, batch=4, q_heads=8, kv_heads=2, head_dim=16,
+                                     page_size=8, max_pages=6, dtype=dtype)
+    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), dtype)
+    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), dtype)
+    for layer in range(layers):
+        got = paged_decode_attention(q, k_all, v_all, lengths, tables, impl="xla", layer=layer)
+        want = paged_decode_attention(q, k_all, v_all, lengths, tables, impl="reference",
+                                      layer=layer)
+        _close(got, want, dtype)
+
+    def attend(impl):
+        return lambda x, pools, layer: paged_decode_attention(
+            x, *pools, lengths, tables, impl=impl, layer=layer)[0]
+
+    run_xla = _scan_layers(attend("xla"), q, (k_all, v_all), layers)
+    run_ref = _scan_layers(attend("reference"), q, (k_all, v_all), layers)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(run_xla(q, (k_all, v_all)), np.float32),
+                               np.asarray(run_ref(q, (k_all, v_all)), np.float32),
+                               rtol=tol, atol=tol)
+    layer_pool = int(np.prod(k.shape))
+    written = _materialised(lambda q, k, v: run_xla(q, (k, v)), q, k_all, v_all)
+    assert max(n for _, n in written) < layer_pool, written
+
+
+def test_prefill_and_mla_layer_of_whole_pools(rng):
+    layer = 1  # of 2 layers
+    q, k, v, lengths, tables = _case(rng, batch=4, q_heads=4, kv_heads=2, head_dim=16,
+                                     page_size=8, max_pages=4, dtype=jnp.float32, q_len=3)
+    q_lengths = jnp.minimum(jnp.asarray([3, 1, 2, 3], jnp.int32), lengths)
+    k_all = jnp.stack([jnp.flip(k, 1), k])
+    v_all = jnp.stack([jnp.flip(v, 1), v])
+    got = paged_prefill_attention(q, k_all, v_all, lengths, tables, q_lengths, impl="xla",
+                                  layer=jnp.int32(layer))
+    _close(got, paged_ref.paged_prefill_attention(q, k, v, lengths, tables, q_lengths),
+           jnp.float32)
+
+    ql, qr, lat, rope, lengths, tables = _mla_case(rng, jnp.float32)
+    lat_all = jnp.stack([jnp.flip(lat, 0), lat])[:, None]  # [layers, 1, pages, ps, d_c]
+    rope_all = jnp.stack([jnp.flip(rope, 0), rope])[:, None]
+    got = mla_decode_attention(ql, qr, lat_all, rope_all, lengths, tables, scale=0.2,
+                               impl="xla", layer=layer)
+    _close(got, mla_ref.mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=0.2),
+           jnp.float32)
+    with pytest.raises(ValueError, match="whole pools"):
+        mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=0.2, layer=0)

@@ -258,3 +258,75 @@ def test_quant_spec_validation():
     assert hash(QuantSpec(bits=[2, 4])) == hash(QuantSpec(bits=(2, 4)))
     with pytest.raises(ValueError, match="quant="):
         qz.init_quantized_cache(gqa_spec().replace(quant=None))
+
+
+def test_random_interleavings_of_reserve_write_fork_free(rng):
+    # The allocator under a quantized cache: random decode/prefill chunks, forks
+    # and frees (with and without scrub), out-of-pages included. After every
+    # operation the page table is consistent, and every live sequence reads back
+    # as what was written into it (quantized part within half a step).
+    spec = gqa_spec(residual=8, num_pages=8, layers=1, max_pages=6)
+    S, chunk = spec.max_seqs, 8
+    cache = qz.init_quantized_cache(spec)
+    truth = {s: (np.zeros((0, 2, 16), np.float32), np.zeros((0, 2, 16), np.float32))
+             for s in range(S)}
+    full_seen = 0
+    for _ in range(40):
+        op = rng.choice(["grow", "grow", "grow", "fork", "free"])
+        lengths = np.asarray(cache.lengths)
+        if op == "grow":
+            num_new = rng.integers(0, chunk + 1, S) * (rng.random(S) < 0.7)
+            num_new = np.minimum(num_new, spec.max_tokens_per_seq - lengths)
+            a = rng.standard_normal((1, S, chunk, 2, 16)).astype(np.float32)
+            b = rng.standard_normal((1, S, chunk, 2, 16)).astype(np.float32)
+            cache, status = qz.reserve(cache, jnp.asarray(num_new, jnp.int32))
+            if int(status.code) != 0:
+                full_seen += 1
+                with pytest.raises(CacheFullError):
+                    status.raise_if_error()
+                np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+                continue
+            cache = qz.write_layer_jit(cache, 0, jnp.asarray(a[0]), jnp.asarray(b[0]))
+            for s in range(S):
+                n = num_new[s]
+                truth[s] = (np.concatenate([truth[s][0], a[0, s, :n]]),
+                            np.concatenate([truth[s][1], b[0, s, :n]]))
+        elif op == "fork":
+            live = [s for s in range(S) if lengths[s] > 0]
+            empty = [s for s in range(S) if lengths[s] == 0]
+            if not live or not empty:
+                continue
+            src, dst = int(rng.choice(live)), int(rng.choice(empty))
+            cache, status = qz.fork(cache, jnp.array([src]), jnp.array([dst]))
+            status.raise_if_error()
+            truth[dst] = truth[src]
+        else:
+            s = int(rng.integers(S))
+            mask = np.zeros(S, bool)
+            mask[s] = True
+            cache = qz.free(cache, jnp.asarray(mask), scrub=bool(rng.integers(2)))
+            truth[s] = (truth[s][0][:0], truth[s][1][:0])
+        check_invariants(cache.table)
+        L = np.asarray(cache.lengths)
+        np.testing.assert_array_equal(L, [len(truth[s][0]) for s in range(S)])
+        np.testing.assert_array_equal(np.asarray(cache.quant_lengths),
+                                      qz.quantized_tokens(spec, jnp.asarray(L)))
+        for s in range(S):
+            if L[s]:
+                x, y, sx, sy = reconstruct(cache, 0, s)
+                assert_close_to_truth(x, sx, truth[s][0])
+                assert_close_to_truth(y, sy, truth[s][1])
+    print(f"out-of-pages events: {full_seen}")
+
+
+def test_write_must_cover_reserved_tokens(rng):
+    spec = gqa_spec(layers=1)
+    cache = qz.init_quantized_cache(spec)
+    cache, _ = qz.reserve(cache, jnp.array([5, 0, 0, 0], jnp.int32))
+    x = jnp.asarray(rng.standard_normal((4, 3, 2, 16)), jnp.float32)
+    with pytest.raises(ValueError, match="q_len=3"):
+        qz.write_layer(cache, 0, x, x)
+    with pytest.raises(TypeError, match="dtype"):
+        qz.write_layer(cache, 0, x.astype(jnp.bfloat16), x.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"\[batch, q_len, 2, 16\]"):
+        qz.write_layer(cache, 0, x[..., :8], x)

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
@@ -97,3 +98,16 @@ def assert_close(got, want, dtype):
 def gqa_ratios():
     """(q_heads, kv_heads) for GQA ratios 1, 2, 4, 8 and MQA."""
     return {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "gqa8": (16, 2), "mqa": (4, 1)}
+
+
+def native_flavours():
+    """Kernel flavours that run compiled on this backend (none on CPU), as pytest params.
+
+    Run the suite with JAX_PLATFORMS=cuda (or tpu) on an accelerator to include them.
+    """
+    backend = jax.default_backend()
+    return [
+        pytest.param(f"{kind}_native", marks=pytest.mark.skipif(
+            backend != kind, reason=f"needs a {kind.upper()} backend"))
+        for kind in ("tpu", "gpu")
+    ]

@@ -33,7 +33,7 @@ def _gqa_args(dtype, page_size, q_heads=32, kv_heads=8, head_dim=128):
             S((BATCH,), jnp.int32), S((BATCH, MAX_PAGES), jnp.int32))
 
 
-def _mla_args(dtype, page_size, q_heads=16, d_c=512, d_rope=64):
+def _mla_args(dtype, page_size, q_heads=128, d_c=512, d_rope=64):  # DeepSeek-V3 widths
     return (S((BATCH, q_heads, d_c), dtype), S((BATCH, q_heads, d_rope), dtype),
             S((PAGES, page_size, d_c), dtype), S((PAGES, page_size, d_rope), dtype),
             S((BATCH,), jnp.int32), S((BATCH, MAX_PAGES), jnp.int32))

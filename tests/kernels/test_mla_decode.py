@@ -11,7 +11,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import assert_close, mla_case, ref_mla
+from kernel_cases import assert_close, mla_case, native_flavours, ref_mla
 
 from kernels_pallas.mla_decode import gpu, tpu
 from kernels_pallas.paged_attention.block_sizes import BlockSizes
@@ -25,8 +25,10 @@ def run_mla(kernel, *args, block_pages=None, num_splits=None, **kwargs):
     bs = None
     if block_pages is not None or num_splits is not None:
         bs = BlockSizes(block_tokens=(block_pages or 1) * page_size, num_splits=num_splits)
-    if kernel == "gpu":
-        return gpu.mla_decode_attention(*args, block_sizes=bs, interpret=True, **kwargs)
+    if kernel in ("gpu", "gpu_native"):
+        return gpu.mla_decode_attention(*args, block_sizes=bs, interpret=kernel == "gpu", **kwargs)
+    if kernel == "tpu_native":
+        return tpu.mla_decode_attention(*args, block_sizes=bs, **kwargs)
     interpret = interpret_params() if kernel == "tpu_interpreter" else True
     return tpu.mla_decode_attention(*args, block_sizes=bs, interpret=interpret, **kwargs)
 
@@ -43,6 +45,8 @@ CI_CASES = [
     ("gpu", 16, 256, 32, 64, jnp.float32, None, None),
     ("gpu", 8, 128, 64, 8, jnp.bfloat16, 2, None),
     ("gpu", 4, 128, 64, 32, jnp.float32, 1, 3),
+    # 32 heads in blocks of 16: two programs per sequence and split, each re-reading pages.
+    ("gpu", 32, 128, 64, 16, jnp.float32, 2, None),
 ]
 
 
@@ -91,7 +95,7 @@ def naive_mla(q_nope, q_rope, c_kv, k_rope, lengths, w_uk, w_uv, scale):
     return out, lse
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter", *native_flavours()])
 def test_mla_kernel_matches_naive_decompressed_attention(rng, kernel):
     q_heads, d_c, d_rope, d_nope, d_v, page_size = 4, 128, 64, 32, 48, 16
     args = mla_case(rng, q_heads=q_heads, d_c=d_c, d_rope=d_rope, page_size=page_size,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from kernel_cases import assert_close, gqa_case, gqa_ratios, ref_decode
+from kernel_cases import assert_close, gqa_case, gqa_ratios, native_flavours, ref_decode
 
 from kernels_pallas.paged_attention import gpu, tpu
 from kernels_pallas.paged_attention.block_sizes import BlockSizes
@@ -27,8 +27,11 @@ def run_kernel(kernel, *args, block_pages=None, num_splits=None, **kwargs):
     bs = None
     if block_pages is not None or num_splits is not None:
         bs = BlockSizes(block_tokens=(block_pages or 1) * page_size, num_splits=num_splits)
-    if kernel == "gpu":
-        return gpu.paged_decode_attention(*args, block_sizes=bs, interpret=True, **kwargs)
+    if kernel in ("gpu", "gpu_native"):
+        return gpu.paged_decode_attention(*args, block_sizes=bs, interpret=kernel == "gpu",
+                                          **kwargs)
+    if kernel == "tpu_native":
+        return tpu.paged_decode_attention(*args, block_sizes=bs, **kwargs)
     interpret = tpu.interpret_params() if kernel == "tpu_interpreter" else True
     return tpu.paged_decode_attention(*args, block_sizes=bs, interpret=interpret, **kwargs)
 
@@ -60,7 +63,7 @@ def _check(rng, kernel, ratio, head_dim, page_size, dtype, block_pages, num_spli
     assert_close(got, ref_decode(*args), dtype)
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", *native_flavours()])
 @pytest.mark.parametrize("ratio,head_dim,page_size,dtype,block_pages,num_splits", CI_CASES)
 def test_kernel_matches_reference(rng, kernel, ratio, head_dim, page_size, dtype, block_pages,
                                   num_splits):
@@ -85,7 +88,7 @@ def test_kernel_sweep(rng, kernel, ratio, head_dim, page_size, dtype):
     _check(rng, kernel, ratio, head_dim, page_size, dtype, 2, None)
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter", *native_flavours()])
 def test_sliding_window_soft_cap_and_scale(rng, kernel):
     args = gqa_case(rng, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=6,
                     dtype=jnp.float32, lengths=[1, 20, 48, 33, 7])
@@ -94,7 +97,7 @@ def test_sliding_window_soft_cap_and_scale(rng, kernel):
     assert_close(got, ref_decode(*args, **opts), jnp.float32)
 
 
-@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter"])
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", "tpu_interpreter", *native_flavours()])
 def test_empty_sequences_give_zero_and_neg_inf(rng, kernel):
     args = gqa_case(rng, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=3,
                     dtype=jnp.float32, lengths=[0, 9, 0])
@@ -161,8 +164,38 @@ def test_tpu_table_larger_than_smem_raises(rng, no_kernel_tracing):
     "kwargs,match",
     [(dict(block_tokens=0), "block_tokens"), (dict(block_tokens=8, num_splits=0), "num_splits"),
      (dict(block_tokens=8, num_warps=3), "num_warps"),
-     (dict(block_tokens=8, num_stages=0), "num_stages")],
+     (dict(block_tokens=8, num_stages=0), "num_stages"),
+     (dict(block_tokens=8, block_heads=8), "block_heads"),
+     (dict(block_tokens=8, block_heads=24), "block_heads")],
 )
 def test_block_sizes_validate_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BlockSizes(**kwargs)
+
+
+def test_gpu_block_below_dot_minimum_raises(rng, no_kernel_tracing):
+    with pytest.raises(ValueError, match=r"at least 16"):
+        gpu.paged_decode_attention(*_small(rng), block_sizes=BlockSizes(block_tokens=8),
+                                   interpret=True)
+
+
+@pytest.mark.parametrize(
+    "backend,page_size,max_pages,rows,want",
+    [("tpu", 16, 100, 1, 512), ("tpu", 16, 3, 1, 48), ("tpu", 1024, 4, 1, 1024),
+     ("tpu", 16, 100, 128, 256), ("tpu", 64, 100, 1024, 64),
+     ("gpu", 16, 100, 1, 64), ("gpu", 8, 1, 1, 16), ("gpu", 16, 3, 1, 64),
+     ("gpu", 128, 2, 1, 128)],
+)
+def test_default_block_sizes_fit_the_table(backend, page_size, max_pages, rows, want):
+    from kernels_pallas.paged_attention.block_sizes import default_block_sizes
+
+    bs = default_block_sizes(backend, page_size, max_pages, rows)
+    assert bs.block_tokens == want and bs.block_tokens % page_size == 0
+
+
+def test_gpu_group_wider_than_block_heads(rng):
+    """A group of 32 query heads runs as two 16-head programs per KV head and split."""
+    args = gqa_case(rng, q_heads=64, kv_heads=2, head_dim=64, page_size=16, max_pages=3,
+                    dtype=jnp.float32)
+    got = run_kernel("gpu", *args, block_pages=1, num_splits=2)
+    assert_close(got, ref_decode(*args), jnp.float32)

@@ -20,6 +20,10 @@ VARIANTS = {
     "mistral": (T.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2,
                                       sliding_window=8)),
     "qwen2": (T.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
+    # Layer 0 full attention, layer 1 a 6-token window: the per-layer (unrolled) path.
+    "qwen2_swa": (T.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2,
+                                      use_sliding_window=True, sliding_window=6,
+                                      max_window_layers=1)),
     "qwen3": (T.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
 }
 

@@ -90,21 +90,28 @@ def test_matches_transformers(name, hf_dirs, rng):
         np.testing.assert_allclose(logits[b, : len(p)], ref, rtol=0, atol=1e-4)
         np.testing.assert_allclose(np.asarray(last[b]), ref[-1], rtol=0, atol=1e-4)
 
-    res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
-                       page_size=PAGE, chunk_size=PAGE)
-    assert (res.num_generated == NEW).all()
+    # Greedy decoding of the whole batch, continuing from that prefill's cache.
+    ids = jnp.arange(3, dtype=jnp.int32)
+    state = gen.start(cache, ids, last, jnp.asarray(lengths), gen.as_keys(jax.random.key(0), 3),
+                      jnp.full((3,), NEW, jnp.int32), status, sampling=gen.GREEDY, max_len=NEW)
+    state = gen.decode_loop(model, params, state, sampling=gen.GREEDY)
+    state.status.raise_if_error()
+    assert (np.asarray(state.num_generated) == NEW).all()
     for b, p in enumerate(prompts):
-        assert_greedy_equal(m, p, res.sequences()[b], _hf_greedy(m, p, NEW))
+        ours = np.asarray(state.tokens[b]).tolist()
+        assert_greedy_equal(m, p, ours, _hf_greedy(m, p, NEW))
 
 
 def test_variant_switches_are_read(hf_dirs):
     """The configs really exercise what the variants differ in."""
     cfg = {n: llama.LlamaConfig.from_hf(models.read_hf_config(hf_dirs(n)[1]))
-           for n in ("llama_gqa", "llama_mqa", "llama31", "mistral", "qwen2", "qwen3")}
+           for n in ("llama_gqa", "llama_mqa", "llama31", "mistral", "qwen2", "qwen2_swa",
+                     "qwen3")}
     assert cfg["llama_gqa"].attention.group_size == 4 and cfg["llama_gqa"].tie_word_embeddings
     assert cfg["llama_mqa"].attention.kind == "MQA"
     assert cfg["mistral"].sliding_windows == (8, 8)
-    assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].o_bias
+    assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].o_bias and not cfg["qwen2"].sliding_windows
+    assert cfg["qwen2_swa"].sliding_windows == (None, 6)
     assert cfg["qwen3"].qk_norm and cfg["qwen3"].head_dim * 4 != cfg["qwen3"].hidden_size
     r = cfg["llama31"].rope
     assert r.rope_type == "llama3"

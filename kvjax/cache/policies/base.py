@@ -1,5 +1,9 @@
 """The cache-policy interface: what a decode loop calls to evict tokens or select pages.
 
+`kvjax.generate` (prefill, decode_step, decode_loop, generate, stream) takes
+`policy=` and drives these hooks; `kvjax.cache.policies.toy` does the same
+for a tiny random attention stack.
+
 A policy is a frozen, hashable dataclass (so it can be a static argument of a
 jitted step) holding only settings; everything that changes lives in a
 `state` pytree the loop threads along with the cache. The loop calls the same
@@ -15,12 +19,14 @@ five hooks for every policy, with no per-policy branches:
     ... for each layer: write K/V, then
         sel = policy.before_attention(cache, state, layer, q)
         out, lse = selected_decode_attention(q, view.k, view.v, sel)
-    cache, state, status = policy.after_step(cache, state, queries)
+    cache, state, status = policy.after_step(cache, state, queries, active)
 
 `queries` are the post-RoPE queries of every layer, stacked on a leading
-layer axis. The loop keeps them anyway (they are small: one token per
+layer axis. The loop has them anyway (they are small: one token per
 sequence in decode); policies that score tokens (H2O, SnapKV) recompute
-attention probabilities from them, policies that do not ignore them.
+attention probabilities from them, the others ignore them. `active` flags
+the slots that decoded this step; other slots are left alone (their query
+rows are ignored and none of their tokens is evicted).
 
 Batch rows are cache slots: `queries` has `max_seqs` rows, in slot order,
 and idle slots have `q_lengths == 0` (prefill) or length 0 (decode).
@@ -43,7 +49,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.attention import paged_decode_attention
 from kvjax.cache.page_table import OK, AllocStatus
@@ -56,6 +62,9 @@ __all__ = [
     "full_selection",
     "ok_status",
     "selected_decode_attention",
+    "active_rows",
+    "to_slots",
+    "rows_selection",
 ]
 
 
@@ -128,6 +137,38 @@ def selected_decode_attention(
     return out.reshape(batch, q_heads, -1), lse.reshape(batch, q_heads)
 
 
+def active_rows(cache: PagedKVCache, active: Bool[Array, " batch"] | None) -> Bool[Array, " batch"]:
+    """`active`, or every slot holding tokens when it is None."""
+    return cache.lengths > 0 if active is None else jnp.asarray(active, bool)
+
+
+def to_slots(
+    cache: PagedKVCache, seq_ids: Int[Array, " batch"] | None, x: Array, axis: int = 0
+) -> Array:
+    """Scatters per-row values (rows = slots `seq_ids`) into slot order along `axis` (zeros
+    elsewhere); identity when `seq_ids` is None (rows already are the slots)."""
+    if seq_ids is None:
+        return x
+    x = jnp.moveaxis(x, axis, 0)
+    out = jnp.zeros((cache.spec.max_seqs, *x.shape[1:]), x.dtype).at[seq_ids].set(x)
+    return jnp.moveaxis(out, 0, axis)
+
+
+def rows_selection(
+    policy: "CachePolicy",
+    cache: PagedKVCache,
+    state: Any,
+    layer: int | Int[Array, ""],
+    q: Float[Array, "batch q_heads head_dim"],
+    seq_ids: Int[Array, " batch"] | None = None,
+) -> Selection:
+    """`policy.before_attention` for a batch whose rows are the slots `seq_ids`."""
+    sel = policy.before_attention(cache, state, layer, to_slots(cache, seq_ids, q))
+    if seq_ids is None:
+        return sel
+    return Selection(block_tables=sel.block_tables[seq_ids], lengths=sel.lengths[seq_ids])
+
+
 def ok_status(cache: PagedKVCache) -> AllocStatus:
     """A success status (for hooks that allocate nothing)."""
     return AllocStatus(code=jnp.int32(OK), pages_needed=jnp.int32(0),
@@ -196,9 +237,21 @@ class CachePolicy:
         cache: PagedKVCache,
         state: Any,
         queries: Float[Array, "layers batch q_heads head_dim"],
+        active: Bool[Array, " batch"] | None = None,
     ) -> tuple[PagedKVCache, Any, AllocStatus]:
-        """Called after every decode step with the step's post-RoPE queries of every layer."""
-        del queries
+        """Called after every decode step with the step's post-RoPE queries of every layer.
+
+        Args:
+          cache: the cache holding the step's new token.
+          state: the policy state.
+          queries: post-RoPE queries of the step for every layer, one row per slot.
+          active: bool[batch], the slots that decoded this step; None means
+            every slot holding tokens.
+
+        Returns:
+          (cache, state, status).
+        """
+        del queries, active
         return cache, state, ok_status(cache)
 
 

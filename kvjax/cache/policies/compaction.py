@@ -27,12 +27,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import page_table as pt
 from kvjax.cache.paged import PagedKVCache, _copy_pages, _pools
 
-__all__ = ["compact", "keep_heavy_and_recent"]
+__all__ = ["compact", "keep_heavy_and_recent", "only_rows"]
 
 
 def compact(
@@ -167,3 +167,14 @@ def keep_heavy_and_recent(
     new_lengths = jnp.minimum(lengths, budget)
     return keep.astype(jnp.int32), new_lengths
 
+
+def only_rows(
+    keep: Int[Array, "layers max_seqs heads budget"],
+    new_lengths: Int[Array, " max_seqs"],
+    lengths: Int[Array, " max_seqs"],
+    rows: Bool[Array, " max_seqs"],
+) -> tuple[Int[Array, "layers max_seqs heads budget"], Int[Array, " max_seqs"]]:
+    """Restricts an eviction to the flagged sequences; the others keep every token in place."""
+    same = jnp.broadcast_to(jnp.arange(keep.shape[-1], dtype=jnp.int32), keep.shape)
+    keep = jnp.where(rows[None, :, None, None], keep, same)
+    return keep, jnp.where(rows, new_lengths, lengths)

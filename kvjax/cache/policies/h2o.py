@@ -29,13 +29,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.attention.scores import paged_attention_probs
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
-from kvjax.cache.policies.base import CachePolicy, ok_status
-from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
+from kvjax.cache.policies.base import CachePolicy, active_rows, ok_status
+from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
 
 __all__ = ["H2O", "H2OState"]
 
@@ -101,12 +101,13 @@ class H2O(CachePolicy):
             per_layer.append(p.sum(axis=1).reshape(b, kv_heads, hq // kv_heads, t).sum(axis=2))
         return scores + jnp.stack(per_layer)
 
-    def _evict(self, cache, state):
+    def _evict(self, cache, state, rows):
         if self.budget >= cache.spec.max_tokens_per_seq:  # nothing can ever be evicted
             return cache, state, ok_status(cache)
         keep, new_lengths = keep_heavy_and_recent(
             state.scores, cache.lengths, self.budget, self.n_recent, seq_axis=1
         )
+        keep, new_lengths = only_rows(keep, new_lengths, cache.lengths, rows)
         cache, _, status = compact(cache, keep, new_lengths)
         moved = jnp.take_along_axis(state.scores, keep, axis=-1)
         pos = jnp.arange(self.budget)[None, :]
@@ -125,14 +126,16 @@ class H2O(CachePolicy):
         fresh = (q_lengths > 0) & (cache.lengths == q_lengths)  # a new sequence in this slot
         scores = jnp.where(fresh[None, :, None, None], 0.0, state.scores)
         scores = self._accumulate(cache, scores, queries, q_lengths)
-        return self._evict(cache, H2OState(scores=scores))
+        return self._evict(cache, H2OState(scores=scores), q_lengths > 0)
 
     def after_step(
         self,
         cache: PagedKVCache,
         state: H2OState,
         queries: Float[Array, "layers batch q_heads head_dim"],
+        active: Bool[Array, " batch"] | None = None,
     ) -> tuple[PagedKVCache, H2OState, AllocStatus]:
-        q_lengths = (cache.lengths > 0).astype(jnp.int32)
-        scores = self._accumulate(cache, state.scores, queries[:, :, None], q_lengths)
-        return self._evict(cache, H2OState(scores=scores))
+        rows = active_rows(cache, active)
+        scores = self._accumulate(cache, state.scores, queries[:, :, None],
+                                  rows.astype(jnp.int32))
+        return self._evict(cache, H2OState(scores=scores), rows)

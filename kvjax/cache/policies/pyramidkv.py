@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
 from kvjax.cache.policies.base import CachePolicy, Selection, ok_status
-from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
+from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
 from kvjax.cache.policies.snapkv import _check_snap, snapkv_scores
 
 __all__ = ["PyramidKV", "PyramidState"]
@@ -116,10 +116,8 @@ class PyramidKV(CachePolicy):
                                      (*keep_l.shape[:2], b_max - b))
             keeps.append(jnp.concatenate([front, keep_l], axis=-1))
             skips.append((b_max - b) // ps)
-        keep = jnp.stack(keeps)
-        same = jnp.broadcast_to(jnp.arange(b_max, dtype=jnp.int32), keep.shape)
-        keep = jnp.where(evict[None, :, None, None], keep, same)
-        new_lengths = jnp.where(evict, b_max, lengths)
+        keep, new_lengths = only_rows(jnp.stack(keeps), jnp.full_like(lengths, b_max), lengths,
+                                      evict)
         cache, _, status = compact(cache, keep, new_lengths)
         skip = jnp.asarray(skips, jnp.int32)[:, None]
         skip = jnp.where(evict[None, :], skip, jnp.where(q_lengths[None, :] > 0, 0, state.skip))

@@ -34,11 +34,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
-from kvjax.cache.policies.base import CachePolicy, Selection, full_selection, ok_status
+from kvjax.cache.policies.base import (
+    CachePolicy,
+    Selection,
+    active_rows,
+    full_selection,
+    ok_status,
+)
 
 __all__ = ["Quest", "QuestState", "quest_page_bounds"]
 
@@ -140,10 +146,12 @@ class Quest(CachePolicy):
         cache: PagedKVCache,
         state: QuestState,
         queries: Float[Array, "layers batch q_heads head_dim"],
+        active: Bool[Array, " batch"] | None = None,
     ) -> tuple[PagedKVCache, QuestState, AllocStatus]:
         cols = jnp.arange(cache.spec.max_pages_per_seq)[None, :]
         last = cache.table.pages_used() - 1
-        return cache, self._refresh(cache, state, cols == last[:, None]), ok_status(cache)
+        entries = (cols == last[:, None]) & active_rows(cache, active)[:, None]
+        return cache, self._refresh(cache, state, entries), ok_status(cache)
 
     def before_attention(
         self,

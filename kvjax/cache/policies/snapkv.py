@@ -32,7 +32,7 @@ from kvjax.attention.scores import paged_attention_probs
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
 from kvjax.cache.policies.base import CachePolicy, ok_status
-from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
+from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
 
 __all__ = ["SnapKV", "snapkv_scores"]
 
@@ -140,15 +140,9 @@ class SnapKV(CachePolicy):
             return cache, state, ok_status(cache)
         scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
                                kernel=self.kernel, pooling=self.pooling, scale=self.scale)
-        keep, new_lengths = prompt_keep(cache, scores, q_lengths, self.budget, self.window)
+        keep, new_lengths = keep_heavy_and_recent(scores, cache.lengths, self.budget,
+                                                  self.window, seq_axis=1)
+        keep, new_lengths = only_rows(keep, new_lengths, cache.lengths, q_lengths > 0)
         cache, _, status = compact(cache, keep, new_lengths)
         return cache, state, status
 
-
-def prompt_keep(cache, scores, q_lengths, budget: int, window: int):
-    """`keep_heavy_and_recent` for the rows prefilled now; other rows stay as they are."""
-    keep, new_lengths = keep_heavy_and_recent(scores, cache.lengths, budget, window, seq_axis=1)
-    now = q_lengths > 0
-    same = jnp.broadcast_to(jnp.arange(budget, dtype=jnp.int32), keep.shape)
-    keep = jnp.where(now[None, :, None, None], keep, same)
-    return keep, jnp.where(now, new_lengths, cache.lengths)

@@ -26,20 +26,23 @@ Positions, two schemes:
     RoPE and rotates at attention time; here keys stay cached after RoPE at
     their cache slot, and when compaction moves a key from slot s to slot j
     it is re-rotated by j - s (`rope.rerotate`), which gives the same key.
-    The decode loop must take rotary positions from `rope_positions`.
+    The decode loop must take rotary positions from `rope_positions`
+    (`kvjax.generate` does). Re-rotation uses plain RoPE frequencies
+    theta^(-2i/d) in the rotate-half layout; models with scaled RoPE
+    (Llama 3.1, YaRN) or interleaved pairs need "original".
 """
 
 import dataclasses
 import functools
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
 from kvjax.cache.paged import PagedKVCache
 from kvjax.cache.policies import rope
-from kvjax.cache.policies.base import CachePolicy, ok_status
-from kvjax.cache.policies.compaction import compact
+from kvjax.cache.policies.base import CachePolicy, active_rows, ok_status
+from kvjax.cache.policies.compaction import compact, only_rows
 
 __all__ = ["StreamingLLM"]
 
@@ -97,7 +100,7 @@ class StreamingLLM(CachePolicy):
         return (cache.lengths[: positions.shape[0], None]
                 + jnp.arange(q_len, dtype=jnp.int32)[None, :]).astype(positions.dtype)
 
-    def _evict(self, cache: PagedKVCache) -> tuple[PagedKVCache, AllocStatus]:
+    def _evict(self, cache: PagedKVCache, rows) -> tuple[PagedKVCache, AllocStatus]:
         spec = cache.spec
         lengths = cache.lengths
         j = jnp.arange(self.budget, dtype=jnp.int32)[None, :]
@@ -113,8 +116,8 @@ class StreamingLLM(CachePolicy):
             head_dim = spec.attention.head_dim
             inv_freq = rope.rope_inv_freq(self.rotary_dim or head_dim, self.rope_theta)
             rerotate = functools.partial(_rerotate, inv_freq=inv_freq)
-        cache, _, status = compact(cache, keep, jnp.minimum(lengths, self.budget),
-                                   rerotate_keys=rerotate)
+        keep, new_lengths = only_rows(keep, jnp.minimum(lengths, self.budget), lengths, rows)
+        cache, _, status = compact(cache, keep, new_lengths, rerotate_keys=rerotate)
         return cache, status
 
     def after_prefill(
@@ -124,17 +127,18 @@ class StreamingLLM(CachePolicy):
         queries: Float[Array, "layers batch q_len q_heads head_dim"],
         q_lengths: Int[Array, " batch"],
     ) -> tuple[PagedKVCache, None, AllocStatus]:
-        return self.after_step(cache, state, queries[:, :, 0])
+        return self.after_step(cache, state, queries[:, :, 0], q_lengths > 0)
 
     def after_step(
         self,
         cache: PagedKVCache,
         state: None,
         queries: Float[Array, "layers batch q_heads head_dim"],
+        active: Bool[Array, " batch"] | None = None,
     ) -> tuple[PagedKVCache, None, AllocStatus]:
         if cache.spec.max_tokens_per_seq <= self.budget:
             return cache, state, ok_status(cache)
-        cache, status = self._evict(cache)
+        cache, status = self._evict(cache, active_rows(cache, active))
         return cache, state, status
 
 

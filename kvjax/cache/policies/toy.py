@@ -157,7 +157,7 @@ def toy_decode_step(
         out, _ = selected_decode_attention(q, view.k, view.v, sel)
         x = x + out.reshape(x.shape[0], -1) @ params.wo[layer]
         queries.append(q)
-    cache, state, p_status = policy.after_step(cache, state, jnp.stack(queries))
+    cache, state, p_status = policy.after_step(cache, state, jnp.stack(queries), active > 0)
     return _norm(x) @ params.unembed, cache, state, r_status, p_status
 
 

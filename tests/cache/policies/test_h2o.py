@@ -66,3 +66,19 @@ def test_accumulates_group_summed_probabilities(rng):
                 p = np.exp(logits - logits.max())
                 want[layer, s, h // 3, :n] += p / p.sum()
     np.testing.assert_allclose(new.scores, want, rtol=1e-5, atol=1e-6)
+
+
+def test_inactive_slots_neither_scored_nor_evicted(rng):
+    spec = CacheSpec(attention=AttentionSpec(q_heads=4, kv_heads=2, head_dim=8), num_layers=1,
+                     page_size=4, num_pages=12, max_seqs=2, max_pages_per_seq=4)
+    cache, k, _ = random_filled_cache(spec, [10, 10], rng)
+    policy = H2O(budget=6, recent=2)
+    state = policy.init_state(cache)
+    q = jnp.asarray(rng.standard_normal((1, 2, 4, 8)), jnp.float32)
+    out, new, status = jax.jit(policy.after_step)(cache, state, q, jnp.asarray([True, False]))
+    status.raise_if_error()
+    assert np.asarray(out.lengths).tolist() == [6, 10]
+    assert (np.asarray(new.scores)[:, 1] == 0).all()
+    assert (np.asarray(new.scores)[:, 0, :, :6] > 0).all()
+    dk, _ = dense_kv(out)
+    np.testing.assert_array_equal(dk[:, 1, :, :10], k[:, 1, :, :10])

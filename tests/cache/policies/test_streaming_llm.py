@@ -112,3 +112,15 @@ def test_budget_keeping_every_token_is_identical_to_no_policy(rng):
                                  prompts, 20)
         np.testing.assert_array_equal(t1, t0)
         np.testing.assert_array_equal(l1, l0)
+
+
+def test_inactive_slots_are_left_alone(rng):
+    cache, k, _ = random_filled_cache(SPEC, [11, 9], rng)
+    policy = StreamingLLM(n_sink=2, window=3)
+    out, _, status = jax.jit(policy.after_step)(cache, None, jnp.zeros((2, 2, 4, 8)),
+                                                jnp.asarray([False, True]))
+    status.raise_if_error()
+    assert np.asarray(out.lengths).tolist() == [11, 5]
+    dk, _ = dense_kv(out)
+    np.testing.assert_array_equal(dk[:, 0, :, :11], k[:, 0, :, :11])
+    np.testing.assert_array_equal(dk[:, 1, :, :5], k[:, 1][:, :, [0, 1, 6, 7, 8]])

@@ -1,0 +1,402 @@
+"""Paged decode attention on CPU against the memory-bandwidth ceiling.
+
+Measures, in one process so that the ratios share the machine's state:
+
+1. streaming read bandwidth (a jitted sum over a large array) and copy bandwidth
+   (an in-place scale of a large donated array, counting read + write);
+2. paged decode attention for the gather reference, the XLA path
+   (`kvjax/attention/xla.py`) and contiguous `[batch, kv_heads, seq, head_dim]`
+   attention on the same K/V (plain einsum-softmax-einsum, and the XLA path's
+   blocked loop reading contiguous slices instead of pages), for GQA/MQA in
+   float32 and bf16 and for MLA in absorbed form. Bandwidth counts the bytes the
+   op must read once: the live keys and values (MLA: latent and rope once);
+3. a pool-capacity check: the same live tokens in pools 1x, 4x and 16x larger
+   (the XLA path's step time must not grow).
+
+Every result is verified against the reference in the same run. Times are
+medians (with min-max) over repeats of wall-clock and of process CPU time: on a
+shared machine the CPU time is the steadier figure (XLA:CPU runs these ops on
+one thread). Writes JSON to benchmarks/results/.
+
+    python benchmarks/attention.py --quick      # small sizes, a few seconds of work
+    python benchmarks/attention.py              # issue 11's sizes (B=8, 8 KV heads, 4K)
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels_pallas.mla_decode import reference as mla_ref  # noqa: E402
+from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
+from kvjax.attention import xla  # noqa: E402
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _time(fn, args, repeats):
+    """Median/min/max wall and CPU seconds of `fn(*args)` after one warm-up call."""
+    out = jax.block_until_ready(fn(*args))
+    walls, cpus = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    stats = dict(
+        wall_median_s=float(np.median(walls)), wall_min_s=float(min(walls)),
+        wall_max_s=float(max(walls)), cpu_median_s=float(np.median(cpus)),
+        cpu_min_s=float(min(cpus)), cpu_max_s=float(max(cpus)), repeats=repeats,
+    )
+    return stats, out
+
+
+def measure_bandwidth(nbytes, repeats):
+    """Streaming read (sum) and copy (in-place scale, read + write) bandwidth in GB/s."""
+    x = jnp.ones((nbytes // 4,), F32)
+    read, _ = _time(jax.jit(jnp.sum), (x,), repeats)
+    scale = jax.jit(lambda y: y * F32(1.0000001), donate_argnums=0)
+    walls = []
+    x = scale(x)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(scale(x))
+        walls.append(time.perf_counter() - t0)
+    del x
+    return dict(
+        bytes=nbytes,
+        read_GBps=nbytes / read["wall_median_s"] / 1e9,
+        read_GBps_best=nbytes / read["wall_min_s"] / 1e9,
+        copy_GBps=2 * nbytes / float(np.median(walls)) / 1e9,
+        copy_GBps_best=2 * nbytes / float(min(walls)) / 1e9,
+    )
+
+
+# ----------------------------------------------------------------------------- contiguous
+
+
+def contiguous_einsum(q, k, v, scale):
+    """Plain attention on contiguous q [B,Hq,D], k/v [B,Hkv,S,D] (all positions live)."""
+    batch, q_heads, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(batch, kv_heads, q_heads // kv_heads, d).astype(F32) * F32(scale)
+    s = jnp.einsum("bhgd,bhsd->bhgs", qg, k.astype(F32), precision=HIGHEST)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bhgs,bhsd->bhgd", p, v.astype(F32), precision=HIGHEST)
+    return out.reshape(batch, q_heads, -1).astype(q.dtype)
+
+
+def contiguous_reader(x):
+    """A BlockReader function over contiguous [heads, batch, seq, width]: slices, no gather."""
+
+    def read(x, idx, page_size):
+        start = idx[0, 0] * page_size  # blocks are whole, in order: see contiguous_blocked
+        return jax.lax.dynamic_slice_in_dim(x, start, idx.shape[1] * page_size, axis=2).astype(F32)
+
+    return read
+
+
+def contiguous_blocked(q, kh, vh, scale, page_size, block_tokens):
+    """The XLA path's online-softmax loop over contiguous K/V (slices instead of gathers).
+
+    kh, vh: [Hkv, B, S, D], each (head, sequence) contiguous. The block table is
+    the identity, so each block is one contiguous slice; this isolates what
+    paging itself costs the XLA path.
+    """
+    batch, q_heads, d = q.shape
+    kv_heads, seq = kh.shape[0], kh.shape[2]
+    if seq % block_tokens or block_tokens % page_size:
+        raise ValueError(f"contiguous_blocked needs whole blocks: seq {seq}, block_tokens "
+                         f"{block_tokens}, page_size {page_size}")
+    pages = seq // page_size
+    tables = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (batch, pages))
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    read = contiguous_reader(kh)
+    kr = xla.BlockReader(arrays=kh, read=lambda x, i: read(x, i, page_size))
+    vr = xla.BlockReader(arrays=vh, read=lambda x, i: read(x, i, page_size))
+    q_pos = jnp.tile(lengths[:, None] - 1, (1, q_heads // kv_heads))
+    qf = q.reshape(batch, kv_heads, q_heads // kv_heads, d).transpose(1, 0, 2, 3)
+    out, _ = xla.paged_attention_core(
+        (qf,), (kr,), vr, q_pos, lengths,
+        tables, page_size=page_size, scale=scale, block_tokens=block_tokens,
+    )
+    return out.transpose(1, 0, 2, 3).reshape(batch, q_heads, -1).astype(q.dtype)
+
+
+def contiguous_mla(q_latent, q_rope, c_kv, k_rope, scale):
+    """Absorbed MLA on contiguous latent [B,S,dc] and rope [B,S,dr]."""
+    s = (jnp.einsum("bhc,bsc->bhs", q_latent.astype(F32), c_kv.astype(F32), precision=HIGHEST)
+         + jnp.einsum("bhr,bsr->bhs", q_rope.astype(F32), k_rope.astype(F32), precision=HIGHEST))
+    p = jax.nn.softmax(s * F32(scale), axis=-1)
+    out = jnp.einsum("bhs,bsc->bhc", p, c_kv.astype(F32), precision=HIGHEST)
+    return out.astype(q_latent.dtype)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _tables(rng, batch, max_pages, num_pages):
+    """Each sequence's pages at random places in the pool."""
+    return jnp.asarray(rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages),
+                       jnp.int32)
+
+
+def _check(name, got, want, dtype):
+    tol = 1e-4 if dtype == F32 else 3e-2
+    err = float(jnp.max(jnp.abs(got.astype(F32) - want.astype(F32))))
+    scale = float(jnp.max(jnp.abs(want.astype(F32)))) + 1e-6
+    if not err <= tol * max(1.0, scale):
+        raise AssertionError(f"{name}: max |error| {err:.3g} vs reference exceeds {tol}")
+    return err
+
+
+def run_gqa(cfg, dtype, repeats, ref_repeats, block_tokens, key):
+    batch, q_heads, kv_heads, d, seq, ps = (cfg[k] for k in ("batch", "q_heads", "kv_heads",
+                                                             "head_dim", "seq", "page_size"))
+    rng = np.random.default_rng(0)
+    max_pages = seq // ps
+    num_pages = batch * max_pages
+    k1, k2, k3 = jax.random.split(key, 3)
+    q = jax.random.normal(k1, (batch, q_heads, d), F32).astype(dtype)
+    k_pages = jax.random.normal(k2, (kv_heads, num_pages, ps, d), F32).astype(dtype)
+    v_pages = jax.random.normal(k3, (kv_heads, num_pages, ps, d), F32).astype(dtype)
+    tables = _tables(rng, batch, max_pages, num_pages)
+    if cfg.get("mixed"):
+        lengths = jnp.asarray(rng.integers(1, seq + 1, size=batch), jnp.int32)
+    else:
+        lengths = jnp.full((batch,), seq, jnp.int32)
+    live = int(jnp.sum(lengths))
+    nbytes = 2 * kv_heads * live * d * jnp.dtype(dtype).itemsize
+    scale = d**-0.5
+
+    ref_fn = jax.jit(paged_ref.paged_decode_attention)
+    xla_fn = jax.jit(lambda *a: xla.paged_decode_attention(*a, block_tokens=block_tokens))
+    args = (q, k_pages, v_pages, lengths, tables)
+    rows = {}
+    rows["reference"], want = _time(ref_fn, args, ref_repeats)
+    want = want[0]
+    rows["xla"], got = _time(xla_fn, args, repeats)
+    rows["xla"]["max_err"] = _check("xla", got[0], want, dtype)
+    if not cfg.get("mixed"):
+        # The same K/V laid out contiguously, [B, Hkv, S, D] (built once, untimed).
+        kc = jax.block_until_ready(paged_ref.gather_pages(k_pages, tables, lengths))
+        vc = jax.block_until_ready(paged_ref.gather_pages(v_pages, tables, lengths))
+        c_fn = jax.jit(lambda q, k, v: contiguous_einsum(q, k, v, scale))
+        rows["contiguous"], got = _time(c_fn, (q, kc, vc), repeats)
+        rows["contiguous"]["max_err"] = _check("contiguous", got, want, dtype)
+        bt = block_tokens or xla.default_block_tokens(kv_heads, batch, 2 * d)
+        bt = max(ps, bt // ps * ps)
+        kh = jax.block_until_ready(jnp.swapaxes(kc, 0, 1))  # [Hkv, B, S, D], untimed
+        vh = jax.block_until_ready(jnp.swapaxes(vc, 0, 1))
+        cb_fn = jax.jit(lambda q, k, v: contiguous_blocked(q, k, v, scale, ps, bt))
+        rows["contiguous_blocked"], got = _time(cb_fn, (q, kh, vh), repeats)
+        rows["contiguous_blocked"]["max_err"] = _check("contiguous_blocked", got, want, dtype)
+        del kc, vc, kh, vh
+    return nbytes, rows
+
+
+def run_mla(cfg, dtype, repeats, ref_repeats, block_tokens, key):
+    batch, heads, dc, dr, seq, ps = (cfg[k] for k in ("batch", "q_heads", "d_c", "d_rope",
+                                                      "seq", "page_size"))
+    rng = np.random.default_rng(0)
+    max_pages = seq // ps
+    num_pages = batch * max_pages
+    ks = jax.random.split(key, 4)
+    ql = jax.random.normal(ks[0], (batch, heads, dc), F32).astype(dtype)
+    qr = jax.random.normal(ks[1], (batch, heads, dr), F32).astype(dtype)
+    lat = jax.random.normal(ks[2], (num_pages, ps, dc), F32).astype(dtype)
+    rope = jax.random.normal(ks[3], (num_pages, ps, dr), F32).astype(dtype)
+    tables = _tables(rng, batch, max_pages, num_pages)
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    nbytes = batch * seq * (dc + dr) * jnp.dtype(dtype).itemsize
+    scale = (dc // 4 + dr) ** -0.5
+    args = (ql, qr, lat, rope, lengths, tables)
+    rows = {}
+    ref_fn = jax.jit(lambda *a: mla_ref.mla_decode_attention(*a, scale=scale))
+    rows["reference"], want = _time(ref_fn, args, ref_repeats)
+    want = want[0]
+    xla_fn = jax.jit(lambda *a: xla.mla_decode_attention(*a, scale=scale,
+                                                         block_tokens=block_tokens))
+    rows["xla"], got = _time(xla_fn, args, repeats)
+    rows["xla"]["max_err"] = _check("xla", got[0], want, dtype)
+    cl = jax.block_until_ready(paged_ref.gather_pages(lat[None], tables, lengths)[:, 0])
+    cr = jax.block_until_ready(paged_ref.gather_pages(rope[None], tables, lengths)[:, 0])
+    c_fn = jax.jit(lambda a, b, c, d: contiguous_mla(a, b, c, d, scale))
+    rows["contiguous"], got = _time(c_fn, (ql, qr, cl, cr), repeats)
+    rows["contiguous"]["max_err"] = _check("contiguous", got, want, dtype)
+    return nbytes, rows
+
+
+def run_pool_check(cfg, dtype, repeats, block_tokens, factors, key):
+    """XLA path step time with the same live pages placed in pools `factor`x larger."""
+    batch, q_heads, kv_heads, d, seq, ps = (cfg[k] for k in ("batch", "q_heads", "kv_heads",
+                                                             "head_dim", "seq", "page_size"))
+    rng = np.random.default_rng(1)
+    max_pages = seq // ps
+    live_pages = batch * max_pages
+    k1, k2, k3 = jax.random.split(key, 3)
+    q = jax.random.normal(k1, (batch, q_heads, d), F32).astype(dtype)
+    k_live = jax.random.normal(k2, (kv_heads, live_pages, ps, d), F32).astype(dtype)
+    v_live = jax.random.normal(k3, (kv_heads, live_pages, ps, d), F32).astype(dtype)
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    xla_fn = jax.jit(lambda *a: xla.paged_decode_attention(*a, block_tokens=block_tokens))
+    out = {}
+    base = None
+    for f in factors:
+        num_pages = live_pages * f
+        ids = jnp.asarray(rng.permutation(num_pages)[:live_pages], jnp.int32)
+        kp = jnp.zeros((kv_heads, num_pages, ps, d), dtype).at[:, ids].set(k_live)
+        vp = jnp.zeros((kv_heads, num_pages, ps, d), dtype).at[:, ids].set(v_live)
+        tables = ids.reshape(batch, max_pages)
+        stats, got = _time(xla_fn, (q, kp, vp, lengths, tables), repeats)
+        if base is None:
+            base = got[0]
+        else:  # same live K/V, so the same result
+            _check(f"pool x{f}", got[0], base, dtype)
+        out[f"x{f}"] = stats
+        del kp, vp
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+FULL = [
+    dict(name="gqa_b8_s4k", kind="gqa", batch=8, q_heads=32, kv_heads=8, head_dim=128,
+         seq=4096, page_size=16),
+    dict(name="gqa_b1_s4k", kind="gqa", batch=1, q_heads=32, kv_heads=8, head_dim=128,
+         seq=4096, page_size=16),
+    dict(name="gqa_b8_s1k", kind="gqa", batch=8, q_heads=32, kv_heads=8, head_dim=128,
+         seq=1024, page_size=16),
+    dict(name="mqa_b8_s4k", kind="gqa", batch=8, q_heads=32, kv_heads=1, head_dim=128,
+         seq=4096, page_size=16),
+    dict(name="gqa_b8_mixed4k", kind="gqa", batch=8, q_heads=32, kv_heads=8, head_dim=128,
+         seq=4096, page_size=16, mixed=True),
+    dict(name="mla_b8_s4k", kind="mla", batch=8, q_heads=16, d_c=512, d_rope=64, seq=4096,
+         page_size=16),
+]
+QUICK = [
+    dict(name="gqa_b4_s512", kind="gqa", batch=4, q_heads=16, kv_heads=4, head_dim=64,
+         seq=512, page_size=16),
+    dict(name="mla_b4_s512", kind="mla", batch=4, q_heads=8, d_c=128, d_rope=32, seq=512,
+         page_size=16),
+]
+POOL_FULL = dict(batch=8, q_heads=32, kv_heads=8, head_dim=128, seq=1024, page_size=16)
+POOL_QUICK = dict(batch=4, q_heads=16, kv_heads=4, head_dim=64, seq=256, page_size=16)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes (seconds of work), for checking the script itself")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per implementation after a warm-up (default 7, quick 5)")
+    parser.add_argument("--ref-repeats", type=int, default=None,
+                        help="timed calls of the slow gather reference (default 3, quick 3)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated page/query dtypes (float32, bfloat16)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated case names to run (see FULL/QUICK in the source)")
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help="tokens per sequence per loop step of the XLA path "
+                             "(default: kvjax.attention.xla.default_block_tokens)")
+    parser.add_argument("--bandwidth-mib", type=int, default=None,
+                        help="array size for the bandwidth measurements (default 1024, quick 128)")
+    parser.add_argument("--pool-factors", default="1,4,16",
+                        help="pool sizes, as multiples of the live pages, for the capacity check "
+                             "(empty to skip)")
+    parser.add_argument("--out", default=None,
+                        help="JSON output path (default benchmarks/results/attention-<time>.json)")
+    args = parser.parse_args(argv)
+
+    repeats = args.repeats or (5 if args.quick else 7)
+    ref_repeats = args.ref_repeats or 3
+    cases = QUICK if args.quick else FULL
+    if args.only:
+        names = set(args.only.split(","))
+        cases = [c for c in cases if c["name"] in names]
+    dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
+    bw_bytes = (args.bandwidth_mib or (128 if args.quick else 1024)) << 20
+    key = jax.random.key(0)
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    bw = measure_bandwidth(bw_bytes, repeats)
+    print(f"streaming read {bw['read_GBps']:.1f} GB/s (best {bw['read_GBps_best']:.1f}), "
+          f"copy {bw['copy_GBps']:.1f} GB/s (best {bw['copy_GBps_best']:.1f})")
+
+    results = []
+    work = [(c, d) for c in cases for d in dtypes]
+    for cfg, dtype in tqdm(work, desc="attention", file=sys.stderr):
+        runner = run_mla if cfg["kind"] == "mla" else run_gqa
+        nbytes, rows = runner(cfg, dtype, repeats, ref_repeats, args.block_tokens, key)
+        for st in rows.values():
+            st["GBps"] = nbytes / st["wall_median_s"] / 1e9
+            st["GBps_cpu"] = nbytes / st["cpu_median_s"] / 1e9
+            st["fraction_of_read_bw"] = st["GBps"] / bw["read_GBps"]
+        ratios = {}
+        if "contiguous" in rows:
+            for base in ("contiguous", "contiguous_blocked"):
+                if base in rows:
+                    ratios[f"xla/{base}"] = rows["xla"]["wall_median_s"] / rows[base][
+                        "wall_median_s"]
+                    ratios[f"xla/{base}_cpu"] = rows["xla"]["cpu_median_s"] / rows[base][
+                        "cpu_median_s"]
+        results.append(dict(case=cfg, dtype=dtype.name, bytes=nbytes, impls=rows,
+                            ratios=ratios))
+
+    pool = {}
+    factors = [int(f) for f in args.pool_factors.split(",") if f]
+    if factors:
+        pcfg = POOL_QUICK if args.quick else POOL_FULL
+        for dtype in tqdm(dtypes, desc="pool capacity", file=sys.stderr):
+            pool[dtype.name] = run_pool_check(pcfg, dtype, repeats, args.block_tokens, factors,
+                                              key)
+
+    # ---- table
+    hdr = (f"{'case':16s} {'dtype':8s} {'impl':19s} {'wall ms (min-max)':>24s} {'cpu ms':>8s} "
+           f"{'GB/s':>6s} {'%read':>6s} {'GB/s cpu':>8s}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        for impl, st in r["impls"].items():
+            wall = (f"{st['wall_median_s'] * 1e3:7.2f} ({st['wall_min_s'] * 1e3:.1f}-"
+                    f"{st['wall_max_s'] * 1e3:.1f})")
+            print(f"{r['case']['name']:16s} {r['dtype']:8s} {impl:19s} {wall:>24s} "
+                  f"{st['cpu_median_s'] * 1e3:8.2f} {st['GBps']:6.1f} "
+                  f"{100 * st['fraction_of_read_bw']:5.0f}% {st['GBps_cpu']:8.1f}")
+        if r["ratios"]:
+            print(" " * 26 + "  ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()))
+    for dt, rows in pool.items():
+        base = rows[next(iter(rows))]["wall_median_s"]
+        base_cpu = rows[next(iter(rows))]["cpu_median_s"]
+        print(f"pool capacity {dt}: " + "  ".join(
+            f"{f}: {st['wall_median_s'] * 1e3:.2f} ms ({st['wall_median_s'] / base:.2f}x wall, "
+            f"{st['cpu_median_s'] / base_cpu:.2f}x cpu)" for f, st in rows.items()))
+
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results",
+        f"attention-{'quick-' if args.quick else ''}"
+        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(jax=jax.__version__, machine=platform.machine(), cpus=os.cpu_count(),
+                       load_average=os.getloadavg(), bandwidth=bw, results=results,
+                       pool_capacity=pool, repeats=repeats,
+                       block_tokens=args.block_tokens), f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""End-to-end greedy decode: kvjax against HuggingFace transformers on the same random Llama.
+
+Builds a Llama-shaped model with random weights in transformers (about 57M
+parameters by default), saves it with `save_pretrained`, loads the same weights
+into kvjax, and for each batch size runs greedy generation in both:
+
+* tokens/s of the decode phase, measured as (time for N new tokens - time for 1
+  new token) / (N - 1) steps, so prompt processing is excluded on both sides;
+* the weight + KV-read roofline of a decode step: every step must read all
+  weights (the embedding table once per step is not needed, only its rows; the
+  LM head is) and every row's live K/V once, at the streaming read bandwidth
+  measured in the same run;
+* whether both produce the same tokens (greedy, float32: they should, except
+  where two logits tie within rounding).
+
+    python benchmarks/decode_e2e.py --quick       # tiny model, seconds
+    python benchmarks/decode_e2e.py               # issue 11: batch 1 and batch 8 x 1K prompts
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers as T
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kvjax.generate as gen  # noqa: E402
+from kvjax.models.loading import load  # noqa: E402
+
+FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=8)
+QUICK = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def read_bandwidth(nbytes=512 << 20, repeats=5):
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return nbytes / float(np.median(ts)) / 1e9
+
+
+def build_hf(cfg, seed=0):
+    config = T.LlamaConfig(**cfg, max_position_embeddings=4096, bos_token_id=1,
+                           eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = T.LlamaForCausalLM(config).float().eval()
+    return model
+
+
+def hf_generate(model, prompts, new_tokens):
+    ids = torch.tensor(np.asarray(prompts), dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].numpy()
+
+
+def kvjax_generate(model, params, prompts, new_tokens, cache_dtype, impl):
+    res = gen.generate(model, params, [list(p) for p in prompts], key=jax.random.key(0),
+                       max_new_tokens=new_tokens, cache_dtype=cache_dtype, impl=impl)
+    return np.asarray(res.tokens)[:, :new_tokens]
+
+
+def decode_rate(run, new_tokens, repeats):
+    """Seconds per decode step: (t(N) - t(1)) / (N - 1), medians over repeats."""
+    run(1)
+    run(new_tokens)  # warm-up: compiles / allocates
+    t1, tn = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(1)
+        t1.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = run(new_tokens)
+        tn.append(time.perf_counter() - t0)
+    step = (float(np.median(tn)) - float(np.median(t1))) / (new_tokens - 1)
+    return step, out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model and short prompts")
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="prompt tokens per row (default 1024, quick 32)")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="greedy tokens generated per row (default 64, quick 8)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="kvjax params and cache dtype (HF always runs float32)")
+    parser.add_argument("--impl", default="auto", help="kvjax attention implementation")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement")
+    parser.add_argument("--skip-hf", action="store_true", help="time kvjax only")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
+    args = parser.parse_args(argv)
+
+    cfg = QUICK if args.quick else FULL
+    prompt_len = args.prompt_len or (32 if args.quick else 1024)
+    new_tokens = args.new_tokens or (8 if args.quick else 64)
+    torch.set_num_threads(os.cpu_count())
+
+    hf = build_hf(cfg)
+    n_params = sum(p.numel() for p in hf.parameters())
+    tmp = tempfile.mkdtemp(prefix="kvjax-e2e-")
+    hf.save_pretrained(tmp)
+    model, params = load(tmp, dtype=args.dtype)
+    itemsize = jnp.dtype(args.dtype).itemsize
+    embed = cfg["vocab_size"] * cfg["hidden_size"]
+    weight_bytes = (n_params - embed) * itemsize  # the input embedding is only indexed
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
+    bw = read_bandwidth()
+    print(f"model {n_params / 1e6:.1f}M params, kvjax {args.dtype}; streaming read {bw:.1f} GB/s;"
+          f" load average {os.getloadavg()[0]:.1f}")
+
+    rng = np.random.default_rng(0)
+    results = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = rng.integers(3, cfg["vocab_size"], size=(batch, prompt_len))
+        step, toks = decode_rate(
+            lambda n, p=prompts: kvjax_generate(model, params, p, n, args.dtype, args.impl),
+            new_tokens, args.repeats)
+        ctx = prompt_len + new_tokens / 2
+        roof_step = (weight_bytes + batch * ctx * kv_per_token) / (bw * 1e9)
+        row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                   kvjax_step_s=step, kvjax_tokens_per_s=batch / step,
+                   roofline_step_s=roof_step, roofline_fraction=roof_step / step)
+        if not args.skip_hf:
+            hf_step, hf_toks = decode_rate(lambda n, p=prompts: hf_generate(hf, p, n),
+                                           new_tokens, args.repeats)
+            row.update(hf_step_s=hf_step, hf_tokens_per_s=batch / hf_step,
+                       speedup=hf_step / step,
+                       same_tokens_fraction=float(np.mean(hf_toks == toks)))
+        results.append(row)
+        msg = (f"batch {batch}: kvjax {batch / step:8.1f} tok/s ({step * 1e3:.1f} ms/step, "
+               f"{100 * roof_step / step:.0f}% of roofline {roof_step * 1e3:.1f} ms)")
+        if not args.skip_hf:
+            msg += (f"; HF {row['hf_tokens_per_s']:8.1f} tok/s; speedup {row['speedup']:.2f}x; "
+                    f"same tokens {100 * row['same_tokens_fraction']:.0f}%")
+        print(msg)
+
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results",
+        f"decode_e2e-{'quick-' if args.quick else ''}"
+        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(config=cfg, params=n_params, dtype=args.dtype, impl=args.impl,
+                       read_GBps=bw, load_average=os.getloadavg(), results=results), f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
