@@ -26,7 +26,7 @@ _EXPORTS = {
     "init_cache": "kvjax.cache",
     "merge_attention_states": "kvjax.attention",
 }
-_SUBMODULES = ("attention", "cache", "generate", "memory", "models", "specs")
+_SUBMODULES = ("attention", "cache", "generate", "memory", "models", "sharding", "specs")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvjax import attention as kva
 from kvjax import sharding as kvs
-from kvjax.specs import AttentionSpec
+from kvjax.specs import AttentionSpec, MLASpec
 from tests.sharding.helpers import (
     PLANS,
     filled_cache,
@@ -150,3 +150,29 @@ def test_sequences_sliding_window_matches_and_context_rejects_it(rng):
     with pytest.raises(NotImplementedError, match="sliding_window"):
         kvs.sharded_paged_decode_attention(ctx, q, s.k, s.v, s.lengths, s.block_tables,
                                            sliding_window=4)
+
+
+def test_pallas_kernels_run_inside_shard_map(rng):
+    # impl="pallas" on CPU: the TPU kernels in plain interpret mode, on each device's shard
+    # (the TPU interpreter hangs inside shard_map; plain interpret=True does not). The TPU
+    # kernels take head_dim / d_c >= 64.
+    plan = make_plan((2, 2, 2), ("data", "model", "context"), ("sequences", "heads", "context"))
+    impl = kvs.ShardedAttention(plan, "pallas")
+    lengths = rng.permutation(LENGTHS)
+    spec = gqa_spec(attention=AttentionSpec(q_heads=16, kv_heads=8, head_dim=64))
+    cache = filled_cache(spec, plan, lengths, rng)
+    q = jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 64)), jnp.float32)
+    v, s = view(cache), sharded_view(cache)
+    _close(_decode(q, s.k, s.v, s.lengths, s.block_tables, impl),
+           _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference"))
+
+    spec = mla_spec(attention=MLASpec(q_heads=8, kv_lora_rank=64, qk_rope_head_dim=64,
+                                      qk_nope_head_dim=16, v_head_dim=16))
+    cache = filled_cache(spec, plan, lengths, rng)
+    ql = jnp.asarray(rng.standard_normal((spec.max_seqs, 8, 64)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((spec.max_seqs, 8, 64)), jnp.float32)
+    v, s = view(cache), sharded_view(cache)
+    mla = jax.jit(lambda *a, impl: kva.mla_decode_attention(*a, scale=0.1, impl=impl),
+                  static_argnames="impl")
+    _close(mla(ql, qr, s.k, s.v, s.lengths, s.block_tables, impl=impl),
+           mla(ql, qr, v.k, v.v, v.lengths, v.block_tables, impl="reference"))

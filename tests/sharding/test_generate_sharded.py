@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from kvjax import generate as kvg
 from kvjax import sharding as kvs
@@ -143,10 +144,15 @@ def test_param_shardings_split_heads_mlp_and_vocab():
     plan = make_plan((2, 4), ("data", "model"), ("sequences", "heads"))
     sh = kvs.param_shardings(plan, params, kv_heads=kv_heads)
     specs = {k: v.spec for k, v in dataclasses.asdict(sh.layers).items() if v is not None}
-    assert specs["wq"] == (None, None, "model") and specs["wk"] == (None, None, "model")
-    assert specs["wo"] == (None, "model", None) and specs["w_down"] == (None, "model", None)
-    assert specs["w_up"] == (None, None, "model") and specs["attn_norm"] == ()
-    assert sh.embed.spec == ("model", None) and sh.lm_head.spec == (None, "model")
+    col, row = P(None, None, "model"), P(None, "model", None)
+    assert specs["wq"] == col and specs["wk"] == col and specs["w_up"] == col
+    assert specs["wo"] == row and specs["w_down"] == row and specs["attn_norm"] == P()
+    assert sh.embed.spec == P("model", None) and sh.lm_head.spec == P(None, "model")
     # kv_heads=4 on model=8 cannot split by heads: K/V projections stay whole.
     sh8 = kvs.param_shardings(make_plan((8,), ("model",), ("heads",)), params, kv_heads=4)
-    assert sh8.layers.wk.spec == () and sh8.layers.wq.spec == (None, None, "model")
+    assert sh8.layers.wk.spec == P() and sh8.layers.wq.spec == col
+    mla_model, _, mla_params, _, _ = _setup("mla")
+    sh = kvs.param_shardings(plan, mla_params)
+    layers = sh["dense_layers"] if "dense_layers" in sh else sh["moe_layers"]
+    assert layers["w_uk"].spec == P(None, "model", None, None)
+    assert layers["o_proj"].spec == row and layers["kv_a_proj"].spec == P()
