@@ -169,8 +169,9 @@ fig, axes = plt.subplots(1, len(kept), figsize=(4 * len(kept), 3.6), sharey=True
 for ax, (name, pos) in zip(axes, kept.items(), strict=True):
     mask = np.zeros(T, bool)
     mask[pos] = True
-    ax.imshow(np.log10(attn + 1e-6), cmap="Greys", vmin=-4, vmax=0, aspect="auto")
-    shown = np.where(mask[None, :], np.log10(attn + 1e-6), np.nan)
+    log_attn = np.where(np.tri(T, dtype=bool), np.log10(attn + 1e-6), np.nan)  # causal part
+    ax.imshow(log_attn, cmap="Greys", vmin=-4, vmax=0, aspect="auto")
+    shown = np.where(mask[None, :], log_attn, np.nan)
     ax.imshow(shown, cmap="viridis", vmin=-4, vmax=0, aspect="auto")
     ax.set_title(f"{name}: {len(pos)} of {T} kept")
     ax.set_xlabel("key position (coloured: kept)")
