@@ -96,7 +96,7 @@ spec = model.make_cache_spec(page_size=page_size, num_pages=16 * 8, max_seqs=8,
                              max_pages_per_seq=max_pages)
 
 
-def run(cache, impl):
+def run(cache, impl, params=params):
     return generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
                     cache=cache, impl=impl, free_finished=False)
 
@@ -108,15 +108,12 @@ print("single-device tokens, first rows:\n", single.tokens[:3])
 # ## 2. Each strategy on a mesh over all devices
 #
 # `kvs.make_mesh` names the axes, `kvs.ShardingPlan` says which strategies use them,
-# `kvs.init_sharded_cache` creates the pools already sharded, and
-# `kvs.ShardedAttention(plan)` is an attention `impl=` that runs each device's part inside
-# `shard_map` (the model code itself does not change).
-#
-# The per-device attention inside `ShardedAttention` is `"reference"` here: the XLA path's
-# `while_loop` does not yet trace inside `shard_map` when called from a model's prefill.
+# `kvs.init_sharded_cache` creates the pools already sharded, `kvs.shard_params` lays the
+# weights out tensor-parallel over `model`, and `kvs.ShardedAttention(plan)` is an attention
+# `impl=` that runs each device's part inside `shard_map` (per device it uses `"auto"`: the
+# Pallas kernels on TPU/GPU). The model code and `kvjax.generate` do not change.
 
 # %%
-SHARD_IMPL = "reference"
 plans = {
     "heads": ((N,), ("model",), ("heads",)),
     "sequences": ((N,), ("data",), ("sequences",)),
@@ -128,7 +125,8 @@ if N >= 4 and N % 2 == 0:
 results = {}
 for name, (shape, axes, strategies) in plans.items():
     plan = kvs.ShardingPlan(mesh=kvs.make_mesh(shape, axes), strategies=strategies)
-    res = run(kvs.init_sharded_cache(spec, plan), kvs.ShardedAttention(plan, impl=SHARD_IMPL))
+    res = run(kvs.init_sharded_cache(spec, plan), kvs.ShardedAttention(plan),
+              params=kvs.shard_params(params, plan, kv_heads=config.kv_heads))
     results[name] = res
     print(f"{name:16s} mesh {dict(plan.mesh.shape)}  K pool sharding "
           f"{res.cache.pages.k.sharding.spec}  tokens equal one device: "

@@ -50,6 +50,8 @@ import numpy as np
 
 import kvjax as kvx
 from kvjax.cache import policies
+from kvjax.cache.policies.base import active_rows, ok_status
+from kvjax.cache.policies.compaction import only_rows
 from kvjax.cache.policies.toy import dense_kv, init_toy, toy_generate
 
 FIGURES = os.environ.get("KVJAX_FIGURES", "figures")
@@ -77,33 +79,34 @@ class KeyNorm(policies.CachePolicy):
             raise ValueError(f"KeyNorm: need 0 <= recent <= budget, got {self.recent}, "
                              f"{self.budget}.")
 
-    def _evict(self, cache):
+    def _evict(self, cache, rows):
         spec = cache.spec
         if self.budget >= spec.max_tokens_per_seq:  # nothing can ever exceed the budget
-            return cache, policies.base.ok_status(cache)
+            return cache, ok_status(cache)
         norms = jnp.linalg.norm(cache.pages.k.astype(jnp.float32), axis=-1)  # [L, H, P, ps]
         per_slot = norms[:, :, jnp.maximum(cache.block_tables, 0)]  # [L, H, S, M, ps]
         layers, heads, seqs = per_slot.shape[:3]
         per_slot = per_slot.reshape(layers, heads, seqs, -1).transpose(0, 2, 1, 3)
         keep, lengths = policies.keep_heavy_and_recent(-per_slot, cache.lengths, self.budget,
                                                         self.recent, seq_axis=1)
+        keep, lengths = only_rows(keep, lengths, cache.lengths, rows)  # leave idle slots alone
         cache, _, status = policies.compact(cache, keep, lengths)
         return cache, status
 
     def after_prefill(self, cache, state, queries, q_lengths):
-        cache, status = self._evict(cache)
-        return cache, state, status
+        return self.after_step(cache, state, queries[:, :, 0], q_lengths > 0)
 
-    def after_step(self, cache, state, queries):
-        cache, status = self._evict(cache)
+    def after_step(self, cache, state, queries, active=None):
+        cache, status = self._evict(cache, active_rows(cache, active))
         return cache, state, status
 
 
 # %% [markdown]
 # `keep_heavy_and_recent` ranks the older slots by score (here: minus the key norm; slots
-# past a sequence's length are never picked) and appends the recent window; `compact`
-# does the moving and the freeing, and reports `OUT_OF_PAGES` in a status instead of
-# raising inside jit.
+# past a sequence's length are never picked) and appends the recent window; `only_rows`
+# restricts the eviction to the slots that are decoding (`active`); `compact` does the
+# moving and the freeing, and reports `OUT_OF_PAGES` in a status instead of raising
+# inside jit.
 #
 # ## 2. Check it on a cache we control
 #
@@ -162,8 +165,8 @@ fig.savefig(f"{FIGURES}/05_keynorm_kept.png", dpi=80)
 # ## 3. Run it in a decode loop
 #
 # `kvjax.cache.policies.toy` is a tiny random attention stack that calls the hooks exactly
-# as a decode loop does. We decode with `KeyNorm` and with `NoPolicy` and record the
-# tokens each sequence holds.
+# as `kvjax.generate` does, one Python step at a time, so we can record the tokens each
+# sequence holds after every step, with `KeyNorm` and with `NoPolicy`.
 
 # %%
 params = init_toy(spec, seed=1)
@@ -189,9 +192,38 @@ ax.legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/05_keynorm_decode.png", dpi=80)
 
+# %% [markdown]
+# ## 4. The same policy in `kvjax.generate` with a model
+#
+# `generate(..., policy=KeyNorm(...))` runs it inside the compiled decode loop of a tiny
+# Llama-style model (random weights): every sequence ends at the budget, whatever its
+# prompt length.
+
+# %%
+from kvjax.generate import generate  # noqa: E402
+from kvjax.models import get_family  # noqa: E402
+from kvjax.models.layers import RopeConfig  # noqa: E402
+from kvjax.models.llama import LlamaConfig  # noqa: E402
+
+head_dim = 64 if SMALL else 128
+config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2,
+                     q_heads=4, kv_heads=2, head_dim=head_dim,
+                     rope=RopeConfig(theta=1e4, dim=head_dim))
+family = get_family("llama")
+model = family.model(config)
+lm_params = family.init_params(config, jax.random.key(0))
+lm_prompts = [rng.integers(1, 128, size=n).tolist() for n in (T // 2, T // 4)]
+out = generate(model, lm_params, lm_prompts, key=jax.random.key(0), max_new_tokens=T // 2,
+               page_size=8, free_finished=False, policy=policy)
+lm_lengths = np.asarray(out.cache.lengths)[: len(lm_prompts)]
+print("generated", out.num_generated.tolist(), "tokens; cache holds", lm_lengths.tolist(),
+      f"tokens per sequence (budget {budget})")
+
 # %%
 # The demonstrated results: KeyNorm keeps exactly the NumPy-predicted tokens, frees pages,
-# and holds every sequence at its budget during decoding while NoPolicy keeps growing.
+# and holds every sequence at its budget during decoding while NoPolicy keeps growing, in the
+# toy loop and in kvjax.generate.
 np.testing.assert_array_equal(kept, expected)
 assert int(cache.num_free_pages) > free_before
 assert max(trace["KeyNorm"]) == budget and trace["NoPolicy"][-1] == T // 2 + steps
+assert (out.num_generated == T // 2).all() and (lm_lengths == budget).all(), lm_lengths
