@@ -19,7 +19,7 @@
 # When a transformer decodes, the KV cache grows by
 # `2 × layers × kv_heads × head_dim × bytes` per token. This notebook puts numbers on
 # that formula for real models, then builds a paged cache and watches its page table
-# as sequences grow, fork and finish.
+# as sequences grow, fork and finish, and decodes with a tiny model on it.
 
 # %%
 # On Colab, install kvjax from the repository; elsewhere it is already installed.
@@ -148,8 +148,43 @@ ax.set_ylabel("free pages")
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/01_free_pages.png", dpi=80)
 
+# %% [markdown]
+# ## 4. Decoding with a tiny model
+#
+# A tiny Llama-style model with random weights (`kvjax.models`), two prompts of different
+# lengths, greedy decoding with `kvjax.generate`: chunked prefill, then a jitted decode
+# loop that reserves a page whenever a sequence crosses a page boundary. `impl="auto"`
+# runs the Pallas kernels on TPU/GPU and the XLA path on CPU.
+
+# %%
+from kvjax.generate import generate  # noqa: E402
+from kvjax.models import get_family  # noqa: E402
+from kvjax.models.layers import RopeConfig  # noqa: E402
+from kvjax.models.llama import LlamaConfig  # noqa: E402
+
+head_dim = 64 if small else 128
+config = LlamaConfig(vocab_size=128, hidden_size=128 if small else 1024,
+                     intermediate_size=256 if small else 2048, num_layers=2 if small else 4,
+                     q_heads=4 if small else 8, kv_heads=2, head_dim=head_dim,
+                     rope=RopeConfig(theta=1e4, dim=head_dim))
+family = get_family("llama")
+model = family.model(config)
+params = family.init_params(config, jax.random.key(0))
+prompts = [[1, 5, 9, 2, 7], [1, 42, 17, 3, 3, 8, 11, 64, 90, 5, 31, 2, 6]]
+new_tokens = 16 if small else 128
+result = generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
+                  page_size=8, impl="auto", free_finished=False)
+for prompt, seq in zip(prompts, result.sequences(), strict=True):
+    print(prompt, "->", seq)
+show(result.cache, f"after prefill + {new_tokens} decode steps (page_size 8)")
+decoded_lengths = np.asarray(result.cache.lengths)
+
 # %%
 # The demonstrated result: forks shared pages, and only the partial page was copied.
 assert history[1] == history[0], "fork must not allocate"
 # Three sequences hold the partly filled page and all append: two copy it, the last keeps it.
 assert history[0] - history[2] == 2, history
+# The tiny model decoded every token, and the cache holds prompt + generated tokens per row
+# (the last sampled token is not written to the cache yet).
+assert (result.num_generated == new_tokens).all(), result.num_generated
+assert decoded_lengths[:2].tolist() == [len(p) + new_tokens - 1 for p in prompts], decoded_lengths
