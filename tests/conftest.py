@@ -4,6 +4,13 @@ import os
 
 # Must happen before any JAX backend starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile hundreds of small programs and run each a few times: skipping
+# LLVM's backend optimisations cuts their CPU time by about a quarter. HLO
+# passes (fusion, layout, the HLO the tests inspect) are unaffected.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 import jax  # noqa: E402
 
@@ -17,7 +24,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def rng(request):
-    """A fresh NumPy generator per test, seeded from the test's name and a random draw.
+    """A fresh NumPy generator per test, from a random seed.
 
     The seed is printed on failure (pytest shows captured stdout), so a failing
     draw can be replayed with KVJAX_TEST_SEED.
