@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--init-from", default=None,
                    help="start from these safetensors weights (uptraining) instead of init")
+    p.add_argument("--init-from-mha", default=None,
+                   help="GQA uptraining: mean-pool the K/V heads of these MHA weights "
+                        "(tiny 'mha' preset safetensors) into --model's KV heads, then train")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches for the final loss")
     p.add_argument("--max-minutes", type=float, default=None,
@@ -157,7 +160,19 @@ def train(args) -> dict:
     corpus = data.load_corpus("train")
     heldout = data.load_corpus("heldout")
     optimizer = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay)
-    if args.init_from:
+    conversion = None
+    if args.init_from_mha:
+        from kvjax.models.convert import convert_mha_to_gqa
+
+        _, mha = tiny.load_tiny("mha", path=args.init_from_mha)
+        params, _ = convert_mha_to_gqa(mha, tiny.tiny_config("mha"), config.kv_heads)
+        kw = dict(batches=args.eval_batches, batch=8, seq_len=args.seq_len)
+        conversion = dict(mha_heldout_loss=evaluate_loss(mha, tiny.tiny_config("mha"), heldout,
+                                                         **kw),
+                          converted_heldout_loss_before_uptraining=evaluate_loss(
+                              params, config, heldout, **kw))
+        print(f"MHA -> GQA conversion: {conversion}", flush=True)
+    elif args.init_from:
         _, params = tiny.load_tiny(args.model, path=args.init_from)
     else:
         params = tiny.init_tiny(config, jax.random.key(args.seed))
@@ -207,6 +222,12 @@ def train(args) -> dict:
                   batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                   retrieval_fraction=args.retrieval_fraction, train_seconds=train_seconds,
                   final_train_loss=history[-1][1] if history else None, history=history)
+    if conversion is not None:
+        record.update(conversion)
+        record["uptrained_heldout_loss"] = evaluate_loss(
+            params, config, heldout, batches=args.eval_batches, batch=8, seq_len=args.seq_len)
+        print(f"after {steps_done} uptraining steps: held-out loss "
+              f"{record['uptrained_heldout_loss']:.4f}", flush=True)
     if not args.no_export:
         # Export, reload the float16 weights, and measure and record everything on them.
         path = tiny.save_tiny(args.model, params, record, args.out)

@@ -88,6 +88,7 @@ def save_tiny(name: str, params, info: dict, directory: str | None = None) -> st
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tensors = {k: np.asarray(v, np.float32).astype(np.float16) for k, v in _named_leaves(params)}
     save_file(tensors, path, metadata={"preset": name})
+    os.chmod(path, 0o644)
     with open(path.replace(".safetensors", ".json"), "w") as f:
         json.dump(info, f, indent=1)
     return path
