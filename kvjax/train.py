@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop early (and export) after this much training time")
     p.add_argument("--no-export", action="store_true", help="skip writing the weights")
+    p.add_argument("--light-export", action="store_true",
+                   help="export weights and held-out loss only (no retrieval accuracy, no "
+                        "stored reference continuation)")
     return p
 
 
@@ -234,10 +237,11 @@ def train(args) -> dict:
         model, params16 = tiny.load_tiny(args.model, path=path)
         record["heldout_loss_nats_per_byte"] = evaluate_loss(
             params16, config, heldout, batches=args.eval_batches, batch=8, seq_len=args.seq_len)
-        record["retrieval_accuracy_teacher_forced"] = retrieval_accuracy(
-            params16, config, heldout, n=32, seq_len=args.seq_len)
-        record["reference_prompt"] = REFERENCE_PROMPT
-        record["reference_continuation"] = reference_continuation(model, params16)
+        if not args.light_export:
+            record["retrieval_accuracy_teacher_forced"] = retrieval_accuracy(
+                params16, config, heldout, n=32, seq_len=args.seq_len)
+            record["reference_prompt"] = REFERENCE_PROMPT
+            record["reference_continuation"] = reference_continuation(model, params16)
         tiny.save_tiny(args.model, params, record, args.out)
         print(json.dumps({k: v for k, v in record.items() if k != "history"}, indent=1),
               flush=True)

@@ -28,7 +28,7 @@ def test_a_few_training_steps_lower_the_loss(rng):
         opt = make_optimizer(1e-2, 10, 1, 0.0)
         state = opt.init(params)
         step = make_train_step(config, opt)
-        toks, w = data.training_batch(rng, CORPUS, 4, 64, retrieval_fraction=0.25,
+        toks, w = data.training_batch(rng, CORPUS, 4, 128, retrieval_fraction=0.25,
                                       answer_weight=2.0)
         first = float(_loss(params, config, toks, w))
         for _ in range(8):

@@ -45,7 +45,7 @@ def test_conversion_is_exact_when_grouped_heads_already_agree(rng):
     lp = params.layers
 
     def dup(w):  # copy head 2g into head 2g+1
-        x = np.asarray(w).reshape(*w.shape[:-1], 2, 2, 8)
+        x = np.array(w).reshape(*w.shape[:-1], 2, 2, 8)
         x[..., 1, :] = x[..., 0, :]
         return jnp.asarray(x.reshape(w.shape))
 
