@@ -53,6 +53,10 @@ def add_parser(subparsers) -> None:
                    help="comma-separated substrings: evaluate only configurations whose name "
                         "contains one (e.g. 'bf16,KIVI,H2O'); the first one run is the baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled eval data")
+    p.add_argument("--merge", default=None,
+                   help="comma-separated result directories of earlier runs (e.g. split with "
+                        "--models/--configs over processes): combine their eval.json into --out "
+                        "instead of evaluating")
     p.set_defaults(func=run)
 
 
@@ -176,6 +180,8 @@ def run(args) -> int:
     from kvjax.decoding import kv_bytes_per_token
     from kvjax.models import tiny
 
+    if args.merge:
+        return _merge(args)
     q = args.quick
     ppl_seqs = args.ppl_seqs or (2 if q else 8)
     prompt_len = args.prompt_len or (64 if q else 192)
@@ -219,6 +225,8 @@ def run(args) -> int:
             kept = getattr(pol, "budget", None)
             if hasattr(pol, "n_sink"):
                 kept = pol.n_sink + pol.window
+            if type(pol).__name__ == "SnapKV":  # compresses the prompt only; decoding appends
+                kept = pol.budget + score_len
             acct = kv_bytes_per_token(model, cc, total, page_size=_page_size(cc),
                                       kept_tokens=kept)
             rows.append(dict(model=name, config=cc.name, ppl=ppl,
@@ -227,7 +235,34 @@ def run(args) -> int:
                              retrieval_mean=float(np.mean(list(acc.values()))),
                              bytes_held=acct["held"], bytes_read=acct["read"]))
     elapsed = time.time() - t0
+    settings = dict(quick=q, ppl_seqs=ppl_seqs, prompt_len=prompt_len, score_len=score_len,
+                    contexts=contexts, retrieval_n=retrieval_n, budgets=budgets, seed=args.seed)
+    return _report(rows, settings, elapsed, args.out)
+
+
+def _merge(args) -> int:
+    rows, settings, elapsed = [], None, 0.0
+    for d in args.merge.split(","):
+        with open(os.path.join(d.strip(), "eval.json")) as f:
+            r = json.load(f)
+        if settings is not None and r["settings"] != settings:
+            raise SystemExit(f"--merge: {d} was run with other settings: {r['settings']} vs "
+                             f"{settings}.")
+        settings = r["settings"]
+        rows += r["rows"]
+        elapsed += r["seconds"]
+    os.makedirs(args.out, exist_ok=True)
+    return _report(rows, settings, elapsed, args.out)
+
+
+def _report(rows, settings, elapsed, out) -> int:
+    contexts = settings["contexts"]
+    total = settings["prompt_len"] + settings["score_len"]
     unsupported = ["KIVI-4 + Quest", "KIVI-2 + H2O"]
+    base = {r["model"]: r["ppl"] for r in rows if r["config"] == "bf16"}
+    for r in rows:  # relative to the model's bf16 cache when that was run
+        if r["model"] in base:
+            r["ppl_change_pct"] = 100 * (r["ppl"] / base[r["model"]] - 1)
     hdr = (f"{'model':<5} {'cache':<18} {'ppl':>7} {'Δppl':>7} "
            + "".join(f"{'ret@' + str(L):>8}" for L in contexts)
            + f" {'B/tok held':>11} {'B/tok read':>11}")
@@ -244,17 +279,15 @@ def run(args) -> int:
                f"{platform.system()}, Python {platform.python_version()}").strip()
     table = "\n".join(lines)
     print(table)
-    print(f"\n{ppl_seqs} held-out sequences: {prompt_len} bytes prefilled + {score_len} scored "
-          f"while decoding; policy budgets are fractions of {total} tokens at every context; "
-          f"retrieval: {retrieval_n} prompts per "
-          f"context length; machine: {machine}; {elapsed:.0f}s")
-    result = dict(settings=dict(quick=q, ppl_seqs=ppl_seqs, prompt_len=prompt_len,
-                                score_len=score_len, contexts=contexts,
-                                retrieval_n=retrieval_n, budgets=budgets, seed=args.seed),
-                  machine=machine, seconds=elapsed, rows=rows, unsupported=unsupported,
-                  table=table)
-    with open(os.path.join(args.out, "eval.json"), "w") as f:
+    print(f"\n{settings['ppl_seqs']} held-out sequences: {settings['prompt_len']} bytes "
+          f"prefilled + {settings['score_len']} scored while decoding; policy budgets are "
+          f"fractions of {total} tokens at every context; retrieval: "
+          f"{settings['retrieval_n']} prompts per context length; machine: {machine}; "
+          f"{elapsed:.0f}s")
+    result = dict(settings=settings, machine=machine, seconds=elapsed, rows=rows,
+                  unsupported=unsupported, table=table)
+    with open(os.path.join(out, "eval.json"), "w") as f:
         json.dump(result, f, indent=1)
-    png = _plot(rows, os.path.join(args.out, "eval.png"))
-    print(f"wrote {os.path.join(args.out, 'eval.json')}" + (f" and {png}" if png else ""))
+    png = _plot(rows, os.path.join(out, "eval.png"))
+    print(f"wrote {os.path.join(out, 'eval.json')}" + (f" and {png}" if png else ""))
     return 0
