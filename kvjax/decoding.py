@@ -113,12 +113,13 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
     queries = []
     if is_mla:
         from kvjax.models import deepseek as ds
+        from kvjax.models.layers import rms_norm
 
         cos, sin = ds._rope_tables(config, rope_pos)
         x = params["embed"][tokens]
         for layer in range(config.num_layers):
             p = _slice_layer(params["dense_layers"], layer)
-            h = ds._rms_norm(x, p["input_norm"], config.rms_norm_eps)
+            h = rms_norm(x, p["input_norm"], config.rms_norm_eps)
             q_nope, q_rope, c_kv, k_rope = ds._mla_inputs(p, config, h, cos, sin)
             q_lat = ds._absorb_query(p, q_nope)
             scale = config.softmax_scale
@@ -135,8 +136,8 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
                                                      view.lengths, view.block_tables, q_lengths,
                                                      scale=scale)
             x = x + ds._output(p, config, out.astype(x.dtype))
-            x = x + ds._swiglu(ds._rms_norm(x, p["post_norm"], config.rms_norm_eps), p["mlp"])
-        x = ds._rms_norm(x, params["final_norm"], config.rms_norm_eps)
+            x = x + ds._swiglu(rms_norm(x, p["post_norm"], config.rms_norm_eps), p["mlp"])
+        x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
         head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     else:
         from kvjax.models.layers import rms_norm, rope_cos_sin

@@ -924,12 +924,12 @@ def forward_dense(
 
     def block(mlp_fn):
         def body(x, p):
-            h = _rms_norm(x, p["input_norm"], eps)
+            h = layers.rms_norm(x, p["input_norm"], eps)
             q_nope, q_rope, c_kv, k_rope = _mla_inputs(p, config, h, cos, sin)
             attn = mla_attention_naive(p, config, c_kv, k_rope, q_nope, q_rope, positions,
                                        lengths)
             x = x + attn.astype(x.dtype)
-            return x + mlp_fn(p, _rms_norm(x, p["post_norm"], eps)), None
+            return x + mlp_fn(p, layers.rms_norm(x, p["post_norm"], eps)), None
         return body
 
     if config.num_dense_layers:
@@ -937,6 +937,6 @@ def forward_dense(
     if config.num_moe_layers:
         x, _ = jax.lax.scan(block(lambda p, h: _moe(p["moe"], config, h)), x,
                             params["moe_layers"])
-    x = _rms_norm(x, params["final_norm"], eps)
+    x = layers.rms_norm(x, params["final_norm"], eps)
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     return _mm(x, head).astype(jnp.float32)
