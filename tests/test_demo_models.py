@@ -45,8 +45,9 @@ def test_eval_quick_runs(tmp_path):
     assert names == ["bf16", "KIVI-2", "H2O 50%"]
     bf16, kivi2, h2o = result["rows"]
     assert bf16["ppl_change_pct"] == 0
-    # int2 codes hold fewer bytes than bf16; H2O at 50% holds half the context.
-    assert kivi2["bytes_held"] < bf16["bytes_held"]
+    # The quick context (72 tokens) is shorter than KIVI's R=128 full-precision tail, so
+    # nothing is quantized yet; H2O at 50% holds half the context.
+    assert kivi2["bytes_held"] == bf16["bytes_held"]
     assert h2o["bytes_held"] == pytest.approx(bf16["bytes_held"] / 2, rel=0.05)
     for r in result["rows"]:
         assert r["ppl"] > 1 and 0 <= r["retrieval_mean"] <= 1
