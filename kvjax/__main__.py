@@ -11,11 +11,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvjax import demo as demo_cli
+from kvjax import eval as eval_cli
 from kvjax.generate import cli as generate_cli
 from kvjax.memory import cli as memory_cli
 
 # Append a module here to add a subcommand (generate, demo, eval, ...).
-SUBCOMMANDS = (memory_cli, generate_cli)
+SUBCOMMANDS = (memory_cli, generate_cli, demo_cli, eval_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

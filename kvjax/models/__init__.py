@@ -12,6 +12,7 @@ from kvjax.models.base import (
     register_family,
     supported_architectures,
 )
+from kvjax.models.convert import convert_mha_to_gqa
 from kvjax.models.loading import (
     CheckpointReader,
     load,
@@ -22,6 +23,7 @@ from kvjax.models.loading import (
 
 __all__ = [
     "CheckpointReader",
+    "convert_mha_to_gqa",
     "Family",
     "Model",
     "family_for_architecture",

@@ -81,6 +81,7 @@ __all__ = [
     "params_from_hf",
     "cache_spec",
     "forward",
+    "forward_dense",
     "mla_attention_naive",
     "ARCHITECTURES",
 ]
@@ -891,3 +892,51 @@ def forward(
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = _mm(x, head).astype(jnp.float32)
     return logits, cache
+
+
+def forward_dense(
+    params: Params,
+    config: DeepseekConfig,
+    tokens: Int[Array, "batch seq"],
+) -> Float[Array, "batch seq vocab"]:
+    """Cache-free causal forward over whole sequences (training and reference scoring).
+
+    The same params as `forward` (token t at position t); attention decompresses
+    K and V from the latents per head (`mla_attention_naive`), the cheaper form
+    when every token is a query.
+
+    Args:
+      params: from `init_params` / `params_from_hf`.
+      config: the architecture (static).
+      tokens: int32[batch, seq].
+
+    Returns:
+      float32 logits [batch, seq, vocab].
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"forward_dense: tokens must be [batch, seq], got {tokens.shape}.")
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    lengths = jnp.full((b,), t, jnp.int32)
+    cos, sin = _rope_tables(config, positions)
+    eps = config.rms_norm_eps
+    x = params["embed"][tokens]
+
+    def block(mlp_fn):
+        def body(x, p):
+            h = layers.rms_norm(x, p["input_norm"], eps)
+            q_nope, q_rope, c_kv, k_rope = _mla_inputs(p, config, h, cos, sin)
+            attn = mla_attention_naive(p, config, c_kv, k_rope, q_nope, q_rope, positions,
+                                       lengths)
+            x = x + attn.astype(x.dtype)
+            return x + mlp_fn(p, layers.rms_norm(x, p["post_norm"], eps)), None
+        return body
+
+    if config.num_dense_layers:
+        x, _ = jax.lax.scan(block(lambda p, h: _swiglu(h, p["mlp"])), x, params["dense_layers"])
+    if config.num_moe_layers:
+        x, _ = jax.lax.scan(block(lambda p, h: _moe(p["moe"], config, h)), x,
+                            params["moe_layers"])
+    x = layers.rms_norm(x, params["final_norm"], eps)
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return _mm(x, head).astype(jnp.float32)

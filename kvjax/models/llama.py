@@ -34,6 +34,7 @@ __all__ = [
     "params_from_hf",
     "cache_spec",
     "forward",
+    "forward_dense",
     "ARCHITECTURES",
 ]
 
@@ -459,3 +460,67 @@ def forward(
     if policy is not None:
         return logits.astype(jnp.float32), cache, queries
     return logits.astype(jnp.float32), cache
+
+
+def forward_dense(
+    params: LlamaParams,
+    config: LlamaConfig,
+    tokens: Int[Array, "batch seq"],
+) -> Float[Array, "batch seq vocab"]:
+    """Cache-free causal forward over whole sequences (training and reference scoring).
+
+    The same params and numerics as `forward` (token t sits at position t), with
+    dense causal attention instead of the paged cache: for training, where no
+    cache is wanted.
+
+    Args:
+      params: the model params.
+      config: the model config (static under jit).
+      tokens: int32[batch, seq].
+
+    Returns:
+      float32 logits [batch, seq, vocab].
+    """
+    c = config
+    if tokens.ndim != 2:
+        raise ValueError(f"forward_dense: tokens must be [batch, seq], got {tokens.shape}.")
+    batch, seq = tokens.shape
+    dtype = jnp.dtype(c.dtype)
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    cos, sin = rope_cos_sin(positions, c.rope, dtype)
+    x = params.embed.astype(dtype)[tokens]
+    group = c.q_heads // c.kv_heads
+    distance = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]  # query - key
+
+    def layer_fn(x, lp, window):
+        h = rms_norm(x, lp.attn_norm, c.rms_norm_eps)
+        q = linear(h, lp.wq, lp.bq).reshape(batch, seq, c.q_heads, c.head_dim)
+        k = linear(h, lp.wk, lp.bk).reshape(batch, seq, c.kv_heads, c.head_dim)
+        v = linear(h, lp.wv, lp.bv).reshape(batch, seq, c.kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, lp.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, lp.k_norm, c.rms_norm_eps)
+        q = apply_rope(q, cos, sin).reshape(batch, seq, c.kv_heads, group, c.head_dim)
+        k = apply_rope(k, cos, sin)
+        logits = jnp.einsum("btkgd,bskd->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
+        logits = logits * jnp.float32(c.head_dim ** -0.5)
+        visible = distance >= 0
+        if window is not None:
+            visible = visible & (distance < window)
+        logits = jnp.where(visible, logits, -jnp.inf)
+        probs = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+        x = x + linear(out.astype(x.dtype).reshape(batch, seq, -1), lp.wo, lp.bo)
+        h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
+        return x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down, lp.b_gate, lp.b_up, lp.b_down)
+
+    windows = c.sliding_windows or (None,) * c.num_layers
+    if len(set(windows)) == 1:
+        x, _ = jax.lax.scan(lambda x, lp: (layer_fn(x, lp, windows[0]), None), x, params.layers)
+    else:
+        for layer in range(c.num_layers):
+            lp = jax.tree.map(lambda p, i=layer: p[i], params.layers)
+            x = layer_fn(x, lp, windows[layer])
+    x = rms_norm(x, params.final_norm, c.rms_norm_eps)
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    return jnp.einsum("bth,hv->btv", x, head.astype(dtype)).astype(jnp.float32)

@@ -1,0 +1,179 @@
+"""Offline training and evaluation data for the tiny byte-level demo models.
+
+Two sources, both available on any machine with Python installed:
+
+* **Code**: the Python standard library's own `.py` files (found through
+  `sysconfig.get_paths()["stdlib"]`), read as raw bytes (vocabulary 256, no
+  tokenizer), in sorted relative-path order, joined by a blank line. A file is
+  held out when the first byte of the SHA-256 of its relative path is below
+  `HELDOUT_BYTE_BELOW` (about 5% of files), so the split depends only on file
+  names. (The bytes themselves depend on the Python version: 3.11 here.)
+* **Retrieval**: synthetic long-context sequences. Lines `key_ab12 = "83921"`
+  are buried at random depths in code filler; the sequence ends with
+  `assert key_ab12 == "` and the model must copy the 5-digit value from far
+  back. These teach (and test) use of context hundreds of bytes back.
+"""
+
+import dataclasses
+import hashlib
+import os
+import sysconfig
+
+import numpy as np
+
+__all__ = [
+    "HELDOUT_BYTE_BELOW",
+    "RetrievalExample",
+    "stdlib_files",
+    "is_heldout",
+    "load_corpus",
+    "retrieval_example",
+    "code_crop",
+    "training_batch",
+]
+
+HELDOUT_BYTE_BELOW = 13  # of 256: about 5% of files are held out
+_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
+_KEY_CHARS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", np.uint8)
+VALUE_DIGITS = 5
+
+
+def stdlib_files(root: str | None = None) -> list[str]:
+    """Relative paths of the standard library's `.py` files, sorted (deterministic order)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in filenames:
+            if name.endswith(".py"):
+                out.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return sorted(out)
+
+
+def is_heldout(relpath: str) -> bool:
+    """Whether a file belongs to the held-out split (a hash of its relative path)."""
+    return hashlib.sha256(relpath.encode()).digest()[0] < HELDOUT_BYTE_BELOW
+
+
+def load_corpus(split: str, *, root: str | None = None, max_bytes: int | None = None
+                ) -> np.ndarray:
+    """The concatenated bytes of one split ("train" or "heldout") as uint8[n].
+
+    Raises:
+      ValueError: for another split name, or when the standard library holds no files.
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}.")
+    root = root or sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for rel in stdlib_files(root):
+        if is_heldout(rel) != (split == "heldout"):
+            continue
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read()
+        chunks.append(data + b"\n\n")
+        total += len(data) + 2
+        if max_bytes is not None and total >= max_bytes:
+            break
+    if not chunks:
+        raise ValueError(f"no standard-library .py files found under {root!r}.")
+    corpus = np.frombuffer(b"".join(chunks), np.uint8)
+    return corpus[:max_bytes] if max_bytes is not None else corpus
+
+
+def code_crop(rng: np.random.Generator, corpus: np.ndarray, length: int) -> np.ndarray:
+    """A random crop uint8[length] of the corpus."""
+    start = int(rng.integers(0, len(corpus) - length))
+    return corpus[start:start + length].copy()
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalExample:
+    """A retrieval sequence: `tokens[:answer_start]` is the prompt, the value follows.
+
+    Attributes:
+      tokens: uint8[length]; ends with the value digits and a closing quote.
+      answer_start: index of the first value digit.
+      value: the expected digits (bytes, VALUE_DIGITS long).
+      depth: byte offset of the queried `key_... = "..."` line.
+    """
+
+    tokens: np.ndarray
+    answer_start: int
+    value: bytes
+    depth: int
+
+
+def _random_chars(rng, n):
+    return bytes(_KEY_CHARS[rng.integers(0, len(_KEY_CHARS), n)])
+
+
+def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int, *,
+                      num_pairs: int = 4, depth: float | None = None) -> RetrievalExample:
+    """Key→value lines buried in code filler, one of them asked for at the end.
+
+    Args:
+      rng: randomness (keys, values, filler, positions).
+      corpus: filler source (uint8 code bytes).
+      length: total bytes, including the query and the answer.
+      num_pairs: key→value lines buried in the filler (one is queried).
+      depth: where the queried line sits, as a fraction of the filler (0 = start);
+        None = uniform at random.
+    """
+    keys = []
+    while len(keys) < num_pairs:
+        k = _random_chars(rng, 4)
+        if k not in keys:
+            keys.append(k)
+    values = [bytes(rng.integers(ord("0"), ord("9") + 1, VALUE_DIGITS).astype(np.uint8))
+              for _ in keys]
+    target = int(rng.integers(0, num_pairs))
+    lines = [b'key_%s = "%s"\n' % (k, v) for k, v in zip(keys, values, strict=True)]
+    query = b'\nassert key_%s == "' % keys[target]
+    tail = values[target] + b'"'
+    filler_len = length - len(query) - len(tail) - sum(len(x) for x in lines)
+    if filler_len < 16:
+        raise ValueError(f"length={length} is too short for {num_pairs} key/value pairs.")
+    filler = code_crop(rng, corpus, filler_len).tobytes()
+    # Insert points, at line starts where possible so the lines look like code.
+    points = []
+    for i in range(num_pairs):
+        frac = depth if (i == target and depth is not None) else float(rng.random())
+        p = int(frac * filler_len)
+        nl = filler.rfind(b"\n", 0, p)
+        points.append(nl + 1 if nl >= 0 and p - nl < 80 else p)
+    order = np.argsort(points, kind="stable")
+    out, prev, target_at = [], 0, 0
+    for i in order:
+        out.append(filler[prev:points[i]])
+        if i == target:
+            target_at = sum(len(x) for x in out)
+        out.append(lines[i])
+        prev = points[i]
+    out.append(filler[prev:])
+    prompt = b"".join(out) + query
+    tokens = np.frombuffer(prompt + tail, np.uint8).copy()
+    assert len(tokens) == length
+    return RetrievalExample(tokens=tokens, answer_start=len(prompt), value=values[target],
+                            depth=target_at)
+
+
+def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, length: int, *,
+                   retrieval_fraction: float, answer_weight: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of byte sequences and per-target loss weights.
+
+    Returns:
+      tokens int32[batch, length]; weights float32[batch, length - 1] (weight of
+      predicting tokens[:, 1:]): 1, or `answer_weight` on retrieval answers.
+    """
+    tokens = np.empty((batch, length), np.int32)
+    weights = np.ones((batch, length - 1), np.float32)
+    for b in range(batch):
+        if rng.random() < retrieval_fraction:
+            ex = retrieval_example(rng, corpus, length, num_pairs=int(rng.integers(1, 5)))
+            tokens[b] = ex.tokens
+            weights[b, ex.answer_start - 1:] = answer_weight
+        else:
+            tokens[b] = code_crop(rng, corpus, length)
+    return tokens, weights

@@ -1,0 +1,293 @@
+"""`python -m kvjax eval`: what each KV-cache lever costs in quality and saves in bytes.
+
+On the shipped tiny byte-level models (`kvjax/assets`), for each cache
+configuration — bf16, int8, KIVI int4 / int2 (G=32, R=128), StreamingLLM,
+H2O, SnapKV and Quest at budgets that are fractions of the perplexity context (prompt +
+scored bytes; the same token budgets serve every retrieval length) — it measures
+
+* perplexity on held-out standard-library code, token by token while decoding:
+  the prompt is prefilled, then the true continuation is fed one byte per
+  decode step and scored (cache error only shows after the prefill, so a
+  prefill-only pass would hide it);
+* retrieval accuracy: a `key_xxxx = "ddddd"` line buried in code, asked for at
+  the end, greedy exact match of the 5 digits, at several context lengths;
+* KV bytes per context token held in the cache, and read per decode step.
+
+Prints a table, writes `eval.json` and `eval.png` (quality vs. bytes per token)
+to `--out`. Policy + quantization combinations are listed as unsupported:
+kvjax's policies act on full-precision `KVPages`, not on quantized pages.
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+
+__all__ = ["add_parser", "run", "cache_configs"]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="perplexity / retrieval / bytes per token of every cache configuration",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="CI sizes: few sequences, short contexts, one budget")
+    p.add_argument("--models", default="gqa,mla", help="tiny models to evaluate (gqa, mla)")
+    p.add_argument("--out", default="results/eval", help="directory for eval.json and eval.png")
+    p.add_argument("--ppl-seqs", type=int, default=None,
+                   help="held-out sequences for perplexity (default 8, quick 2)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prefilled bytes before scoring (default 192, quick 64)")
+    p.add_argument("--score-len", type=int, default=None,
+                   help="bytes scored while decoding (default 64, quick 8)")
+    p.add_argument("--contexts", default=None,
+                   help="comma-separated retrieval context lengths (default 128,192,256; "
+                        "quick 96)")
+    p.add_argument("--retrieval-n", type=int, default=None,
+                   help="retrieval prompts per context length (default 16, quick 2)")
+    p.add_argument("--budgets", default=None,
+                   help="comma-separated policy budgets as fractions of the context "
+                        "(default 0.1,0.2,0.5; quick 0.5)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated substrings: evaluate only configurations whose name "
+                        "contains one (e.g. 'bf16,KIVI,H2O'); the first one run is the baseline")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled eval data")
+    p.add_argument("--merge", default=None,
+                   help="comma-separated result directories of earlier runs (e.g. split with "
+                        "--models/--configs over processes): combine their eval.json into --out "
+                        "instead of evaluating")
+    p.set_defaults(func=run)
+
+
+def cache_configs(model_name: str, context: int, budgets) -> list:
+    """The configurations evaluated for one model at one context length."""
+    from kvjax.cache.policies import H2O, Quest, SnapKV, StreamingLLM
+    from kvjax.decoding import CacheConfig
+
+    out = [CacheConfig(name="bf16"),
+           CacheConfig(name="int8", bits=8, residual=0),
+           CacheConfig(name="KIVI-4", bits=4, residual=128),
+           CacheConfig(name="KIVI-2", bits=2, residual=128)]
+    if model_name != "gqa":
+        return out  # kvjax's policies score per-head K pages; MLA caches one latent
+    for frac in budgets:
+        b = max(8, int(round(frac * context)))
+        pct = f"{frac:.0%}"
+        out += [
+            CacheConfig(name=f"StreamingLLM {pct}", policy=StreamingLLM(n_sink=4, window=b - 4)),
+            CacheConfig(name=f"H2O {pct}", policy=H2O(budget=b)),
+            CacheConfig(name=f"SnapKV {pct}",
+                        policy=SnapKV(budget=b, window=min(8, b // 2), kernel=5)),
+            CacheConfig(name=f"Quest {pct}", policy=Quest(top_k=max(1, b // 16), dense_layers=0),
+                        read_budget=max(1, b // 16) * 16),
+        ]
+    return out
+
+
+def _page_size(cc) -> int:
+    return 32 if cc.bits is not None else 16
+
+
+def _decoder(model, params, cc, batch, max_len):
+    from kvjax.decoding import CacheDecoder
+
+    return CacheDecoder(model, params, cc, batch=batch, max_len=max_len,
+                        page_size=_page_size(cc))
+
+
+def _pad(rows, width):
+    import numpy as np
+
+    out = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out, np.asarray([len(r) for r in rows])
+
+
+def _perplexity(model, params, cc, seqs, prompt_len, pad_to, max_len):
+    """exp(mean NLL) of seqs[:, prompt_len:], each byte scored by a decode step."""
+    import numpy as np
+
+    b, total = seqs.shape
+    dec = _decoder(model, params, cc, b, max_len)
+    logits = dec.prefill(*_pad(seqs[:, :prompt_len], pad_to))
+    nll = []
+    for i in range(prompt_len, total):
+        lp = np.asarray(logits, np.float64)
+        lp = lp - lp.max(-1, keepdims=True)
+        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+        nll.append(-lp[np.arange(b), seqs[:, i]])
+        if i + 1 < total:
+            logits = dec.step(seqs[:, i])
+    return float(np.exp(np.mean(nll)))
+
+
+def _retrieval(model, params, cc, examples, batch, pad_to, max_len):
+    """Fraction of examples whose 5 value digits are generated exactly (greedy)."""
+    import numpy as np
+
+    from kvjax import data
+    from kvjax.decoding import greedy_generate
+
+    hits = []
+    for i in range(0, len(examples), batch):
+        chunk = examples[i:i + batch]
+        chunk = chunk + [chunk[-1]] * (batch - len(chunk))  # pad the batch, scored once
+        prompts, lengths = _pad([e.tokens[:e.answer_start] for e in chunk], pad_to)
+        out = greedy_generate(_decoder(model, params, cc, batch, max_len), prompts,
+                              data.VALUE_DIGITS, lengths)
+        want = np.stack([np.frombuffer(e.value, np.uint8) for e in chunk])
+        hits += list(np.all(out == want, axis=1))[:len(examples[i:i + batch])]
+    return float(np.mean(hits))
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for model in sorted({r["model"] for r in rows}):
+        rs = [r for r in rows if r["model"] == model]
+        marker = "o" if model == "gqa" else "s"
+        for ax, key, label in ((axes[0], "ppl", "perplexity (decode, lower is better)"),
+                               (axes[1], "retrieval_mean", "retrieval accuracy")):
+            ax.scatter([r["bytes_read"] for r in rs], [r[key] for r in rs], marker=marker,
+                       label=model.upper())
+            for r in rs:
+                ax.annotate(r["config"], (r["bytes_read"], r[key]), fontsize=6,
+                            xytext=(2, 2), textcoords="offset points")
+            ax.set_xlabel("KV bytes per context token read per step")
+            ax.set_ylabel(label)
+            ax.set_xscale("log")
+    axes[0].legend()
+    fig.suptitle("kvjax tiny models: quality vs. KV bytes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def run(args) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from kvjax import data
+    from kvjax.decoding import kv_bytes_per_token
+    from kvjax.models import tiny
+
+    if args.merge:
+        return _merge(args)
+    q = args.quick
+    ppl_seqs = args.ppl_seqs or (2 if q else 8)
+    prompt_len = args.prompt_len or (64 if q else 192)
+    score_len = args.score_len or (8 if q else 64)
+    contexts = [int(x) for x in (args.contexts or ("96" if q else "128,192,256")).split(",")]
+    retrieval_n = args.retrieval_n or (2 if q else 16)
+    budgets = [float(x) for x in (args.budgets or ("0.5" if q else "0.1,0.2,0.5")).split(",")]
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    for n in names:
+        if n not in ("gqa", "mla"):
+            raise SystemExit(f"--models: unknown model {n!r}; choose from gqa, mla.")
+    if min(contexts) < 64 or prompt_len < 16 or score_len < 1:
+        raise SystemExit("contexts must be >= 64, --prompt-len >= 16, --score-len >= 1.")
+    os.makedirs(args.out, exist_ok=True)
+    rng = np.random.default_rng(args.seed)
+    heldout = data.load_corpus("heldout")
+    total = prompt_len + score_len
+    seqs = np.stack([data.code_crop(rng, heldout, total) for _ in range(ppl_seqs)])
+    seqs = seqs.astype(np.int32)
+    examples = {L: [data.retrieval_example(rng, heldout, L, num_pairs=2)
+                    for _ in range(retrieval_n)] for L in contexts}
+    # One padded prefill length and one cache shape for every call of a configuration, so
+    # each configuration compiles one prefill and one decode step.
+    pad_to = max(prompt_len, max(contexts))
+    max_len = max(max(contexts), total) + 8
+    wanted = [w.strip() for w in args.configs.split(",")] if args.configs else None
+    t0 = time.time()
+    rows = []
+    for name in names:
+        model, params = tiny.load_tiny(name)
+        configs = cache_configs(name, total, budgets)
+        if wanted:
+            configs = [c for c in configs if any(w in c.name for w in wanted)]
+        base_ppl = None
+        for cc in tqdm(configs, desc=f"eval {name}"):
+            ppl = _perplexity(model, params, cc, seqs, prompt_len, pad_to, max_len)
+            base_ppl = ppl if base_ppl is None else base_ppl
+            acc = {L: _retrieval(model, params, cc, examples[L], ppl_seqs, pad_to, max_len)
+                   for L in contexts}
+            pol = cc.policy
+            kept = getattr(pol, "budget", None)
+            if hasattr(pol, "n_sink"):
+                kept = pol.n_sink + pol.window
+            if type(pol).__name__ == "SnapKV":  # compresses the prompt only; decoding appends
+                kept = pol.budget + score_len
+            acct = kv_bytes_per_token(model, cc, total, page_size=_page_size(cc),
+                                      kept_tokens=kept)
+            rows.append(dict(model=name, config=cc.name, ppl=ppl,
+                             ppl_change_pct=100 * (ppl / base_ppl - 1),
+                             retrieval={str(k): v for k, v in acc.items()},
+                             retrieval_mean=float(np.mean(list(acc.values()))),
+                             bytes_held=acct["held"], bytes_read=acct["read"]))
+    elapsed = time.time() - t0
+    settings = dict(quick=q, ppl_seqs=ppl_seqs, prompt_len=prompt_len, score_len=score_len,
+                    contexts=contexts, retrieval_n=retrieval_n, budgets=budgets, seed=args.seed)
+    return _report(rows, settings, elapsed, args.out)
+
+
+def _merge(args) -> int:
+    rows, settings, elapsed = [], None, 0.0
+    for d in args.merge.split(","):
+        with open(os.path.join(d.strip(), "eval.json")) as f:
+            r = json.load(f)
+        if settings is not None and r["settings"] != settings:
+            raise SystemExit(f"--merge: {d} was run with other settings: {r['settings']} vs "
+                             f"{settings}.")
+        settings = r["settings"]
+        rows += r["rows"]
+        elapsed += r["seconds"]
+    os.makedirs(args.out, exist_ok=True)
+    return _report(rows, settings, elapsed, args.out)
+
+
+def _report(rows, settings, elapsed, out) -> int:
+    contexts = settings["contexts"]
+    total = settings["prompt_len"] + settings["score_len"]
+    unsupported = ["KIVI-4 + Quest", "KIVI-2 + H2O"]
+    base = {r["model"]: r["ppl"] for r in rows if r["config"] == "bf16"}
+    for r in rows:  # relative to the model's bf16 cache when that was run
+        if r["model"] in base:
+            r["ppl_change_pct"] = 100 * (r["ppl"] / base[r["model"]] - 1)
+    hdr = (f"{'model':<5} {'cache':<18} {'ppl':>7} {'Δppl':>7} "
+           + "".join(f"{'ret@' + str(L):>8}" for L in contexts)
+           + f" {'B/tok held':>11} {'B/tok read':>11}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in rows:
+        lines.append(f"{r['model']:<5} {r['config']:<18} {r['ppl']:>7.3f} "
+                     f"{r['ppl_change_pct']:>+6.2f}% "
+                     + "".join(f"{r['retrieval'][str(L)]:>8.0%}" for L in contexts)
+                     + f" {r['bytes_held']:>11.1f} {r['bytes_read']:>11.1f}")
+    for u in unsupported:
+        lines.append(f"{'*':<5} {u:<18} not supported: kvjax policies act on full-precision "
+                     "KVPages only")
+    machine = (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
+               f"{platform.system()}, Python {platform.python_version()}").strip()
+    table = "\n".join(lines)
+    print(table)
+    print(f"\n{settings['ppl_seqs']} held-out sequences: {settings['prompt_len']} bytes "
+          f"prefilled + {settings['score_len']} scored while decoding; policy budgets are "
+          f"fractions of {total} tokens at every context; retrieval: "
+          f"{settings['retrieval_n']} prompts per context length; machine: {machine}; "
+          f"{elapsed:.0f}s")
+    result = dict(settings=settings, machine=machine, seconds=elapsed, rows=rows,
+                  unsupported=unsupported, table=table)
+    with open(os.path.join(out, "eval.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    png = _plot(rows, os.path.join(out, "eval.png"))
+    print(f"wrote {os.path.join(out, 'eval.json')}" + (f" and {png}" if png else ""))
+    return 0

@@ -1,0 +1,58 @@
+"""Training loop and data of the tiny demo models (kvjax.train, kvjax.data)."""
+
+import jax
+import numpy as np
+
+from kvjax import data
+from kvjax.models.deepseek import DeepseekConfig
+from kvjax.models.layers import RopeConfig
+from kvjax.models.llama import LlamaConfig
+from kvjax.models.tiny import init_tiny
+from kvjax.train import _loss, make_optimizer, make_train_step
+
+SMALL = {
+    "llama": LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+                         q_heads=2, kv_heads=1, head_dim=16, rope=RopeConfig(theta=1e4, dim=16),
+                         tie_word_embeddings=True),
+    "mla": DeepseekConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+                          num_heads=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                          v_head_dim=8, tie_word_embeddings=True),
+}
+CORPUS = np.frombuffer(b"def add(x, y):\n    return x + y\n\n\nclass A:\n    pass\n" * 200,
+                       np.uint8)
+
+
+def test_a_few_training_steps_lower_the_loss(rng):
+    for name, config in SMALL.items():
+        params = init_tiny(config, jax.random.key(int(rng.integers(1 << 30))))
+        opt = make_optimizer(1e-2, 10, 1, 0.0)
+        state = opt.init(params)
+        step = make_train_step(config, opt)
+        toks, w = data.training_batch(rng, CORPUS, 4, 128, retrieval_fraction=0.25,
+                                      answer_weight=2.0)
+        first = float(_loss(params, config, toks, w))
+        for _ in range(8):
+            params, state, loss = step(params, state, toks, w)
+        # Random init sits near ln(256) = 5.5; 8 Adam steps on one repetitive batch
+        # must take a large bite out of it.
+        assert float(loss) < first - 1.0, (name, first, float(loss))
+
+
+def test_retrieval_example_buries_the_queried_value(rng):
+    ex = data.retrieval_example(rng, CORPUS, 300, num_pairs=3)
+    text = ex.tokens.tobytes()
+    assert len(text) == 300
+    assert text[ex.answer_start:] == ex.value + b'"'
+    prompt = text[:ex.answer_start]
+    key = prompt[prompt.rindex(b"assert key_") + 7:].split(b" ")[0]
+    line = key + b' = "' + ex.value + b'"'
+    assert prompt.count(line) == 1 and prompt.index(line) == ex.depth
+    assert ex.value.isdigit() and len(ex.value) == data.VALUE_DIGITS
+
+
+def test_stdlib_split_is_deterministic_and_disjoint():
+    files = data.stdlib_files()
+    assert files == sorted(files) and len(files) > 100
+    held = [f for f in files if data.is_heldout(f)]
+    assert 0.01 < len(held) / len(files) < 0.15
+    assert [f for f in files if data.is_heldout(f)] == held
