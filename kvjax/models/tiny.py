@@ -118,7 +118,9 @@ def load_tiny(name: str, directory: str | None = None, *, path: str | None = Non
         raise FileNotFoundError(f"tiny model weights {path} not found; train them with "
                                 f"`python -m kvjax.train --model {name}`.")
     config = tiny_config(name)
-    like = jax.eval_shape(lambda: init_tiny(config, jax.random.key(0)))
+    # A concrete init (not eval_shape): DeepSeek draws its init on the host, which
+    # cannot be traced, and at this size it costs well under a second.
+    like = init_tiny(config, jax.random.key(0))
     f = SafetensorsFile(path)
     leaves = []
     for key, leaf in _named_leaves(like):
