@@ -5,9 +5,10 @@ saved with `save_pretrained`, loaded into kvjax with `kvjax.models.load`) genera
 the same number of greedy tokens for the same batch of prompts with:
 
 * `hf_dynamic`: transformers `generate` with its default dynamic cache;
-* `hf_static_compiled` (full run only): `generate(cache_implementation="static")`
-  with the forward wrapped in `torch.compile`; if compiling fails the error is
-  recorded instead of a time;
+* `hf_static_compiled` (full run only; for the first model and dtype unless
+  --static-compiled-all): `generate(cache_implementation="static")` with the
+  forward wrapped in `torch.compile`; if compiling fails the error is recorded
+  instead of a time;
 * `kvjax`: `kvjax.generate.generate` (paged cache, `impl="auto"`).
 
 Reported per engine: decode tokens/s (batch x (N - 1) / (t(N new tokens) -
@@ -16,9 +17,10 @@ repeats), end-to-end tokens/s of the whole call, and peak memory: the largest
 increase of the process's resident set size (sampled every 2 ms from
 /proc/self/statm by a thread) over its value just before the call — what the
 generate call allocates on top of the loaded weights, by either engine. Ratios
-kvjax/HF come from the same run. Tokens: in float32 both engines must produce the
-same greedy tokens (checked, the run fails otherwise); in bf16 rounding differs
-between the two libraries, so the agreement rate is reported.
+kvjax/HF come from the same run. Tokens: in float32 kvjax and `hf_dynamic` must
+produce the same greedy tokens (checked, the run fails otherwise; the compiled
+engine's agreement is reported); in bf16 rounding differs between the two
+libraries, so the agreement rate is reported.
 
     PYTHONPATH=. python benchmarks/e2e_hf.py --quick
     PYTHONPATH=. python benchmarks/e2e_hf.py --families llama,deepseek --dtypes float32,bfloat16
@@ -154,7 +156,8 @@ def hf_static_compiled(model):
     return gen
 
 
-def run_case(family, dtype, size, batch, prompt_len, new_tokens, repeats, engines, tmp):
+def run_case(family, dtype, size, batch, prompt_len, new_tokens, repeats, engines, tmp,
+             static_all=True, first=None):
     cfg = CONFIGS[(family, size)]
     hf = build_hf(family, cfg)
     path = os.path.join(tmp, family)
@@ -173,10 +176,14 @@ def run_case(family, dtype, size, batch, prompt_len, new_tokens, repeats, engine
         kvjax=lambda n: kvjax_generate(model, params, prompts, n, dtype, "auto"),
         hf_dynamic=lambda n: hf_generate(hf, prompts, n),
     )
-    if "hf_static_compiled" in engines:
+    if "hf_static_compiled" in engines and (static_all or (family, dtype) == first):
         g = hf_static_compiled(hf)
         runners["hf_static_compiled"] = lambda n: g(prompts, n)
     for name in engines:
+        if name not in runners:
+            res["engines"][name] = dict(error="skipped (torch.compile only for the first case; "
+                                              "--static-compiled-all)")
+            continue
         try:
             stats, out = decode_times(runners[name], new_tokens, repeats)
         except Exception as e:  # noqa: BLE001 - torch.compile failures are reported, not fatal
@@ -203,7 +210,9 @@ def run_case(family, dtype, size, batch, prompt_len, new_tokens, repeats, engine
         res["engines"][name]["kvjax_memory_ratio"] = (
             res["engines"]["kvjax"]["peak_rss_delta_bytes"]
             / max(res["engines"][name]["peak_rss_delta_bytes"], 1))
-        if dtype == "float32" and agree < 1.0:
+        # transformers' own eager path is the oracle; torch.compile may reorder float
+        # arithmetic, so its agreement is reported, not asserted.
+        if dtype == "float32" and name == "hf_dynamic" and agree < 1.0:
             raise AssertionError(
                 f"{family} float32: kvjax and {name} greedy tokens differ ({agree:.3f} agree)")
     return res
@@ -252,6 +261,9 @@ def main(argv=None):
     p.add_argument("--engines", default=None,
                    help="comma-separated among kvjax, hf_dynamic, hf_static_compiled "
                         "(default all; quick: no hf_static_compiled, compiling takes minutes)")
+    p.add_argument("--static-compiled-all", action="store_true",
+                   help="run hf_static_compiled for every model and dtype (default: only the "
+                        "first, since torch.compile takes minutes on a CPU)")
     p.add_argument("--out", default=None,
                    help="JSON path (default benchmarks/results/e2e_hf-<time>.json)")
     a = p.parse_args(argv)
@@ -274,7 +286,7 @@ def main(argv=None):
         jobs = [(f, d) for f in a.families.split(",") for d in dtypes]
         for family, dtype in tqdm(jobs, desc="e2e vs HF", file=sys.stderr):
             results.append(run_case(family, dtype, size, batch, prompt_len, new_tokens, repeats,
-                                    engines, tmp))
+                                    engines, tmp, a.static_compiled_all, jobs[0]))
     print(f"batch {batch}, prompt {prompt_len}, {new_tokens} new tokens; torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), transformers "
           f"{T.__version__}, jax {jax.__version__}; peak RSS+ = largest resident-set growth "
