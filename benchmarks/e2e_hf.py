@@ -127,7 +127,7 @@ def decode_times(run, new_tokens, repeats):
         out, m = peak_rss_delta(lambda: run(new_tokens))
         tn.append(time.perf_counter() - t0)
         mems.append(m)
-    mem = min(mems)  # steady state: the smallest of the timed runs
+    mem = float(np.median(mems))  # steady state (the warm-up's peak also holds compiling)
     steps = [(b - a) / (new_tokens - 1) for a, b in zip(sorted(t1), sorted(tn), strict=True)]
     return dict(step_median_s=(float(np.median(tn)) - float(np.median(t1))) / (new_tokens - 1),
                 step_min_s=min(steps), step_max_s=max(steps),
@@ -300,7 +300,8 @@ def main(argv=None):
         json.dump(dict(results=results, torch=torch.__version__, transformers=T.__version__,
                        jax=jax.__version__, quick=a.quick, load_average=os.getloadavg(),
                        memory_measure="largest RSS increase over the pre-call RSS during one "
-                                      "generate call (steady state: min over timed repeats)"),
+                                      "generate call (median over the timed repeats; the "
+                                      "warm-up call's, which includes compiling, separately)"),
                   f, indent=1)
     print(f"wrote {out}")
     return 0
