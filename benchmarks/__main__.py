@@ -69,7 +69,7 @@ def _roofline(quick, out):
     from benchmarks import roofline
     # Full: largest size 8 x 16K tokens x 8 KV heads x 128 = 512 MiB of bf16 K/V (the
     # quantized reference dequantizes the gathered pages in float32: 4x that, transiently).
-    argv = ["--out", str(out)] + (["--quick"] if quick else ["--max-gib", "0.5"])
+    argv = ["--out", str(out)] + (["--quick"] if quick else ["--max-gib", "0.5", "--repeats", "3"])
     if roofline.main(argv):
         raise RuntimeError("roofline reported a failure")
 
@@ -79,8 +79,8 @@ def _attention(quick, out, *, paging):
     if paging:
         argv = (["--quick", "--dtypes", "float32", "--only", "gqa_b4_s512,mla_b4_s512",
                  "--repeats", "3", "--ref-repeats", "1", "--bandwidth-mib", "32"] if quick else
-                ["--only", "gqa_b8_s4k,gqa_b1_s4k,mqa_b8_s4k,mla_b8_s4k", "--repeats", "5",
-                 "--ref-repeats", "2", "--bandwidth-mib", "512"])
+                ["--only", "gqa_b8_s4k,gqa_b1_s4k,mla_b8_s4k", "--repeats", "5",
+                 "--ref-repeats", "1", "--bandwidth-mib", "512"])
         argv += ["--pool-factors", ""]
     else:  # no cases (`--only -`), only the pool check
         argv = (["--quick", "--dtypes", "float32", "--repeats", "3", "--bandwidth-mib", "32"]
@@ -91,7 +91,8 @@ def _attention(quick, out, *, paging):
 
 def _e2e(quick, out):
     from benchmarks import e2e_hf
-    if e2e_hf.main((["--quick"] if quick else []) + ["--out", str(out)]):
+    full = ["--prompt-len", "64", "--new-tokens", "16", "--repeats", "3"]
+    if e2e_hf.main((["--quick"] if quick else full) + ["--out", str(out)]):
         raise RuntimeError("e2e reported a failure")
 
 
@@ -100,12 +101,12 @@ def _capacity(quick, out):
     # Quick: explicit small sizes (capacity.py's own --quick preset admits 256 sequences).
     cap_argv = (["--budget-mib", "2", "--num-seqs", "48", "--layers", "2", "--kv-heads", "1",
                  "--head-dim", "64", "--max-len", "2048", "--chunk", "2048"] if quick else
-                ["--budget-mib", "64", "--layers", "2", "--kv-heads", "2"])
+                ["--budget-mib", "32", "--layers", "2", "--kv-heads", "2"])
     rows = capacity.main(cap_argv + ["--out", str(out.with_name("capacity_layouts.json"))])
     ev = None
     if not quick:  # six policies, each compiled: ~40 s of CPU even at toy sizes
         ev_json = out.with_name("capacity_eviction.json")
-        ev = eviction.main(["--steps", "160", "--json", str(ev_json)])
+        ev = eviction.main(["--steps", "96", "--json", str(ev_json)])
     out.write_text(json.dumps(dict(layouts=rows, eviction=ev), indent=1, default=str))
 
 
