@@ -50,6 +50,20 @@ if str(ROOT) not in sys.path:  # `python benchmarks/__main__.py` as well as `pyt
 SECTIONS = ("roofline", "paging", "pool", "e2e", "capacity", "kernels")
 
 
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags of /proc/cpuinfo that matter for these kernels."""
+    want = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in want if w in have]
+    except OSError:
+        pass
+    return []
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -168,7 +182,7 @@ def main(argv=None):
     out_dir = a.out or HERE / "results" / ("quick" if a.quick else "full")
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    machine = dict(cpu=cpu_model(), cores=os.cpu_count(), backend=backend,
+    machine = dict(cpu=cpu_model(), cpu_flags=cpu_flags(), cores=os.cpu_count(), backend=backend,
                    device=jax.devices()[0].device_kind, jax=jax.__version__,
                    python=platform.python_version(), load_average_start=os.getloadavg())
     print(f"kvjax benchmarks ({'quick' if a.quick else 'full'}): {machine['cpu']}, "

@@ -116,7 +116,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     s = json.loads((a.folder / "summary.json").read_text())
     m = s["machine"]
-    print(f"Machine: {m['cpu']}, {m['cores']} cores, backend {m['backend']}; jax {m['jax']}; "
+    flags = f" ({', '.join(m['cpu_flags'])})" if m.get("cpu_flags") else ""
+    print(f"Machine: {m['cpu']}{flags}, {m['cores']} cores, backend {m['backend']}; "
+          f"jax {m['jax']}; "
           f"started {s['started']}; load average {m['load_average_start'][0]:.1f} at start, "
           f"{s['load_average_end'][0]:.1f} at end.\n")
     for name, fn in dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e,
