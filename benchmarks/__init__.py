@@ -1,0 +1,1 @@
+"""kvjax benchmarks: `python -m benchmarks --help` (see benchmarks/__main__.py)."""

@@ -1,0 +1,231 @@
+"""kvjax benchmarks: one command for every section, tables on stdout, JSON + PNG plots on disk.
+
+    python -m benchmarks --quick            # CI-sized: correctness of every section, ~2 min CPU
+    python -m benchmarks                    # the full run (README numbers), minutes
+    python -m benchmarks --only roofline,e2e --out /tmp/bench
+
+Sections (each warms up, blocks until results are ready, reports medians and
+min-max over repeats, checks its results against a reference in the same run,
+and fails only on wrong results, never on speed):
+
+  roofline  copy/read bandwidth and decode attention over paged bf16 / int4 / int2
+            caches: GB/s of cache bytes read and fraction of copy bandwidth
+            (benchmarks/roofline.py)
+  paging    paged vs contiguous decode attention on the same K/V, as ratios
+            (benchmarks/attention.py)
+  pool      decode step time with the same live tokens in pools 1x / 4x / 16x
+            larger (benchmarks/attention.py)
+  e2e       greedy decode vs HuggingFace transformers, Llama and DeepSeek (MLA),
+            float32 and bfloat16: tokens/s, peak memory, same tokens
+            (benchmarks/e2e_hf.py)
+  capacity  sequences that fit in a fixed KV budget (contiguous / paged bf16 /
+            int4 / int2, benchmarks/capacity.py) and, in the full run, peak pages
+            per eviction policy (benchmarks/eviction.py)
+  kernels   the Pallas decode kernels against the XLA path (benchmarks/kernels.py);
+            run by default on GPU/TPU only (on CPU the kernels only interpret)
+
+Sections run in this process, one after the other, so that they share the
+machine's state; each writes <out>/<section>.json, <out>/<section>.png, and the
+run writes <out>/summary.json (status, wall and CPU seconds per section). The
+exit status is 0 only if every section ran and verified its results.
+"""
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # `python benchmarks/__main__.py` as well as `python -m benchmarks`
+    sys.path.insert(0, str(ROOT))
+
+SECTIONS = ("roofline", "paging", "pool", "e2e", "capacity", "kernels")
+
+
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags of /proc/cpuinfo that matter for these kernels."""
+    want = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in want if w in have]
+    except OSError:
+        pass
+    return []
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ----------------------------------------------------------------------------- sections
+# Each returns the argv of the script's main() for (quick, out json path).
+
+
+def _roofline(quick, out):
+    from benchmarks import roofline
+    # Full: largest size 8 x 16K tokens x 8 KV heads x 128 = 512 MiB of bf16 K/V (the
+    # quantized reference dequantizes the gathered pages in float32: 4x that, transiently).
+    argv = ["--out", str(out)] + (["--quick"] if quick else ["--max-gib", "0.5", "--repeats", "3"])
+    if roofline.main(argv):
+        raise RuntimeError("roofline reported a failure")
+
+
+def _attention(quick, out, *, paging):
+    from benchmarks import attention
+    if paging:
+        argv = (["--quick", "--dtypes", "float32", "--only", "gqa_b4_s512,mla_b4_s512",
+                 "--repeats", "3", "--ref-repeats", "1", "--bandwidth-mib", "32"] if quick else
+                ["--only", "gqa_b8_s4k,gqa_b1_s4k,mla_b8_s4k", "--repeats", "5",
+                 "--ref-repeats", "1", "--bandwidth-mib", "512"])
+        argv += ["--pool-factors", ""]
+    else:  # no cases (`--only -`), only the pool check
+        argv = (["--quick", "--dtypes", "float32", "--repeats", "3", "--bandwidth-mib", "32"]
+                if quick else ["--dtypes", "bfloat16", "--repeats", "7", "--bandwidth-mib", "256"])
+        argv += ["--only", "-", "--pool-factors", "1,4,16"]
+    attention.main(argv + ["--out", str(out)])
+
+
+def _e2e(quick, out):
+    from benchmarks import e2e_hf
+    full = ["--prompt-len", "64", "--new-tokens", "16", "--repeats", "3"]
+    if e2e_hf.main((["--quick"] if quick else full) + ["--out", str(out)]):
+        raise RuntimeError("e2e reported a failure")
+
+
+def _capacity(quick, out):
+    from benchmarks import capacity, eviction
+    # Quick: explicit small sizes (capacity.py's own --quick preset admits 256 sequences).
+    cap_argv = (["--budget-mib", "2", "--num-seqs", "48", "--layers", "2", "--kv-heads", "1",
+                 "--head-dim", "64", "--max-len", "2048", "--chunk", "2048"] if quick else
+                ["--budget-mib", "32", "--layers", "2", "--kv-heads", "2"])
+    rows = capacity.main(cap_argv + ["--out", str(out.with_name("capacity_layouts.json"))])
+    ev = None
+    if not quick:  # six policies, each compiled: ~40 s of CPU even at toy sizes
+        ev_json = out.with_name("capacity_eviction.json")
+        ev = eviction.main(["--steps", "96", "--json", str(ev_json)])
+    out.write_text(json.dumps(dict(layouts=rows, eviction=ev), indent=1, default=str))
+
+
+def _kernels(quick, out):
+    from benchmarks import kernels
+    if kernels.main((["--quick"] if quick else []) + ["--out", str(out)]):
+        raise RuntimeError("a kernel result disagreed with the reference")
+
+
+RUNNERS = dict(
+    roofline=_roofline,
+    paging=lambda q, o: _attention(q, o, paging=True),
+    pool=lambda q, o: _attention(q, o, paging=False),
+    e2e=_e2e,
+    capacity=_capacity,
+    kernels=_kernels,
+)
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the real stdout and keeps a copy (the section's printed table)."""
+
+    def __init__(self, stream):
+        self.stream, self.buf = stream, io.StringIO()
+
+    def write(self, s):
+        self.buf.write(s)
+        return self.stream.write(s)
+
+    def flush(self):
+        self.stream.flush()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized inputs: checks every section end to end in about 2 min of CPU")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated sections to run, among {', '.join(SECTIONS)} "
+                        "(default: all; kernels only on GPU/TPU)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder for JSON and PNG (default benchmarks/results/quick with "
+                        "--quick, else benchmarks/results/full)")
+    p.add_argument("--no-plots", action="store_true", help="skip writing PNG plots")
+    a = p.parse_args(argv)
+
+    import jax  # after argparse: --help stays instant
+
+    backend = jax.default_backend()
+    if a.only:
+        sections = [s for s in a.only.split(",") if s]
+        bad = [s for s in sections if s not in SECTIONS]
+        if bad:
+            p.error(f"--only: unknown section(s) {bad}; choose among {list(SECTIONS)}")
+    else:
+        sections = [s for s in SECTIONS if s != "kernels" or backend != "cpu"]
+    out_dir = a.out or HERE / "results" / ("quick" if a.quick else "full")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    machine = dict(cpu=cpu_model(), cpu_flags=cpu_flags(), cores=os.cpu_count(), backend=backend,
+                   device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   python=platform.python_version(), load_average_start=os.getloadavg())
+    print(f"kvjax benchmarks ({'quick' if a.quick else 'full'}): {machine['cpu']}, "
+          f"{machine['cores']} cores, backend {backend} ({machine['device']}), load average "
+          f"{machine['load_average_start'][0]:.1f}; sections {', '.join(sections)}", flush=True)
+
+    summary = dict(quick=a.quick, machine=machine, sections={},
+                   started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    for name in sections:
+        print(f"\n=== {name} ===", flush=True)
+        path = out_dir / f"{name}.json"
+        c0, t0 = time.process_time(), time.perf_counter()
+        tee = _Tee(sys.stdout)
+        status, error = "ok", None
+        try:
+            with contextlib.redirect_stdout(tee):
+                RUNNERS[name](a.quick, path)
+        except Exception as e:  # noqa: BLE001 - one failed section must not hide the others
+            status, error = "failed", "".join(traceback.format_exception(e))
+            print(error, file=sys.stderr)
+        entry = dict(status=status, wall_s=time.perf_counter() - t0,
+                     cpu_s=time.process_time() - c0, json=str(path), table=tee.buf.getvalue())
+        if error:
+            entry["error"] = error
+        elif not a.no_plots:
+            try:
+                from benchmarks import plots
+                entry["plot"] = str(plots.plot(name, json.loads(path.read_text()),
+                                               out_dir / f"{name}.png"))
+            except Exception as e:  # noqa: BLE001 - a plot is not a result
+                entry["plot_error"] = f"{type(e).__name__}: {e}"
+                print(f"plot of {name} failed: {entry['plot_error']}", file=sys.stderr)
+        summary["sections"][name] = entry
+        print(f"--- {name}: {status} in {entry['wall_s']:.1f} s wall, {entry['cpu_s']:.1f} s CPU",
+              flush=True)
+
+    summary["load_average_end"] = os.getloadavg()
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    failed = [n for n, e in summary["sections"].items() if e["status"] != "ok"]
+    print(f"\nwrote {out_dir}/summary.json; " +
+          (f"FAILED: {', '.join(failed)}" if failed else "all sections verified"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
