@@ -81,12 +81,16 @@ def e2e(d):
                     f"{e['step_max_s'] * 1e3:.1f})")
             same = e.get("same_tokens_as_kvjax")
             sp = e.get("kvjax_speedup_decode")
+            if tps is None or (sp is not None and sp <= 0):  # a negative t(N) - t(1): noise
+                sp = None
+                step = f"– (noise; {step})"
             rows.append([r["family"], f"{r['params'] / 1e6:.1f}M", r["dtype"], name,
                          "–" if tps is None else f"{tps:.1f}", step,
                          f"{e['call_tokens_per_s']:.1f}",
                          f"{e['peak_rss_delta_bytes'] / 2**20:.1f}",
                          "" if same is None else f"{100 * same:.0f}%",
-                         "" if sp is None else f"{sp:.2f}× / {e['kvjax_speedup_call']:.2f}×"])
+                         ("– / " if sp is None else f"{sp:.2f}× / ")
+                         + f"{e['kvjax_speedup_call']:.2f}×" if "kvjax_speedup_call" in e else ""])
     r0 = d["results"][0]
     head = (f"Batch {r0['batch']}, prompt {r0['prompt_len']} tokens, {r0['new_tokens']} new "
             f"tokens per row, greedy; torch {d['torch']}, transformers {d['transformers']}, "
