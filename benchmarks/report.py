@@ -1,4 +1,4 @@
-"""Markdown tables of a `python -m benchmarks` run, for docs/performance.md.
+"""Markdown tables of a `python -m benchmarks` run, for the README's Performance section.
 
     python -m benchmarks.report benchmarks/results/full > /tmp/tables.md
 """
