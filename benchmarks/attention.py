@@ -471,8 +471,9 @@ def main(argv=None):
     # ---- table
     hdr = (f"{'case':16s} {'dtype':8s} {'impl':19s} {'wall ms (min-max)':>24s} {'cpu ms':>8s} "
            f"{'GB/s':>6s} {'%read':>6s} {'GB/s cpu':>8s}")
-    print(hdr)
-    print("-" * len(hdr))
+    if results:
+        print(hdr)
+        print("-" * len(hdr))
     for r in results:
         for impl, st in r["impls"].items():
             wall = (f"{st['wall_median_s'] * 1e3:7.2f} ({st['wall_min_s'] * 1e3:.1f}-"

@@ -20,7 +20,11 @@ with `BlockReader`s that, per block of `pages_per_block` table columns,
 
 so the only float copy of K/V ever formed is one block, `[heads, batch,
 block_tokens, width]`, that stays in cache while the block's two matmuls use
-it. XLA fuses gather, unpack and dequantize into the producer of that block.
+it. The block is returned as its k = 8 / bits field slices (`BlockReader`'s
+tuple form): the loop multiplies each slice with its slice of the queries and
+accumulates each value slice on its own, so the fields are never concatenated
+(XLA:CPU emits a concatenation as a per-element select between the k fields,
+which measured slower: benchmarks/NOTES.md, v4).
 The loop passes the readers' arrays through the core's optimization barrier,
 which also keeps XLA:CPU from hoisting a whole-pool float32 conversion of the
 float16 scale/zero pools out of the loop (XLA:CPU has no f16 gather, the
@@ -48,7 +52,7 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.quantized_attention import reference as qref
-from kernels_pallas.quantized_attention.layout import GROUPINGS, unpack_codes
+from kernels_pallas.quantized_attention.layout import GROUPINGS
 from kvjax.attention import xla
 from kvjax.attention.xla import BlockReader
 
@@ -82,21 +86,46 @@ def _gather_pages(pool, layer, idx):
     return block.reshape(heads, batch, block_pages, a, b)
 
 
+def _dequantize_fields(c, s, z, *, bits, grouping):
+    """Dequantized float32 width slices, one per bit field of the packed bytes.
+
+    c: uint8 `[h, b, bp, page_size, W/k]`; s, z: the block's scales and zeros (see
+    `_read_quantized`). Field i of the bytes holds channels [i W/k, (i+1) W/k)
+    (layout.py), so each field is dequantized with its own slice of the scales and
+    returned as its own slice: no concatenation.
+    """
+    heads, batch, bp, ps, wk = c.shape
+    k = 8 // bits
+    mask = jnp.uint8((1 << bits) - 1)
+    s = s.astype(jnp.float32)
+    z = z.astype(jnp.float32)
+    out = []
+    for i in range(k):
+        f = c if k == 1 else (c >> jnp.uint8(i * bits)) & mask
+        f = f.astype(jnp.float32)
+        if grouping == "tokens":  # s, z: [h, b, bp, ps / G, W]
+            n = s.shape[3]
+            si = s[..., i * wk:(i + 1) * wk][:, :, :, :, None, :]
+            zi = z[..., i * wk:(i + 1) * wk][:, :, :, :, None, :]
+            x = f.reshape(heads, batch, bp, n, ps // n, wk) * si + zi
+        else:  # s, z: [h, b, bp, ps, W / G]
+            group = wk * k // s.shape[4]
+            if wk % group == 0:  # the field spans whole groups
+                ng = wk // group
+                si, zi = (a[..., i * ng:(i + 1) * ng, None] for a in (s, z))
+                x = f.reshape(heads, batch, bp, ps, ng, group) * si + zi
+            else:  # the field lies inside one group
+                g = i * wk // group
+                x = f * s[..., g:g + 1] + z[..., g:g + 1]
+        out.append(x.reshape(heads, batch, bp * ps, wk))
+    return tuple(out)
+
+
 def _read_quantized(arrays, idx, *, bits, grouping):
     codes, scale, zero, layer = arrays
-    c = unpack_codes(_gather_pages(codes, layer, idx), bits).astype(jnp.float32)
-    s = _gather_pages(scale, layer, idx).astype(jnp.float32)
-    z = _gather_pages(zero, layer, idx).astype(jnp.float32)
-    heads, batch, block_pages, page_size, width = c.shape
-    if grouping == "tokens":  # s, z: [h, b, bp, page_size / G, width], one per channel
-        n = s.shape[3]
-        c = c.reshape(heads, batch, block_pages, n, page_size // n, width)
-        x = c * s[:, :, :, :, None, :] + z[:, :, :, :, None, :]
-    else:  # s, z: [h, b, bp, page_size, width / G], one per token and channel group
-        n = s.shape[4]
-        c = c.reshape(heads, batch, block_pages, page_size, n, width // n)
-        x = c * s[..., None] + z[..., None]
-    return x.reshape(heads, batch, block_pages * page_size, width)
+    return _dequantize_fields(
+        _gather_pages(codes, layer, idx), _gather_pages(scale, layer, idx),
+        _gather_pages(zero, layer, idx), bits=bits, grouping=grouping)
 
 
 def quantized_reader(
@@ -123,7 +152,8 @@ def quantized_reader(
       layer: index into the leading layers axis (traced is fine), or None.
 
     Returns:
-      A reader giving float32 `[heads, batch, block_pages * page_size, width]`.
+      A reader giving float32 `[heads, batch, block_pages * page_size, width]` as a
+      tuple of `8 // bits` consecutive width slices (one per bit field).
     """
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}.")
