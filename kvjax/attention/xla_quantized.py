@@ -20,11 +20,12 @@ with `BlockReader`s that, per block of `pages_per_block` table columns,
 
 so the only float copy of K/V ever formed is one block, `[heads, batch,
 block_tokens, width]`, that stays in cache while the block's two matmuls use
-it. The block is returned as its k = 8 / bits field slices (`BlockReader`'s
-tuple form): the loop multiplies each slice with its slice of the queries and
-accumulates each value slice on its own, so the fields are never concatenated
-(XLA:CPU emits a concatenation as a per-element select between the k fields,
-which measured slower: benchmarks/NOTES.md, v4).
+it. The block is returned as width slices (`BlockReader`'s tuple form: the
+loop multiplies each slice with its slice of the queries and accumulates each
+value slice on its own): int4 as its two bit fields, int2 as two pairs of
+fields, so at most two fields are ever concatenated (XLA:CPU emits a
+concatenation as a per-element select between its operands; the choice was
+measured: benchmarks/NOTES.md, v4).
 The loop passes the readers' arrays through the core's optimization barrier,
 which also keeps XLA:CPU from hoisting a whole-pool float32 conversion of the
 float16 scale/zero pools out of the loop (XLA:CPU has no f16 gather, the
@@ -87,12 +88,12 @@ def _gather_pages(pool, layer, idx):
 
 
 def _dequantize_fields(c, s, z, *, bits, grouping):
-    """Dequantized float32 width slices, one per bit field of the packed bytes.
+    """Dequantized float32 block as consecutive width slices (one or two).
 
     c: uint8 `[h, b, bp, page_size, W/k]`; s, z: the block's scales and zeros (see
     `_read_quantized`). Field i of the bytes holds channels [i W/k, (i+1) W/k)
     (layout.py), so each field is dequantized with its own slice of the scales and
-    returned as its own slice: no concatenation.
+    can be returned as its own width slice, without concatenating the k fields.
     """
     heads, batch, bp, ps, wk = c.shape
     k = 8 // bits
@@ -118,6 +119,13 @@ def _dequantize_fields(c, s, z, *, bits, grouping):
                 g = i * wk // group
                 x = f * s[..., g:g + 1] + z[..., g:g + 1]
         out.append(x.reshape(heads, batch, bp * ps, wk))
+    # At most two slices: int4 gives its two fields, int2 pairs of fields (fields 2j and
+    # 2j+1 are adjacent channels). Measured at head_dim 128 (benchmarks/NOTES.md, v4):
+    # four 32-channel slices (int2) cost ~25% more than two concatenated pairs, and
+    # concatenating int4's two fields into one slice ~35% more than two slices.
+    m = k // min(k, 2)
+    if m > 1:
+        out = [jnp.concatenate(out[j:j + m], axis=-1) for j in range(0, k, m)]
     return tuple(out)
 
 
@@ -153,7 +161,7 @@ def quantized_reader(
 
     Returns:
       A reader giving float32 `[heads, batch, block_pages * page_size, width]` as a
-      tuple of `8 // bits` consecutive width slices (one per bit field).
+      tuple of consecutive width slices (one for int8, two for int4 and int2).
     """
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}.")
