@@ -134,31 +134,31 @@ def run_mla(rng, kind, bits, q_len=1, dtype=jnp.float32):
            ref_mla(*args, bits=bits, scale=0.09), dtype)
 
 
-# CI: every bits value and every GQA ratio for each kernel, decode and prefill mixed in.
-CI_GQA = [
-    ("tpu", 2, "mha", 1), ("tpu", 4, "gqa4", 3), ("tpu", 8, "mqa", 1),
-    ("gpu", 2, "gqa4", 1), ("gpu", 4, "mqa", 3), ("gpu", 8, "mha", 1),
-    ("tpu_interpreter", 4, "gqa4", 1),
-]
-CI_MLA = [("tpu", 2, 1), ("tpu", 8, 3), ("gpu", 4, 1), ("gpu", 2, 3),
-          ("tpu_interpreter", 2, 1)]
+# CI: every bits value, GQA ratio and q_len appears for GQA and for MLA, and every kernel
+# flavour runs GQA and MLA; the sweeps below cover the full product.
+# One case also runs bfloat16 inputs, a soft cap and a sliding window.
+CI_GQA = [("tpu", 2, "mha", 1, False), ("tpu", 8, "mqa", 3, True), ("gpu", 4, "gqa4", 1, False),
+          ("tpu_interpreter", 4, "gqa4", 1, False)]
+CI_MLA = [("tpu", 4, 1, False), ("gpu", 2, 3, True), ("tpu_interpreter", 8, 1, False)]
+BF16_CAP_WINDOW = dict(dtype=jnp.bfloat16, soft_cap=3.0, window=21)
 KINDS = ("tpu", "tpu_interpreter", "gpu")
 
 
-@pytest.mark.parametrize("kind,bits,ratio,q_len", CI_GQA)
-def test_gqa_kernel_equals_reference(rng, kind, bits, ratio, q_len):
-    run_gqa(rng, kind, bits, ratio, q_len)
+@pytest.mark.parametrize("kind,bits,ratio,q_len,variant", CI_GQA)
+def test_gqa_kernel_equals_reference(rng, kind, bits, ratio, q_len, variant):
+    run_gqa(rng, kind, bits, ratio, q_len, **(BF16_CAP_WINDOW if variant else {}))
 
 
-@pytest.mark.parametrize("kind,bits,q_len", CI_MLA)
-def test_mla_kernel_equals_reference(rng, kind, bits, q_len):
-    run_mla(rng, kind, bits, q_len)
+@pytest.mark.parametrize("kind,bits,q_len,bf16", CI_MLA)
+def test_mla_kernel_equals_reference(rng, kind, bits, q_len, bf16):
+    run_mla(rng, kind, bits, q_len, dtype=jnp.bfloat16 if bf16 else jnp.float32)
 
 
-@pytest.mark.parametrize("kind", ["tpu", "gpu"])
-def test_soft_cap_sliding_window_and_bf16(rng, kind):
-    run_gqa(rng, kind, 4, "gqa4", q_len=3, dtype=jnp.bfloat16, soft_cap=3.0, window=21)
-    run_mla(rng, kind, 8, dtype=jnp.bfloat16)
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_variants_sweep(rng, kind):
+    run_gqa(rng, kind, 2, "gqa4", q_len=3, **BF16_CAP_WINDOW)
+    run_mla(rng, kind, 4, q_len=3, dtype=jnp.bfloat16)
 
 
 @pytest.mark.slow
@@ -178,6 +178,7 @@ def test_mla_sweep(rng, kind, bits, q_len):
     run_mla(rng, kind, bits, q_len)
 
 
+@pytest.mark.slow
 def test_pages_part_alone_equals_reference(rng):
     # The pages-only entry points (what the drop-ins wrap) against the reference's.
     args = gqa_case(rng, bits=2, q_heads=8, kv_heads=2, q_len=3)
@@ -300,7 +301,7 @@ def _tiny(family):
                           v_head_dim=16, tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "mla"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("mla", marks=pytest.mark.slow)])
 def test_tiny_model_decodes_same_tokens_with_pallas(rng, monkeypatch, family):
     from kvjax import attention as kattn
     from kvjax import decoding
@@ -318,10 +319,14 @@ def test_tiny_model_decodes_same_tokens_with_pallas(rng, monkeypatch, family):
         decoding._run.clear_cache()  # the model's jit must retrace with this impl
         dec = decoding.CacheDecoder(tiny_model(config), params, cc, batch=2, max_len=64,
                                     page_size=PS)
-        # 40 prompt tokens quantize 16 at prefill; decoding to 47 flushes a second page.
-        logits = [dec.prefill(prompts, np.array([40, 33]))]
+        # The prompt goes in one token per call, so that prefill and decode share one
+        # compilation (q_len > 1 is covered by the kernel tests above). With R = 16 the 33rd
+        # token moves page 0 into the quantized pool and the 48th page 1.
+        logits = [dec.prefill(prompts[:, :1])]
+        for i in range(1, prompts.shape[1]):
+            logits.append(dec.step(prompts[:, i]))
         tokens = []
-        for _ in range(7):
+        for _ in range(9):
             tokens.append(np.asarray(jnp.argmax(logits[-1], -1), np.int32))
             logits.append(dec.step(tokens[-1]))
         monkeypatch.undo()
