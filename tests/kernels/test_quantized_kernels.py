@@ -221,6 +221,16 @@ def test_bad_inputs_raise_before_tracing(rng):
         qtpu.quantized_pages_attention(small[0], *sp, k_bits=2, v_bits=2, scale=0.1)
     with pytest.raises(ValueError, match="8-channel slices"):
         qgpu.quantized_pages_attention(small[0], *sp, k_bits=2, v_bits=2, scale=0.1)
+    # The public op: impl="pallas" cannot run compiled on CPU.
+    from kvjax import attention
+    from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
+
+    view = QuantizedLayerView(k=QuantLayer(kc, ks, kz, 4, "tokens"),
+                              v=QuantLayer(vc, vs, vz, 4, "channels"), tail_k=args[7],
+                              tail_v=args[8], block_tables=bt, quant_lengths=ql, lengths=ln)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="interpret=False needs a TPU or GPU"):
+            attention.quantized_decode_attention(q[:, 0], view, impl="pallas", interpret=False)
     m = mla_case(rng, bits=4, batch=2)
     with pytest.raises(ValueError, match="query widths"):
         qtpu.quantized_mla_pages_attention(m[0], m[1][..., :32], *m[2:6], m[8], m[10], m[11],
@@ -268,14 +278,19 @@ def pretend_tpu_v5e(monkeypatch):
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
 
 
-@pytest.mark.parametrize("mla,bits", [(False, 2), (True, 4)])
+LOWER_CASES = [(False, 2), (True, 4)] + [
+    pytest.param(mla, bits, marks=pytest.mark.slow)
+    for mla, bits in [(False, 4), (False, 8), (True, 2), (True, 8)]]
+
+
+@pytest.mark.parametrize("mla,bits", LOWER_CASES)
 def test_tpu_kernels_lower_to_mosaic(pretend_tpu_v5e, mla, bits):
     module = export.export(jax.jit(_fn(qtpu, mla, bits)), platforms=["tpu"])(
         *_export_args(mla, bits)).mlir_module()
     assert module.count("tpu_custom_call") == 1
 
 
-@pytest.mark.parametrize("mla,bits", [(False, 4), (True, 2)])
+@pytest.mark.parametrize("mla,bits", LOWER_CASES)
 def test_gpu_kernels_lower_to_triton(mla, bits):
     exp = export.export(
         jax.jit(_fn(qgpu, mla, bits)), platforms=["cuda"],
