@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from kernels_pallas.quantized_attention.layout import BITS, GROUPINGS, codes_per_byte
 
-__all__ = ["Part", "fold_queries", "unfold", "visit_bounds", "slice_scale_window",
-           "dequantize_slice", "check_gqa_pages", "check_mla_pages"]
+__all__ = ["Part", "fold_queries", "unfold", "visit_bounds", "row_positions",
+           "slice_scale_window", "dequantize_slice", "check_gqa_pages", "check_mla_pages"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -294,9 +294,6 @@ def quantized_pages_attention(
     _check_gpu_part(op, "v_head_dim", vp)
     page_size = k_codes.shape[2]
     check_page_size(op, page_size)
-    if (page_size // kp.group) & (page_size // kp.group - 1):
-        raise ValueError(f"{op}: page_size / G = {page_size // kp.group} must be a power of "
-                         f"two on GPU.")
     check_table_width(op, block_tables.shape, max_pages, "gpu")
     bs = resolve_block_sizes(op, "gpu", block_sizes, page_size, block_tables.shape[1])
     q_len, q_heads = q.shape[1:3]

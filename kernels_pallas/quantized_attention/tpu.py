@@ -17,9 +17,10 @@ reading packed codes instead of pages):
   * codes, scales and zeros stay in HBM (`memory_space=pl.ANY`); per inner
     step the kernel copies the codes, scales and zeros of `block_tokens /
     page_size` pages with `pltpu.make_async_copy`, double-buffered;
-  * the queries of one KV head are one tile of q_len * group rows (query t,
-    head g at row t * group + g), each with its own position: decode (q_len 1)
-    and chunked prefill share the kernel;
+  * the queries of one KV head are rows (query t, head g at row t * group + g),
+    each with its own position: decode (q_len 1) and chunked prefill share the
+    kernel; more than `MAX_BLOCK_ROWS` rows (long prefill chunks) are split
+    over a third grid axis, each row block re-reading the pages, to bound VMEM;
   * dequantization in VMEM/vregs, one bit field at a time: slice i of a
     b-bit part is `(bytes >> i*b) & mask`, the channels [i*W/k, (i+1)*W/k)
     (`layout.py`), times its scale plus its zero, broadcast over the group;
@@ -62,6 +63,9 @@ __all__ = [
 ]
 
 NEG_INF = float("-inf")
+# Query rows per grid step: a [rows, head_dim] f32 query, accumulator and output
+# tile are 128 KiB each at 256 x 128.
+MAX_BLOCK_ROWS = 256
 
 
 def _kernel(
@@ -94,7 +98,7 @@ def _kernel(
         j += p.num_pools
 
     b = pl.program_id(0)
-    h = pl.program_id(1)
+    h = pl.program_id(1)  # grid axis 2 (row blocks) only selects the q / qpos / out blocks
     page_size = pools[0].shape[2]
     ppb = pages_per_block
     bk = ppb * page_size
@@ -217,6 +221,7 @@ def _pages_tpu(
     """Shared body; returns (out f32 [batch, kv_heads, rows, dv], lse f32 [batch, kv_heads,
     rows])."""
     batch, kv_heads, rows, _ = qs[0].shape
+    q_len = q_pos.shape[1]
     page_size = pools[0].shape[2]
     ppb = block_tokens // page_size
     max_pages = block_tables.shape[1]
@@ -224,14 +229,20 @@ def _pages_tpu(
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - max_pages)))
     lo, hi = c.visit_bounds(q_pos, quant_lengths.astype(jnp.int32), max_pages * page_size,
                             sliding_window)
-    qpos_rows = c.row_positions(q_pos, rows // q_pos.shape[1])[..., None]
+    qpos_rows = c.row_positions(q_pos, rows // q_len)[..., None]
     dv = (key_parts[0] if value_part is None else value_part).width
+    # Row blocks: padding rows sit at position -1 (fully masked) and are sliced off.
+    br = min(rows, MAX_BLOCK_ROWS)
+    n_rb = pl.cdiv(rows, br)
+    rows_p = n_rb * br
+    qpos_rows = jnp.pad(qpos_rows, ((0, 0), (0, rows_p - rows), (0, 0)), constant_values=-1)
+    qs = tuple(jnp.pad(q, ((0, 0), (0, 0), (0, rows_p - rows), (0, 0))) for q in qs)
 
-    in_specs = [pl.BlockSpec((None, rows, 1), lambda b, h, *_: (b, 0, 0))]
-    in_specs += [pl.BlockSpec((None, None, rows, q.shape[-1]), lambda b, h, *_: (b, h, 0, 0))
+    in_specs = [pl.BlockSpec((None, br, 1), lambda b, h, r, *_: (b, r, 0))]
+    in_specs += [pl.BlockSpec((None, None, br, q.shape[-1]), lambda b, h, r, *_: (b, h, r, 0))
                  for q in qs]
     in_specs += [pl.BlockSpec(memory_space=pl.ANY) for _ in pools]
-    scratch = [pltpu.VMEM((rows, dv), jnp.float32)]
+    scratch = [pltpu.VMEM((br, dv), jnp.float32)]
     scratch += [pltpu.VMEM((2, ppb) + p.shape[2:], p.dtype) for p in pools]
     scratch.append(pltpu.SemaphoreType.DMA((len(pools), 2)))
     kernel = functools.partial(
@@ -242,23 +253,24 @@ def _pages_tpu(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(batch, kv_heads),
+            grid=(batch, kv_heads, n_rb),
             in_specs=in_specs,
             out_specs=[
-                pl.BlockSpec((None, None, rows, dv), lambda b, h, *_: (b, h, 0, 0)),
-                pl.BlockSpec((None, None, rows, 1), lambda b, h, *_: (b, h, 0, 0)),
+                pl.BlockSpec((None, None, br, dv), lambda b, h, r, *_: (b, h, r, 0)),
+                pl.BlockSpec((None, None, br, 1), lambda b, h, r, *_: (b, h, r, 0)),
             ],
             scratch_shapes=scratch,
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((batch, kv_heads, rows, dv), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, rows, 1), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, rows_p, dv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, rows_p, 1), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name=name,
     )(lo, hi, tables.reshape(-1), qpos_rows, *qs, *pools)
-    return out, lse[..., 0]
+    return out[:, :, :rows], lse[:, :, :rows, 0]
 
 
 def quantized_pages_attention(
@@ -308,7 +320,8 @@ def quantized_pages_attention(
     batch, q_len, q_heads, _ = q.shape
     kv_heads, _, page_size, _ = k_codes.shape
     rows = q_len * (q_heads // kv_heads)
-    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1], rows=rows)
+    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1],
+                             rows=min(rows, MAX_BLOCK_ROWS))
     out, lse = _pages_tpu(
         (c.fold_queries(q, kv_heads),), (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
         q_pos, quant_lengths, block_tables,
@@ -376,7 +389,8 @@ def quantized_mla_pages_attention(
     batch, q_len, q_heads, _ = q_latent.shape
     page_size = c_codes.shape[1]
     rows = q_len * q_heads
-    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1], rows=rows)
+    bs = resolve_block_sizes(op, "tpu", block_sizes, page_size, block_tables.shape[1],
+                             rows=min(rows, MAX_BLOCK_ROWS))
     out, lse = _pages_tpu(
         (c.fold_queries(q_latent, 1), c.fold_queries(q_rope, 1)),
         (c_codes[None], c_scale[None], c_zero[None], rope_pages[None]),

@@ -154,6 +154,15 @@ def test_mla_kernel_equals_reference(rng, kind, bits, q_len, bf16):
     run_mla(rng, kind, bits, q_len, dtype=jnp.bfloat16 if bf16 else jnp.float32)
 
 
+def test_tpu_row_blocks(rng, monkeypatch):
+    # Long prefill chunks split their q_len * group rows over a grid axis; 5 * 4 = 20 rows
+    # in blocks of 8 leave 4 padding rows in the last block.
+    monkeypatch.setattr(qtpu, "MAX_BLOCK_ROWS", 8)
+    qtpu._pages_tpu.clear_cache()
+    run_gqa(rng, "tpu", 8, "gqa4", q_len=5)
+    qtpu._pages_tpu.clear_cache()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_variants_sweep(rng, kind):
