@@ -18,8 +18,11 @@ a group broadcast, a mask or a page index moves them by O(0.1-1). bfloat16
 queries and tails compare at bfloat16's output rounding (2e-2) since both
 sides round the same float32 result, which may straddle a bf16 ulp.
 
-CI runs one case per (kernel, bits) and every GQA ratio at least once per
-kernel; KVJAX_SLOW=1 adds the full bits x ratio x q_len sweep per kernel.
+CI runs a subset in which every bits value, GQA ratio (1, 4, MQA), q_len and
+kernel flavour (TPU kernel in Pallas' interpreter and in the TPU interpreter,
+GPU kernel in interpret mode) appears for GQA and for MLA; KVJAX_SLOW=1 adds
+the full kernel x bits x ratio x q_len sweep (about 5 minutes on a loaded
+2-core CPU).
 """
 
 import functools
