@@ -139,7 +139,7 @@ def run_mla(rng, kind, bits, q_len=1, dtype=jnp.float32):
 
 # CI: every bits value, GQA ratio and q_len appears for GQA and for MLA, and every kernel
 # flavour runs GQA and MLA; the sweeps below cover the full product.
-# One case also runs bfloat16 inputs, a soft cap and a sliding window.
+# One case also runs bfloat16 inputs, a soft cap, a sliding window and TPU row blocks.
 CI_GQA = [("tpu", 2, "mha", 1, False), ("tpu", 8, "mqa", 3, True), ("gpu", 4, "gqa4", 1, False),
           ("tpu_interpreter", 4, "gqa4", 1, False)]
 CI_MLA = [("tpu", 4, 1, False), ("gpu", 2, 3, True), ("tpu_interpreter", 8, 1, False)]
@@ -148,22 +148,20 @@ KINDS = ("tpu", "tpu_interpreter", "gpu")
 
 
 @pytest.mark.parametrize("kind,bits,ratio,q_len,variant", CI_GQA)
-def test_gqa_kernel_equals_reference(rng, kind, bits, ratio, q_len, variant):
+def test_gqa_kernel_equals_reference(rng, monkeypatch, kind, bits, ratio, q_len, variant):
+    if variant:
+        # Also split the rows over the TPU kernel's row-block grid axis (as long prefill
+        # chunks are): 3 * 4 = 12 rows in blocks of 8, 4 padding rows in the last.
+        monkeypatch.setattr(qtpu, "MAX_BLOCK_ROWS", 8)
+        qtpu._pages_tpu.clear_cache()  # retrace with the patched block size
     run_gqa(rng, kind, bits, ratio, q_len, **(BF16_CAP_WINDOW if variant else {}))
+    if variant:
+        qtpu._pages_tpu.clear_cache()
 
 
 @pytest.mark.parametrize("kind,bits,q_len,bf16", CI_MLA)
 def test_mla_kernel_equals_reference(rng, kind, bits, q_len, bf16):
     run_mla(rng, kind, bits, q_len, dtype=jnp.bfloat16 if bf16 else jnp.float32)
-
-
-def test_tpu_row_blocks(rng, monkeypatch):
-    # Long prefill chunks split their q_len * group rows over a grid axis; 5 * 4 = 20 rows
-    # in blocks of 8 leave 4 padding rows in the last block.
-    monkeypatch.setattr(qtpu, "MAX_BLOCK_ROWS", 8)
-    qtpu._pages_tpu.clear_cache()
-    run_gqa(rng, "tpu", 8, "gqa4", q_len=5)
-    qtpu._pages_tpu.clear_cache()
 
 
 @pytest.mark.slow
