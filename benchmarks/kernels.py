@@ -12,7 +12,9 @@ array copy / time).
 On TPU and GPU the kernels run natively ("native"). On CPU only Pallas'
 interpret mode exists: the TPU kernel is then timed interpreted ("interpret"
 in the table): a correctness run, not a kernel speed. The XLA path is marked
-"xla" everywhere.
+"xla" everywhere. The quantized ops ("qgqa", "qmla": KIVI `--bits` pages, the public
+`kvjax.attention.quantized_*decode_attention` with impl "xla" and "pallas") count the
+packed codes, scales and zeros as the bytes read.
 
   python benchmarks/kernels.py --quick      # < 3 min on a GPU; a minute or two on CPU
   python benchmarks/kernels.py --help
@@ -44,7 +46,9 @@ from kernels_pallas.mla_decode import tpu as mla_tpu  # noqa: E402
 from kernels_pallas.paged_attention import gpu as paged_gpu  # noqa: E402
 from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kernels_pallas.paged_attention import tpu as paged_tpu  # noqa: E402
+from kernels_pallas.quantized_attention.layout import codes_per_byte  # noqa: E402
 from kvjax import attention  # noqa: E402
+from kvjax.cache.quantized import QuantizedLayerView, QuantLayer  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -97,8 +101,14 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="cache and query dtype; auto = bfloat16 on accelerators, float32 on CPU "
                         "(bf16 arithmetic is slow on CPUs)")
-    p.add_argument("--ops", nargs="+", choices=["gqa", "mla"], default=["gqa", "mla"],
-                   help="which ops to time: paged GQA decode and/or absorbed MLA decode")
+    p.add_argument("--ops", nargs="+", choices=["gqa", "mla", "qgqa", "qmla"],
+                   default=["gqa", "mla", "qgqa", "qmla"],
+                   help="which ops to time: paged GQA decode, absorbed MLA decode, and the "
+                        "same over KIVI-quantized pages (qgqa, qmla)")
+    p.add_argument("--bits", type=int, choices=[2, 4, 8], default=4,
+                   help="code width of the quantized ops")
+    p.add_argument("--group", type=int, default=16,
+                   help="KIVI group size G of the quantized ops (divides the page size)")
     p.add_argument("--mla-heads", type=int, default=16, help="MLA query heads")
     p.add_argument("--mla-dims", type=int, nargs=2, default=[512, 64], metavar=("D_C", "D_ROPE"),
                    help="MLA latent width d_c and rotary width d_rope")
@@ -167,6 +177,52 @@ def paged_inputs(rng, batch, context, kv_heads, q_heads, widths, page_size, dtyp
     return qs, pools, jnp.asarray(lengths), jnp.asarray(tables)
 
 
+def quant_inputs(rng, batch, context, kv_heads, q_heads, widths, page_size, dtype, bits, group,
+                 mla):
+    """Random queries and a `QuantizedLayerView`: every row's whole pages quantized (random
+    codes, float16 scales/zeros), the rest of its context in a one-page full-precision tail.
+
+    Returns (query parts, view, bytes the op must read).
+    """
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq
+    tables = rng.permutation(num_pages).reshape(batch, pages_per_seq).astype(np.int32)
+    quant = context // page_size * page_size
+    k = codes_per_byte(bits)
+
+    def pool(width, grouping):
+        heads = 1 if mla else kv_heads
+        codes = rng.integers(0, 256, (heads, num_pages, page_size, width // k), dtype=np.uint8)
+        shape = ((heads, num_pages, page_size // group, width) if grouping == "tokens"
+                 else (heads, num_pages, page_size, width // group))
+        scale = jnp.asarray(rng.uniform(0.5, 3.0, shape) / (2**bits - 1), jnp.float16)
+        zero = jnp.asarray(rng.uniform(-1.5, 0.0, shape), jnp.float16)
+        # Per quantized token: the packed codes plus a float16 scale and zero per G
+        # elements (per channel over G tokens, or per token over G channels alike).
+        nbytes = heads * batch * quant * (width // k + 4 * width // group)
+        return QuantLayer(jnp.asarray(codes), scale, zero, bits, grouping), nbytes
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+    heads = 1 if mla else kv_heads
+    if mla:
+        kq, kb = pool(widths[0], "channels")
+        v = normal(1, num_pages, page_size, widths[1])
+        vb = batch * quant * widths[1] * dtype.itemsize
+    else:
+        kq, kb = pool(widths[0], "tokens")
+        v, vb = pool(widths[1], "channels")
+    tail = [normal(heads, batch, page_size, w) for w in widths]
+    view = QuantizedLayerView(
+        k=kq, v=v, tail_k=tail[0], tail_v=tail[1], block_tables=jnp.asarray(tables),
+        quant_lengths=jnp.full((batch,), quant, jnp.int32),
+        lengths=jnp.full((batch,), context, jnp.int32))
+    qs = [normal(batch, q_heads, w) for w in widths[:1 if not mla else 2]]
+    tail_bytes = heads * batch * (context - quant) * sum(widths) * dtype.itemsize
+    return qs, view, kb + vb + tail_bytes
+
+
 def kernel_fns(backend):
     """(mode, gqa kernel, mla kernel) for the backend; CPU interprets the TPU kernel."""
     if backend == "gpu":
@@ -207,14 +263,17 @@ def main(argv=None):
                     if q_heads % g:
                         continue
                     jobs.append(("gqa", b, c, g))
-    if "mla" in args.ops:
-        for b in preset["batch"]:
-            for c in preset["context"]:
-                jobs.append(("mla", b, c, args.mla_heads))
+    for op in ("mla", "qmla"):
+        if op in args.ops:
+            jobs += [(op, b, c, args.mla_heads) for b in preset["batch"]
+                     for c in preset["context"]]
+    if "qgqa" in args.ops:
+        jobs += [("qgqa", b, c, g) for b in preset["batch"] for c in preset["context"]
+                 for g in preset["gqa"] if q_heads % g == 0]
 
     rows, skipped = [], []
     for op, b, c, g in tqdm(jobs, desc="sizes", file=sys.stderr):
-        if op == "gqa":
+        if op in ("gqa", "qgqa"):
             kv_heads, widths, heads = q_heads // g, (args.head_dim, args.head_dim), q_heads
         else:
             kv_heads, widths, heads = 1, tuple(args.mla_dims), g
@@ -223,9 +282,21 @@ def main(argv=None):
         if pool_bytes > args.max_gib * 2**30:
             skipped.append(dict(op=op, batch=b, context=c, gqa=g, gib=pool_bytes / 2**30))
             continue
-        qs, pools, lengths, tables = paged_inputs(rng, b, c, kv_heads, heads, widths,
-                                                  args.page_size, dtype)
-        kv_bytes = b * kv_heads * c * sum(widths) * dtype.itemsize
+        if op in ("qgqa", "qmla"):
+            qs, view, kv_bytes = quant_inputs(rng, b, c, kv_heads, heads, widths, args.page_size,
+                                              dtype, args.bits, args.group, op == "qmla")
+            if op == "qgqa":
+                inputs, fn, opts = (qs[0], view), attention.quantized_decode_attention, {}
+            else:
+                inputs, fn = (qs[0], qs[1], view), attention.quantized_mla_decode_attention
+                opts = dict(scale=1.0 / np.sqrt(192.0))
+            ref = jax.jit(functools.partial(fn, impl="reference", **opts))
+            impls = {impl: jax.jit(functools.partial(fn, impl=impl, **opts))
+                     for impl in (("xla",) if args.no_kernel else ("xla", "pallas"))}
+        else:
+            qs, pools, lengths, tables = paged_inputs(rng, b, c, kv_heads, heads, widths,
+                                                      args.page_size, dtype)
+            kv_bytes = b * kv_heads * c * sum(widths) * dtype.itemsize
         if op == "gqa":
             inputs = (qs[0], pools[0], pools[1], lengths, tables)
             ref = jax.jit(paged_ref.paged_decode_attention)
@@ -233,7 +304,7 @@ def main(argv=None):
                                                       impl="xla"))}
             if not args.no_kernel:
                 impls["pallas"] = jax.jit(gqa_kernel)
-        else:
+        elif op == "mla":
             scale = 1.0 / np.sqrt(192.0)  # DeepSeek-V2: qk_nope 128 + qk_rope 64
             inputs = (qs[0], qs[1], pools[0][0], pools[1][0], lengths, tables)
             ref = jax.jit(functools.partial(mla_ref.mla_decode_attention, scale=scale))

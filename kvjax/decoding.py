@@ -213,13 +213,42 @@ class CacheDecoder:
             self.cache)
         self.batch = batch
         self.position = np.zeros((batch,), np.int64)
+        self._compiled = {}  # tokens per row -> compiled `_run` (see `lower`)
+
+    def _args(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple:
+        t = tokens.shape[1]
+        text_pos = jnp.asarray(self.position[:, None] + np.arange(t)[None, :], jnp.int32)
+        return (self.params, self.cache, self.state, jnp.asarray(tokens, jnp.int32),
+                jnp.asarray(lengths, jnp.int32), text_pos)
+
+    def lower(self, prompt_len: int) -> dict:
+        """Traces and lowers the prefill (`prompt_len` tokens per row) and decode-step programs.
+
+        Returns `{tokens per row: jax.stages.Lowered}`. Compile them with
+        `install_compiled` — XLA compiles release the GIL, so a thread pool can
+        compile several decoders' programs at once (the demo does; compilation is
+        most of its time on a small machine). Calls with other shapes still go
+        through the ordinary jit.
+        """
+        out = {}
+        for t in (prompt_len, 1):
+            tokens = np.zeros((self.batch, t), np.int32)
+            lengths = np.full((self.batch,), t, np.int32)
+            out[t] = _run.trace(*self._args(tokens, lengths), model=self.model,
+                                policy=self.policy).lower()
+        return out
+
+    def install_compiled(self, compiled: dict) -> "CacheDecoder":
+        """Uses `{tokens per row: jax.stages.Compiled}` (from `lower(...)[t].compile()`)."""
+        self._compiled.update(compiled)
+        return self
 
     def _call(self, tokens: np.ndarray, lengths: np.ndarray) -> jax.Array:
-        b, t = tokens.shape
-        text_pos = jnp.asarray(self.position[:, None] + np.arange(t)[None, :], jnp.int32)
-        logits, self.cache, self.state, rs, ps = _run(
-            self.params, self.cache, self.state, jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(lengths, jnp.int32), text_pos, model=self.model, policy=self.policy)
+        args = self._args(tokens, lengths)
+        fn = self._compiled.get(tokens.shape[1])
+        if fn is None:
+            fn = functools.partial(_run, model=self.model, policy=self.policy)
+        logits, self.cache, self.state, rs, ps = fn(*args)
         rs.raise_if_error()
         ps.raise_if_error()
         self.position = self.position + lengths

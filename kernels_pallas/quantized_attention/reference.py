@@ -42,8 +42,10 @@ __all__ = [
     "quantized_pages_attention",
     "tail_attention",
     "quantized_attention",
+    "merge_with_tail",
     "quantized_mla_pages_attention",
     "quantized_mla_attention",
+    "mla_merge_with_tail",
 ]
 
 
@@ -201,7 +203,20 @@ def quantized_attention(
     out_q, lse_q = quantized_pages_attention(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_lengths, block_tables,
         q_pos, k_bits=k_bits, v_bits=v_bits, **opts)
-    out_t, lse_t = tail_attention(q, tail_k, tail_v, quant_lengths, lengths, q_pos, **opts)
+    return merge_with_tail(out_q, lse_q, q, tail_k, tail_v, quant_lengths, lengths, q_pos,
+                           **opts)
+
+
+def merge_with_tail(out_q, lse_q, q, tail_k, tail_v, quant_lengths, lengths, q_pos, *, scale,
+                    soft_cap=None, sliding_window=None):
+    """Attends over the tail and merges it with the quantized pages' (out_q, lse_q).
+
+    The part of `quantized_attention` after the pages, shared with the kernels
+    (`tpu.py`, `gpu.py`), which replace only `quantized_pages_attention`.
+    Returns (out in q's dtype, lse float32), shapes as in `quantized_attention`.
+    """
+    out_t, lse_t = tail_attention(q, tail_k, tail_v, quant_lengths, lengths, q_pos, scale=scale,
+                                  soft_cap=soft_cap, sliding_window=sliding_window)
     out, lse = merge_attention_states(out_q, lse_q, out_t, lse_t)
     return out.astype(q.dtype), lse
 
@@ -258,6 +273,13 @@ def quantized_mla_attention(
     out_q, lse_q = quantized_mla_pages_attention(
         q_latent, q_rope, c_codes, c_scale, c_zero, rope_pages, quant_lengths, block_tables,
         q_pos, bits=bits, scale=scale)
+    return mla_merge_with_tail(out_q, lse_q, q_latent, q_rope, tail_c, tail_rope, quant_lengths,
+                               lengths, q_pos, scale=scale)
+
+
+def mla_merge_with_tail(out_q, lse_q, q_latent, q_rope, tail_c, tail_rope, quant_lengths,
+                        lengths, q_pos, *, scale):
+    """MLA's `merge_with_tail`: attends over the latent tail and merges with the pages' part."""
     ring = tail_c.shape[1]
     k_pos = _tail_positions(quant_lengths, ring)
     vis = _visible(k_pos, quant_lengths, lengths, q_pos, None)

@@ -14,10 +14,12 @@ from kernels_pallas.mla_decode import gpu as mla_gpu
 from kernels_pallas.mla_decode import tpu as mla_tpu
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import tpu as paged_tpu
+from kernels_pallas.quantized_attention import gpu as quant_gpu
+from kernels_pallas.quantized_attention import tpu as quant_tpu
 
 __all__ = [
     "KERNEL_OPS", "platform", "paged_decode_attention", "mla_decode_attention",
-    "prefill_via_xla",
+    "prefill_via_xla", "quantized_attention", "quantized_mla_attention",
 ]
 
 # Ops that have a kernel of their own ("auto" picks "pallas" for them on TPU/GPU).
@@ -67,3 +69,19 @@ def prefill_via_xla(op, *args, interpret=None, impls, **kwargs):
     """Prefill has no kernel yet: "pallas" runs the op's current "xla" implementation."""
     del interpret
     return impls[op]["xla"](*args, **kwargs)
+
+
+def quantized_attention(*args, interpret=None, **kwargs):
+    """Attention over quantized pages + tail (`quantized_attention` of
+    `kernels_pallas/quantized_attention/reference.py`) through the backend's kernel; decode and
+    chunked prefill alike (the kernels fold query rows)."""
+    backend, interpret = _backend_and_interpret(interpret)
+    kernel = quant_gpu if backend == "gpu" else quant_tpu
+    return kernel.quantized_attention(*args, interpret=interpret, **kwargs)
+
+
+def quantized_mla_attention(*args, interpret=None, **kwargs):
+    """Absorbed MLA over quantized latent pages + tail through the backend's kernel."""
+    backend, interpret = _backend_and_interpret(interpret)
+    kernel = quant_gpu if backend == "gpu" else quant_tpu
+    return kernel.quantized_mla_attention(*args, interpret=interpret, **kwargs)

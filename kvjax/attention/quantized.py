@@ -13,7 +13,11 @@ layer's slice).
     used pages' codes and scales, dequantize them all in float32, attend): the oracle;
   "xla": `kvjax/attention/xla_quantized.py` (online softmax over blocks of pages,
     each block's codes dequantized in float32 as it is read);
-  "pallas": the Pallas kernels (not yet available);
+  "pallas": the Pallas kernels (`kernels_pallas/quantized_attention/{tpu,gpu}.py`:
+    packed codes, scales and zeros of the block table's pages are copied and
+    dequantized in VMEM/registers; the tail is merged by log-sum-exp) — the
+    Triton kernel on a GPU backend, the TPU kernel otherwise (interpreted on
+    CPU); decode and prefill alike;
   "auto": the best one for the default backend.
 """
 
@@ -23,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas.quantized_attention import reference as qref
-from kvjax.attention import xla_quantized
+from kvjax.attention import pallas_impls, xla_quantized
 from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
 
 __all__ = [
@@ -39,15 +43,17 @@ _IMPLS = {
     "quantized_attention": {
         "reference": qref.quantized_attention,
         "xla": xla_quantized.quantized_attention,
+        "pallas": pallas_impls.quantized_attention,
     },
     "quantized_mla_attention": {
         "reference": qref.quantized_mla_attention,
         "xla": xla_quantized.quantized_mla_attention,
+        "pallas": pallas_impls.quantized_mla_attention,
     },
 }
 
 
-def _select(op: str, impl: str):
+def _select(op: str, impl: str, interpret: bool | None = None):
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
     name = "xla" if impl == "auto" else impl
@@ -56,13 +62,15 @@ def _select(op: str, impl: str):
         raise NotImplementedError(
             f"{op}: impl={name!r} is not available; choose one of {sorted(_IMPLS[op])}."
         )
+    if name == "pallas":
+        return functools.partial(fn, interpret=interpret)
     return fn
 
 
-def _with_layer(op: str, impl: str, view: QuantizedLayerView):
+def _with_layer(op: str, impl: str, interpret, view: QuantizedLayerView):
     """The implementation and the view to pass it: for the "xla" path a whole-pool view
     stays whole (it reads the layer inside its gathers), other impls get one layer."""
-    fn = _select(op, impl)
+    fn = _select(op, impl, interpret)
     if view.layer is None:
         return fn, view
     if fn is _IMPLS[op]["xla"]:
@@ -117,6 +125,7 @@ def quantized_prefill_attention(
     sliding_window: int | None = None,
     seq_ids: Int[Array, " batch"] | None = None,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads head_dim"], Float[Array, "batch q_len q_heads"]]:
     """Chunked-prefill attention over a quantized layer; the cache already holds the new tokens.
 
@@ -133,6 +142,9 @@ def quantized_prefill_attention(
       soft_cap, sliding_window: as in `kvjax.attention.paged_prefill_attention`.
       seq_ids: int32[batch], the slots of the rows (default: all slots in order).
       impl: one of IMPLS.
+      interpret: only for impl "pallas": run the kernel in Pallas' interpret mode (True, or
+        a `pltpu.InterpretParams` for the TPU interpreter); None means interpret exactly when
+        the backend is CPU.
 
     Returns:
       (out [batch, q_len, q_heads, head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
@@ -145,7 +157,7 @@ def quantized_prefill_attention(
     if q_lengths.shape != (q.shape[0],):
         raise ValueError(f"{op}: q_lengths must be int32[{q.shape[0]}], got {q_lengths.shape}.")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    fn, view = _with_layer("quantized_attention", impl, view)
+    fn, view = _with_layer("quantized_attention", impl, interpret, view)
     return fn(
         q, view.k.codes, view.k.scale, view.k.zero, view.v.codes, view.v.scale, view.v.zero,
         tk, tv, ql, ln, bt, _q_pos(ln, q_lengths, q.shape[1]),
@@ -163,6 +175,7 @@ def quantized_decode_attention(
     sliding_window: int | None = None,
     seq_ids: Int[Array, " batch"] | None = None,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_heads head_dim"], Float[Array, "batch q_heads"]]:
     """Decode attention (one query per row at position lengths - 1) over a quantized layer.
 
@@ -177,7 +190,7 @@ def quantized_decode_attention(
     ones = jnp.minimum(jnp.ones_like(lengths), lengths)
     out, lse = quantized_prefill_attention(
         q[:, None], view, ones, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        seq_ids=seq_ids, impl=impl)
+        seq_ids=seq_ids, impl=impl, interpret=interpret)
     return out[:, 0], lse[:, 0]
 
 
@@ -190,6 +203,7 @@ def quantized_mla_prefill_attention(
     scale: float,
     seq_ids: Int[Array, " batch"] | None = None,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_len q_heads d_c"], Float[Array, "batch q_len q_heads"]]:
     """Absorbed MLA chunked-prefill attention over a quantized latent layer.
 
@@ -197,7 +211,7 @@ def quantized_mla_prefill_attention(
       q_latent: queries times W_UK, [batch, q_len, q_heads, d_c].
       q_rope: [batch, q_len, q_heads, d_rope].
       view: `layer_view(cache, layer)` of a quantized MLA cache (whole_pools as above).
-      q_lengths, seq_ids, impl: as in `quantized_prefill_attention`.
+      q_lengths, seq_ids, impl, interpret: as in `quantized_prefill_attention`.
       scale: softmax scale (1/sqrt(qk_nope + qk_rope) times any mscale).
 
     Returns:
@@ -219,7 +233,7 @@ def quantized_mla_prefill_attention(
     if not scale > 0:
         raise ValueError(f"{op}: scale must be positive, got {scale}.")
     bt, ql, ln, tk, tv = _rows(view, seq_ids, q_latent.shape[0], op)
-    fn, view = _with_layer("quantized_mla_attention", impl, view)
+    fn, view = _with_layer("quantized_mla_attention", impl, interpret, view)
     pools = (view.k.codes, view.k.scale, view.k.zero, view.v)
     if view.layer is None:  # one layer's pools: drop the single head axis
         pools = tuple(p[0] for p in pools)
@@ -238,10 +252,12 @@ def quantized_mla_decode_attention(
     scale: float,
     seq_ids: Int[Array, " batch"] | None = None,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
     """Absorbed MLA decode attention over a quantized latent layer (query at lengths - 1)."""
     lengths = view.lengths if seq_ids is None else view.lengths[seq_ids]
     ones = jnp.minimum(jnp.ones_like(lengths), lengths)
     out, lse = quantized_mla_prefill_attention(
-        q_latent[:, None], q_rope[:, None], view, ones, scale=scale, seq_ids=seq_ids, impl=impl)
+        q_latent[:, None], q_rope[:, None], view, ones, scale=scale, seq_ids=seq_ids, impl=impl,
+        interpret=interpret)
     return out[:, 0], lse[:, 0]

@@ -67,6 +67,18 @@ def init_tiny(config, key):
     return get_family(_family_name(config)).init_params(config, key)
 
 
+def _params_template(config):
+    """A params pytree with the right structure and shapes, for loading into.
+
+    The Llama family's init is traced for shapes only (a concrete one compiles a
+    random draw per tensor shape: seconds on a small machine); DeepSeek draws its
+    init on the host with numpy, which cannot be traced but costs milliseconds.
+    """
+    if _family_name(config) == "deepseek":
+        return init_tiny(config, jax.random.key(0))
+    return jax.eval_shape(lambda key: init_tiny(config, key), jax.random.key(0))
+
+
 def param_count(params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
@@ -118,9 +130,7 @@ def load_tiny(name: str, directory: str | None = None, *, path: str | None = Non
         raise FileNotFoundError(f"tiny model weights {path} not found; train them with "
                                 f"`python -m kvjax.train --model {name}`.")
     config = tiny_config(name)
-    # A concrete init (not eval_shape): DeepSeek draws its init on the host, which
-    # cannot be traced, and at this size it costs well under a second.
-    like = init_tiny(config, jax.random.key(0))
+    like = _params_template(config)
     f = SafetensorsFile(path)
     leaves = []
     for key, leaf in _named_leaves(like):
