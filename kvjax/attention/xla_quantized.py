@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
-from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.quantized_attention import reference as qref
 from kernels_pallas.quantized_attention.layout import GROUPINGS
 from kvjax.attention import xla
@@ -239,22 +238,8 @@ def quantized_attention(
     out_q, lse_q = xla._unfold(out_q, lse_q, q_len, q_heads)
     # The tail is at most residual + page_size tokens per sequence: the reference's
     # dense attention on it costs little next to the pages.
-    out_t, lse_t = qref.tail_attention(
-        q, tail_k, tail_v, quant_lengths, lengths, q_pos, scale=scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
-    out, lse = merge_attention_states(out_q, lse_q, out_t, lse_t)
-    return out.astype(q.dtype), lse
-
-
-def _mla_tail_attention(q_latent, q_rope, tail_c, tail_rope, quant_lengths, lengths, q_pos,
-                        scale):
-    """MLA over the full-precision tail (positions [Q, L)), as the reference computes it."""
-    k_pos = qref._tail_positions(quant_lengths, tail_c.shape[1])
-    vis = qref._visible(k_pos, quant_lengths, lengths, q_pos, None)
-    out, lse = qref._attend((qref._group(q_latent, 1), qref._group(q_rope, 1)),
-                            (tail_c[:, None], tail_rope[:, None]), tail_c[:, None], vis, scale,
-                            None)
-    return qref._ungroup(out, lse)
+    return qref.merge_with_tail(out_q, lse_q, q, tail_k, tail_v, quant_lengths, lengths, q_pos,
+                                scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "scale", "block_tokens"))
@@ -313,7 +298,5 @@ def quantized_mla_attention(
         page_size=page_size, scale=scale, block_tokens=block_tokens,
     )
     out_q, lse_q = xla._unfold(out_q, lse_q, q_len, q_heads)
-    out_t, lse_t = _mla_tail_attention(q_latent, q_rope, tail_c, tail_rope, quant_lengths,
-                                       lengths, q_pos, scale)
-    out, lse = merge_attention_states(out_q, lse_q, out_t, lse_t)
-    return out.astype(q_latent.dtype), lse
+    return qref.mla_merge_with_tail(out_q, lse_q, q_latent, q_rope, tail_c, tail_rope,
+                                    quant_lengths, lengths, q_pos, scale=scale)
