@@ -100,7 +100,9 @@ def _attention(quick, out, *, paging):
         argv = (["--quick", "--dtypes", "float32", "--repeats", "3", "--bandwidth-mib", "32"]
                 if quick else ["--dtypes", "bfloat16", "--repeats", "7", "--bandwidth-mib", "256"])
         argv += ["--only", "-", "--pool-factors", "1,4,16"]
-    attention.main(argv + ["--out", str(out)])
+    # The quantized-pages comparison is its own run (`python benchmarks/attention.py
+    # --quant only`); the roofline section covers int4/int2 pages here.
+    attention.main(argv + ["--quant", "off", "--out", str(out)])
 
 
 def _e2e(quick, out):

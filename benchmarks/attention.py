@@ -11,7 +11,12 @@ Measures, in one process so that the ratios share the machine's state:
    float32 and bf16 and for MLA in absorbed form. Bandwidth counts the bytes the
    op must read once: the live keys and values (MLA: latent and rope once);
 3. a pool-capacity check: the same live tokens in pools 1x, 4x and 16x larger
-   (the XLA path's step time must not grow).
+   (the XLA path's step time must not grow);
+4. quantized pages (`kvjax/attention/xla_quantized.py`, KIVI int8/int4/int2 codes
+   with float16 scales and zeros, a bf16 tail of R tokens) against paged bf16 and
+   float32 pages on the same geometry, all through the XLA path: ms per decode
+   step and the ratio to bf16 (issue 11: int4/int2 must not be slower per token
+   than bf16). Bytes counted: codes + scales + zeros of the used pages + the tail.
 
 Every result is verified against the reference in the same run. Times are
 medians (with min-max) over repeats of wall-clock and of process CPU time: on a
@@ -39,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels_pallas.mla_decode import reference as mla_ref  # noqa: E402
 from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
-from kvjax.attention import xla  # noqa: E402
+from kernels_pallas.quantized_attention import reference as quant_ref  # noqa: E402
+from kvjax.attention import xla, xla_quantized  # noqa: E402
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -269,6 +275,77 @@ def run_pool_check(cfg, dtype, repeats, block_tokens, factors, key):
     return out
 
 
+def _quant_pools(rng, kv_heads, num_pages, ps, d, bits, group):
+    """Random KIVI pools of one layer: packed codes, float16 scales and zeros (keys per
+    channel over `group` tokens, values per token over `group` channels)."""
+    span = 1.0 / ((1 << bits) - 1)
+
+    def codes():
+        return jnp.asarray(
+            rng.integers(0, 256, (kv_heads, num_pages, ps, d * bits // 8), dtype=np.uint8))
+
+    def scale_zero(shape):
+        return (jnp.asarray(rng.uniform(0.5 * span, 2 * span, shape), jnp.float16),
+                jnp.asarray(rng.uniform(-2.0, 0.0, shape), jnp.float16))
+
+    ks, vs = (kv_heads, num_pages, ps // group, d), (kv_heads, num_pages, ps, d // group)
+    return (codes(), *scale_zero(ks), codes(), *scale_zero(vs))
+
+
+def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
+    """Paged f32, bf16 and int8/int4/int2 pages on one geometry, all through the XLA path;
+    every result checked against its gather reference."""
+    batch, q_heads, kv_heads, d, seq, ps = (cfg[k] for k in ("batch", "q_heads", "kv_heads",
+                                                             "head_dim", "seq", "page_size"))
+    group, residual = cfg["group"], cfg["residual"]
+    rng = np.random.default_rng(0)
+    max_pages = seq // ps
+    num_pages = batch * max_pages
+    k1, k2, k3 = jax.random.split(key, 3)
+    q32 = jax.random.normal(k1, (batch, q_heads, d), F32)
+    tables = _tables(rng, batch, max_pages, num_pages)
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    scale = d**-0.5
+    rows, nbytes, tokens = {}, {}, batch * seq
+    # Full-precision pages through the XLA path.
+    for dt in (F32, jnp.bfloat16):
+        name = f"paged_{jnp.dtype(dt).name}"
+        kp = jax.random.normal(k2, (kv_heads, num_pages, ps, d), F32).astype(dt)
+        vp = jax.random.normal(k3, (kv_heads, num_pages, ps, d), F32).astype(dt)
+        args = (q32.astype(dt), kp, vp, lengths, tables)
+        xla_fn = jax.jit(lambda *a: xla.paged_decode_attention(*a, block_tokens=block_tokens))
+        rows[name], got = _time(xla_fn, args, repeats)
+        want = jax.jit(paged_ref.paged_decode_attention)(*args)[0]
+        rows[name]["max_err"] = _check(name, got[0], want, dt)
+        nbytes[name] = 2 * kv_heads * tokens * d * jnp.dtype(dt).itemsize
+        del kp, vp, args
+    # Quantized pages + bf16 tail: Q = ps * floor((seq - R) / ps) tokens in pages.
+    q_tokens = ps * (max(seq - residual, 0) // ps)
+    quant_lengths = jnp.full((batch,), q_tokens, jnp.int32)
+    ring = residual + ps
+    tail_k = jax.random.normal(k2, (kv_heads, batch, ring, d), F32).astype(jnp.bfloat16)
+    tail_v = jax.random.normal(k3, (kv_heads, batch, ring, d), F32).astype(jnp.bfloat16)
+    q = q32.astype(jnp.bfloat16)[:, None]
+    q_pos = (lengths - 1)[:, None]
+    for bits in cfg["bits"]:
+        name = f"paged_int{bits}"
+        pools = _quant_pools(rng, kv_heads, num_pages, ps, d, bits, group)
+        args = (q, *pools, tail_k, tail_v, quant_lengths, lengths, tables, q_pos)
+        kw = dict(k_bits=bits, v_bits=bits, scale=scale)
+        xla_fn = jax.jit(lambda *a, kw=kw: xla_quantized.quantized_attention(
+            *a, **kw, block_tokens=block_tokens))
+        rows[name], got = _time(xla_fn, args, repeats)
+        ref_fn = jax.jit(lambda *a, kw=kw: quant_ref.quantized_attention(*a, **kw))
+        rows[f"reference_int{bits}"], want = _time(ref_fn, args, ref_repeats)
+        rows[name]["max_err"] = _check(name, got[0], want[0], jnp.bfloat16)
+        used = batch * (q_tokens // ps)
+        nbytes[name] = sum(x.nbytes for x in pools) * used // num_pages + (
+            2 * kv_heads * batch * (seq - q_tokens) * d * 2)
+        nbytes[f"reference_int{bits}"] = nbytes[name]
+        del pools, args
+    return nbytes, rows
+
+
 # ----------------------------------------------------------------------------- main
 
 FULL = [
@@ -291,6 +368,12 @@ QUICK = [
     dict(name="mla_b4_s512", kind="mla", batch=4, q_heads=8, d_c=128, d_rope=32, seq=512,
          page_size=16),
 ]
+# Quantized pages vs bf16/f32 pages (issue 11's main geometry; page size 32 so that KIVI's
+# group of 32 tokens fits a page, the same page size for every row).
+QUANT_FULL = dict(name="quant_b8_s4k", batch=8, q_heads=32, kv_heads=8, head_dim=128, seq=4096,
+                  page_size=32, group=32, residual=128, bits=(8, 4, 2))
+QUANT_QUICK = dict(name="quant_b4_s512", batch=4, q_heads=16, kv_heads=4, head_dim=64, seq=512,
+                   page_size=32, group=32, residual=64, bits=(8, 4, 2))
 POOL_FULL = dict(batch=8, q_heads=32, kv_heads=8, head_dim=128, seq=1024, page_size=16)
 POOL_QUICK = dict(batch=4, q_heads=16, kv_heads=4, head_dim=64, seq=256, page_size=16)
 
@@ -316,6 +399,9 @@ def main(argv=None):
     parser.add_argument("--pool-factors", default="1,4,16",
                         help="pool sizes, as multiples of the live pages, for the capacity check "
                              "(empty to skip)")
+    parser.add_argument("--quant", default="on", choices=("on", "off", "only"),
+                        help="the quantized-pages comparison (int8/int4/int2 vs bf16/f32 "
+                             "pages): run it, skip it, or run only it")
     parser.add_argument("--out", default=None,
                         help="JSON output path (default benchmarks/results/attention-<time>.json)")
     args = parser.parse_args(argv)
@@ -337,6 +423,8 @@ def main(argv=None):
           f"copy {bw['copy_GBps']:.1f} GB/s (best {bw['copy_GBps_best']:.1f})")
 
     results = []
+    if args.quant == "only":
+        cases = []
     work = [(c, d) for c in cases for d in dtypes]
     for cfg, dtype in tqdm(work, desc="attention", file=sys.stderr):
         runner = run_mla if cfg["kind"] == "mla" else run_gqa
@@ -356,8 +444,24 @@ def main(argv=None):
         results.append(dict(case=cfg, dtype=dtype.name, bytes=nbytes, impls=rows,
                             ratios=ratios))
 
+    quant = None
+    if args.quant != "off":
+        qcfg = QUANT_QUICK if args.quick else QUANT_FULL
+        nbytes, rows = run_quant(qcfg, repeats, ref_repeats, args.block_tokens, key)
+        base = rows["paged_bfloat16"]
+        for name, st in rows.items():
+            st["bytes"] = nbytes[name]
+            st["GBps"] = nbytes[name] / st["wall_median_s"] / 1e9
+            st["GBps_cpu"] = nbytes[name] / st["cpu_median_s"] / 1e9
+            st["fraction_of_read_bw"] = st["GBps"] / bw["read_GBps"]
+            st["ratio_to_bf16"] = st["wall_median_s"] / base["wall_median_s"]
+            st["ratio_to_bf16_cpu"] = st["cpu_median_s"] / base["cpu_median_s"]
+        quant = dict(case=qcfg, impls=rows)
+
     pool = {}
     factors = [int(f) for f in args.pool_factors.split(",") if f]
+    if args.quant == "only":
+        factors = []
     if factors:
         pcfg = POOL_QUICK if args.quick else POOL_FULL
         for dtype in tqdm(dtypes, desc="pool capacity", file=sys.stderr):
@@ -367,8 +471,9 @@ def main(argv=None):
     # ---- table
     hdr = (f"{'case':16s} {'dtype':8s} {'impl':19s} {'wall ms (min-max)':>24s} {'cpu ms':>8s} "
            f"{'GB/s':>6s} {'%read':>6s} {'GB/s cpu':>8s}")
-    print(hdr)
-    print("-" * len(hdr))
+    if results:
+        print(hdr)
+        print("-" * len(hdr))
     for r in results:
         for impl, st in r["impls"].items():
             wall = (f"{st['wall_median_s'] * 1e3:7.2f} ({st['wall_min_s'] * 1e3:.1f}-"
@@ -378,6 +483,21 @@ def main(argv=None):
                   f"{100 * st['fraction_of_read_bw']:5.0f}% {st['GBps_cpu']:8.1f}")
         if r["ratios"]:
             print(" " * 26 + "  ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()))
+    if quant is not None:
+        c = quant["case"]
+        print(f"\n{c['name']}: B={c['batch']} Hq={c['q_heads']} Hkv={c['kv_heads']} "
+              f"D={c['head_dim']} S={c['seq']} ps={c['page_size']} G={c['group']} "
+              f"R={c['residual']} (XLA path; bf16 queries and tail for intN)")
+        qh = (f"{'impl':19s} {'wall ms (min-max)':>24s} {'cpu ms':>8s} {'MB read':>8s} "
+              f"{'GB/s':>6s} {'/bf16 wall':>10s} {'/bf16 cpu':>9s}")
+        print(qh)
+        print("-" * len(qh))
+        for impl, st in quant["impls"].items():
+            wall = (f"{st['wall_median_s'] * 1e3:7.2f} ({st['wall_min_s'] * 1e3:.1f}-"
+                    f"{st['wall_max_s'] * 1e3:.1f})")
+            print(f"{impl:19s} {wall:>24s} {st['cpu_median_s'] * 1e3:8.2f} "
+                  f"{st['bytes'] / 1e6:8.1f} {st['GBps']:6.1f} {st['ratio_to_bf16']:10.2f} "
+                  f"{st['ratio_to_bf16_cpu']:9.2f}")
     for dt, rows in pool.items():
         base = rows[next(iter(rows))]["wall_median_s"]
         base_cpu = rows[next(iter(rows))]["cpu_median_s"]
@@ -393,7 +513,7 @@ def main(argv=None):
     with open(out, "w") as f:
         json.dump(dict(jax=jax.__version__, machine=platform.machine(), cpus=os.cpu_count(),
                        load_average=os.getloadavg(), bandwidth=bw, results=results,
-                       pool_capacity=pool, repeats=repeats,
+                       pool_capacity=pool, quantized=quant, repeats=repeats,
                        block_tokens=args.block_tokens), f, indent=1)
     print(f"wrote {out}")
 

@@ -125,7 +125,7 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
             scale = config.softmax_scale
             if is_quant:
                 cache = quantized.write_layer(cache, layer, c_kv.astype(dt), k_rope.astype(dt))
-                view = quantized.layer_view(cache, layer)
+                view = quantized.layer_view(cache, layer, whole_pools=True)
                 out, _ = kattn.quantized_mla_prefill_attention(q_lat, q_rope, view, q_lengths,
                                                                scale=scale)
             else:
@@ -150,7 +150,7 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
             q, k, v = _llama_layer(config, lp, x, cos, sin)
             if is_quant:
                 cache = quantized.write_layer(cache, layer, k.astype(dt), v.astype(dt))
-                view = quantized.layer_view(cache, layer)
+                view = quantized.layer_view(cache, layer, whole_pools=True)
                 out, _ = kattn.quantized_prefill_attention(q, view, q_lengths, scale=scale)
             else:
                 cache = paged.write_layer(cache, layer, slots, k.astype(dt), v.astype(dt))

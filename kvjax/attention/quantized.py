@@ -3,11 +3,16 @@
 Each op takes the `QuantizedLayerView` of one layer (`kvjax.cache.quantized.layer_view`)
 and computes attention on the quantized pages each sequence's block table names
 (dequantized after the gather, never the whole pool) and on its full-precision
-tail, then merges the two with `merge_attention_states`.
+tail, then merges the two with `merge_attention_states`. Inside a model's
+step, pass `layer_view(cache, layer, whole_pools=True)`: the "xla" path then
+reads the layer's pages straight from the cache's pools (other impls get the
+layer's slice).
 
 `impl` chooses the implementation, as in `kvjax.attention.ops`:
-  "reference" / "xla": `kernels_pallas/quantized_attention/reference.py`
-    (gather the used pages' codes and scales, dequantize in float32, attend);
+  "reference": `kernels_pallas/quantized_attention/reference.py` (gather the
+    used pages' codes and scales, dequantize them all in float32, attend): the oracle;
+  "xla": `kvjax/attention/xla_quantized.py` (online softmax over blocks of pages,
+    each block's codes dequantized in float32 as it is read);
   "pallas": the Pallas kernels (`kernels_pallas/quantized_attention/{tpu,gpu}.py`:
     packed codes, scales and zeros of the block table's pages are copied and
     dequantized in VMEM/registers; the tail is merged by log-sum-exp) — the
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas.quantized_attention import reference as qref
-from kvjax.attention import pallas_impls
+from kvjax.attention import pallas_impls, xla_quantized
 from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
 
 __all__ = [
@@ -37,12 +42,12 @@ IMPLS = ("auto", "reference", "xla", "pallas")
 _IMPLS = {
     "quantized_attention": {
         "reference": qref.quantized_attention,
-        "xla": qref.quantized_attention,
+        "xla": xla_quantized.quantized_attention,
         "pallas": pallas_impls.quantized_attention,
     },
     "quantized_mla_attention": {
         "reference": qref.quantized_mla_attention,
-        "xla": qref.quantized_mla_attention,
+        "xla": xla_quantized.quantized_mla_attention,
         "pallas": pallas_impls.quantized_mla_attention,
     },
 }
@@ -60,6 +65,20 @@ def _select(op: str, impl: str, interpret: bool | None = None):
     if name == "pallas":
         return functools.partial(fn, interpret=interpret)
     return fn
+
+
+def _with_layer(op: str, impl: str, interpret, view: QuantizedLayerView):
+    """The implementation and the view to pass it: for the "xla" path a whole-pool view
+    stays whole (it reads the layer inside its gathers), other impls get one layer."""
+    fn = _select(op, impl, interpret)
+    if view.layer is None:
+        return fn, view
+    if fn is _IMPLS[op]["xla"]:
+        kw = dict(layer=view.k.layer)
+        if not isinstance(view.v, QuantLayer):  # MLA's k_rope pool holds every layer
+            kw["rope_layer"] = view.layer
+        return functools.partial(fn, **kw), view
+    return fn, view.one_layer()
 
 
 def _rows(view: QuantizedLayerView, seq_ids, batch: int, op: str):
@@ -87,7 +106,7 @@ def _q_pos(lengths, q_lengths, q_len):
 def _check_gqa(op, q, view):
     if not isinstance(view, QuantizedLayerView) or not isinstance(view.v, QuantLayer):
         raise TypeError(f"{op}: view must be the QuantizedLayerView of a GQA/MHA/MQA cache.")
-    kv_heads, head_dim = view.k.codes.shape[0], view.tail_k.shape[-1]
+    kv_heads, head_dim = view.k.codes.shape[-4], view.tail_k.shape[-1]
     if q.shape[-1] != head_dim:
         raise ValueError(f"{op}: q head_dim {q.shape[-1]} != cache head_dim {head_dim}.")
     if q.shape[-2] % kv_heads:
@@ -116,7 +135,8 @@ def quantized_prefill_attention(
 
     Args:
       q: [batch, q_len, q_heads, head_dim].
-      view: `layer_view(cache, layer)` of a quantized GQA/MHA/MQA cache.
+      view: `layer_view(cache, layer)` of a quantized GQA/MHA/MQA cache (whole_pools=True
+        inside a model: see the module docstring).
       q_lengths: int32[batch], new tokens per row.
       scale: logit scale, default 1/sqrt(head_dim).
       soft_cap, sliding_window: as in `kvjax.attention.paged_prefill_attention`.
@@ -137,7 +157,8 @@ def quantized_prefill_attention(
     if q_lengths.shape != (q.shape[0],):
         raise ValueError(f"{op}: q_lengths must be int32[{q.shape[0]}], got {q_lengths.shape}.")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _select("quantized_attention", impl, interpret)(
+    fn, view = _with_layer("quantized_attention", impl, interpret, view)
+    return fn(
         q, view.k.codes, view.k.scale, view.k.zero, view.v.codes, view.v.scale, view.v.zero,
         tk, tv, ql, ln, bt, _q_pos(ln, q_lengths, q.shape[1]),
         k_bits=view.k.bits, v_bits=view.v.bits, scale=scale, soft_cap=soft_cap,
@@ -189,7 +210,7 @@ def quantized_mla_prefill_attention(
     Args:
       q_latent: queries times W_UK, [batch, q_len, q_heads, d_c].
       q_rope: [batch, q_len, q_heads, d_rope].
-      view: `layer_view(cache, layer)` of a quantized MLA cache.
+      view: `layer_view(cache, layer)` of a quantized MLA cache (whole_pools as above).
       q_lengths, seq_ids, impl, interpret: as in `quantized_prefill_attention`.
       scale: softmax scale (1/sqrt(qk_nope + qk_rope) times any mscale).
 
@@ -197,7 +218,7 @@ def quantized_mla_prefill_attention(
       (out in latent space [batch, q_len, q_heads, d_c], lse float32[batch, q_len, q_heads]).
     """
     op = "quantized_mla_prefill_attention"
-    if isinstance(view.v, QuantLayer) or view.k.codes.shape[0] != 1:
+    if isinstance(view.v, QuantLayer) or view.k.codes.shape[-4] != 1:
         raise TypeError(f"{op}: view must be the QuantizedLayerView of an MLA cache.")
     if q_latent.ndim != 4 or q_rope.shape[:-1] != q_latent.shape[:-1]:
         raise ValueError(
@@ -212,8 +233,12 @@ def quantized_mla_prefill_attention(
     if not scale > 0:
         raise ValueError(f"{op}: scale must be positive, got {scale}.")
     bt, ql, ln, tk, tv = _rows(view, seq_ids, q_latent.shape[0], op)
-    return _select("quantized_mla_attention", impl, interpret)(
-        q_latent, q_rope, view.k.codes[0], view.k.scale[0], view.k.zero[0], view.v[0],
+    fn, view = _with_layer("quantized_mla_attention", impl, interpret, view)
+    pools = (view.k.codes, view.k.scale, view.k.zero, view.v)
+    if view.layer is None:  # one layer's pools: drop the single head axis
+        pools = tuple(p[0] for p in pools)
+    return fn(
+        q_latent, q_rope, *pools,
         tk[0], tv[0], ql, ln, bt, _q_pos(ln, q_lengths, q_latent.shape[1]),
         bits=view.k.bits, scale=scale,
     )

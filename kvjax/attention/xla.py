@@ -45,6 +45,7 @@ query's dtype, `lse` float32, rows that see no key give 0 and -inf.
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -84,11 +85,16 @@ class BlockReader:
         through an optimization barrier (see the module docstring), so `read`
         must use these, not arrays it closes over.
       read: `(arrays, idx int32[batch, block_pages]) -> float32 [heads, batch,
-        block_pages * page_size, width]`.
+        block_pages * page_size, width]`, or a tuple of such arrays that are
+        consecutive width slices of it (the loop then multiplies each slice with
+        its slice of the queries and accumulates each value slice separately, so a
+        reader of planar-packed codes need not concatenate its unpacked fields).
     """
 
     arrays: Any
-    read: Callable[[Any, Int[Array, "batch block_pages"]], Float[Array, "heads batch tokens width"]]
+    read: Callable[[Any, Int[Array, "batch block_pages"]],
+                   Float[Array, "heads batch tokens width"]
+                   | tuple[Float[Array, "heads batch tokens w"], ...]]
 
     def __call__(self, idx, arrays=None):
         return self.read(self.arrays if arrays is None else arrays, idx)
@@ -218,6 +224,12 @@ def paged_attention_core(
         low = q_pos - (sliding_window - 1)
 
     readers = (*k_readers, *(() if v_reader is None else (v_reader,)))
+    # Width slices each reader returns (one unless it splits its block, see BlockReader);
+    # the queries are split to match once, outside the loop.
+    widths = [tuple(x.shape[-1] for x in _parts(jax.eval_shape(r, safe[:, :bp])))
+              for r in readers]
+    q_parts = [tuple(jnp.split(q, list(itertools.accumulate(w[:-1])), axis=-1))
+               for q, w in zip(qs, widths, strict=False)]
 
     def body(carry):
         i, m, denom, acc = carry
@@ -225,13 +237,14 @@ def paged_attention_core(
         # Tie the pools to the loop counter so XLA cannot hoist per-block work on them
         # (bf16 -> f32 conversion) out of the loop as whole-pool work (module docstring).
         arrays, _ = jax.lax.optimization_barrier(([r.arrays for r in readers], i))
-        blocks = [r(idx, a) for r, a in zip(readers, arrays, strict=True)]
+        blocks = [_parts(r(idx, a)) for r, a in zip(readers, arrays, strict=True)]
         ks = blocks[: len(k_readers)]
-        v = ks[0] if v_reader is None else blocks[-1]
+        vs = ks[0] if v_reader is None else blocks[-1]
         # Logits as [heads, batch, tokens, rows]: the block is the matmul's large left operand
         # and the few query rows its right one, which XLA:CPU runs about 2x faster than
         # rows x tokens (benchmarks/NOTES.md).
-        s = sum(_dot(k, q, 3, 3) for q, k in zip(qs, ks, strict=True))
+        s = sum(_dot(k, q, 3, 3) for qp, kp in zip(q_parts, ks, strict=True)
+                for q, k in zip(qp, kp, strict=True))
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
         k_pos = i * bt + jnp.arange(bt, dtype=jnp.int32)
@@ -244,22 +257,27 @@ def paged_attention_core(
         alpha = jnp.exp(m - m_safe)  # exp(-inf) = 0 when nothing was seen before
         p = jnp.exp(s - m_safe[:, :, None, :])  # masked logits are -inf -> 0
         denom = denom * alpha + jnp.sum(p, axis=2)
-        acc = acc * alpha[..., None] + _dot(p, v, 2, 2)  # [heads, batch, rows, dv]
+        acc = tuple(a * alpha[..., None] + _dot(p, v, 2, 2)  # [heads, batch, rows, dv_i]
+                    for a, v in zip(acc, vs, strict=True))
         return i + 1, m_new, denom, acc
 
-    # The value width is only known from a read; trace one to learn it without computing.
-    dv = jax.eval_shape(k_readers[0] if v_reader is None else v_reader, safe[:, :bp]).shape[-1]
     init = (
         start,
         jnp.full((heads, batch, rows), NEG_INF, jnp.float32),
         jnp.zeros((heads, batch, rows), jnp.float32),
-        jnp.zeros((heads, batch, rows, dv), jnp.float32),
+        tuple(jnp.zeros((heads, batch, rows, w), jnp.float32)
+              for w in (widths[0] if v_reader is None else widths[-1])),
     )
     _, m, denom, acc = jax.lax.while_loop(lambda c: c[0] < stop, body, init)
     seen = denom > 0.0
+    acc = acc[0] if len(acc) == 1 else jnp.concatenate(acc, axis=-1)
     out = acc / jnp.where(seen, denom, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), NEG_INF)
     return out, lse
+
+
+def _parts(x):
+    return x if isinstance(x, tuple) else (x,)
 
 
 def _fold_queries(q, kv_heads):

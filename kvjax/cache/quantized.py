@@ -205,13 +205,27 @@ class QuantizedKVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantLayer:
-    """One layer's quantized pool: codes `[heads, pages, page_size, packed]`, scales, zeros."""
+    """One layer's quantized pool: codes `[heads, pages, page_size, packed]`, scales, zeros.
 
-    codes: UInt8[Array, "heads pages page_size packed"]
-    scale: Float[Array, "heads pages srows scols"]
-    zero: Float[Array, "heads pages srows scols"]
+    With `layer` set (`layer_view(..., whole_pools=True)`), codes, scale and
+    zero are the whole pool of the layer's bit width, with a leading layers
+    axis, and `layer` is the layer's index in it.
+    """
+
+    codes: UInt8[Array, "*layers heads pages page_size packed"]
+    scale: Float[Array, "*layers heads pages srows scols"]
+    zero: Float[Array, "*layers heads pages srows scols"]
     bits: int = dataclasses.field(metadata=dict(static=True))
     grouping: str = dataclasses.field(metadata=dict(static=True))
+    layer: int | Int[Array, ""] | None = None
+
+    def one_layer(self) -> "QuantLayer":
+        """This layer's slice of whole pools (itself if it already holds one layer)."""
+        if self.layer is None:
+            return self
+        i = self.layer
+        return QuantLayer(codes=self.codes[i], scale=self.scale[i], zero=self.zero[i],
+                          bits=self.bits, grouping=self.grouping)
 
 
 @jax.tree_util.register_dataclass
@@ -227,15 +241,29 @@ class QuantizedLayerView:
       block_tables: int32[max_seqs, max_pages] of the quantized pages.
       quant_lengths: int32[max_seqs], tokens in quantized pages (positions [0, Q)).
       lengths: int32[max_seqs], all tokens; the tail holds positions [Q, L).
+      layer: None, or (`layer_view(..., whole_pools=True)`) the layer's index:
+        then `k` and `v` hold whole pools (their own `layer` indexes them) and
+        MLA's `v` is the whole k_rope pool `[layers, 1, pages, page_size,
+        d_rope]`; `one_layer()` slices them. Attention's "xla" path reads the
+        layer inside its gathers; slicing first makes XLA copy the layer's
+        pools when the slice feeds a loop (benchmarks/NOTES.md, v3).
     """
 
     k: QuantLayer
-    v: QuantLayer | Float[Array, "1 pages page_size d_rope"]
+    v: QuantLayer | Float[Array, "*layers 1 pages page_size d_rope"]
     tail_k: Float[Array, "heads max_seqs ring width_a"]
     tail_v: Float[Array, "heads max_seqs ring width_b"]
     block_tables: Int[Array, "max_seqs max_pages"]
     quant_lengths: Int[Array, " max_seqs"]
     lengths: Int[Array, " max_seqs"]
+    layer: int | Int[Array, ""] | None = None
+
+    def one_layer(self) -> "QuantizedLayerView":
+        """The same view with one layer's pools (itself if it already holds one layer)."""
+        if self.layer is None:
+            return self
+        v = self.v.one_layer() if isinstance(self.v, QuantLayer) else self.v[self.layer]
+        return dataclasses.replace(self, k=self.k.one_layer(), v=v, layer=None)
 
 
 def _require_quant(spec: CacheSpec, op: str) -> None:
@@ -582,24 +610,38 @@ def write_layer_jit(cache, layer, a, b, seq_ids=None):
     return write_layer(cache, layer, a, b, seq_ids)
 
 
-def layer_view(cache: QuantizedKVCache, layer: int | Int[Array, ""]) -> QuantizedLayerView:
-    """One layer's quantized pools, tail rings and page table, for `kvjax.attention`."""
+def layer_view(
+    cache: QuantizedKVCache, layer: int | Int[Array, ""], *, whole_pools: bool = False
+) -> QuantizedLayerView:
+    """One layer's quantized pools, tail rings and page table, for `kvjax.attention`.
+
+    Args:
+      cache: the cache.
+      layer: the layer (may be traced when every layer has the same bits).
+      whole_pools: keep the pools whole and record the layer's index in the
+        view (see `QuantizedLayerView.layer`) instead of slicing the layer out.
+        Use it inside a model's step: the attention ops' "xla" path then reads
+        the layer's pages straight from the pools.
+    """
     spec = cache.spec
     gi, li = _locate(spec, layer)
     pages = cache.paged.pages
 
     def one(pool: QuantPool) -> QuantLayer:
+        if whole_pools:
+            return QuantLayer(codes=pool.codes, scale=pool.scale, zero=pool.zero,
+                              bits=pool.bits, grouping=pool.grouping, layer=li)
         return QuantLayer(codes=pool.codes[li], scale=pool.scale[li], zero=pool.zero[li],
                           bits=pool.bits, grouping=pool.grouping)
 
     if spec.is_mla:
-        k, v = one(pages.c_kv[gi]), pages.k_rope[layer]
+        k, v = one(pages.c_kv[gi]), pages.k_rope if whole_pools else pages.k_rope[layer]
     else:
         k, v = one(pages.k[gi]), one(pages.v[gi])
     return QuantizedLayerView(
         k=k, v=v, tail_k=cache.tail.a[layer], tail_v=cache.tail.b[layer],
         block_tables=cache.block_tables, quant_lengths=cache.quant_lengths,
-        lengths=cache.lengths,
+        lengths=cache.lengths, layer=layer if whole_pools else None,
     )
 
 
