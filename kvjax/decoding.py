@@ -331,9 +331,12 @@ def kv_bytes_per_token(model, cc: CacheConfig, context: int, *, page_size: int =
     first `page_size * floor((L - R) / page_size)` of L tokens are quantized,
     the rest is the full-precision tail. Eviction keeps `kept_tokens` of L;
     on a KIVI cache (`KIVIH2O`) it frees whole quantized pages and never the
-    tail, so `kept_tokens` - tail tokens, rounded down to whole pages, stay
-    quantized. `KIVIQuest` reads its `top_k` quantized pages, the whole tail and
-    the key scales and zeros of every quantized page (its bounds).
+    tail, so with a tail of T tokens the whole pages of `kept_tokens` - T stay
+    quantized; as T cycles through [R, R + page_size - 1] while decoding, the
+    held bytes are averaged over those T (steady state once over budget).
+    `KIVIQuest` reads its `top_k` quantized pages, the whole tail and the key
+    scales and zeros of every quantized page (its bounds); its `dense_layers`
+    read everything.
 
     Returns:
       dict(held=bytes per context token stored, read=bytes per context token a step reads).
@@ -355,10 +358,12 @@ def kv_bytes_per_token(model, cc: CacheConfig, context: int, *, page_size: int =
     else:
         n_q = page_size * (max(context - cc.residual, 0) // page_size)
         n_t = context - n_q
-        if isinstance(cc.policy, KIVIH2O):
-            n_q = min(n_q, page_size * (max(kept - n_t, 0) // page_size))
         per_q = layers * (q_elems * (cc.bits / 8 + 4 / cc.group_size) + fp_elems * fp)
         held = n_q * per_q + n_t * full
+        if isinstance(cc.policy, KIVIH2O) and context > kept:
+            tails = range(cc.residual, cc.residual + page_size)
+            held = sum(min(n_q, page_size * (max(kept - t, 0) // page_size)) * per_q
+                       + t * full for t in tails) / page_size
         read = held
         if isinstance(cc.policy, KIVIQuest):
             bounds = layers * (q_elems // 2) * 4 / cc.group_size  # key scale + zero, f16
