@@ -27,8 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention as kattn
+from kvjax.attention.quantized_selected import quantized_selected_decode_attention
 from kvjax.cache import paged, quantized
-from kvjax.cache.policies import CachePolicy, NoPolicy, selected_decode_attention
+from kvjax.cache.policies import (
+    KIVIH2O,
+    CachePolicy,
+    KIVIPolicy,
+    KIVIQuest,
+    NoPolicy,
+    selected_decode_attention,
+)
 from kvjax.specs import QuantSpec
 
 __all__ = ["CacheConfig", "CacheDecoder", "kv_bytes_per_token", "greedy_generate"]
@@ -44,7 +52,9 @@ class CacheConfig:
       bits: 8, 4 or 2 for a KIVI-quantized cache (None: full precision).
       group_size: KIVI group G.
       residual: KIVI full-precision recent tokens R (a multiple of the page size).
-      policy: an eviction / selection policy (paged full-precision caches only).
+      policy: an eviction / selection policy. Full-precision caches take any
+        `CachePolicy`; KIVI caches (bits set) take `KIVIQuest` or `KIVIH2O`
+        (`kvjax.cache.policies.kivi`), which act on the packed pages.
       read_budget: tokens a step reads when the policy selects pages (Quest), for accounting.
     """
 
@@ -57,10 +67,16 @@ class CacheConfig:
     read_budget: int | None = None
 
     def __post_init__(self):
-        if self.bits is not None and self.policy is not None:
+        quant_policy = isinstance(self.policy, KIVIPolicy)
+        if self.bits is not None and self.policy is not None and not quant_policy:
             raise ValueError(
-                f"CacheConfig {self.name!r}: kvjax's cache policies act on full-precision "
-                f"KVPages; a quantized cache with a policy is not supported.")
+                f"CacheConfig {self.name!r}: a KIVI cache (bits={self.bits}) supports the "
+                f"policies KIVIQuest and KIVIH2O (kvjax.cache.policies.kivi), got "
+                f"{type(self.policy).__name__}; full-precision policies act on KVPages only.")
+        if self.bits is None and quant_policy:
+            raise ValueError(
+                f"CacheConfig {self.name!r}: {type(self.policy).__name__} acts on KIVI caches; "
+                f"set bits (2, 4 or 8) or use the full-precision Quest / H2O.")
 
 
 def _slice_layer(tree, i: int):
@@ -97,6 +113,7 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
     state, reserve status, policy status)."""
     config = model.config
     is_quant = isinstance(cache, quantized.QuantizedKVCache)
+    kivi = is_quant and isinstance(policy, KIVIPolicy)  # a policy acting on quantized pages
     is_mla = model.family == "deepseek"
     b, t = tokens.shape
     steps = jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -151,7 +168,14 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
             if is_quant:
                 cache = quantized.write_layer(cache, layer, k.astype(dt), v.astype(dt))
                 view = quantized.layer_view(cache, layer, whole_pools=True)
-                out, _ = kattn.quantized_prefill_attention(q, view, q_lengths, scale=scale)
+                sel = policy.before_attention(cache, state, layer, q[:, 0]) if (
+                    kivi and t == 1) else None
+                if sel is None:
+                    out, _ = kattn.quantized_prefill_attention(q, view, q_lengths, scale=scale)
+                else:
+                    out, _ = quantized_selected_decode_attention(q[:, 0], view.one_layer(), sel,
+                                                                 scale=scale)
+                    out = out[:, None]
             else:
                 cache = paged.write_layer(cache, layer, slots, k.astype(dt), v.astype(dt))
                 view = paged.layer_view(cache, layer)
@@ -170,7 +194,7 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
     last = jnp.take_along_axis(x, jnp.maximum(q_lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = (last @ head).astype(jnp.float32)
     p_status = r_status
-    if not is_quant and queries:
+    if queries and (kivi or not is_quant):
         qs = jnp.stack(queries)
         if t == 1:
             cache, state, p_status = policy.after_step(cache, state, qs[:, :, 0])
@@ -209,8 +233,8 @@ class CacheDecoder:
             self.cache = paged.init_cache(spec)
         self.spec = spec
         self.policy = cache_config.policy or NoPolicy()
-        self.state = None if cache_config.bits is not None else self.policy.init_state(
-            self.cache)
+        quant_plain = cache_config.bits is not None and not isinstance(self.policy, KIVIPolicy)
+        self.state = None if quant_plain else self.policy.init_state(self.cache)
         self.batch = batch
         self.position = np.zeros((batch,), np.int64)
         self._compiled = {}  # tokens per row -> compiled `_run` (see `lower`)
@@ -305,7 +329,14 @@ def kv_bytes_per_token(model, cc: CacheConfig, context: int, *, page_size: int =
     tokens `bits / 8` plus a float16 scale and zero per group of G elements
     (MLA: the latent is quantized, the rope key stays full precision). The
     first `page_size * floor((L - R) / page_size)` of L tokens are quantized,
-    the rest is the full-precision tail. Eviction keeps `kept_tokens` of L.
+    the rest is the full-precision tail. Eviction keeps `kept_tokens` of L;
+    on a KIVI cache (`KIVIH2O`) it frees whole quantized pages and never the
+    tail, so with a tail of T tokens the whole pages of `kept_tokens` - T stay
+    quantized; as T cycles through [R, R + page_size - 1] while decoding, the
+    held bytes are averaged over those T (steady state once over budget).
+    `KIVIQuest` reads its `top_k` quantized pages, the whole tail and the key
+    scales and zeros of every quantized page (its bounds); its `dense_layers`
+    read everything.
 
     Returns:
       dict(held=bytes per context token stored, read=bytes per context token a step reads).
@@ -323,9 +354,21 @@ def kv_bytes_per_token(model, cc: CacheConfig, context: int, *, page_size: int =
     kept = context if kept_tokens is None else min(kept_tokens, context)
     if cc.bits is None:
         held = kept * full
+        read = held if cc.read_budget is None else min(cc.read_budget, context) * full
     else:
         n_q = page_size * (max(context - cc.residual, 0) // page_size)
+        n_t = context - n_q
         per_q = layers * (q_elems * (cc.bits / 8 + 4 / cc.group_size) + fp_elems * fp)
-        held = n_q * per_q + (context - n_q) * full
-    read = held if cc.read_budget is None else min(cc.read_budget, context) * full
+        held = n_q * per_q + n_t * full
+        if isinstance(cc.policy, KIVIH2O) and context > kept:
+            tails = range(cc.residual, cc.residual + page_size)
+            held = sum(min(n_q, page_size * (max(kept - t, 0) // page_size)) * per_q
+                       + t * full for t in tails) / page_size
+        read = held
+        if isinstance(cc.policy, KIVIQuest):
+            bounds = layers * (q_elems // 2) * 4 / cc.group_size  # key scale + zero, f16
+            sparse = (min(cc.policy.top_k * page_size, n_q) * per_q + n_t * full
+                      + n_q * bounds)
+            dense = min(cc.policy.dense_layers, layers) / layers  # these layers read all
+            read = dense * held + (1 - dense) * sparse
     return dict(held=held / context, read=read / context)

@@ -3,7 +3,9 @@
 On the shipped tiny byte-level models (`kvjax/assets`), for each cache
 configuration — bf16, int8, KIVI int4 / int2 (G=32, R=128), StreamingLLM,
 H2O, SnapKV and Quest at budgets that are fractions of the perplexity context (prompt +
-scored bytes; the same token budgets serve every retrieval length) — it measures
+scored bytes; the same token budgets serve every retrieval length), and the
+combinations KIVI-4 + Quest and KIVI-2 + H2O (`kvjax.cache.policies.kivi`) at the
+same budgets — it measures
 
 * perplexity on held-out standard-library code, token by token while decoding:
   the prompt is prefilled, then the true continuation is fed one byte per
@@ -14,8 +16,15 @@ scored bytes; the same token budgets serve every retrieval length) — it measur
 * KV bytes per context token held in the cache, and read per decode step.
 
 Prints a table, writes `eval.json` and `eval.png` (quality vs. bytes per token)
-to `--out`. Policy + quantization combinations are listed as unsupported:
-kvjax's policies act on full-precision `KVPages`, not on quantized pages.
+to `--out`.
+
+The combinations act on the packed KIVI pages (page size 32 = G). Their
+full-precision tail counts against the budget b (H2O holds quantized pages
+kept x 32 + tail <= b tokens; Quest reads top_k quantized pages + the tail), so
+R = 128 would not fit: they use R = 32 * floor(max(b/2 - 31, 0) / 32) (about half
+the budget for the recent tokens, as H2O splits it) and Quest top_k =
+max(1, (b - R - 16) // 32) pages (the tail averages R + 16 tokens). H2O needs
+b >= R + 31 (the largest tail); a smaller budget is reported as not run.
 """
 
 import argparse
@@ -62,7 +71,7 @@ def add_parser(subparsers) -> None:
 
 def cache_configs(model_name: str, context: int, budgets) -> list:
     """The configurations evaluated for one model at one context length."""
-    from kvjax.cache.policies import H2O, Quest, SnapKV, StreamingLLM
+    from kvjax.cache.policies import H2O, KIVIH2O, KIVIQuest, Quest, SnapKV, StreamingLLM
     from kvjax.decoding import CacheConfig
 
     out = [CacheConfig(name="bf16"),
@@ -82,7 +91,37 @@ def cache_configs(model_name: str, context: int, budgets) -> list:
             CacheConfig(name=f"Quest {pct}", policy=Quest(top_k=max(1, b // 16), dense_layers=0),
                         read_budget=max(1, b // 16) * 16),
         ]
+        residual, top_k, h2o_ok = combo_settings(b)
+        out.append(CacheConfig(name=f"KIVI-4 + Quest {pct}", bits=4, residual=residual,
+                               policy=KIVIQuest(top_k=top_k, dense_layers=0)))
+        if h2o_ok:
+            out.append(CacheConfig(name=f"KIVI-2 + H2O {pct}", bits=2, residual=residual,
+                                   policy=KIVIH2O(budget=b)))
     return out
+
+
+COMBO_PAGE = 32  # page size of the quantized caches (`_page_size`), = the KIVI group G
+
+
+def combo_settings(budget: int) -> tuple[int, int, bool]:
+    """(residual R, KIVIQuest top_k, whether KIVIH2O can hold `budget`) of the combinations."""
+    ps = COMBO_PAGE
+    residual = ps * int(max(budget / 2 - (ps - 1), 0) // ps)
+    top_k = max(1, (budget - residual - ps // 2) // ps)
+    return residual, top_k, budget >= residual + ps - 1
+
+
+def combos_not_run(context: int, budgets) -> list[str]:
+    """Notes for the combinations `cache_configs` leaves out (budget below one tail)."""
+    notes = []
+    for frac in budgets:
+        b = max(8, int(round(frac * context)))
+        residual, _, ok = combo_settings(b)
+        if not ok:
+            notes.append(f"KIVI-2 + H2O {frac:.0%}: not run: a budget of {b} tokens is below "
+                         f"the largest full-precision tail ({residual + COMBO_PAGE - 1} tokens "
+                         f"at R={residual}, page size {COMBO_PAGE})")
+    return notes
 
 
 def _page_size(cc) -> int:
@@ -258,23 +297,22 @@ def _merge(args) -> int:
 def _report(rows, settings, elapsed, out) -> int:
     contexts = settings["contexts"]
     total = settings["prompt_len"] + settings["score_len"]
-    unsupported = ["KIVI-4 + Quest", "KIVI-2 + H2O"]
+    not_run = combos_not_run(total, settings["budgets"])
     base = {r["model"]: r["ppl"] for r in rows if r["config"] == "bf16"}
     for r in rows:  # relative to the model's bf16 cache when that was run
         if r["model"] in base:
             r["ppl_change_pct"] = 100 * (r["ppl"] / base[r["model"]] - 1)
-    hdr = (f"{'model':<5} {'cache':<18} {'ppl':>7} {'Δppl':>7} "
+    hdr = (f"{'model':<5} {'cache':<22} {'ppl':>7} {'Δppl':>7} "
            + "".join(f"{'ret@' + str(L):>8}" for L in contexts)
            + f" {'B/tok held':>11} {'B/tok read':>11}")
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
-        lines.append(f"{r['model']:<5} {r['config']:<18} {r['ppl']:>7.3f} "
+        lines.append(f"{r['model']:<5} {r['config']:<22} {r['ppl']:>7.3f} "
                      f"{r['ppl_change_pct']:>+6.2f}% "
                      + "".join(f"{r['retrieval'][str(L)]:>8.0%}" for L in contexts)
                      + f" {r['bytes_held']:>11.1f} {r['bytes_read']:>11.1f}")
-    for u in unsupported:
-        lines.append(f"{'*':<5} {u:<18} not supported: kvjax policies act on full-precision "
-                     "KVPages only")
+    for note in not_run:
+        lines.append(f"{'*':<5} {note}")
     machine = (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
                f"{platform.system()}, Python {platform.python_version()}").strip()
     table = "\n".join(lines)
@@ -285,7 +323,7 @@ def _report(rows, settings, elapsed, out) -> int:
           f"{settings['retrieval_n']} prompts per context length; machine: {machine}; "
           f"{elapsed:.0f}s")
     result = dict(settings=settings, machine=machine, seconds=elapsed, rows=rows,
-                  unsupported=unsupported, table=table)
+                  not_run=not_run, table=table)
     with open(os.path.join(out, "eval.json"), "w") as f:
         json.dump(result, f, indent=1)
     png = _plot(rows, os.path.join(out, "eval.png"))

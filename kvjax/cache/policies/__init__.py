@@ -1,5 +1,7 @@
 """Cache policies: evict tokens (StreamingLLM, H2O, SnapKV, PyramidKV) or select pages (Quest).
 
+`kivi.py` runs Quest and a page-granular H2O on KIVI-quantized caches.
+
 See `base.py` for the interface a decode loop calls, `compaction.py` for how
 eviction returns pages to the pool.
 """
@@ -13,6 +15,7 @@ from kvjax.cache.policies.base import (
 )
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent
 from kvjax.cache.policies.h2o import H2O, H2OState
+from kvjax.cache.policies.kivi import KIVIH2O, KIVIH2OState, KIVIPolicy, KIVIQuest
 from kvjax.cache.policies.pyramidkv import PyramidKV, PyramidState
 from kvjax.cache.policies.quest import Quest, QuestState, quest_page_bounds
 from kvjax.cache.policies.rope import apply_rope, rerotate, rope_inv_freq
@@ -23,6 +26,10 @@ __all__ = [
     "H2O",
     "H2OState",
     "CachePolicy",
+    "KIVIH2O",
+    "KIVIH2OState",
+    "KIVIPolicy",
+    "KIVIQuest",
     "NoPolicy",
     "PyramidKV",
     "PyramidState",
