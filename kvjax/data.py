@@ -9,9 +9,14 @@ Two sources, both available on any machine with Python installed:
   `HELDOUT_BYTE_BELOW` (about 5% of files), so the split depends only on file
   names. (The bytes themselves depend on the Python version: 3.11 here.)
 * **Retrieval**: synthetic long-context sequences. Lines `key_ab12 = "83921"`
-  are buried at random depths in code filler; the sequence ends with
-  `assert key_ab12 == "` and the model must copy the 5-digit value from far
-  back. These teach (and test) use of context hundreds of bytes back.
+  are buried at random depths in code filler; the sequence ends with the
+  queried line's own prefix, `key_ab12 = "`, and the model must copy the
+  5-digit value from far back. These teach (and test) use of context hundreds
+  of bytes back. The query repeats the buried prefix exactly (an earlier
+  version asked `assert key_ab12 == "`): matching a repeated prefix and copying
+  what followed it is the induction mechanism small transformers learn first,
+  while a reworded query needs a multi-hop circuit the tiny models did not
+  learn in 1,000 steps (chance-level digits).
 """
 
 import dataclasses
@@ -129,7 +134,7 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
               for _ in keys]
     target = int(rng.integers(0, num_pairs))
     lines = [b'key_%s = "%s"\n' % (k, v) for k, v in zip(keys, values, strict=True)]
-    query = b'\nassert key_%s == "' % keys[target]
+    query = b'\nkey_%s = "' % keys[target]
     tail = values[target] + b'"'
     filler_len = length - len(query) - len(tail) - sum(len(x) for x in lines)
     if filler_len < 16:

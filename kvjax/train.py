@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out batches for the final loss")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop early (and export) after this much training time")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop (and export) after this many steps, the learning-rate schedule "
+                        "still planned over --steps (replays a run cut short by --max-minutes)")
     p.add_argument("--no-export", action="store_true", help="skip writing the weights")
     p.add_argument("--light-export", action="store_true",
                    help="export weights and held-out loss only (no retrieval accuracy, no "
@@ -211,8 +214,9 @@ def train(args) -> dict:
             history.append((step + 1, loss))
             print(f"step {step + 1:5d}  loss {loss:.4f}  smoothed {run_loss:.4f}  "
                   f"{time.time() - t0:7.1f}s", flush=True)
-        out_of_time = (args.max_minutes is not None
-                       and time.time() - t0 > 60 * args.max_minutes)
+        out_of_time = ((args.max_minutes is not None
+                        and time.time() - t0 > 60 * args.max_minutes)
+                       or (args.stop_after is not None and step + 1 >= args.stop_after))
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps or out_of_time:
             with open(ckpt + ".tmp", "wb") as f:
                 pickle.dump(dict(params=jax.device_get(params),
@@ -221,13 +225,14 @@ def train(args) -> dict:
                                  elapsed=time.time() - t0, history=history), f)
             os.replace(ckpt + ".tmp", ckpt)
         if out_of_time:
-            print(f"stopping at step {step + 1}: --max-minutes reached", flush=True)
+            print(f"stopping at step {step + 1} (--max-minutes / --stop-after)", flush=True)
             break
     train_seconds = time.time() - t0
     record = dict(preset=args.model, params=tiny.param_count(params), steps=steps_done,
                   planned_steps=args.steps,
                   batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                  retrieval_fraction=args.retrieval_fraction, train_seconds=train_seconds,
+                  retrieval_fraction=args.retrieval_fraction, answer_weight=args.answer_weight,
+                  warmup=args.warmup, init_from=args.init_from, train_seconds=train_seconds,
                   final_train_loss=history[-1][1] if history else None, history=history)
     if conversion is not None:
         record.update(conversion)

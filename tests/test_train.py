@@ -44,7 +44,9 @@ def test_retrieval_example_buries_the_queried_value(rng):
     assert len(text) == 300
     assert text[ex.answer_start:] == ex.value + b'"'
     prompt = text[:ex.answer_start]
-    key = prompt[prompt.rindex(b"assert key_") + 7:].split(b" ")[0]
+    query = prompt[prompt.rindex(b"\nkey_") + 1:]
+    key = query.split(b" ")[0]
+    assert query == key + b' = "'  # the query repeats the buried line's prefix
     line = key + b' = "' + ex.value + b'"'
     assert prompt.count(line) == 1 and prompt.index(line) == ex.depth
     assert ex.value.isdigit() and len(ex.value) == data.VALUE_DIGITS
