@@ -12,11 +12,10 @@ Two sources, both available on any machine with Python installed:
   are buried at random depths in code filler; the sequence ends with the
   queried line's own prefix, `key_ab12 = "`, and the model must copy the
   5-digit value from far back. These teach (and test) use of context hundreds
-  of bytes back. The query repeats the buried prefix exactly (an earlier
-  version asked `assert key_ab12 == "`): matching a repeated prefix and copying
-  what followed it is the induction mechanism small transformers learn first,
-  while a reworded query needs a multi-hop circuit the tiny models did not
-  learn in 1,000 steps (chance-level digits).
+  of bytes back. `query="assert"` asks `assert key_ab12 == "` instead (the
+  shipped models' first training phase used it): a reworded query needs a
+  multi-hop circuit, while matching a repeated prefix and copying what followed
+  it is the induction mechanism small transformers learn first.
 """
 
 import dataclasses
@@ -32,6 +31,7 @@ __all__ = [
     "stdlib_files",
     "is_heldout",
     "load_corpus",
+    "QUERY_STYLES",
     "retrieval_example",
     "code_crop",
     "training_batch",
@@ -113,8 +113,12 @@ def _random_chars(rng, n):
     return bytes(_KEY_CHARS[rng.integers(0, len(_KEY_CHARS), n)])
 
 
+QUERY_STYLES = ("repeat", "assert")
+
+
 def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int, *,
-                      num_pairs: int = 4, depth: float | None = None) -> RetrievalExample:
+                      num_pairs: int = 4, depth: float | None = None,
+                      query: str = "repeat") -> RetrievalExample:
     """Key→value lines buried in code filler, one of them asked for at the end.
 
     Args:
@@ -124,7 +128,11 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
       num_pairs: key→value lines buried in the filler (one is queried).
       depth: where the queried line sits, as a fraction of the filler (0 = start);
         None = uniform at random.
+      query: "repeat" ends with the queried line's prefix `key_ab12 = "`;
+        "assert" with `assert key_ab12 == "`.
     """
+    if query not in QUERY_STYLES:
+        raise ValueError(f"query must be one of {QUERY_STYLES}, got {query!r}.")
     keys = []
     while len(keys) < num_pairs:
         k = _random_chars(rng, 4)
@@ -134,9 +142,9 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
               for _ in keys]
     target = int(rng.integers(0, num_pairs))
     lines = [b'key_%s = "%s"\n' % (k, v) for k, v in zip(keys, values, strict=True)]
-    query = b'\nkey_%s = "' % keys[target]
+    ask = (b'\nkey_%s = "' if query == "repeat" else b'\nassert key_%s == "') % keys[target]
     tail = values[target] + b'"'
-    filler_len = length - len(query) - len(tail) - sum(len(x) for x in lines)
+    filler_len = length - len(ask) - len(tail) - sum(len(x) for x in lines)
     if filler_len < 16:
         raise ValueError(f"length={length} is too short for {num_pairs} key/value pairs.")
     filler = code_crop(rng, corpus, filler_len).tobytes()
@@ -156,7 +164,7 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
         out.append(lines[i])
         prev = points[i]
     out.append(filler[prev:])
-    prompt = b"".join(out) + query
+    prompt = b"".join(out) + ask
     tokens = np.frombuffer(prompt + tail, np.uint8).copy()
     assert len(tokens) == length
     return RetrievalExample(tokens=tokens, answer_start=len(prompt), value=values[target],
@@ -164,7 +172,7 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
 
 
 def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, length: int, *,
-                   retrieval_fraction: float, answer_weight: float
+                   retrieval_fraction: float, answer_weight: float, query: str = "repeat"
                    ) -> tuple[np.ndarray, np.ndarray]:
     """A batch of byte sequences and per-target loss weights.
 
@@ -176,7 +184,8 @@ def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, len
     weights = np.ones((batch, length - 1), np.float32)
     for b in range(batch):
         if rng.random() < retrieval_fraction:
-            ex = retrieval_example(rng, corpus, length, num_pairs=int(rng.integers(1, 5)))
+            ex = retrieval_example(rng, corpus, length, num_pairs=int(rng.integers(1, 5)),
+                                   query=query)
             tokens[b] = ex.tokens
             weights[b, ex.answer_start - 1:] = answer_weight
         else:

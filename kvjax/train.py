@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--retrieval-fraction", type=float, default=0.35,
                    help="fraction of sequences that are synthetic key/value retrieval")
+    p.add_argument("--retrieval-query", choices=("repeat", "assert"), default="repeat",
+                   help="how retrieval sequences ask for the value (see kvjax.data)")
     p.add_argument("--answer-weight", type=float, default=4.0,
                    help="loss weight of retrieval answer bytes (1 elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of init and data order")
@@ -205,7 +207,8 @@ def train(args) -> dict:
     for step in range(start, args.steps):
         toks, w = data.training_batch(rng, corpus, args.batch, args.seq_len,
                                       retrieval_fraction=args.retrieval_fraction,
-                                      answer_weight=args.answer_weight)
+                                      answer_weight=args.answer_weight,
+                                      query=args.retrieval_query)
         params, opt_state, loss = step_fn(params, opt_state, toks, w)
         steps_done = step + 1
         if (step + 1) % args.log_every == 0 or step == start:
@@ -232,7 +235,8 @@ def train(args) -> dict:
                   planned_steps=args.steps,
                   batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                   retrieval_fraction=args.retrieval_fraction, answer_weight=args.answer_weight,
-                  warmup=args.warmup, init_from=args.init_from, train_seconds=train_seconds,
+                  retrieval_query=args.retrieval_query, warmup=args.warmup,
+                  init_from=args.init_from, train_seconds=train_seconds,
                   final_train_loss=history[-1][1] if history else None, history=history)
     if conversion is not None:
         record.update(conversion)
