@@ -9,13 +9,13 @@ Two sources, both available on any machine with Python installed:
   `HELDOUT_BYTE_BELOW` (about 5% of files), so the split depends only on file
   names. (The bytes themselves depend on the Python version: 3.11 here.)
 * **Retrieval**: synthetic long-context sequences. Lines `key_ab12 = "83921"`
-  are buried at random depths in code filler; the sequence ends with the
-  queried line's own prefix, `key_ab12 = "`, and the model must copy the
-  5-digit value from far back. These teach (and test) use of context hundreds
-  of bytes back. `query="assert"` asks `assert key_ab12 == "` instead (the
-  shipped models' first training phase used it): a reworded query needs a
-  multi-hop circuit, while matching a repeated prefix and copying what followed
-  it is the induction mechanism small transformers learn first.
+  are buried at random depths in code filler; the sequence ends with
+  `assert key_ab12 == "` and the model must copy the 5-digit value from far
+  back. These teach (and test) use of context hundreds of bytes back.
+  `query="repeat"` ends with the queried line's own prefix, `key_ab12 = "`,
+  instead: a plain induction (match a repeated prefix, copy what followed)
+  where the default needs a multi-hop circuit. Neither was learned by the
+  shipped models in this project's CPU budget (see docs/models.md).
 """
 
 import dataclasses
@@ -113,12 +113,12 @@ def _random_chars(rng, n):
     return bytes(_KEY_CHARS[rng.integers(0, len(_KEY_CHARS), n)])
 
 
-QUERY_STYLES = ("repeat", "assert")
+QUERY_STYLES = ("assert", "repeat")
 
 
 def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int, *,
                       num_pairs: int = 4, depth: float | None = None,
-                      query: str = "repeat") -> RetrievalExample:
+                      query: str = "assert") -> RetrievalExample:
     """Key→value lines buried in code filler, one of them asked for at the end.
 
     Args:
@@ -128,8 +128,8 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
       num_pairs: key→value lines buried in the filler (one is queried).
       depth: where the queried line sits, as a fraction of the filler (0 = start);
         None = uniform at random.
-      query: "repeat" ends with the queried line's prefix `key_ab12 = "`;
-        "assert" with `assert key_ab12 == "`.
+      query: "assert" ends with `assert key_ab12 == "` (what the shipped models
+        were trained on); "repeat" with the queried line's own prefix `key_ab12 = "`.
     """
     if query not in QUERY_STYLES:
         raise ValueError(f"query must be one of {QUERY_STYLES}, got {query!r}.")
@@ -172,7 +172,7 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
 
 
 def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, length: int, *,
-                   retrieval_fraction: float, answer_weight: float, query: str = "repeat"
+                   retrieval_fraction: float, answer_weight: float, query: str = "assert"
                    ) -> tuple[np.ndarray, np.ndarray]:
     """A batch of byte sequences and per-target loss weights.
 

@@ -255,7 +255,7 @@ class CacheDecoder:
         through the ordinary jit.
         """
         out = {}
-        for t in (prompt_len, 1):
+        for t in sorted({prompt_len, 1}):
             tokens = np.zeros((self.batch, t), np.int32)
             lengths = np.full((self.batch,), t, np.int32)
             out[t] = _run.trace(*self._args(tokens, lengths), model=self.model,

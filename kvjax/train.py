@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--retrieval-fraction", type=float, default=0.35,
                    help="fraction of sequences that are synthetic key/value retrieval")
-    p.add_argument("--retrieval-query", choices=("repeat", "assert"), default="repeat",
+    p.add_argument("--retrieval-query", choices=("assert", "repeat"), default="assert",
                    help="how retrieval sequences ask for the value (see kvjax.data)")
     p.add_argument("--answer-weight", type=float, default=4.0,
                    help="loss weight of retrieval answer bytes (1 elsewhere)")

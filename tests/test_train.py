@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from kvjax import data
 from kvjax.models.deepseek import DeepseekConfig
@@ -38,16 +39,17 @@ def test_a_few_training_steps_lower_the_loss(rng):
         assert float(loss) < first - 1.0, (name, first, float(loss))
 
 
-def test_retrieval_example_buries_the_queried_value(rng):
-    ex = data.retrieval_example(rng, CORPUS, 300, num_pairs=3)
+@pytest.mark.parametrize("query,ask", [("assert", b'\nassert key_%s == "'),
+                                       ("repeat", b'\nkey_%s = "')])
+def test_retrieval_example_buries_the_queried_value(rng, query, ask):
+    ex = data.retrieval_example(rng, CORPUS, 300, num_pairs=3, query=query)
     text = ex.tokens.tobytes()
     assert len(text) == 300
     assert text[ex.answer_start:] == ex.value + b'"'
     prompt = text[:ex.answer_start]
-    query = prompt[prompt.rindex(b"\nkey_") + 1:]
-    key = query.split(b" ")[0]
-    assert query == key + b' = "'  # the query repeats the buried line's prefix
-    line = key + b' = "' + ex.value + b'"'
+    key = prompt[prompt.rindex(b"key_") + 4:].split(b" ")[0]
+    assert prompt.endswith(ask % key)
+    line = b"key_" + key + b' = "' + ex.value + b'"'
     assert prompt.count(line) == 1 and prompt.index(line) == ex.depth
     assert ex.value.isdigit() and len(ex.value) == data.VALUE_DIGITS
 
