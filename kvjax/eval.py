@@ -60,8 +60,9 @@ def add_parser(subparsers) -> None:
                         "(default 0.1,0.2,0.5; quick 0.5)")
     p.add_argument("--configs", default=None,
                    help="comma-separated substrings: evaluate only configurations whose name "
-                        "contains one (e.g. 'bf16,KIVI,H2O'; '^H2O' = names starting with "
-                        "'H2O'); the first one run is the baseline")
+                        "contains one (e.g. 'bf16,KIVI,H2O'; '^H2O': names starting with "
+                        "'H2O'; '=KIVI-2': exactly that name); the first one run is the "
+                        "baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled eval data")
     p.add_argument("--merge", default=None,
                    help="comma-separated result directories of earlier runs (e.g. split with "
@@ -123,6 +124,15 @@ def combos_not_run(context: int, budgets) -> list[str]:
                          f"the largest full-precision tail ({residual + COMBO_PAGE - 1} tokens "
                          f"at R={residual}, page size {COMBO_PAGE})")
     return notes
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """--configs matching: '=x' exact, '^x' prefix, otherwise substring."""
+    if pattern.startswith("="):
+        return name == pattern[1:]
+    if pattern.startswith("^"):
+        return name.startswith(pattern[1:])
+    return pattern in name
 
 
 def _page_size(cc) -> int:
@@ -254,8 +264,7 @@ def run(args) -> int:
         model, params = tiny.load_tiny(name)
         configs = cache_configs(name, total, budgets)
         if wanted:
-            configs = [c for c in configs if any(
-                c.name.startswith(w[1:]) if w.startswith("^") else w in c.name for w in wanted)]
+            configs = [c for c in configs if any(_matches(c.name, w) for w in wanted)]
         base_ppl = None
         for cc in tqdm(configs, desc=f"eval {name}"):
             ppl = _perplexity(model, params, cc, seqs, prompt_len, pad_to, max_len)

@@ -37,7 +37,7 @@ def test_demo_runs():
 
 
 def test_eval_quick_runs(tmp_path):
-    _run("eval", "--quick", "--models", "gqa", "--configs", "bf16,KIVI-2,H2O",
+    _run("eval", "--quick", "--models", "gqa", "--configs", "bf16,=KIVI-2,^H2O",
          "--out", str(tmp_path))
     with open(tmp_path / "eval.json") as f:
         result = json.load(f)
