@@ -184,7 +184,9 @@ def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, len
     weights = np.ones((batch, length - 1), np.float32)
     for b in range(batch):
         if rng.random() < retrieval_fraction:
-            ex = retrieval_example(rng, corpus, length, num_pairs=int(rng.integers(1, 5)),
+            # 1-4 pairs; short sequences take as many as leave 16 bytes of filler.
+            most = int(min(4, max(1, (length - 16 - 27) // 19)))
+            ex = retrieval_example(rng, corpus, length, num_pairs=int(rng.integers(1, most + 1)),
                                    query=query)
             tokens[b] = ex.tokens
             weights[b, ex.answer_start - 1:] = answer_weight
