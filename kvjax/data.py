@@ -32,6 +32,7 @@ __all__ = [
     "is_heldout",
     "load_corpus",
     "QUERY_STYLES",
+    "max_pairs",
     "retrieval_example",
     "code_crop",
     "training_batch",
@@ -171,6 +172,13 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
                             depth=target_at)
 
 
+def max_pairs(length: int) -> int:
+    """Key/value pairs (1-4) a `length`-byte retrieval example holds with 16 bytes of filler
+    left, for either query style (4 from 119 bytes on)."""
+    # A line `key_ab12 = "83921"\n` is 19 bytes; the longer query plus the answer 27.
+    return int(min(4, max(1, (length - 16 - 27) // 19)))
+
+
 def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, length: int, *,
                    retrieval_fraction: float, answer_weight: float, query: str = "assert"
                    ) -> tuple[np.ndarray, np.ndarray]:
@@ -184,8 +192,7 @@ def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, len
     weights = np.ones((batch, length - 1), np.float32)
     for b in range(batch):
         if rng.random() < retrieval_fraction:
-            # 1-4 pairs; short sequences take as many as leave 16 bytes of filler.
-            most = int(min(4, max(1, (length - 16 - 27) // 19)))
+            most = max_pairs(length)
             ex = retrieval_example(rng, corpus, length, num_pairs=int(rng.integers(1, most + 1)),
                                    query=query)
             tokens[b] = ex.tokens

@@ -128,15 +128,18 @@ def evaluate_loss(params, config, corpus, *, batches: int, batch: int, seq_len: 
     return total / batches
 
 
-def retrieval_accuracy(params, config, corpus, *, n: int, seq_len: int, seed: int = 99) -> float:
-    """Greedy exact-match of the 5-digit value (teacher-forced, dense forward)."""
+def retrieval_accuracy(params, config, corpus, *, n: int, seq_len: int, seed: int = 99,
+                       query: str = "assert") -> float:
+    """Greedy exact-match of the 5-digit value (teacher-forced, dense forward), on examples
+    with as many key/value pairs as `seq_len` holds (up to 4) and the given query style."""
     import jax
     import numpy as np
 
     from kvjax import data
 
     rng = np.random.default_rng(seed)
-    exs = [data.retrieval_example(rng, corpus, seq_len) for _ in range(n)]
+    exs = [data.retrieval_example(rng, corpus, seq_len, num_pairs=data.max_pairs(seq_len),
+                                  query=query) for _ in range(n)]
     toks = np.stack([e.tokens for e in exs]).astype(np.int32)
     from kvjax.models.tiny import forward_dense
 
@@ -252,7 +255,8 @@ def train(args) -> dict:
             params16, config, heldout, batches=args.eval_batches, batch=8, seq_len=args.seq_len)
         if not args.light_export:
             record["retrieval_accuracy_teacher_forced"] = retrieval_accuracy(
-                params16, config, heldout, n=32, seq_len=args.seq_len)
+                params16, config, heldout, n=32, seq_len=args.seq_len,
+                query=args.retrieval_query)
             record["reference_prompt"] = REFERENCE_PROMPT
             record["reference_continuation"] = reference_continuation(model, params16)
         tiny.save_tiny(args.model, params, record, args.out)

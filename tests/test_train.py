@@ -60,3 +60,26 @@ def test_stdlib_split_is_deterministic_and_disjoint():
     held = [f for f in files if data.is_heldout(f)]
     assert 0.01 < len(held) / len(files) < 0.15
     assert [f for f in files if data.is_heldout(f)] == held
+
+
+def test_max_pairs_is_the_most_that_fit(rng):
+    for length in range(62, 140, 3):
+        most = data.max_pairs(length)
+        for query in data.QUERY_STYLES:
+            data.retrieval_example(rng, CORPUS, length, num_pairs=most, query=query)
+        if most < 4:  # one more pair leaves under 16 bytes of filler for the longer query
+            with pytest.raises(ValueError, match="too short"):
+                data.retrieval_example(rng, CORPUS, length, num_pairs=most + 1, query="assert")
+
+
+def test_retrieval_accuracy_runs_at_short_lengths():
+    # Regression: it used 4 key/value pairs whatever the length (a 96-byte run crashed
+    # at export). An untrained model scores (near) zero; the value must be a fraction.
+    from kvjax.models.tiny import tiny_config
+    from kvjax.train import retrieval_accuracy
+
+    config = tiny_config("gqa")
+    params = init_tiny(config, jax.random.key(1))
+    for query in data.QUERY_STYLES:
+        acc = retrieval_accuracy(params, config, CORPUS, n=4, seq_len=96, query=query)
+        assert 0.0 <= acc <= 1.0
