@@ -6,12 +6,12 @@ agree to a couple of bf16 ulps (2e-2 relative), while their float32 lse agrees t
 1e-5 (same bf16 values, f32 arithmetic).
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_written import materialised
 
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
@@ -183,31 +183,6 @@ def test_auto_is_xla_on_cpu():
         assert ops._IMPLS[op]["reference"] is not getattr(xla, op)
 
 
-_ALIASING = {"parameter", "get-tuple-element", "bitcast", "tuple", "while", "opt-barrier",
-             "constant", "call", "conditional"}
-
-
-def _materialised(fn, *args):
-    """(opcode, element count) of every array the optimised program writes to memory.
-
-    Instructions inside fused computations are computed element by element and
-    never stored, so only the top-level computations (entry, loop bodies) count;
-    ops that only alias a buffer (parameters, bitcasts, tuples) are skipped.
-    """
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
-    out, skip = [], False
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) .*\{$", line)
-        if head:
-            skip = head.group(1) in fused
-            continue
-        m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([0-9,]*)\]\{?[^ ]* ([\w\-]+)\(", line)
-        if skip or not m or m.group(3) in _ALIASING:
-            continue
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        out.append((m.group(3), int(np.prod(dims)) if dims else 1))
-    return out
 
 
 def _no_gather_case(dtype):
@@ -226,12 +201,12 @@ def test_no_gathered_copy_of_the_sequence(dtype):
     pool = int(np.prod(args[1].shape))
     assert pool > gathered
     # The check can fail: the reference materialises exactly that gathered copy.
-    assert max(n for _, n in _materialised(paged_ref.paged_decode_attention, *args)) >= gathered
-    written = _materialised(
+    assert max(n for *_, n in materialised(paged_ref.paged_decode_attention, *args)) >= gathered
+    written = materialised(
         lambda *a: xla.paged_decode_attention(*a, block_tokens=2 * page_size), *args)
     # Neither a gathered copy of the sequences nor a converted copy of the pool (XLA:CPU
     # hoists a bf16 pool's f32 conversion out of the loop unless prevented).
-    assert max(n for _, n in written) <= gathered // 8, written
+    assert max(n for *_, n in written) <= gathered // 8, written
 
 
 def _scan_layers(attend, q, pools, num_layers):
@@ -272,8 +247,8 @@ def test_layer_of_whole_pools(rng, dtype):
                                np.asarray(run_ref(q, (k_all, v_all)), np.float32),
                                rtol=tol, atol=tol)
     layer_pool = int(np.prod(k.shape))
-    written = _materialised(lambda q, k, v: run_xla(q, (k, v)), q, k_all, v_all)
-    assert max(n for _, n in written) < layer_pool, written
+    written = materialised(lambda q, k, v: run_xla(q, (k, v)), q, k_all, v_all)
+    assert max(n for *_, n in written) < layer_pool, written
 
 
 def test_prefill_and_mla_layer_of_whole_pools(rng):

@@ -14,12 +14,12 @@ is the cache's own. Unused block-table entries are overwritten with garbage.
 """
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_written import materialised
 from jax.extend import core as jcore
 
 import kvjax as kvx
@@ -348,31 +348,6 @@ def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
     assert largest(blocked, view) <= 2 * seqs // MAX_PAGES
 
 
-_ALIASING = {"parameter", "get-tuple-element", "bitcast", "tuple", "while", "opt-barrier",
-             "constant", "call", "conditional"}
-
-
-def _materialised(fn, *args):
-    """(opcode, dtype, element count) of every array the optimised program writes.
-
-    Instructions inside fused computations are computed element by element and
-    never stored, so only top-level computations (entry, loop bodies) count; ops
-    that only alias a buffer (parameters, bitcasts, tuples) are skipped.
-    """
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
-    out, skip = [], False
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) .*\{$", line)
-        if head:
-            skip = head.group(1) in fused
-            continue
-        m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([0-9,]*)\]\{?[^ ]* ([\w\-]+)\(", line)
-        if skip or not m or m.group(3) in _ALIASING:
-            continue
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        out.append((m.group(3), m.group(1), int(np.prod(dims)) if dims else 1))
-    return out
 
 
 @pytest.mark.parametrize("mla", [False, True])
@@ -410,9 +385,9 @@ def test_layers_loop_copies_no_pool(rng, mla):
         return fn
 
     # The check can fail: sliced views make XLA copy each layer's pools into the loop.
-    sliced = _materialised(step(False), cache, *q)
+    sliced = materialised(step(False), cache, *q)
     assert max(n for *_, n in sliced) >= limit
-    written = _materialised(step(True), cache, *q)
+    written = materialised(step(True), cache, *q)
     assert max(n for *_, n in written) < limit, written
     np.testing.assert_allclose(np.asarray(jax.jit(step(True))(cache, *q)),
                                np.asarray(jax.jit(step(False))(cache, *q)), rtol=2e-5,
