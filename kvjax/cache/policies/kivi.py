@@ -69,7 +69,7 @@ from jaxtyping import Array, Bool, Float, Int
 from kernels_pallas.quantized_attention import reference as qref
 from kvjax.cache import page_table as pt
 from kvjax.cache import quantized
-from kvjax.cache.policies.base import CachePolicy, Selection
+from kvjax.cache.policies.base import CachePolicy, Selection, active_rows
 from kvjax.cache.policies.quest import quest_page_bounds
 from kvjax.cache.quantized import QuantizedKVCache
 
@@ -343,7 +343,7 @@ class KIVIH2O(KIVIPolicy):
         queries: Float[Array, "layers batch q_heads head_dim"],
         active: Bool[Array, " batch"] | None = None,
     ) -> tuple[QuantizedKVCache, KIVIH2OState, pt.AllocStatus]:
-        rows = cache.lengths > 0 if active is None else jnp.asarray(active, bool)
+        rows = active_rows(cache, active)
         scores = self._accumulate(cache, state.scores, queries[:, :, None],
                                   rows.astype(jnp.int32))
         return self._evict(cache, KIVIH2OState(scores=scores), rows)
