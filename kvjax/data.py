@@ -33,7 +33,9 @@ __all__ = [
     "load_corpus",
     "QUERY_STYLES",
     "max_pairs",
+    "max_drill_pairs",
     "retrieval_example",
+    "retrieval_drill",
     "code_crop",
     "training_batch",
 ]
@@ -172,6 +174,58 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
                             depth=target_at)
 
 
+def retrieval_drill(rng: np.random.Generator, corpus: np.ndarray, length: int, *,
+                    num_pairs: int, query: str = "repeat") -> tuple[np.ndarray, np.ndarray]:
+    """A training sequence that asks for every buried value, in random order.
+
+    `num_pairs` key/value lines are buried in code filler (as in `retrieval_example`)
+    and the sequence ends with one query per key, each followed by its answer:
+    `num_pairs` times the copy signal of a single-query example for the same bytes.
+
+    Returns:
+      tokens uint8[length]; answer uint8[length], 1 on the value digits and closing
+      quotes that a model must copy from far back.
+    """
+    if query not in QUERY_STYLES:
+        raise ValueError(f"query must be one of {QUERY_STYLES}, got {query!r}.")
+    keys = []
+    while len(keys) < num_pairs:
+        k = _random_chars(rng, 4)
+        if k not in keys:
+            keys.append(k)
+    values = [bytes(rng.integers(ord("0"), ord("9") + 1, VALUE_DIGITS).astype(np.uint8))
+              for _ in keys]
+    lines = [b'key_%s = "%s"\n' % (k, v) for k, v in zip(keys, values, strict=True)]
+    fmt = b'\nkey_%s = "' if query == "repeat" else b'\nassert key_%s == "'
+    asks = [(fmt % keys[i], values[i] + b'"') for i in rng.permutation(num_pairs)]
+    filler_len = length - sum(len(a) + len(t) for a, t in asks) - sum(len(x) for x in lines)
+    if filler_len < 16:
+        raise ValueError(f"length={length} is too short for {num_pairs} drilled pairs.")
+    filler = code_crop(rng, corpus, filler_len).tobytes()
+    points = sorted(int(f * filler_len) for f in rng.random(num_pairs))
+    out, prev = [], 0
+    for p, line in zip(points, rng.permutation(lines), strict=True):
+        out += [filler[prev:p], bytes(line)]
+        prev = p
+    out.append(filler[prev:])
+    answer = np.zeros(length, np.uint8)
+    at = sum(len(x) for x in out)
+    for ask, tail in asks:
+        at += len(ask)
+        answer[at:at + len(tail)] = 1
+        out += [ask, tail]
+        at += len(tail)
+    tokens = np.frombuffer(b"".join(out), np.uint8).copy()
+    assert len(tokens) == length
+    return tokens, answer
+
+
+def max_drill_pairs(length: int) -> int:
+    """Pairs (1-4) a `length`-byte `retrieval_drill` holds with 16 bytes of filler left."""
+    # A buried line is 19 bytes; its query and answer 19 ("repeat") or 27 ("assert").
+    return int(min(4, max(1, (length - 16) // 46)))
+
+
 def max_pairs(length: int) -> int:
     """Key/value pairs (1-4) a `length`-byte retrieval example holds with 16 bytes of filler
     left, for either query style (4 from 119 bytes on)."""
@@ -180,9 +234,12 @@ def max_pairs(length: int) -> int:
 
 
 def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, length: int, *,
-                   retrieval_fraction: float, answer_weight: float, query: str = "assert"
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   retrieval_fraction: float, answer_weight: float, query: str = "assert",
+                   drill: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """A batch of byte sequences and per-target loss weights.
+
+    With `drill`, retrieval sequences are `retrieval_drill`s (every buried value asked
+    for) instead of single-query `retrieval_example`s.
 
     Returns:
       tokens int32[batch, length]; weights float32[batch, length - 1] (weight of
@@ -191,7 +248,12 @@ def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, len
     tokens = np.empty((batch, length), np.int32)
     weights = np.ones((batch, length - 1), np.float32)
     for b in range(batch):
-        if rng.random() < retrieval_fraction:
+        is_retrieval = rng.random() < retrieval_fraction
+        if is_retrieval and drill:
+            n = int(rng.integers(1, max_drill_pairs(length) + 1))
+            tokens[b], answer = retrieval_drill(rng, corpus, length, num_pairs=n, query=query)
+            weights[b] = np.where(answer[1:] == 1, answer_weight, 1.0)
+        elif is_retrieval:
             most = max_pairs(length)
             ex = retrieval_example(rng, corpus, length, num_pairs=int(rng.integers(1, most + 1)),
                                    query=query)

@@ -11,8 +11,10 @@ same budgets — it measures
   the prompt is prefilled, then the true continuation is fed one byte per
   decode step and scored (cache error only shows after the prefill, so a
   prefill-only pass would hide it);
-* retrieval accuracy: a `key_xxxx = "ddddd"` line buried in code, asked for at
-  the end, greedy exact match of the 5 digits, at several context lengths;
+* retrieval accuracy: a `key_xxxx = "ddddd"` line (and a distractor pair) buried
+  in code, asked for at the end in the model's trained style (`retrieval_query` in
+  its JSON record: `assert key_xxxx == "` or the line's own prefix `key_xxxx = "`),
+  greedy exact match of the 5 digits, at several context lengths;
 * KV bytes per context token held in the cache, and read per decode step.
 
 Prints a table, writes `eval.json` and `eval.png` (quality vs. bytes per token)
@@ -251,8 +253,7 @@ def run(args) -> int:
     total = prompt_len + score_len
     seqs = np.stack([data.code_crop(rng, heldout, total) for _ in range(ppl_seqs)])
     seqs = seqs.astype(np.int32)
-    examples = {L: [data.retrieval_example(rng, heldout, L, num_pairs=2)
-                    for _ in range(retrieval_n)] for L in contexts}
+    examples = {}  # per query style: each model is asked the way it was trained to answer
     # One padded prefill length and one cache shape for every call of a configuration, so
     # each configuration compiles one prefill and one decode step.
     pad_to = max(prompt_len, max(contexts))
@@ -262,6 +263,14 @@ def run(args) -> int:
     rows = []
     for name in names:
         model, params = tiny.load_tiny(name)
+        query = tiny.tiny_info(name).get("retrieval_query", "assert")
+        if query not in examples:
+            # Same seed for every style: the styles' prompts bury the same pairs in the same
+            # filler and differ only in the question.
+            qrng = np.random.default_rng([args.seed, 1])
+            examples[query] = {L: [data.retrieval_example(qrng, heldout, L, num_pairs=2,
+                                                          query=query)
+                                   for _ in range(retrieval_n)] for L in contexts}
         configs = cache_configs(name, total, budgets)
         if wanted:
             configs = [c for c in configs if any(_matches(c.name, w) for w in wanted)]
@@ -269,7 +278,8 @@ def run(args) -> int:
         for cc in tqdm(configs, desc=f"eval {name}"):
             ppl = _perplexity(model, params, cc, seqs, prompt_len, pad_to, max_len)
             base_ppl = ppl if base_ppl is None else base_ppl
-            acc = {L: _retrieval(model, params, cc, examples[L], ppl_seqs, pad_to, max_len)
+            acc = {L: _retrieval(model, params, cc, examples[query][L], ppl_seqs, pad_to,
+                                 max_len)
                    for L in contexts}
             pol = cc.policy
             kept = getattr(pol, "budget", None)
@@ -282,6 +292,7 @@ def run(args) -> int:
             rows.append(dict(model=name, config=cc.name, ppl=ppl,
                              ppl_change_pct=100 * (ppl / base_ppl - 1),
                              retrieval={str(k): v for k, v in acc.items()},
+                             retrieval_query=query,
                              retrieval_mean=float(np.mean(list(acc.values()))),
                              bytes_held=acct["held"], bytes_read=acct["read"]))
     elapsed = time.time() - t0

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of sequences that are synthetic key/value retrieval")
     p.add_argument("--retrieval-query", choices=("assert", "repeat"), default="assert",
                    help="how retrieval sequences ask for the value (see kvjax.data)")
+    p.add_argument("--drill", action="store_true",
+                   help="retrieval sequences ask for every buried value (data.retrieval_drill)")
     p.add_argument("--answer-weight", type=float, default=4.0,
                    help="loss weight of retrieval answer bytes (1 elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of init and data order")
@@ -211,7 +213,7 @@ def train(args) -> dict:
         toks, w = data.training_batch(rng, corpus, args.batch, args.seq_len,
                                       retrieval_fraction=args.retrieval_fraction,
                                       answer_weight=args.answer_weight,
-                                      query=args.retrieval_query)
+                                      query=args.retrieval_query, drill=args.drill)
         params, opt_state, loss = step_fn(params, opt_state, toks, w)
         steps_done = step + 1
         if (step + 1) % args.log_every == 0 or step == start:
@@ -238,7 +240,7 @@ def train(args) -> dict:
                   planned_steps=args.steps,
                   batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                   retrieval_fraction=args.retrieval_fraction, answer_weight=args.answer_weight,
-                  retrieval_query=args.retrieval_query, warmup=args.warmup,
+                  retrieval_query=args.retrieval_query, drill=args.drill, warmup=args.warmup,
                   init_from=args.init_from, train_seconds=train_seconds,
                   final_train_loss=history[-1][1] if history else None, history=history)
     if conversion is not None:

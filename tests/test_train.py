@@ -83,3 +83,48 @@ def test_retrieval_accuracy_runs_at_short_lengths():
     for query in data.QUERY_STYLES:
         acc = retrieval_accuracy(params, config, CORPUS, n=4, seq_len=96, query=query)
         assert 0.0 <= acc <= 1.0
+
+
+@pytest.mark.parametrize("query", data.QUERY_STYLES)
+def test_retrieval_drill_asks_for_every_buried_value(rng, query):
+    n = int(rng.integers(1, 5))
+    tokens, answer = data.retrieval_drill(rng, CORPUS, 400, num_pairs=n, query=query)
+    text = tokens.tobytes()
+    assert len(text) == 400 and answer.shape == (400,)
+    lines = dict(m for m in _buried(text))
+    assert len(lines) == n
+    # The answers are exactly the queried values and their closing quotes, once per key,
+    # each right after its question.
+    spans = np.flatnonzero(np.diff(np.concatenate([[0], answer, [0]])))
+    starts, ends = spans[::2], spans[1::2]
+    assert len(starts) == n
+    asked = set()
+    ask = b'\nkey_%s = "' if query == "repeat" else b'\nassert key_%s == "'
+    for s, e in zip(starts, ends, strict=True):
+        got = text[s:e]
+        key = next(k for k, v in lines.items() if text[:s].endswith(ask % k))
+        assert got == lines[key] + b'"'
+        asked.add(key)
+    assert asked == set(lines)
+    # ... and the weights of a drill batch mark those bytes as targets.
+    toks, w = data.training_batch(rng, CORPUS, 3, 200, retrieval_fraction=1.0,
+                                  answer_weight=5.0, query=query, drill=True)
+    for b in range(3):
+        tb = toks[b].astype(np.uint8).tobytes()
+        assert np.sum(w[b] == 5.0) == 6 * len(dict(_buried(tb)))
+
+
+def _buried(text):
+    """(key, value) of the `key_xxxx = "ddddd"` lines, in order, each key once."""
+    import re
+
+    return re.findall(rb'key_([a-z0-9]{4}) = "([0-9]{5})"\n', text)
+
+
+def test_max_drill_pairs_is_the_most_that_fit(rng):
+    for length in range(62, 220, 7):
+        most = data.max_drill_pairs(length)
+        data.retrieval_drill(rng, CORPUS, length, num_pairs=most, query="repeat")
+        if most < 4:
+            with pytest.raises(ValueError, match="too short"):
+                data.retrieval_drill(rng, CORPUS, length, num_pairs=most + 1, query="assert")
