@@ -49,9 +49,7 @@ def test_eval_quick_runs(tmp_path):
     # nothing is quantized yet; H2O at 50% holds half the context.
     assert kivi2["bytes_held"] == bf16["bytes_held"]
     assert h2o["bytes_held"] == pytest.approx(bf16["bytes_held"] / 2, rel=0.05)
-    from kvjax.models.tiny import tiny_info
-
     for r in result["rows"]:
         assert r["ppl"] > 1 and 0 <= r["retrieval_mean"] <= 1
         # Asked the way the shipped model was trained to answer.
-        assert r["retrieval_query"] == tiny_info("gqa").get("retrieval_query", "assert")
+        assert r["retrieval_query"] == tiny.tiny_info("gqa").get("retrieval_query", "assert")
