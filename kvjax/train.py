@@ -210,6 +210,8 @@ def train(args) -> dict:
     t0 = time.time() - elapsed
     run_loss, steps_done = None, start
     for step in range(start, args.steps):
+        if args.stop_after is not None and step >= args.stop_after:
+            break  # resumed from a checkpoint at or past --stop-after: export it as it is
         toks, w = data.training_batch(rng, corpus, args.batch, args.seq_len,
                                       retrieval_fraction=args.retrieval_fraction,
                                       answer_weight=args.answer_weight,
