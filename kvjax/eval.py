@@ -11,10 +11,11 @@ same budgets — it measures
   the prompt is prefilled, then the true continuation is fed one byte per
   decode step and scored (cache error only shows after the prefill, so a
   prefill-only pass would hide it);
-* retrieval accuracy: a `key_xxxx = "ddddd"` line (and a distractor pair) buried
-  in code, asked for at the end in the model's trained style (`retrieval_query` in
-  its JSON record: `assert key_xxxx == "` or the line's own prefix `key_xxxx = "`),
-  greedy exact match of the 5 digits, at several context lengths;
+* retrieval accuracy: a `key_xxxx = "ddddd"` line (a passkey; `--retrieval-pairs`
+  adds distractor lines) buried in code, asked for at the end in the model's trained
+  style (`retrieval_query` in its JSON record: `assert key_xxxx == "` or the line's
+  own prefix `key_xxxx = "`), greedy exact match of the 5 digits, at several context
+  lengths;
 * KV bytes per context token held in the cache, and read per decode step.
 
 Prints a table, writes `eval.json` and `eval.png` (quality vs. bytes per token)
@@ -57,6 +58,9 @@ def add_parser(subparsers) -> None:
                         "quick 96)")
     p.add_argument("--retrieval-n", type=int, default=None,
                    help="retrieval prompts per context length (default 16, quick 2)")
+    p.add_argument("--retrieval-pairs", type=int, default=1,
+                   help="key/value lines buried per retrieval prompt, one of them asked for "
+                        "(default 1: a passkey; more adds distractors)")
     p.add_argument("--budgets", default=None,
                    help="comma-separated policy budgets as fractions of the context "
                         "(default 0.1,0.2,0.5; quick 0.5)")
@@ -247,6 +251,11 @@ def run(args) -> int:
             raise SystemExit(f"--models: unknown model {n!r}; choose from gqa, mla.")
     if min(contexts) < 64 or prompt_len < 16 or score_len < 1:
         raise SystemExit("contexts must be >= 64, --prompt-len >= 16, --score-len >= 1.")
+    pairs = args.retrieval_pairs
+    if not 1 <= pairs <= data.max_pairs(min(contexts)):
+        raise SystemExit(f"--retrieval-pairs must be between 1 and "
+                         f"{data.max_pairs(min(contexts))} (what a {min(contexts)}-byte "
+                         f"context holds), got {pairs}.")
     os.makedirs(args.out, exist_ok=True)
     rng = np.random.default_rng(args.seed)
     heldout = data.load_corpus("heldout")
@@ -268,7 +277,7 @@ def run(args) -> int:
             # Same seed for every style: the styles' prompts bury the same pairs in the same
             # filler and differ only in the question.
             qrng = np.random.default_rng([args.seed, 1])
-            examples[query] = {L: [data.retrieval_example(qrng, heldout, L, num_pairs=2,
+            examples[query] = {L: [data.retrieval_example(qrng, heldout, L, num_pairs=pairs,
                                                           query=query)
                                    for _ in range(retrieval_n)] for L in contexts}
         configs = cache_configs(name, total, budgets)
@@ -297,7 +306,8 @@ def run(args) -> int:
                              bytes_held=acct["held"], bytes_read=acct["read"]))
     elapsed = time.time() - t0
     settings = dict(quick=q, ppl_seqs=ppl_seqs, prompt_len=prompt_len, score_len=score_len,
-                    contexts=contexts, retrieval_n=retrieval_n, budgets=budgets, seed=args.seed)
+                    contexts=contexts, retrieval_n=retrieval_n, retrieval_pairs=pairs,
+                    budgets=budgets, seed=args.seed)
     return _report(rows, settings, elapsed, args.out)
 
 
@@ -342,7 +352,8 @@ def _report(rows, settings, elapsed, out) -> int:
     print(f"\n{settings['ppl_seqs']} held-out sequences: {settings['prompt_len']} bytes "
           f"prefilled + {settings['score_len']} scored while decoding; policy budgets are "
           f"fractions of {total} tokens at every context; retrieval: "
-          f"{settings['retrieval_n']} prompts per context length; machine: {machine}; "
+          f"{settings['retrieval_n']} prompts per context length, "
+          f"{settings.get('retrieval_pairs', 2)} key/value line(s) each; machine: {machine}; "
           f"{elapsed:.0f}s")
     result = dict(settings=settings, machine=machine, seconds=elapsed, rows=rows,
                   not_run=not_run, table=table)
