@@ -226,6 +226,14 @@ def max_drill_pairs(length: int) -> int:
     return int(min(4, max(1, (length - 16) // 46)))
 
 
+DRILL_MIN_LENGTH = 64
+
+
+def _drill(rng, corpus, length, query):
+    n = int(rng.integers(1, max_drill_pairs(length) + 1))
+    return retrieval_drill(rng, corpus, length, num_pairs=n, query=query)
+
+
 def max_pairs(length: int) -> int:
     """Key/value pairs (1-4) a `length`-byte retrieval example holds with 16 bytes of filler
     left, for either query style (4 from 119 bytes on)."""
@@ -235,11 +243,15 @@ def max_pairs(length: int) -> int:
 
 def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, length: int, *,
                    retrieval_fraction: float, answer_weight: float, query: str = "assert",
-                   drill: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                   drill: bool = False, drill_split: float = 0.0
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """A batch of byte sequences and per-target loss weights.
 
     With `drill`, retrieval sequences are `retrieval_drill`s (every buried value asked
-    for) instead of single-query `retrieval_example`s.
+    for) instead of single-query `retrieval_example`s; a `drill_split` fraction of them
+    are two drills back to back, cut at a random point (each at least
+    `DRILL_MIN_LENGTH` bytes), so that questions also come at shorter contexts than
+    `length` (a model trained only on full-length drills can fail at half the length).
 
     Returns:
       tokens int32[batch, length]; weights float32[batch, length - 1] (weight of
@@ -250,8 +262,12 @@ def training_batch(rng: np.random.Generator, corpus: np.ndarray, batch: int, len
     for b in range(batch):
         is_retrieval = rng.random() < retrieval_fraction
         if is_retrieval and drill:
-            n = int(rng.integers(1, max_drill_pairs(length) + 1))
-            tokens[b], answer = retrieval_drill(rng, corpus, length, num_pairs=n, query=query)
+            cut = length
+            if length >= 2 * DRILL_MIN_LENGTH and rng.random() < drill_split:
+                cut = int(rng.integers(DRILL_MIN_LENGTH, length - DRILL_MIN_LENGTH + 1))
+            parts = [_drill(rng, corpus, n, query) for n in (cut, length - cut) if n]
+            tokens[b] = np.concatenate([t for t, _ in parts])
+            answer = np.concatenate([a for _, a in parts])
             weights[b] = np.where(answer[1:] == 1, answer_weight, 1.0)
         elif is_retrieval:
             most = max_pairs(length)

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how retrieval sequences ask for the value (see kvjax.data)")
     p.add_argument("--drill", action="store_true",
                    help="retrieval sequences ask for every buried value (data.retrieval_drill)")
+    p.add_argument("--drill-split", type=float, default=0.0,
+                   help="with --drill: fraction of retrieval sequences made of two drills "
+                        "back to back (questions at shorter contexts too)")
     p.add_argument("--answer-weight", type=float, default=4.0,
                    help="loss weight of retrieval answer bytes (1 elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of init and data order")
@@ -215,7 +218,8 @@ def train(args) -> dict:
         toks, w = data.training_batch(rng, corpus, args.batch, args.seq_len,
                                       retrieval_fraction=args.retrieval_fraction,
                                       answer_weight=args.answer_weight,
-                                      query=args.retrieval_query, drill=args.drill)
+                                      query=args.retrieval_query, drill=args.drill,
+                                      drill_split=args.drill_split)
         params, opt_state, loss = step_fn(params, opt_state, toks, w)
         steps_done = step + 1
         if (step + 1) % args.log_every == 0 or step == start:
@@ -242,7 +246,8 @@ def train(args) -> dict:
                   planned_steps=args.steps,
                   batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                   retrieval_fraction=args.retrieval_fraction, answer_weight=args.answer_weight,
-                  retrieval_query=args.retrieval_query, drill=args.drill, warmup=args.warmup,
+                  retrieval_query=args.retrieval_query, drill=args.drill,
+                  drill_split=args.drill_split, warmup=args.warmup,
                   init_from=args.init_from, train_seconds=train_seconds,
                   final_train_loss=history[-1][1] if history else None, history=history)
     if conversion is not None:
