@@ -106,12 +106,18 @@ def test_retrieval_drill_asks_for_every_buried_value(rng, query):
         assert got == lines[key] + b'"'
         asked.add(key)
     assert asked == set(lines)
-    # ... and the weights of a drill batch mark those bytes as targets.
-    toks, w = data.training_batch(rng, CORPUS, 3, 200, retrieval_fraction=1.0,
-                                  answer_weight=5.0, query=query, drill=True)
-    for b in range(3):
-        tb = toks[b].astype(np.uint8).tobytes()
-        assert np.sum(w[b] == 5.0) == 6 * len(dict(_buried(tb)))
+    # ... and the weights of a drill batch mark those bytes as targets, also when each
+    # sequence is two drills back to back (the second one's questions end the sequence).
+    for split in (0.0, 1.0):
+        toks, w = data.training_batch(rng, CORPUS, 3, 200, retrieval_fraction=1.0,
+                                      answer_weight=5.0, query=query, drill=True,
+                                      drill_split=split)
+        for b in range(3):
+            tb = toks[b].astype(np.uint8).tobytes()
+            assert np.sum(w[b] == 5.0) == 6 * len(dict(_buried(tb)))
+            assert tb.endswith(b'"') and w[b, -1] == 5.0
+            if split:  # a question and its answer also end inside the sequence
+                assert np.any(w[b, 55:-40] == 5.0)
 
 
 def _buried(text):
