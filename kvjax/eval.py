@@ -11,8 +11,8 @@ same budgets — it measures
   the prompt is prefilled, then the true continuation is fed one byte per
   decode step and scored (cache error only shows after the prefill, so a
   prefill-only pass would hide it);
-* retrieval accuracy: a `key_xxxx = "ddddd"` line (a passkey; `--retrieval-pairs`
-  adds distractor lines) buried in code, asked for at the end in the model's trained
+* retrieval accuracy: two `key_xxxx = "ddddd"` lines (`--retrieval-pairs`; 1 is a
+  passkey) buried in code, one asked for at the end in the model's trained
   style (`retrieval_query` in its JSON record: `assert key_xxxx == "` or the line's
   own prefix `key_xxxx = "`), greedy exact match of the 5 digits, at several context
   lengths;
@@ -58,9 +58,9 @@ def add_parser(subparsers) -> None:
                         "quick 96)")
     p.add_argument("--retrieval-n", type=int, default=None,
                    help="retrieval prompts per context length (default 16, quick 2)")
-    p.add_argument("--retrieval-pairs", type=int, default=1,
+    p.add_argument("--retrieval-pairs", type=int, default=2,
                    help="key/value lines buried per retrieval prompt, one of them asked for "
-                        "(default 1: a passkey; more adds distractors)")
+                        "(default 2: the asked one and a distractor; 1: a passkey)")
     p.add_argument("--budgets", default=None,
                    help="comma-separated policy budgets as fractions of the context "
                         "(default 0.1,0.2,0.5; quick 0.5)")

@@ -15,10 +15,34 @@ import os
 import pickle
 import time
 
-__all__ = ["build_parser", "make_optimizer", "make_train_step", "evaluate_loss", "train",
+__all__ = ["RECIPES", "recipe_commands", "run_recipe", "build_parser", "make_optimizer",
+           "make_train_step", "evaluate_loss", "train",
            "reference_continuation", "REFERENCE_PROMPT", "main"]
 
-REFERENCE_PROMPT = "def fibonacci(n):\n    "
+REFERENCE_PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+
+# How the shipped models were made: stages run in order, each starting from the
+# previous stage's exported weights (`--recipe NAME` runs them all). The first stage
+# learns code (and sees retrieval sequences it does not yet solve); the later ones
+# teach the copy circuit with retrieval drills (every buried value asked for), first
+# on short sequences, then at 256 bytes with code mixed back in, then with two drills
+# per sequence so questions also come at shorter contexts.
+RECIPES = {
+    "gqa": (
+        "--steps 1600 --seq-len 512 --retrieval-fraction 0.5 --stop-after 1250",
+        "--steps 1200 --seq-len 96 --batch 32 --retrieval-fraction 1.0 --retrieval-query repeat "
+        "--answer-weight 8 --lr 3e-3 --warmup 30",
+        "--steps 2400 --stop-after 1000 --seq-len 128 --batch 32 --retrieval-fraction 1.0 "
+        "--retrieval-query repeat --drill --answer-weight 8 --lr 3e-3 --warmup 30",
+        "--steps 800 --seq-len 256 --batch 16 --retrieval-fraction 0.5 --retrieval-query repeat "
+        "--drill --answer-weight 8 --lr 2e-3 --warmup 20",
+        "--steps 300 --seq-len 256 --batch 16 --retrieval-fraction 0.5 --retrieval-query repeat "
+        "--drill --drill-split 0.5 --answer-weight 8 --lr 1e-3 --warmup 10",
+    ),
+    "mla": (
+        "--steps 1600 --seq-len 512 --retrieval-fraction 0.5 --stop-after 1150",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "standard library plus synthetic retrieval sequences.")
     p.add_argument("--model", choices=("gqa", "mla", "mha"), default="gqa",
                    help="preset to train (see kvjax.models.tiny)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="run every stage that made the shipped model of this preset "
+                        "(kvjax.train.RECIPES; intermediate weights go to WORK_DIR/stages, "
+                        "the last stage exports to --out); other training flags are ignored")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="bytes per training sequence")
@@ -166,7 +194,37 @@ def reference_continuation(model, params, prompt: str = REFERENCE_PROMPT, n: int
     return bytes(res.tokens[0, :int(res.num_generated[0])].tolist()).decode("latin-1")
 
 
-def train(args) -> dict:
+def recipe_commands(name: str, out: str | None = None, work_dir: str = "train_runs"
+                    ) -> list[list[str]]:
+    """The `python -m kvjax.train` argument lists of a recipe's stages, chained."""
+    cmds, prev = [], None
+    for i, stage in enumerate(RECIPES[name]):
+        last = i == len(RECIPES[name]) - 1
+        dest = out if last else os.path.join(work_dir, "stages", f"{name}{i + 1}")
+        cmd = ["--model", name, *stage.split(), "--work-dir", work_dir]
+        cmd += ["--init-from", os.path.join(prev, f"tiny_{name}.safetensors")] if prev else []
+        cmd += (["--out", dest] if dest else []) + ([] if last else ["--light-export"])
+        cmds.append(cmd)
+        prev = dest
+    return cmds
+
+
+def run_recipe(args) -> dict:
+    """Runs every stage of `args.recipe`; the final record lists the stages."""
+    cmds = recipe_commands(args.recipe, args.out, args.work_dir)
+    stages, record = [], None
+    for i, cmd in enumerate(cmds):
+        print(f"=== stage {i + 1}/{len(cmds)}: python -m kvjax.train {' '.join(cmd)}", flush=True)
+        stage_args = build_parser().parse_args(cmd)
+        last = i == len(cmds) - 1
+        extra = dict(recipe=args.recipe, stages=stages) if last else None
+        record = train(stage_args, extra=extra)
+        stages.append(dict(command="python -m kvjax.train " + " ".join(cmd),
+                           steps=record["steps"], train_seconds=record["train_seconds"]))
+    return record
+
+
+def train(args, extra: dict | None = None) -> dict:
     import jax
     import numpy as np
 
@@ -250,6 +308,7 @@ def train(args) -> dict:
                   drill_split=args.drill_split, warmup=args.warmup,
                   init_from=args.init_from, train_seconds=train_seconds,
                   final_train_loss=history[-1][1] if history else None, history=history)
+    record.update(extra or {})
     if conversion is not None:
         record.update(conversion)
         record["uptrained_heldout_loss"] = evaluate_loss(
@@ -276,7 +335,10 @@ def train(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    train(args)
+    if args.recipe:
+        run_recipe(args)
+    else:
+        train(args)
     return 0
 
 

@@ -134,3 +134,21 @@ def test_max_drill_pairs_is_the_most_that_fit(rng):
         if most < 4:
             with pytest.raises(ValueError, match="too short"):
                 data.retrieval_drill(rng, CORPUS, length, num_pairs=most + 1, query="assert")
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_recipe_stages_chain_and_parse(name, tmp_path):
+    from kvjax.train import RECIPES, build_parser, recipe_commands
+
+    cmds = recipe_commands(name, str(tmp_path / "final"), str(tmp_path / "work"))
+    assert len(cmds) == len(RECIPES[name])
+    prev_out = None
+    for i, cmd in enumerate(cmds):
+        args = build_parser().parse_args(cmd)
+        assert args.model == name and args.recipe is None
+        # Each stage starts from the weights the previous one exported.
+        want = None if prev_out is None else f"{prev_out}/tiny_{name}.safetensors"
+        assert args.init_from == want
+        assert args.light_export == (i < len(cmds) - 1)
+        prev_out = args.out
+    assert prev_out == str(tmp_path / "final")
