@@ -1,0 +1,85 @@
+"""CPU attention kernels: XLA FFI custom calls that stream each live page once.
+
+On CPU the XLA path (`kvjax/attention/xla.py`) is bound by per-element work, not by
+memory: each block of pages is gathered (a copy), bf16 is converted, and XLA:CPU's
+batched matmuls with a few query rows run far below bandwidth (benchmarks/NOTES.md).
+These kernels (C++ in this folder, built on first use by `build.py`) read each live
+page of each sequence once, in place in the pool, widen bf16 in registers, and keep
+the online softmax in float32; (sequence, KV head) work items are spread over the
+caller and XLA's intra-op thread pool.
+
+`kvjax.attention` registers them as `impl="cpu"`, and `"auto"` picks them on the CPU
+backend when `available()`; otherwise (no compiler, failed build,
+`KVJAX_CPU_KERNEL=0`) "auto" is the XLA path and `unavailable_reason()` says why.
+
+`jax.vmap` of these ops is supported only by running the kernel once per mapped
+element (`vmap_method="sequential"`); kvjax's own code never maps over them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from kvjax.attention.cpu.build import available, load, unavailable_reason
+
+__all__ = ["available", "unavailable_reason", "paged_decode_attention"]
+
+
+def _as_pools(pages, layer):
+    """Pages (one layer, 4-D) or whole pools (5-D, with `layer`) as 5-D pools and a layer."""
+    if layer is None:
+        return pages[None], jnp.zeros((), jnp.int32)
+    return pages, jnp.asarray(layer, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
+def paged_decode_attention(
+    q: Float[Array, "batch q_heads head_dim"],
+    k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
+    v_pages: Float[Array, "*layers kv_heads pages page_size v_head_dim"],
+    lengths: Int[Array, " batch"],
+    block_tables: Int[Array, "batch max_pages"],
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "batch q_heads v_head_dim"], Float[Array, "batch q_heads"]]:
+    """Decode attention with the CPU kernel; the reference's signature and semantics.
+
+    Args:
+      q: [batch, q_heads, head_dim], float32 or bfloat16 (the kernel computes in float32).
+      k_pages, v_pages: [kv_heads, pages, page_size, width] float32 or bfloat16, or with
+        `layer` a cache's whole pools [layers, kv_heads, pages, page_size, width]: the
+        kernel then reads that layer's pages in place (no slice of the pool is formed).
+      lengths: int32[batch]; block_tables: int32[batch, max_pages].
+      scale, soft_cap, sliding_window: as in the reference.
+      layer: an int or traced int32 scalar, or None.
+
+    Returns:
+      (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
+    """
+    load()
+    batch, q_heads, head_dim = q.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    k_pools, layer_idx = _as_pools(k_pages, layer)
+    v_pools, _ = _as_pools(v_pages, layer)
+    v_head_dim = v_pools.shape[-1]
+    call = jax.ffi.ffi_call(
+        "kvjax_paged_decode",
+        (jax.ShapeDtypeStruct((batch, q_heads, v_head_dim), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, lse = call(
+        q.astype(jnp.float32), k_pools, v_pools, layer_idx,
+        lengths.astype(jnp.int32), block_tables.astype(jnp.int32),
+        scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
+        window=np.int64(sliding_window or 0),
+    )
+    return out.astype(q.dtype), lse
+

@@ -1,0 +1,161 @@
+"""The C++ CPU decode kernel (impl="cpu") against the gather reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.paged_attention import reference as paged_ref
+from kvjax.attention import cpu as cpu_kernels
+from kvjax.attention import ops, paged_decode_attention
+from kvjax.attention.cpu import build
+from tests.attention.hlo_written import materialised
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}",
+)
+
+# The kernel computes in float32 like the reference; only the summation order differs.
+# bf16 outputs are compared after both round to bf16 (one bf16 ulp is 2^-8 relative).
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+
+# Jitted: run op by op, the reference's dispatch dominates these tests' time.
+reference = jax.jit(paged_ref.paged_decode_attention,
+                    static_argnames=("scale", "soft_cap", "sliding_window"))
+
+
+def _case(rng, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, dtype,
+          shared=False, lengths=None):
+    num_pages = batch * max_pages + 3
+    if shared:  # pages drawn with replacement: sequences share (and repeat) pages
+        tables = rng.integers(0, num_pages, (batch, max_pages))
+    else:
+        tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+    if lengths is None:
+        lengths = rng.integers(1, max_pages * page_size + 1, batch)
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    return (draw(batch, q_heads, head_dim), draw(kv_heads, num_pages, page_size, head_dim),
+            draw(kv_heads, num_pages, page_size, head_dim),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(tables, jnp.int32))
+
+
+def _close(got, want, dtype):
+    (out, lse), (out_r, lse_r) = got, want
+    assert out.dtype == out_r.dtype and lse.dtype == jnp.float32
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_r, np.float32),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_r), rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim,page_size",
+    [(4, 4, 64, 16), (16, 4, 128, 16), (8, 1, 40, 5), (6, 2, 128, 7)],
+    ids=["mha-d64", "gqa4-d128", "mqa-d40-ps5", "gqa3-ps7"],
+)
+def test_matches_reference(rng, dtype, q_heads, kv_heads, head_dim, page_size):
+    """GQA ratios 1, 4, 3 and MQA; the unrolled head dims and a generic one; pages
+    holding whole 16-token chunks and pages that do not. Lengths: 1, a full last page,
+    a partial one, 0, random."""
+    max_pages = 5
+    full = max_pages * page_size
+    lengths = np.concatenate([[1, full, 2 * page_size + 3, 0],
+                              rng.integers(1, full + 1, 3)])
+    for shared in (False, True):
+        args = _case(rng, batch=len(lengths), q_heads=q_heads, kv_heads=kv_heads,
+                     head_dim=head_dim, page_size=page_size, max_pages=max_pages, dtype=dtype,
+                     shared=shared, lengths=lengths)
+        got = paged_decode_attention(*args, impl="cpu")
+        _close(got, reference(*args), dtype)
+        out, lse = got
+        assert np.all(np.asarray(out[3], np.float32) == 0.0) and np.all(np.isneginf(lse[3]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_soft_cap_sliding_window_scale(rng, dtype):
+    args = _case(rng, batch=5, q_heads=8, kv_heads=2, head_dim=128, page_size=16, max_pages=4,
+                 dtype=dtype, shared=True, lengths=[1, 64, 37, 17, 50])
+    for kw in (dict(soft_cap=3.0), dict(sliding_window=1), dict(sliding_window=21),
+               dict(sliding_window=21, soft_cap=5.0, scale=0.3)):
+        got = paged_decode_attention(*args, impl="cpu", **kw)
+        _close(got, reference(*args, **kw), dtype)
+
+
+@needs_kernel
+def test_jit_and_layers_scan_read_pools_in_place(rng):
+    """Under jit, whole pools + a traced layer inside a scan over layers (how the models
+    call it): equal to the reference per layer, and the program copies no layer pool."""
+    layers, dtype = 3, jnp.bfloat16
+    q, k, v, lengths, tables = _case(rng, batch=4, q_heads=8, kv_heads=2, head_dim=64,
+                                     page_size=16, max_pages=4, dtype=dtype)
+    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), dtype)
+    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), dtype)
+
+    def run(impl):
+        def step(x, layer):
+            out, _ = paged_decode_attention(x, k_all, v_all, lengths, tables, impl=impl,
+                                            layer=layer)
+            return x, out
+        return jax.jit(lambda x: jax.lax.scan(step, x, jnp.arange(layers))[1])
+
+    got = run("cpu")(q)
+    for layer in range(layers):
+        want = reference(q, k_all[layer], v_all[layer], lengths, tables)
+        np.testing.assert_allclose(np.asarray(got[layer], np.float32),
+                                   np.asarray(want[0], np.float32), rtol=1e-2, atol=1e-2)
+
+    def scan_kv(q, k_all, v_all):
+        def step(x, layer):
+            return x, paged_decode_attention(x, k_all, v_all, lengths, tables, impl="cpu",
+                                             layer=layer)[0]
+        return jax.lax.scan(step, q, jnp.arange(layers))[1]
+
+    written = materialised(scan_kv, q, k_all, v_all)
+    assert max(n for *_, n in written) < int(np.prod(k.shape)), written
+
+
+@needs_kernel
+def test_vmap_runs_per_element(rng):
+    """vmap is not needed by kvjax; it works by running the kernel per mapped element."""
+    args = _case(rng, batch=2, q_heads=4, kv_heads=2, head_dim=64, page_size=16, max_pages=2,
+                 dtype=jnp.float32)
+    qs = jnp.stack([args[0], -args[0]])
+    got = jax.vmap(lambda q: cpu_kernels.paged_decode_attention(q, *args[1:]))(qs)
+    for i in range(2):
+        _close((got[0][i], got[1][i]), reference(qs[i], *args[1:]),
+               jnp.float32)
+
+
+@needs_kernel
+def test_auto_is_cpu_kernel_for_decode():
+    assert ops._auto_impl("paged_decode_attention") == "cpu"
+    # Ops without a CPU kernel stay on the XLA path.
+    assert ops._auto_impl("paged_prefill_attention") == "xla"
+
+
+def test_auto_falls_back_to_xla_when_unavailable(rng, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert ops._auto_impl("paged_decode_attention") == "xla"
+    args = _case(rng, batch=2, q_heads=2, kv_heads=1, head_dim=16, page_size=4, max_pages=2,
+                 dtype=jnp.float32)
+    _close(paged_decode_attention(*args), reference(*args), jnp.float32)
+
+
+def test_unavailable_reasons(monkeypatch, tmp_path):
+    """Disabled or unbuildable kernels report why instead of raising at import."""
+    monkeypatch.setenv("KVJAX_CPU_KERNEL", "0")
+    lib, reason = build._load.__wrapped__()
+    assert lib is None and "KVJAX_CPU_KERNEL=0" in reason
+    monkeypatch.setenv("KVJAX_CPU_KERNEL", "1")
+    monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-kvjax")
+    lib, reason = build._load.__wrapped__()
+    assert lib is None and "no C++ compiler" in reason
+    assert not list(tmp_path.iterdir())
