@@ -5,9 +5,12 @@ Measures, in one process so that the ratios share the machine's state:
 1. streaming read bandwidth (a jitted sum over a large array) and copy bandwidth
    (an in-place scale of a large donated array, counting read + write);
 2. paged decode attention for the gather reference, the XLA path
-   (`kvjax/attention/xla.py`) and contiguous `[batch, kv_heads, seq, head_dim]`
-   attention on the same K/V (plain einsum-softmax-einsum, and the XLA path's
-   blocked loop reading contiguous slices instead of pages), for GQA/MQA in
+   (`kvjax/attention/xla.py`), the C++ CPU kernel (`kvjax/attention/cpu/`, row "cpu",
+   when it is available; it runs on the caller and XLA's intra-op threads, so its
+   CPU time is up to the number of cores times its wall time) and contiguous
+   `[batch, kv_heads, seq, head_dim]` attention on the same K/V (plain
+   einsum-softmax-einsum, and the XLA path's blocked loop reading contiguous slices
+   instead of pages), for GQA/MQA in
    float32 and bf16 and for MLA in absorbed form. Bandwidth counts the bytes the
    op must read once: the live keys and values (MLA: latent and rope once);
 3. a pool-capacity check: the same live tokens in pools 1x, 4x and 16x larger
@@ -45,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas.mla_decode import reference as mla_ref  # noqa: E402
 from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kernels_pallas.quantized_attention import reference as quant_ref  # noqa: E402
+from kvjax.attention import cpu as cpu_kernels  # noqa: E402
 from kvjax.attention import xla, xla_quantized  # noqa: E402
 
 F32 = jnp.float32
@@ -194,6 +198,10 @@ def run_gqa(cfg, dtype, repeats, ref_repeats, block_tokens, key):
     want = want[0]
     rows["xla"], got = _time(xla_fn, args, repeats)
     rows["xla"]["max_err"] = _check("xla", got[0], want, dtype)
+    if cpu_kernels.available():
+        cpu_fn = jax.jit(cpu_kernels.paged_decode_attention)
+        rows["cpu"], got = _time(cpu_fn, args, repeats)
+        rows["cpu"]["max_err"] = _check("cpu", got[0], want, dtype)
     if not cfg.get("mixed"):
         # The same K/V laid out contiguously, [B, Hkv, S, D] (built once, untimed).
         kc = jax.block_until_ready(paged_ref.gather_pages(k_pages, tables, lengths))
@@ -419,6 +427,8 @@ def main(argv=None):
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
     bw = measure_bandwidth(bw_bytes, repeats)
+    if not cpu_kernels.available():
+        print(f"no 'cpu' rows: {cpu_kernels.unavailable_reason()}")
     print(f"streaming read {bw['read_GBps']:.1f} GB/s (best {bw['read_GBps_best']:.1f}), "
           f"copy {bw['copy_GBps']:.1f} GB/s (best {bw['copy_GBps_best']:.1f})")
 
@@ -435,12 +445,13 @@ def main(argv=None):
             st["fraction_of_read_bw"] = st["GBps"] / bw["read_GBps"]
         ratios = {}
         if "contiguous" in rows:
-            for base in ("contiguous", "contiguous_blocked"):
-                if base in rows:
-                    ratios[f"xla/{base}"] = rows["xla"]["wall_median_s"] / rows[base][
-                        "wall_median_s"]
-                    ratios[f"xla/{base}_cpu"] = rows["xla"]["cpu_median_s"] / rows[base][
-                        "cpu_median_s"]
+            for impl in ("xla", "cpu"):
+                for base in ("contiguous", "contiguous_blocked"):
+                    if base in rows and impl in rows:
+                        ratios[f"{impl}/{base}"] = rows[impl]["wall_median_s"] / rows[base][
+                            "wall_median_s"]
+                        ratios[f"{impl}/{base}_cpu"] = rows[impl]["cpu_median_s"] / rows[base][
+                            "cpu_median_s"]
         results.append(dict(case=cfg, dtype=dtype.name, bytes=nbytes, impls=rows,
                             ratios=ratios))
 

@@ -4,12 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_written import materialised
+from test_xla_quantized import D as qz_D
+from test_xla_quantized import _close as q_close
+from test_xla_quantized import random_cache
 
 from kernels_pallas.paged_attention import reference as paged_ref
+from kvjax import attention
 from kvjax.attention import cpu as cpu_kernels
 from kvjax.attention import ops, paged_decode_attention
+from kvjax.attention import quantized as qattn
+from kvjax.attention import xla_quantized as xq
 from kvjax.attention.cpu import build
-from tests.attention.hlo_written import materialised
+from kvjax.cache import quantized as qz
 
 needs_kernel = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -148,6 +155,11 @@ def test_auto_falls_back_to_xla_when_unavailable(rng, monkeypatch):
     _close(paged_decode_attention(*args), reference(*args), jnp.float32)
 
 
+def _qdecode(view, q, impl, **kw):
+    return jax.jit(lambda q, v: attention.quantized_decode_attention(q, v, impl=impl, **kw))(
+        q, view)
+
+
 def test_unavailable_reasons(monkeypatch, tmp_path):
     """Disabled or unbuildable kernels report why instead of raising at import."""
     monkeypatch.setenv("KVJAX_CPU_KERNEL", "0")
@@ -159,3 +171,64 @@ def test_unavailable_reasons(monkeypatch, tmp_path):
     lib, reason = build._load.__wrapped__()
     assert lib is None and "no C++ compiler" in reason
     assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- quantized pages
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,q_heads,kv_heads", [(2, 8, 2), (4, 8, 1), (8, 4, 4)])
+def test_quantized_decode_matches_reference(rng, bits, q_heads, kv_heads):
+    """KIVI int2/int4/int8 pages with f16 scales, GQA 4 / MQA / MHA, lengths at the page
+    and tail edges (random_cache), whole pools and one layer: equal to the reference."""
+    cache = random_cache(rng, bits=bits, q_heads=q_heads, kv_heads=kv_heads)
+    q = jnp.asarray(rng.standard_normal((cache.spec.max_seqs, q_heads, qz_D)), jnp.float32)
+    want = _qdecode(qz.layer_view(cache, 0), q, "reference")
+    q_close(_qdecode(qz.layer_view(cache, 0), q, "cpu"), want, 2e-5)
+    q_close(_qdecode(qz.layer_view(cache, 0, whole_pools=True), q, "cpu"), want, 2e-5)
+
+
+@needs_kernel
+def test_quantized_bf16_soft_cap_window_mixed_layers(rng):
+    """bf16 cache and queries; soft cap and sliding window; layers of different bit widths
+    read from their whole pools."""
+    cache = random_cache(rng, bits=(8, 2), layers=2, batch=5, dtype="bfloat16")
+    q = jnp.asarray(rng.standard_normal((5, 8, qz_D)), jnp.bfloat16)
+    for layer, kw in ((0, dict(soft_cap=2.0)), (1, dict(sliding_window=21))):
+        want = _qdecode(qz.layer_view(cache, layer), q, "reference", **kw)
+        got = _qdecode(qz.layer_view(cache, layer, whole_pools=True), q, "cpu", **kw)
+        q_close(got, want, 2e-2)
+
+
+@needs_kernel
+def test_quantized_traced_layer_in_a_scan(rng):
+    layers = 3
+    cache = random_cache(rng, bits=4, layers=layers, batch=5)
+    q = jnp.asarray(rng.standard_normal((5, 8, qz_D)), jnp.float32)
+
+    def run(impl, whole):
+        def body(c, layer):
+            view = qz.layer_view(cache, layer, whole_pools=whole)
+            return c, attention.quantized_decode_attention(q, view, impl=impl)
+        return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(layers))[1])()
+
+    q_close(run("cpu", True), run("reference", False), 2e-5)
+
+
+@needs_kernel
+def test_quantized_auto_and_prefill_fallback(monkeypatch):
+    assert qattn._select("quantized_attention", "auto") is cpu_kernels.quantized_attention
+    assert qattn._select("quantized_mla_attention", "auto") is xq.quantized_mla_attention
+    # Chunked prefill (q_len > 1) goes to the XLA path with every argument.
+    seen = {}
+    monkeypatch.setattr(cpu_kernels.xla_quantized, "quantized_attention",
+                        lambda *a, **kw: seen.update(args=a, kw=kw) or "xla")
+    q = jnp.ones((2, 3, 4, 8), jnp.float32)
+    got = cpu_kernels.quantized_attention.__wrapped__(
+        q, *range(12), k_bits=4, v_bits=2, scale=0.5, layer=1)
+    assert got == "xla" and seen["args"][0] is q and seen["args"][1:] == tuple(range(12))
+    assert seen["kw"] == dict(k_bits=4, v_bits=2, scale=0.5, soft_cap=None,
+                              sliding_window=None, layer=1)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert qattn._select("quantized_attention", "auto") is qattn._IMPLS[
+        "quantized_attention"]["xla"]

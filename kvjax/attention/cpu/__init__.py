@@ -21,11 +21,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, UInt8
 
+from kernels_pallas.quantized_attention import reference as qref
+from kvjax.attention import xla_quantized
 from kvjax.attention.cpu.build import available, load, unavailable_reason
 
-__all__ = ["available", "unavailable_reason", "paged_decode_attention"]
+__all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention"]
 
 
 def _as_pools(pages, layer):
@@ -83,3 +85,75 @@ def paged_decode_attention(
     )
     return out.astype(q.dtype), lse
 
+
+
+@functools.partial(
+    jax.jit, static_argnames=("k_bits", "v_bits", "scale", "soft_cap", "sliding_window"))
+def quantized_attention(
+    q: Float[Array, "batch q_len q_heads head_dim"],
+    k_codes: UInt8[Array, "*layers kv_heads pages page_size k_packed"],
+    k_scale: Float[Array, "*layers kv_heads pages k_srows head_dim"],
+    k_zero: Float[Array, "*layers kv_heads pages k_srows head_dim"],
+    v_codes: UInt8[Array, "*layers kv_heads pages page_size v_packed"],
+    v_scale: Float[Array, "*layers kv_heads pages page_size v_groups"],
+    v_zero: Float[Array, "*layers kv_heads pages page_size v_groups"],
+    tail_k: Float[Array, "kv_heads batch ring head_dim"],
+    tail_v: Float[Array, "kv_heads batch ring v_head_dim"],
+    quant_lengths: Int[Array, " batch"],
+    lengths: Int[Array, " batch"],
+    block_tables: Int[Array, "batch max_pages"],
+    q_pos: Int[Array, "batch q_len"],
+    *,
+    k_bits: int,
+    v_bits: int,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "batch q_len q_heads v_head_dim"], Float[Array, "batch q_len q_heads"]]:
+    """Attention over KIVI-quantized pages plus the full-precision tail, with the CPU kernel.
+
+    The signature and semantics of `reference.quantized_attention` (with `layer` as in
+    `xla_quantized.quantized_attention`: the six pool arguments are then a cache's whole
+    pools and the kernel reads that layer in place). The kernel does decode (q_len = 1):
+    it streams the quantized pages once, dequantizing 16 tokens at a time in float32;
+    the tail (at most residual + page_size tokens) is attended in XLA and merged by
+    log-sum-exp. Chunked prefill (q_len > 1) runs the XLA path.
+
+    Returns:
+      (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
+    """
+    pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    if q.shape[1] != 1:
+        return xla_quantized.quantized_attention(
+            q, *pools, tail_k, tail_v, quant_lengths, lengths, block_tables, q_pos,
+            k_bits=k_bits, v_bits=v_bits, scale=scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, layer=layer)
+    load()
+    if layer is None:
+        pools, layer_idx = tuple(p[None] for p in pools), jnp.zeros((), jnp.int32)
+    else:
+        layer_idx = jnp.asarray(layer, jnp.int32)
+    k_scale, k_zero, v_scale, v_zero = pools[1], pools[2], pools[4], pools[5]
+    if len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1:
+        # The kernel takes one scale dtype; mixed ones are rare enough to widen here.
+        k_scale, k_zero, v_scale, v_zero = (
+            x.astype(jnp.float32) for x in (k_scale, k_zero, v_scale, v_zero))
+    batch, _, q_heads, _ = q.shape
+    v_head_dim = tail_v.shape[-1]
+    call = jax.ffi.ffi_call(
+        "kvjax_quantized_decode",
+        (jax.ShapeDtypeStruct((batch, q_heads, v_head_dim), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out_q, lse_q = call(
+        q[:, 0].astype(jnp.float32), pools[0], k_scale, k_zero, pools[3], v_scale, v_zero,
+        layer_idx, quant_lengths.astype(jnp.int32), q_pos[:, 0].astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
+        window=np.int64(sliding_window or 0), k_bits=np.int64(k_bits), v_bits=np.int64(v_bits),
+    )
+    return qref.merge_with_tail(out_q[:, None], lse_q[:, None], q, tail_k, tail_v,
+                                quant_lengths, lengths, q_pos, scale=scale, soft_cap=soft_cap,
+                                sliding_window=sliding_window)

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -116,6 +117,24 @@ inline v16 vexp(v16 x) {
 inline v16 vtanh(v16 x) {
   // tanh(x) = 1 - 2 / (exp(2x) + 1); exp saturates at the clamp, giving +-1.
   return 1.0f - 2.0f / (vexp(x * 2.0f) + 1.0f);
+}
+
+// bfloat16 as its bit pattern (a distinct type, so templates can tell it from float16).
+struct Bf16 {
+  uint16_t bits;
+};
+
+// One float32 value of a float32, bfloat16 or float16 element.
+template <typename T>
+inline float to_float(T x) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return static_cast<float>(x);
+  }
 }
 
 inline float bf16_to_f32(uint16_t b) {
