@@ -19,7 +19,8 @@ Measures, in one process so that the ratios share the machine's state:
    with float16 scales and zeros, a bf16 tail of R tokens) against paged bf16 and
    float32 pages on the same geometry, all through the XLA path: ms per decode
    step and the ratio to bf16 (issue 11: int4/int2 must not be slower per token
-   than bf16). Bytes counted: codes + scales + zeros of the used pages + the tail.
+   than bf16); rows "cpu_*" do the same with the C++ CPU kernels (ratios to "cpu_bfloat16").
+   Bytes counted: codes + scales + zeros of the used pages + the tail.
 
 Every result is verified against the reference in the same run. Times are
 medians (with min-max) over repeats of wall-clock and of process CPU time: on a
@@ -326,6 +327,11 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
         want = jax.jit(paged_ref.paged_decode_attention)(*args)[0]
         rows[name]["max_err"] = _check(name, got[0], want, dt)
         nbytes[name] = 2 * kv_heads * tokens * d * jnp.dtype(dt).itemsize
+        if cpu_kernels.available():
+            cname = f"cpu_{jnp.dtype(dt).name}"
+            rows[cname], got = _time(jax.jit(cpu_kernels.paged_decode_attention), args, repeats)
+            rows[cname]["max_err"] = _check(cname, got[0], want, dt)
+            nbytes[cname] = nbytes[name]
         del kp, vp, args
     # Quantized pages + bf16 tail: Q = ps * floor((seq - R) / ps) tokens in pages.
     q_tokens = ps * (max(seq - residual, 0) // ps)
@@ -350,6 +356,12 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
         nbytes[name] = sum(x.nbytes for x in pools) * used // num_pages + (
             2 * kv_heads * batch * (seq - q_tokens) * d * 2)
         nbytes[f"reference_int{bits}"] = nbytes[name]
+        if cpu_kernels.available():
+            cname = f"cpu_int{bits}"
+            cpu_fn = jax.jit(lambda *a, kw=kw: cpu_kernels.quantized_attention(*a, **kw))
+            rows[cname], got = _time(cpu_fn, args, repeats)
+            rows[cname]["max_err"] = _check(cname, got[0], want[0], jnp.bfloat16)
+            nbytes[cname] = nbytes[name]
         del pools, args
     return nbytes, rows
 
@@ -459,8 +471,9 @@ def main(argv=None):
     if args.quant != "off":
         qcfg = QUANT_QUICK if args.quick else QUANT_FULL
         nbytes, rows = run_quant(qcfg, repeats, ref_repeats, args.block_tokens, key)
-        base = rows["paged_bfloat16"]
         for name, st in rows.items():
+            # Each implementation against its own bf16 pages ("cpu_*" rows: the CPU kernel).
+            base = rows["cpu_bfloat16" if name.startswith("cpu_") else "paged_bfloat16"]
             st["bytes"] = nbytes[name]
             st["GBps"] = nbytes[name] / st["wall_median_s"] / 1e9
             st["GBps_cpu"] = nbytes[name] / st["cpu_median_s"] / 1e9

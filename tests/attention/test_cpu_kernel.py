@@ -1,4 +1,6 @@
-"""The C++ CPU decode kernel (impl="cpu") against the gather reference."""
+"""The C++ CPU decode kernels (impl="cpu") against the gather references."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ from test_xla_quantized import _close as q_close
 from test_xla_quantized import random_cache
 
 from kernels_pallas.paged_attention import reference as paged_ref
+from kernels_pallas.quantized_attention import reference as qref
 from kvjax import attention
 from kvjax.attention import cpu as cpu_kernels
 from kvjax.attention import ops, paged_decode_attention
@@ -232,3 +235,37 @@ def test_quantized_auto_and_prefill_fallback(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert qattn._select("quantized_attention", "auto") is qattn._IMPLS[
         "quantized_attention"]["xla"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,head_dim,group,scale_dtype", [
+    (2, 64, 16, jnp.float16), (4, 128, 32, jnp.bfloat16), (8, 64, 16, jnp.float32)])
+def test_quantized_vectorised_rows(rng, bits, head_dim, group, scale_dtype):
+    """Widths whose packed fields hold whole 16-channel vectors take the vectorised
+    dequantizer (random_cache's head_dim 32 / group 8 take the scalar one); f16, bf16 and
+    f32 scales. Random tables with shared pages, lengths 1 .. max (some in the tail only)."""
+    kv_heads, q_heads, ps, max_pages, ring = 2, 8, 32, 4, 48
+    batch, num_pages = 5, 12
+    span = 1.0 / ((1 << bits) - 1)
+
+    def codes():
+        return jnp.asarray(rng.integers(0, 256, (kv_heads, num_pages, ps, head_dim * bits // 8)),
+                           jnp.uint8)
+
+    def scale_zero(shape):
+        return (jnp.asarray(rng.uniform(0.5 * span, 2 * span, shape), scale_dtype),
+                jnp.asarray(rng.uniform(-2.0, 0.0, shape), scale_dtype))
+
+    pools = (codes(), *scale_zero((kv_heads, num_pages, ps // group, head_dim)), codes(),
+             *scale_zero((kv_heads, num_pages, ps, head_dim // group)))
+    lengths = np.asarray([1, 20, 70, max_pages * ps, 100], np.int32)
+    quant_lengths = ps * np.maximum(lengths - 16, 0) // ps
+    tables = jnp.asarray(rng.integers(0, num_pages, (batch, max_pages)), jnp.int32)
+    tail_k, tail_v = (jnp.asarray(rng.standard_normal((kv_heads, batch, ring, head_dim)),
+                                  jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim)), jnp.float32)
+    args = (q, *pools, tail_k, tail_v, jnp.asarray(quant_lengths), jnp.asarray(lengths),
+            tables, jnp.asarray(lengths - 1)[:, None])
+    kw = dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5)
+    q_close(cpu_kernels.quantized_attention(*args, **kw),
+            jax.jit(functools.partial(qref.quantized_attention, **kw))(*args), 2e-5)

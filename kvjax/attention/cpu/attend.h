@@ -105,7 +105,7 @@ inline void to_f32(const T* src, int64_t width, int64_t padded, float* dst) {
   } else if constexpr (std::is_same_v<T, Bf16>) {
     widen_bf16(reinterpret_cast<const uint16_t*>(src), dst, width);
   } else {
-    for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<float>(src[i]);
+    widen_f16(src, dst, width);
   }
   for (int64_t d = width; d < padded; ++d) dst[d] = 0.0f;
 }

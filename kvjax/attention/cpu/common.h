@@ -23,6 +23,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvjax {
 
 namespace ffi = xla::ffi;
@@ -147,8 +151,26 @@ inline float bf16_to_f32(uint16_t b) {
 // Widens n bf16 values (bit patterns) to float32 in dst: a zero-extend and a shift per
 // element, a loop the compiler vectorises.
 inline void widen_bf16(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + kLanes <= n; i += kLanes) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(w, 16));
+  }
+#endif
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+  for (; i < n; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+}
+
+// float16 to float32 (vcvtph2ps where the CPU has it).
+inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + kLanes <= n; i += kLanes)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 inline int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }

@@ -80,6 +80,56 @@ inline void dequant_value_row(const uint8_t* __restrict codes, int64_t width, in
   for (int64_t c = width; c < padded; ++c) dst[c] = 0.0f;
 }
 
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
+
+// Codes of 16 consecutive bytes' field at bit `shift`, as float32: widen, shift, mask.
+template <int BITS>
+inline v16 codes16(const uint8_t* p, int shift) {
+#ifdef __AVX512F__
+  // GCC turns the generic conversion below into byte-by-byte inserts; vpmovzxbd is one op.
+  __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v16i x = reinterpret_cast<v16i&>(w);
+#else
+  v16i x = __builtin_convertvector(*reinterpret_cast<const u8x16*>(p), v16i);
+#endif
+  if constexpr (BITS < 8) x = (x >> shift) & ((1 << BITS) - 1);
+  return __builtin_convertvector(x, v16);
+}
+
+// Vectorised dequantization of one key row (per-channel float32 scale/zero rows) and
+// one value row (per-token scales for groups of `group` channels, 16 | group), for
+// widths with 16 | width / k (then D and Dv are multiples of 16: no padding). Channels
+// are visited in order, field by field (field f = channels [f n, (f + 1) n)).
+template <int BITS, typename S>
+inline void dequant_rows16(const uint8_t* kcodes, const float* ks, const float* kz,
+                           int64_t D, const uint8_t* vcodes, const S* vs, const S* vz,
+                           int64_t group, int64_t Dv, float* __restrict kdst,
+                           float* __restrict vdst) {
+  constexpr int k = 8 / BITS;
+  const int64_t n = D / k, nv = Dv / k;
+  float* kd = kdst;
+  for (int f = 0; f < k; ++f) {
+    for (int64_t j = 0; j < n; j += kLanes, kd += kLanes) {
+      const int64_t c = kd - kdst;
+      store16(kd, codes16<BITS>(kcodes + j, f * BITS) * load16(ks + c) + load16(kz + c));
+    }
+  }
+  float* vd = vdst;
+  int64_t g = 0, left = group;
+  v16 sg = splat(to_float(vs[0])), zg = splat(to_float(vz[0]));
+  for (int f = 0; f < k; ++f) {
+    for (int64_t j = 0; j < nv; j += kLanes, vd += kLanes) {
+      store16(vd, codes16<BITS>(vcodes + j, f * BITS) * sg + zg);
+      if ((left -= kLanes) == 0 && vd + kLanes < vdst + Dv) {
+        ++g;
+        left = group;
+        sg = splat(to_float(vs[g]));
+        zg = splat(to_float(vz[g]));
+      }
+    }
+  }
+}
+
 template <typename S, int DT, int DVT>
 void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   const int64_t G = a.group, D = a.head_dim, Dv = a.v_head_dim, ps = a.page_size;
@@ -125,6 +175,10 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     p = std::min(std::max(p, lo), hi - 1);  // masked lanes read a visible row
     return std::pair<int64_t, int64_t>(clamp_index(table[p / ps], a.pages), p % ps);
   };
+  // The vectorised row dequantizer when the shapes allow it (same bits for K and V, each
+  // field a whole number of 16-channel vectors, value groups of whole vectors).
+  const bool vec = a.k_bits == a.v_bits && (D / (8 / a.k_bits)) % kLanes == 0 &&
+                   (Dv / (8 / a.v_bits)) % kLanes == 0 && v_group % kLanes == 0;
   auto load = [&](int64_t c0) -> Chunk {
     for (int j = 0; j < kLanes; ++j) {
       const auto [page, slot] = page_slot(c0 + j);
@@ -134,11 +188,23 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         to_f32(kz + (srow - ks), D, Dp, kzero);
         loaded = srow;
       }
-      dequant_key_row(kc + (page * ps + slot) * kw, D, a.k_bits, kscale, kzero, Dp,
-                      kbuf + j * Dp);
+      const uint8_t* kr = kc + (page * ps + slot) * kw;
+      const uint8_t* vr = vc + (page * ps + slot) * vw;
       const int64_t vrow = (page * ps + slot) * a.v_groups;
-      dequant_value_row(vc + (page * ps + slot) * vw, Dv, a.v_bits, vs + vrow, vz + vrow,
-                        v_group, Dvp, vbuf + j * Dvp);
+      float* kd = kbuf + j * Dp;
+      float* vd = vbuf + j * Dvp;
+      if (vec) {
+        if (a.k_bits == 8) {
+          dequant_rows16<8>(kr, kscale, kzero, D, vr, vs + vrow, vz + vrow, v_group, Dv, kd, vd);
+        } else if (a.k_bits == 4) {
+          dequant_rows16<4>(kr, kscale, kzero, D, vr, vs + vrow, vz + vrow, v_group, Dv, kd, vd);
+        } else {
+          dequant_rows16<2>(kr, kscale, kzero, D, vr, vs + vrow, vz + vrow, v_group, Dv, kd, vd);
+        }
+      } else {
+        dequant_key_row(kr, D, a.k_bits, kscale, kzero, Dp, kd);
+        dequant_value_row(vr, Dv, a.v_bits, vs + vrow, vz + vrow, v_group, Dvp, vd);
+      }
     }
     return {kbuf, Dp, vbuf, Dvp};
   };
