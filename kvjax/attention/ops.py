@@ -17,8 +17,8 @@ outside the pool, or a length past `max_pages * page_size`, raises
     only. The prefill ops have no kernel yet: their "pallas" entry runs the
     "xla" path;
   "cpu": the C++ CPU kernels of `kvjax/attention/cpu/` (XLA FFI custom calls,
-    built on first use, that stream each live page once); decode only so far —
-    the other ops have no "cpu" entry;
+    built on first use, that stream each live page once): GQA and MLA decode; the
+    prefill ops have no "cpu" entry;
   "auto": the best one for the default backend: "pallas" on TPU and GPU for
     the ops that have a kernel; on CPU "cpu" for the ops that have one when the
     kernels are available (`kvjax.attention.cpu.available()`: a C++ compiler
@@ -68,6 +68,7 @@ _IMPLS = {
         "reference": mla_ref.mla_decode_attention,
         "xla": xla_path.mla_decode_attention,
         "pallas": pallas_impls.mla_decode_attention,
+        "cpu": cpu_kernels.mla_decode_attention,
     },
     "mla_prefill_attention": {
         "reference": mla_ref.mla_prefill_attention,

@@ -11,6 +11,7 @@ from test_xla_quantized import D as qz_D
 from test_xla_quantized import _close as q_close
 from test_xla_quantized import random_cache
 
+from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
 from kernels_pallas.quantized_attention import reference as qref
 from kvjax import attention
@@ -269,3 +270,33 @@ def test_quantized_vectorised_rows(rng, bits, head_dim, group, scale_dtype):
     kw = dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5)
     q_close(cpu_kernels.quantized_attention(*args, **kw),
             jax.jit(functools.partial(qref.quantized_attention, **kw))(*args), 2e-5)
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mla_decode_matches_reference(rng, dtype):
+    """Absorbed MLA (latent 64 + rope 16, 8 heads): random shared pages, lengths 0, 1, a
+    full table and partial pages; one layer and whole pools with a traced layer."""
+    batch, heads, dc, dr, ps, max_pages, layers = 5, 8, 64, 16, 16, 4, 2
+    num_pages = 14
+    lengths = jnp.asarray([0, 1, max_pages * ps, 17, 40], jnp.int32)
+    tables = jnp.asarray(rng.integers(0, num_pages, (batch, max_pages)), jnp.int32)
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    ql, qr = draw(batch, heads, dc), draw(batch, heads, dr)
+    lat, rope = draw(layers, 1, num_pages, ps, dc), draw(layers, 1, num_pages, ps, dr)
+    ref = jax.jit(functools.partial(mla_ref.mla_decode_attention, scale=0.1))
+    for layer in range(layers):
+        want = ref(ql, qr, lat[layer, 0], rope[layer, 0], lengths, tables)
+        got = attention.mla_decode_attention(ql, qr, lat[layer, 0], rope[layer, 0], lengths,
+                                             tables, scale=0.1, impl="cpu")
+        _close(got, want, dtype)
+        got = jax.jit(lambda i: attention.mla_decode_attention(
+            ql, qr, lat, rope, lengths, tables, scale=0.1, impl="cpu", layer=i))(layer)
+        _close(got, want, dtype)
+    assert ops._auto_impl("mla_decode_attention") == "cpu"

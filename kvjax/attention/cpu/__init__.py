@@ -4,9 +4,12 @@ On CPU the XLA path (`kvjax/attention/xla.py`) is bound by per-element work, not
 memory: each block of pages is gathered (a copy), bf16 is converted, and XLA:CPU's
 batched matmuls with a few query rows run far below bandwidth (benchmarks/NOTES.md).
 These kernels (C++ in this folder, built on first use by `build.py`) read each live
-page of each sequence once, in place in the pool, widen bf16 in registers, and keep
-the online softmax in float32; (sequence, KV head) work items are spread over the
-caller and XLA's intra-op thread pool.
+page of each sequence once, in place in the pool, widen bf16 / dequantize 16 tokens
+at a time into an L1-resident float32 buffer, and keep the online softmax in float32;
+(sequence, KV head) work items are spread over the caller and XLA's intra-op thread
+pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), over
+KIVI-quantized pages (`quantized_decode.cc`, the tail merged in XLA) and MLA decode
+in absorbed form (`mla_decode.cc`). Prefill stays on the XLA path.
 
 `kvjax.attention` registers them as `impl="cpu"`, and `"auto"` picks them on the CPU
 backend when `available()`; otherwise (no compiler, failed build,
@@ -24,10 +27,12 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas.quantized_attention import reference as qref
+from kvjax.attention import xla as xla_path
 from kvjax.attention import xla_quantized
 from kvjax.attention.cpu.build import available, load, unavailable_reason
 
-__all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention"]
+__all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention",
+           "mla_decode_attention"]
 
 
 def _as_pools(pages, layer):
@@ -157,3 +162,48 @@ def quantized_attention(
     return qref.merge_with_tail(out_q[:, None], lse_q[:, None], q, tail_k, tail_v,
                                 quant_lengths, lengths, q_pos, scale=scale, soft_cap=soft_cap,
                                 sliding_window=sliding_window)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def mla_decode_attention(
+    q_latent: Float[Array, "batch q_heads d_c"],
+    q_rope: Float[Array, "batch q_heads d_rope"],
+    latent_pages: Float[Array, "*layers pages page_size d_c"],
+    rope_pages: Float[Array, "*layers pages page_size d_rope"],
+    lengths: Int[Array, " batch"],
+    block_tables: Int[Array, "batch max_pages"],
+    *,
+    scale: float,
+    layer: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
+    """MLA decode (absorbed form) with the CPU kernel; the reference's signature.
+
+    Each sequence's latent and rope rows are read once per step and serve as keys and
+    (the latent part) values for all its query heads. With `layer`, the pages are a
+    cache's whole latent pools `[layers, 1, pages, page_size, width]`, read in place.
+    Latent and rope pools of different dtypes run the XLA path.
+
+    Returns:
+      (out in latent space [batch, q_heads, d_c] in q_latent's dtype,
+      lse float32[batch, q_heads]).
+    """
+    if latent_pages.dtype != rope_pages.dtype:
+        return xla_path.mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages,
+                                             lengths, block_tables, scale=scale, layer=layer)
+    load()
+    if layer is None:  # one layer [pages, page_size, width]: add the layer and head axes
+        latent_pages, rope_pages = latent_pages[None, None], rope_pages[None, None]
+        layer_idx = jnp.zeros((), jnp.int32)
+    else:
+        layer_idx = jnp.asarray(layer, jnp.int32)
+    batch, q_heads, d_c = q_latent.shape
+    q = jnp.concatenate([q_latent.astype(jnp.float32), q_rope.astype(jnp.float32)], axis=-1)
+    call = jax.ffi.ffi_call(
+        "kvjax_mla_decode",
+        (jax.ShapeDtypeStruct((batch, q_heads, d_c), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, lse = call(q, latent_pages, rope_pages, layer_idx, lengths.astype(jnp.int32),
+                    block_tables.astype(jnp.int32), scale=np.float32(scale))
+    return out.astype(q_latent.dtype), lse

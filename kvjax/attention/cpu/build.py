@@ -4,9 +4,10 @@ The C++ sources next to this file are compiled on first use with the system C++
 compiler (`$CXX`, default `g++`) into one shared library, cached under
 `$KVJAX_CACHE_DIR` (default `~/.cache/kvjax`) by a hash of the sources, the
 jaxlib version, the compiler and its flags and the CPU's feature flags
-(`-march=native` code must not run on another CPU). The library is written to
-a temporary name and renamed into place, so processes racing to build it are
-safe. It is loaded with ctypes and its handlers are registered with
+(`-march=native` code must not run on another CPU). The sources compile in
+parallel; the library is linked under a temporary name and renamed into place,
+and a lock file makes a second process wait for the first one's build instead
+of repeating it. It is loaded with ctypes and its handlers are registered with
 `jax.ffi.register_ffi_target` for the CPU platform.
 
 Nothing here raises at import: when there is no compiler, the build fails, or
@@ -29,12 +30,13 @@ import jaxlib
 
 __all__ = ["available", "unavailable_reason", "load", "TARGETS", "library_path"]
 
-_SOURCES = ("paged_decode.cc", "quantized_decode.cc")
+_SOURCES = ("paged_decode.cc", "quantized_decode.cc", "mla_decode.cc")
 _HEADERS = ("common.h", "attend.h")
 # FFI symbol in the library -> target name registered with XLA.
 TARGETS = {
     "KvjaxPagedDecode": "kvjax_paged_decode",
     "KvjaxQuantizedDecode": "kvjax_quantized_decode",
+    "KvjaxMlaDecode": "kvjax_mla_decode",
 }
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17")
 _HERE = Path(__file__).parent
@@ -71,22 +73,44 @@ def library_path() -> Path:
 
 
 def _build(path: Path) -> None:
+    """Compiles the sources (in parallel, one compiler per file) and links the library."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} not on PATH)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    cmd = [cxx, *_FLAGS, "-isystem", jax.ffi.include_dir(),
-           *(str(_HERE / s) for s in _SOURCES), "-o", tmp]
-    try:
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        objs, procs = [], []
+        for src in _SOURCES:
+            obj = os.path.join(tmp, src + ".o")
+            cmd = [cxx, *_FLAGS, "-c", "-isystem", jax.ffi.include_dir(), str(_HERE / src),
+                   "-o", obj]
+            procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True)))
+            objs.append(obj)
+        for cmd, proc in procs:
+            _, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-4000:]}")
+        lib = os.path.join(tmp, "lib.so")
+        cmd = [cxx, *_FLAGS, *objs, "-o", lib]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
-        os.replace(tmp, path)  # atomic: a racing process sees the old name or the whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.replace(lib, path)  # atomic: a racing process sees no file or the whole file
+
+
+def _build_once(path: Path) -> None:
+    """Builds unless another process holds the build lock and builds it meanwhile."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): racing builds are still safe, only wasteful
+        _build(path)
+        return
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            _build(path)
 
 
 @functools.cache
@@ -96,7 +120,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     try:
         path = library_path()
         if not path.exists():
-            _build(path)
+            _build_once(path)
         lib = ctypes.CDLL(str(path))
         for symbol, target in TARGETS.items():
             jax.ffi.register_ffi_target(
