@@ -175,12 +175,16 @@ inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int
 
 inline int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 
-// Runs fn(i) for i in [0, total) on up to `threads` threads: the caller and helpers draw
-// items from one atomic counter. Helpers run on XLA's intra-op pool when the FFI offers
-// one (`pool` non-null and with threads), else on std::threads, per KVJAX_CPU_THREADS:
-// "pool" (default), "std", or "1" (the caller only). The caller waits for items, not for
-// helpers: a helper that starts after the last item finds none and touches nothing but
-// the shared counter, which it co-owns.
+// Runs fn(i, worker) for i in [0, total) on the caller and helper threads that draw
+// items from one atomic counter. Helpers come from, per KVJAX_CPU_THREADS:
+//   "own" (default): a persistent pool of hardware_concurrency - 1 threads owned by this
+//     library (started on first use, parked on a condition variable between calls);
+//   "pool": XLA's intra-op thread pool (the FFI ThreadPool context). Measured: XLA often
+//     runs the custom call itself on that pool's thread, and the helper task then queues
+//     behind it, so the call ran single-threaded in about half of the calls;
+//   "std": fresh std::threads per call;  "1": the caller alone.
+// The caller waits for items, not for helpers: a helper that starts after the last item
+// finds none and touches only the shared state, which it co-owns.
 struct WorkState {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -201,37 +205,65 @@ struct WorkState {
   }
 };
 
-inline int worker_count(ffi::ThreadPool* pool, int64_t items, std::string* mode) {
-  const char* env = std::getenv("KVJAX_CPU_THREADS");
-  *mode = env ? env : "pool";
-  int64_t hw = std::thread::hardware_concurrency();
-  int64_t n = 1;
-  if (*mode == "1") {
-    n = 1;
-  } else if (*mode == "std") {
-    n = hw > 0 ? hw : 1;
-  } else {
-    int64_t p = pool ? pool->num_threads() : 0;
-    if (p <= 0) {
-      *mode = "std";
-      p = hw > 0 ? hw : 1;
-    } else {
-      p += 1;  // the caller works too
-      if (hw > 0 && p > hw) p = hw;
-    }
-    n = p;
+// The library's own helper threads. Never destroyed (a static destructor joining threads
+// at process exit could hang), so the threads are detached.
+class HelperPool {
+ public:
+  static HelperPool& get() {
+    static HelperPool* pool = new HelperPool();
+    return *pool;
   }
-  if (n > items) n = items;
-  return static_cast<int>(n < 1 ? 1 : n);
-}
+  int size() const { return static_cast<int>(n_); }
+  void schedule(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  HelperPool() {
+    int64_t hw = std::thread::hardware_concurrency();
+    n_ = hw > 1 ? hw - 1 : 0;
+    for (int64_t i = 0; i < n_; ++i) std::thread([this] { loop(); }).detach();
+  }
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return !tasks_.empty(); });
+        task = std::move(tasks_.front());
+        tasks_.erase(tasks_.begin());
+      }
+      task();
+    }
+  }
+  int64_t n_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::function<void()>> tasks_;
+};
 
 inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
-                         std::function<void(int64_t, int)> fn, int* workers_out = nullptr) {
-  std::string mode;
-  int workers = worker_count(pool, total, &mode);
-  if (workers_out) *workers_out = workers;
+                         std::function<void(int64_t, int)> fn) {
   if (total <= 0) return;
-  if (workers == 1) {
+  const char* env = std::getenv("KVJAX_CPU_THREADS");
+  std::string mode = env ? env : "own";
+  int64_t hw = std::thread::hardware_concurrency();
+  hw = hw > 0 ? hw : 1;
+  int64_t workers = 1;
+  if (mode == "own") {
+    workers = HelperPool::get().size() + 1;
+  } else if (mode == "pool") {
+    int64_t p = pool ? pool->num_threads() : 0;
+    workers = p > 0 ? std::min(p + 1, hw) : 1;
+  } else if (mode == "std") {
+    workers = hw;
+  }
+  workers = std::min(workers, total);
+  if (workers <= 1) {
     for (int64_t i = 0; i < total; ++i) fn(i, 0);
     return;
   }
@@ -242,8 +274,10 @@ inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
   for (int w = 1; w < workers; ++w) {
     if (mode == "std") {
       threads.emplace_back([state, w] { state->run(w); });
-    } else {
+    } else if (mode == "pool") {
       pool->Schedule([state, w] { state->run(w); });
+    } else {
+      HelperPool::get().schedule([state, w] { state->run(w); });
     }
   }
   state->run(0);
