@@ -101,6 +101,8 @@ def _build(path: Path) -> None:
 
 def _build_once(path: Path) -> None:
     """Builds unless another process holds the build lock and builds it meanwhile."""
+    if _compiler() is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} not on PATH)")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
