@@ -179,10 +179,19 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   // field a whole number of 16-channel vectors, value groups of whole vectors).
   const bool vec = a.k_bits == a.v_bits && (D / (8 / a.k_bits)) % kLanes == 0 &&
                    (Dv / (8 / a.v_bits)) % kLanes == 0 && v_group % kLanes == 0;
+  // Pages of whole 16-token chunks: a chunk inside [lo, hi) is 16 consecutive rows of one
+  // page, found with one table lookup (integer divisions per token cost as much as the
+  // dequantization of a row).
+  const bool whole = ps % kLanes == 0;
   auto load = [&](int64_t c0) -> Chunk {
+    const bool fast = whole && c0 >= lo && c0 + kLanes <= hi;
+    const auto [page0, slot0] = page_slot(c0);
     for (int j = 0; j < kLanes; ++j) {
-      const auto [page, slot] = page_slot(c0 + j);
-      const S* srow = ks + (page * a.k_srows + slot / k_group) * D;
+      const auto [page, slot] = fast ? std::pair<int64_t, int64_t>(page0, slot0 + j)
+                                     : page_slot(c0 + j);
+      const int64_t srow_index = fast && k_group % kLanes == 0 ? slot0 / k_group
+                                                                : slot / k_group;
+      const S* srow = ks + (page * a.k_srows + srow_index) * D;
       if (srow != loaded) {  // a key group's scales serve its G tokens: convert once
         to_f32(srow, D, Dp, kscale);
         to_f32(kz + (srow - ks), D, Dp, kzero);
