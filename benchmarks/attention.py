@@ -245,6 +245,10 @@ def run_mla(cfg, dtype, repeats, ref_repeats, block_tokens, key):
                                                          block_tokens=block_tokens))
     rows["xla"], got = _time(xla_fn, args, repeats)
     rows["xla"]["max_err"] = _check("xla", got[0], want, dtype)
+    if cpu_kernels.available():
+        cpu_fn = jax.jit(lambda *a: cpu_kernels.mla_decode_attention(*a, scale=scale))
+        rows["cpu"], got = _time(cpu_fn, args, repeats)
+        rows["cpu"]["max_err"] = _check("cpu", got[0], want, dtype)
     cl = jax.block_until_ready(paged_ref.gather_pages(lat[None], tables, lengths)[:, 0])
     cr = jax.block_until_ready(paged_ref.gather_pages(rope[None], tables, lengths)[:, 0])
     c_fn = jax.jit(lambda a, b, c, d: contiguous_mla(a, b, c, d, scale))
