@@ -18,7 +18,7 @@ outside the pool, or a length past `max_pages * page_size`, raises
     "xla" path;
   "cpu": the C++ CPU kernels of `kvjax/attention/cpu/` (XLA FFI custom calls,
     built on first use, that stream each live page once): GQA and MLA decode; the
-    prefill ops have no "cpu" entry;
+    prefill ops have no kernel, their "cpu" entry runs the "xla" path;
   "auto": the best one for the default backend: "pallas" on TPU and GPU for
     the ops that have a kernel; on CPU "cpu" for the ops that have one when the
     kernels are available (`kvjax.attention.cpu.available()`: a C++ compiler
@@ -63,6 +63,7 @@ _IMPLS = {
         "reference": paged_ref.paged_prefill_attention,
         "xla": xla_path.paged_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "paged_prefill_attention"),
+        "cpu": xla_path.paged_prefill_attention,  # no prefill kernel: the XLA path
     },
     "mla_decode_attention": {
         "reference": mla_ref.mla_decode_attention,
@@ -74,8 +75,14 @@ _IMPLS = {
         "reference": mla_ref.mla_prefill_attention,
         "xla": xla_path.mla_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "mla_prefill_attention"),
+        "cpu": xla_path.mla_prefill_attention,  # no prefill kernel: the XLA path
     },
 }
+
+
+# Ops with a C++ CPU kernel ("auto" picks "cpu" for them on CPU); the other ops' "cpu"
+# entries run the XLA path, so that a model given impl="cpu" can also prefill.
+CPU_KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
 
 
 def _auto_impl(op: str) -> str:
@@ -84,7 +91,7 @@ def _auto_impl(op: str) -> str:
         return "pallas"
     # CPU has no compiled Pallas. The C++ kernels are the fast path where an op has one
     # and they built; the blocked XLA path otherwise.
-    if "cpu" in _IMPLS.get(op, ()) and cpu_kernels.available():
+    if op in CPU_KERNEL_OPS and cpu_kernels.available():
         return "cpu"
     return "xla"
 

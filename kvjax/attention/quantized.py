@@ -20,8 +20,8 @@ layer's slice).
     CPU); decode and prefill alike;
   "cpu": the C++ CPU kernel (`kvjax/attention/cpu/quantized_decode.cc`: the pages
     streamed once and dequantized 16 tokens at a time in float32; the tail merged as
-    the reference does) for GQA decode; its prefill (q_len > 1) runs the "xla" path;
-    MLA has no "cpu" entry;
+    the reference does) for GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu"
+    entry run the "xla" path;
   "auto": the best one for the default backend: "cpu" on the CPU backend for the
     ops that have it when the kernels are available
     (`kvjax.attention.cpu.available()`), "xla" otherwise.
@@ -57,13 +57,14 @@ _IMPLS = {
         "reference": qref.quantized_mla_attention,
         "xla": xla_quantized.quantized_mla_attention,
         "pallas": pallas_impls.quantized_mla_attention,
+        "cpu": xla_quantized.quantized_mla_attention,  # no MLA kernel: the XLA path
     },
 }
 
 
 def _auto_impl(op: str) -> str:
     """The implementation "auto" resolves to on the default backend."""
-    if (pallas_impls.platform() == "cpu" and "cpu" in _IMPLS[op]
+    if (pallas_impls.platform() == "cpu" and op == "quantized_attention"
             and cpu_kernels.available()):
         return "cpu"
     return "xla"

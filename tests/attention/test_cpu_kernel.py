@@ -147,8 +147,12 @@ def test_vmap_runs_per_element(rng):
 @needs_kernel
 def test_auto_is_cpu_kernel_for_decode():
     assert ops._auto_impl("paged_decode_attention") == "cpu"
-    # Ops without a CPU kernel stay on the XLA path.
-    assert ops._auto_impl("paged_prefill_attention") == "xla"
+    # Ops without a CPU kernel stay on the XLA path, and their "cpu" entry is that path
+    # (a model given impl="cpu" prefills too).
+    for op in ("paged_prefill_attention", "mla_prefill_attention"):
+        assert ops._auto_impl(op) == "xla"
+        assert ops._select(op, "cpu") is ops._IMPLS[op]["xla"]
+    assert qattn._select("quantized_mla_attention", "cpu") is xq.quantized_mla_attention
 
 
 def test_auto_falls_back_to_xla_when_unavailable(rng, monkeypatch):
