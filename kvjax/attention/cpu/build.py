@@ -22,6 +22,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -78,6 +79,9 @@ def _build(path: Path) -> None:
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} not on PATH)")
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Once per machine and source version; say so, a first call otherwise just stalls.
+    print(f"kvjax: compiling the CPU attention kernels into {path} (once; ~10-30 s)",
+          file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         objs, procs = [], []
         for src in _SOURCES:
