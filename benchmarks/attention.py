@@ -5,9 +5,12 @@ Measures, in one process so that the ratios share the machine's state:
 1. streaming read bandwidth (a jitted sum over a large array) and copy bandwidth
    (an in-place scale of a large donated array, counting read + write);
 2. paged decode attention for the gather reference, the XLA path
-   (`kvjax/attention/xla.py`) and contiguous `[batch, kv_heads, seq, head_dim]`
-   attention on the same K/V (plain einsum-softmax-einsum, and the XLA path's
-   blocked loop reading contiguous slices instead of pages), for GQA/MQA in
+   (`kvjax/attention/xla.py`), the C++ CPU kernel (`kvjax/attention/cpu/`, row "cpu",
+   when it is available; it runs on the caller and XLA's intra-op threads, so its
+   CPU time is up to the number of cores times its wall time) and contiguous
+   `[batch, kv_heads, seq, head_dim]` attention on the same K/V (plain
+   einsum-softmax-einsum, and the XLA path's blocked loop reading contiguous slices
+   instead of pages), for GQA/MQA in
    float32 and bf16 and for MLA in absorbed form. Bandwidth counts the bytes the
    op must read once: the live keys and values (MLA: latent and rope once);
 3. a pool-capacity check: the same live tokens in pools 1x, 4x and 16x larger
@@ -16,7 +19,8 @@ Measures, in one process so that the ratios share the machine's state:
    with float16 scales and zeros, a bf16 tail of R tokens) against paged bf16 and
    float32 pages on the same geometry, all through the XLA path: ms per decode
    step and the ratio to bf16 (issue 11: int4/int2 must not be slower per token
-   than bf16). Bytes counted: codes + scales + zeros of the used pages + the tail.
+   than bf16); rows "cpu_*" do the same with the C++ CPU kernels (ratios to "cpu_bfloat16").
+   Bytes counted: codes + scales + zeros of the used pages + the tail.
 
 Every result is verified against the reference in the same run. Times are
 medians (with min-max) over repeats of wall-clock and of process CPU time: on a
@@ -45,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas.mla_decode import reference as mla_ref  # noqa: E402
 from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kernels_pallas.quantized_attention import reference as quant_ref  # noqa: E402
+from kvjax.attention import cpu as cpu_kernels  # noqa: E402
 from kvjax.attention import xla, xla_quantized  # noqa: E402
 
 F32 = jnp.float32
@@ -194,6 +199,10 @@ def run_gqa(cfg, dtype, repeats, ref_repeats, block_tokens, key):
     want = want[0]
     rows["xla"], got = _time(xla_fn, args, repeats)
     rows["xla"]["max_err"] = _check("xla", got[0], want, dtype)
+    if cpu_kernels.available():
+        cpu_fn = jax.jit(cpu_kernels.paged_decode_attention)
+        rows["cpu"], got = _time(cpu_fn, args, repeats)
+        rows["cpu"]["max_err"] = _check("cpu", got[0], want, dtype)
     if not cfg.get("mixed"):
         # The same K/V laid out contiguously, [B, Hkv, S, D] (built once, untimed).
         kc = jax.block_until_ready(paged_ref.gather_pages(k_pages, tables, lengths))
@@ -236,6 +245,10 @@ def run_mla(cfg, dtype, repeats, ref_repeats, block_tokens, key):
                                                          block_tokens=block_tokens))
     rows["xla"], got = _time(xla_fn, args, repeats)
     rows["xla"]["max_err"] = _check("xla", got[0], want, dtype)
+    if cpu_kernels.available():
+        cpu_fn = jax.jit(lambda *a: cpu_kernels.mla_decode_attention(*a, scale=scale))
+        rows["cpu"], got = _time(cpu_fn, args, repeats)
+        rows["cpu"]["max_err"] = _check("cpu", got[0], want, dtype)
     cl = jax.block_until_ready(paged_ref.gather_pages(lat[None], tables, lengths)[:, 0])
     cr = jax.block_until_ready(paged_ref.gather_pages(rope[None], tables, lengths)[:, 0])
     c_fn = jax.jit(lambda a, b, c, d: contiguous_mla(a, b, c, d, scale))
@@ -318,6 +331,11 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
         want = jax.jit(paged_ref.paged_decode_attention)(*args)[0]
         rows[name]["max_err"] = _check(name, got[0], want, dt)
         nbytes[name] = 2 * kv_heads * tokens * d * jnp.dtype(dt).itemsize
+        if cpu_kernels.available():
+            cname = f"cpu_{jnp.dtype(dt).name}"
+            rows[cname], got = _time(jax.jit(cpu_kernels.paged_decode_attention), args, repeats)
+            rows[cname]["max_err"] = _check(cname, got[0], want, dt)
+            nbytes[cname] = nbytes[name]
         del kp, vp, args
     # Quantized pages + bf16 tail: Q = ps * floor((seq - R) / ps) tokens in pages.
     q_tokens = ps * (max(seq - residual, 0) // ps)
@@ -342,6 +360,12 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
         nbytes[name] = sum(x.nbytes for x in pools) * used // num_pages + (
             2 * kv_heads * batch * (seq - q_tokens) * d * 2)
         nbytes[f"reference_int{bits}"] = nbytes[name]
+        if cpu_kernels.available():
+            cname = f"cpu_int{bits}"
+            cpu_fn = jax.jit(lambda *a, kw=kw: cpu_kernels.quantized_attention(*a, **kw))
+            rows[cname], got = _time(cpu_fn, args, repeats)
+            rows[cname]["max_err"] = _check(cname, got[0], want[0], jnp.bfloat16)
+            nbytes[cname] = nbytes[name]
         del pools, args
     return nbytes, rows
 
@@ -419,6 +443,8 @@ def main(argv=None):
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
     bw = measure_bandwidth(bw_bytes, repeats)
+    if not cpu_kernels.available():
+        print(f"no 'cpu' rows: {cpu_kernels.unavailable_reason()}")
     print(f"streaming read {bw['read_GBps']:.1f} GB/s (best {bw['read_GBps_best']:.1f}), "
           f"copy {bw['copy_GBps']:.1f} GB/s (best {bw['copy_GBps_best']:.1f})")
 
@@ -435,12 +461,13 @@ def main(argv=None):
             st["fraction_of_read_bw"] = st["GBps"] / bw["read_GBps"]
         ratios = {}
         if "contiguous" in rows:
-            for base in ("contiguous", "contiguous_blocked"):
-                if base in rows:
-                    ratios[f"xla/{base}"] = rows["xla"]["wall_median_s"] / rows[base][
-                        "wall_median_s"]
-                    ratios[f"xla/{base}_cpu"] = rows["xla"]["cpu_median_s"] / rows[base][
-                        "cpu_median_s"]
+            for impl in ("xla", "cpu"):
+                for base in ("contiguous", "contiguous_blocked"):
+                    if base in rows and impl in rows:
+                        ratios[f"{impl}/{base}"] = rows[impl]["wall_median_s"] / rows[base][
+                            "wall_median_s"]
+                        ratios[f"{impl}/{base}_cpu"] = rows[impl]["cpu_median_s"] / rows[base][
+                            "cpu_median_s"]
         results.append(dict(case=cfg, dtype=dtype.name, bytes=nbytes, impls=rows,
                             ratios=ratios))
 
@@ -448,8 +475,9 @@ def main(argv=None):
     if args.quant != "off":
         qcfg = QUANT_QUICK if args.quick else QUANT_FULL
         nbytes, rows = run_quant(qcfg, repeats, ref_repeats, args.block_tokens, key)
-        base = rows["paged_bfloat16"]
         for name, st in rows.items():
+            # Each implementation against its own bf16 pages ("cpu_*" rows: the CPU kernel).
+            base = rows["cpu_bfloat16" if name.startswith("cpu_") else "paged_bfloat16"]
             st["bytes"] = nbytes[name]
             st["GBps"] = nbytes[name] / st["wall_median_s"] / 1e9
             st["GBps_cpu"] = nbytes[name] / st["cpu_median_s"] / 1e9

@@ -16,8 +16,13 @@ outside the pool, or a length past `max_pages * page_size`, raises
     Pallas' interpret mode on CPU). `interpret=None` means interpret on CPU
     only. The prefill ops have no kernel yet: their "pallas" entry runs the
     "xla" path;
+  "cpu": the C++ CPU kernels of `kvjax/attention/cpu/` (XLA FFI custom calls,
+    built on first use, that stream each live page once): GQA and MLA decode; the
+    prefill ops have no kernel, their "cpu" entry runs the "xla" path;
   "auto": the best one for the default backend: "pallas" on TPU and GPU for
-    the ops that have a kernel, "xla" on CPU.
+    the ops that have a kernel; on CPU "cpu" for the ops that have one when the
+    kernels are available (`kvjax.attention.cpu.available()`: a C++ compiler
+    built them and `KVJAX_CPU_KERNEL=0` is not set), "xla" otherwise.
 Each op looks its implementation up in `_IMPLS[op][impl]`.
 """
 
@@ -31,6 +36,7 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
+from kvjax.attention import cpu as cpu_kernels
 from kvjax.attention import pallas_impls
 from kvjax.attention import xla as xla_path
 
@@ -43,7 +49,7 @@ __all__ = [
     "IMPLS",
 ]
 
-IMPLS = ("auto", "reference", "xla", "pallas")
+IMPLS = ("auto", "reference", "xla", "pallas", "cpu")
 
 # op name -> impl name -> function with the reference's signature.
 _IMPLS = {
@@ -51,30 +57,42 @@ _IMPLS = {
         "reference": paged_ref.paged_decode_attention,
         "xla": xla_path.paged_decode_attention,
         "pallas": pallas_impls.paged_decode_attention,
+        "cpu": cpu_kernels.paged_decode_attention,
     },
     "paged_prefill_attention": {
         "reference": paged_ref.paged_prefill_attention,
         "xla": xla_path.paged_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "paged_prefill_attention"),
+        "cpu": xla_path.paged_prefill_attention,  # no prefill kernel: the XLA path
     },
     "mla_decode_attention": {
         "reference": mla_ref.mla_decode_attention,
         "xla": xla_path.mla_decode_attention,
         "pallas": pallas_impls.mla_decode_attention,
+        "cpu": cpu_kernels.mla_decode_attention,
     },
     "mla_prefill_attention": {
         "reference": mla_ref.mla_prefill_attention,
         "xla": xla_path.mla_prefill_attention,
         "pallas": functools.partial(pallas_impls.prefill_via_xla, "mla_prefill_attention"),
+        "cpu": xla_path.mla_prefill_attention,  # no prefill kernel: the XLA path
     },
 }
+
+
+# Ops with a C++ CPU kernel ("auto" picks "cpu" for them on CPU); the other ops' "cpu"
+# entries run the XLA path, so that a model given impl="cpu" can also prefill.
+CPU_KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
 
 
 def _auto_impl(op: str) -> str:
     """The implementation "auto" resolves to on the default backend."""
     if pallas_impls.platform() in ("tpu", "gpu") and op in pallas_impls.KERNEL_OPS:
         return "pallas"
-    # CPU has no compiled Pallas; the blocked XLA path is the fast one there.
+    # CPU has no compiled Pallas. The C++ kernels are the fast path where an op has one
+    # and they built; the blocked XLA path otherwise.
+    if op in CPU_KERNEL_OPS and cpu_kernels.available():
+        return "cpu"
     return "xla"
 
 
@@ -101,8 +119,8 @@ def _select(op: str, impl, interpret: bool | None = None):
 def _layer_views(op, pools, layer, *, mla):
     """One layer of a cache's pools (for validation and for impls that take one layer).
 
-    Under jit an unused slice costs nothing (XLA drops it); the "xla" impl is
-    handed the whole pools and the layer instead (see `_with_layer`).
+    Under jit an unused slice costs nothing (XLA drops it); the "xla" and "cpu" impls
+    are handed the whole pools and the layer instead (see `_with_layer`).
     """
     if layer is None:
         return pools
@@ -119,10 +137,10 @@ def _layer_views(op, pools, layer, *, mla):
 
 def _with_layer(op, impl, interpret, layer, views, pools):
     """The implementation and the pools to pass it: the whole pools plus `layer` for
-    the "xla" path, which reads the layer inside its gathers; one layer otherwise."""
+    the "xla" and "cpu" paths, which read the layer in place; one layer otherwise."""
     fn = _select(op, impl, interpret)
     name = _auto_impl(op) if impl == "auto" else impl
-    if layer is not None and name == "xla":
+    if layer is not None and name in ("xla", "cpu"):
         return functools.partial(fn, layer=layer), pools
     return fn, views
 
@@ -237,9 +255,10 @@ def paged_decode_attention(
         Pallas' interpret mode; None means interpret exactly when the backend is CPU.
       layer: if given, k_pages and v_pages are a cache's whole pools
         [layers, kv_heads, pages, page_size, width] and this layer (an int or a traced
-        int32 scalar) is attended. The "xla" path then reads the layer's pages straight
-        from the pools; slicing `pool[layer]` first makes XLA copy the layer's whole pool
-        when the slice feeds a loop (e.g. inside a scan over layers).
+        int32 scalar) is attended. The "xla" and "cpu" paths then read the layer's pages
+        straight from the pools; slicing `pool[layer]` first makes XLA copy the layer's
+        whole pool when the slice feeds a loop or a custom call (e.g. inside a scan over
+        layers).
 
     Returns:
       (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).

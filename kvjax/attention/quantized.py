@@ -18,7 +18,13 @@ layer's slice).
     dequantized in VMEM/registers; the tail is merged by log-sum-exp) — the
     Triton kernel on a GPU backend, the TPU kernel otherwise (interpreted on
     CPU); decode and prefill alike;
-  "auto": the best one for the default backend.
+  "cpu": the C++ CPU kernel (`kvjax/attention/cpu/quantized_decode.cc`: the pages
+    streamed once and dequantized 16 tokens at a time in float32; the tail merged as
+    the reference does) for GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu"
+    entry run the "xla" path;
+  "auto": the best one for the default backend: "cpu" on the CPU backend for the
+    ops that have it when the kernels are available
+    (`kvjax.attention.cpu.available()`), "xla" otherwise.
 """
 
 import functools
@@ -27,6 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas.quantized_attention import reference as qref
+from kvjax.attention import cpu as cpu_kernels
 from kvjax.attention import pallas_impls, xla_quantized
 from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
 
@@ -37,26 +44,36 @@ __all__ = [
     "quantized_mla_prefill_attention",
 ]
 
-IMPLS = ("auto", "reference", "xla", "pallas")
+IMPLS = ("auto", "reference", "xla", "pallas", "cpu")
 
 _IMPLS = {
     "quantized_attention": {
         "reference": qref.quantized_attention,
         "xla": xla_quantized.quantized_attention,
         "pallas": pallas_impls.quantized_attention,
+        "cpu": cpu_kernels.quantized_attention,
     },
     "quantized_mla_attention": {
         "reference": qref.quantized_mla_attention,
         "xla": xla_quantized.quantized_mla_attention,
         "pallas": pallas_impls.quantized_mla_attention,
+        "cpu": xla_quantized.quantized_mla_attention,  # no MLA kernel: the XLA path
     },
 }
+
+
+def _auto_impl(op: str) -> str:
+    """The implementation "auto" resolves to on the default backend."""
+    if (pallas_impls.platform() == "cpu" and op == "quantized_attention"
+            and cpu_kernels.available()):
+        return "cpu"
+    return "xla"
 
 
 def _select(op: str, impl: str, interpret: bool | None = None):
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
-    name = "xla" if impl == "auto" else impl
+    name = _auto_impl(op) if impl == "auto" else impl
     fn = _IMPLS[op].get(name)
     if fn is None:
         raise NotImplementedError(
@@ -68,12 +85,13 @@ def _select(op: str, impl: str, interpret: bool | None = None):
 
 
 def _with_layer(op: str, impl: str, interpret, view: QuantizedLayerView):
-    """The implementation and the view to pass it: for the "xla" path a whole-pool view
-    stays whole (it reads the layer inside its gathers), other impls get one layer."""
+    """The implementation and the view to pass it: for the "xla" and "cpu" paths a
+    whole-pool view stays whole (they read the layer in place), other impls get one
+    layer."""
     fn = _select(op, impl, interpret)
     if view.layer is None:
         return fn, view
-    if fn is _IMPLS[op]["xla"]:
+    if fn is _IMPLS[op]["xla"] or fn is _IMPLS[op].get("cpu"):
         kw = dict(layer=view.k.layer)
         if not isinstance(view.v, QuantLayer):  # MLA's k_rope pool holds every layer
             kw["rope_layer"] = view.layer

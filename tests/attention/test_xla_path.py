@@ -174,8 +174,11 @@ def test_mla_prefill_matches_reference(rng):
     _close(got, mla_prefill_attention(*args, scale=0.2, impl="reference"), jnp.float32)
 
 
-def test_auto_is_xla_on_cpu():
+def test_auto_is_xla_on_cpu(monkeypatch):
     assert jax.default_backend() == "cpu"
+    # Without the C++ CPU kernels, which "auto" prefers where an op has one
+    # (tests/attention/test_cpu_kernel.py).
+    monkeypatch.setattr(ops.cpu_kernels, "available", lambda: False)
     for op in ("paged_decode_attention", "paged_prefill_attention", "mla_decode_attention",
                "mla_prefill_attention"):
         assert ops._auto_impl(op) == "xla"

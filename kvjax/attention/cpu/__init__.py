@@ -1,0 +1,209 @@
+"""CPU attention kernels: XLA FFI custom calls that stream each live page once.
+
+On CPU the XLA path (`kvjax/attention/xla.py`) is bound by per-element work, not by
+memory: each block of pages is gathered (a copy), bf16 is converted, and XLA:CPU's
+batched matmuls with a few query rows run far below bandwidth (benchmarks/NOTES.md).
+These kernels (C++ in this folder, built on first use by `build.py`) read each live
+page of each sequence once, in place in the pool, widen bf16 / dequantize 16 tokens
+at a time into an L1-resident float32 buffer, and keep the online softmax in float32;
+(sequence, KV head) work items are spread over the caller and XLA's intra-op thread
+pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), over
+KIVI-quantized pages (`quantized_decode.cc`, the tail merged in XLA) and MLA decode
+in absorbed form (`mla_decode.cc`). Prefill stays on the XLA path.
+
+`kvjax.attention` registers them as `impl="cpu"`, and `"auto"` picks them on the CPU
+backend when `available()`; otherwise (no compiler, failed build,
+`KVJAX_CPU_KERNEL=0`) "auto" is the XLA path and `unavailable_reason()` says why.
+
+`jax.vmap` of these ops is supported only by running the kernel once per mapped
+element (`vmap_method="sequential"`); kvjax's own code never maps over them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, UInt8
+
+from kernels_pallas.quantized_attention import reference as qref
+from kvjax.attention import xla as xla_path
+from kvjax.attention import xla_quantized
+from kvjax.attention.cpu.build import available, load, unavailable_reason
+
+__all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention",
+           "mla_decode_attention"]
+
+
+def _as_pools(pages, layer):
+    """Pages (one layer, 4-D) or whole pools (5-D, with `layer`) as 5-D pools and a layer."""
+    if layer is None:
+        return pages[None], jnp.zeros((), jnp.int32)
+    return pages, jnp.asarray(layer, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
+def paged_decode_attention(
+    q: Float[Array, "batch q_heads head_dim"],
+    k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
+    v_pages: Float[Array, "*layers kv_heads pages page_size v_head_dim"],
+    lengths: Int[Array, " batch"],
+    block_tables: Int[Array, "batch max_pages"],
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "batch q_heads v_head_dim"], Float[Array, "batch q_heads"]]:
+    """Decode attention with the CPU kernel; the reference's signature and semantics.
+
+    Args:
+      q: [batch, q_heads, head_dim], float32 or bfloat16 (the kernel computes in float32).
+      k_pages, v_pages: [kv_heads, pages, page_size, width] float32 or bfloat16, or with
+        `layer` a cache's whole pools [layers, kv_heads, pages, page_size, width]: the
+        kernel then reads that layer's pages in place (no slice of the pool is formed).
+      lengths: int32[batch]; block_tables: int32[batch, max_pages].
+      scale, soft_cap, sliding_window: as in the reference.
+      layer: an int or traced int32 scalar, or None.
+
+    Returns:
+      (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
+    """
+    load()
+    batch, q_heads, head_dim = q.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    k_pools, layer_idx = _as_pools(k_pages, layer)
+    v_pools, _ = _as_pools(v_pages, layer)
+    v_head_dim = v_pools.shape[-1]
+    call = jax.ffi.ffi_call(
+        "kvjax_paged_decode",
+        (jax.ShapeDtypeStruct((batch, q_heads, v_head_dim), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, lse = call(
+        q.astype(jnp.float32), k_pools, v_pools, layer_idx,
+        lengths.astype(jnp.int32), block_tables.astype(jnp.int32),
+        scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
+        window=np.int64(sliding_window or 0),
+    )
+    return out.astype(q.dtype), lse
+
+
+
+@functools.partial(
+    jax.jit, static_argnames=("k_bits", "v_bits", "scale", "soft_cap", "sliding_window"))
+def quantized_attention(
+    q: Float[Array, "batch q_len q_heads head_dim"],
+    k_codes: UInt8[Array, "*layers kv_heads pages page_size k_packed"],
+    k_scale: Float[Array, "*layers kv_heads pages k_srows head_dim"],
+    k_zero: Float[Array, "*layers kv_heads pages k_srows head_dim"],
+    v_codes: UInt8[Array, "*layers kv_heads pages page_size v_packed"],
+    v_scale: Float[Array, "*layers kv_heads pages page_size v_groups"],
+    v_zero: Float[Array, "*layers kv_heads pages page_size v_groups"],
+    tail_k: Float[Array, "kv_heads batch ring head_dim"],
+    tail_v: Float[Array, "kv_heads batch ring v_head_dim"],
+    quant_lengths: Int[Array, " batch"],
+    lengths: Int[Array, " batch"],
+    block_tables: Int[Array, "batch max_pages"],
+    q_pos: Int[Array, "batch q_len"],
+    *,
+    k_bits: int,
+    v_bits: int,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "batch q_len q_heads v_head_dim"], Float[Array, "batch q_len q_heads"]]:
+    """Attention over KIVI-quantized pages plus the full-precision tail, with the CPU kernel.
+
+    The signature and semantics of `reference.quantized_attention` (with `layer` as in
+    `xla_quantized.quantized_attention`: the six pool arguments are then a cache's whole
+    pools and the kernel reads that layer in place). The kernel does decode (q_len = 1):
+    it streams the quantized pages once, dequantizing 16 tokens at a time in float32;
+    the tail (at most residual + page_size tokens) is attended in XLA and merged by
+    log-sum-exp. Chunked prefill (q_len > 1) runs the XLA path.
+
+    Returns:
+      (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
+    """
+    pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    if q.shape[1] != 1:
+        return xla_quantized.quantized_attention(
+            q, *pools, tail_k, tail_v, quant_lengths, lengths, block_tables, q_pos,
+            k_bits=k_bits, v_bits=v_bits, scale=scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, layer=layer)
+    load()
+    if layer is None:
+        pools, layer_idx = tuple(p[None] for p in pools), jnp.zeros((), jnp.int32)
+    else:
+        layer_idx = jnp.asarray(layer, jnp.int32)
+    k_scale, k_zero, v_scale, v_zero = pools[1], pools[2], pools[4], pools[5]
+    if len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1:
+        # The kernel takes one scale dtype; mixed ones are rare enough to widen here.
+        k_scale, k_zero, v_scale, v_zero = (
+            x.astype(jnp.float32) for x in (k_scale, k_zero, v_scale, v_zero))
+    batch, _, q_heads, _ = q.shape
+    v_head_dim = tail_v.shape[-1]
+    call = jax.ffi.ffi_call(
+        "kvjax_quantized_decode",
+        (jax.ShapeDtypeStruct((batch, q_heads, v_head_dim), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out_q, lse_q = call(
+        q[:, 0].astype(jnp.float32), pools[0], k_scale, k_zero, pools[3], v_scale, v_zero,
+        layer_idx, quant_lengths.astype(jnp.int32), q_pos[:, 0].astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
+        window=np.int64(sliding_window or 0), k_bits=np.int64(k_bits), v_bits=np.int64(v_bits),
+    )
+    return qref.merge_with_tail(out_q[:, None], lse_q[:, None], q, tail_k, tail_v,
+                                quant_lengths, lengths, q_pos, scale=scale, soft_cap=soft_cap,
+                                sliding_window=sliding_window)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def mla_decode_attention(
+    q_latent: Float[Array, "batch q_heads d_c"],
+    q_rope: Float[Array, "batch q_heads d_rope"],
+    latent_pages: Float[Array, "*layers pages page_size d_c"],
+    rope_pages: Float[Array, "*layers pages page_size d_rope"],
+    lengths: Int[Array, " batch"],
+    block_tables: Int[Array, "batch max_pages"],
+    *,
+    scale: float,
+    layer: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
+    """MLA decode (absorbed form) with the CPU kernel; the reference's signature.
+
+    Each sequence's latent and rope rows are read once per step and serve as keys and
+    (the latent part) values for all its query heads. With `layer`, the pages are a
+    cache's whole latent pools `[layers, 1, pages, page_size, width]`, read in place.
+    Latent and rope pools of different dtypes run the XLA path.
+
+    Returns:
+      (out in latent space [batch, q_heads, d_c] in q_latent's dtype,
+      lse float32[batch, q_heads]).
+    """
+    if latent_pages.dtype != rope_pages.dtype:
+        return xla_path.mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages,
+                                             lengths, block_tables, scale=scale, layer=layer)
+    load()
+    if layer is None:  # one layer [pages, page_size, width]: add the layer and head axes
+        latent_pages, rope_pages = latent_pages[None, None], rope_pages[None, None]
+        layer_idx = jnp.zeros((), jnp.int32)
+    else:
+        layer_idx = jnp.asarray(layer, jnp.int32)
+    batch, q_heads, d_c = q_latent.shape
+    q = jnp.concatenate([q_latent.astype(jnp.float32), q_rope.astype(jnp.float32)], axis=-1)
+    call = jax.ffi.ffi_call(
+        "kvjax_mla_decode",
+        (jax.ShapeDtypeStruct((batch, q_heads, d_c), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, lse = call(q, latent_pages, rope_pages, layer_idx, lengths.astype(jnp.int32),
+                    block_tables.astype(jnp.int32), scale=np.float32(scale))
+    return out.astype(q_latent.dtype), lse

@@ -1,0 +1,291 @@
+// Shared pieces of kvjax's CPU attention kernels (XLA FFI custom calls).
+//
+// Vectors are GCC/Clang vector extensions of 16 floats: on an AVX-512 machine one
+// zmm register, elsewhere the compiler splits them into the target's vectors, so the
+// same source builds everywhere `-march=native` points. Loads go through the
+// unaligned, may_alias types below because page rows are only 4-byte aligned.
+#pragma once
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvjax {
+
+namespace ffi = xla::ffi;
+
+constexpr int kLanes = 16;
+constexpr int64_t kMaxGroup = 256;  // query rows per work item (per-row state on the stack)
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat(float x) { return v16{} + x; }
+
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+inline float hmax(v16 x) {
+  x = vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return x[0];
+}
+
+inline float hsum(v16 x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
+}
+
+// Sums of 16 vectors as one vector: lane t = sum of the lanes of a[t]. A transpose-and-add
+// tree (15 steps of two shuffles and an add) instead of 16 separate horizontal sums.
+// Each level halves the lanes per input; feeding the inputs in bit-reversed order makes
+// the output lanes come out in natural order.
+inline v16 sum_rows(const v16* a) {
+  auto l8 = [](v16 x, v16 y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  };
+  auto l4 = [](v16 x, v16 y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                   31);
+  };
+  auto l2 = [](v16 x, v16 y) {
+    return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                   31);
+  };
+  auto l1 = [](v16 x, v16 y) {
+    return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  };
+  // rev4(i) for i = 0..15: 0 8 4 12 2 10 6 14 1 9 5 13 3 11 7 15.
+  v16 b0 = l8(a[0], a[8]), b1 = l8(a[4], a[12]), b2 = l8(a[2], a[10]), b3 = l8(a[6], a[14]);
+  v16 b4 = l8(a[1], a[9]), b5 = l8(a[5], a[13]), b6 = l8(a[3], a[11]), b7 = l8(a[7], a[15]);
+  v16 c0 = l4(b0, b1), c1 = l4(b2, b3), c2 = l4(b4, b5), c3 = l4(b6, b7);
+  v16 d0 = l2(c0, c1), d1 = l2(c2, c3);
+  return l1(d0, d1);
+}
+
+// exp(x) for x <= 0 or moderately positive (softmax arguments), about 2 ulp: 2^n * p(r)
+// with n = round(x / ln 2) and a degree-6 polynomial on |r| <= ln(2) / 2 (Cephes' expf
+// coefficients). Inputs below -87.3 give 0 (exp(-inf) = 0, as the softmax needs).
+inline v16 vexp(v16 x) {
+  const v16 lo = splat(-87.33654f), hi = splat(88.37626f);
+  v16i tiny = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  v16 n = (x * 1.44269504088896341f + magic) - magic;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 y = p * reinterpret_cast<v16&>(e);
+  v16i bits = reinterpret_cast<v16i&>(y) & ~tiny;
+  return reinterpret_cast<v16&>(bits);
+}
+
+inline v16 vtanh(v16 x) {
+  // tanh(x) = 1 - 2 / (exp(2x) + 1); exp saturates at the clamp, giving +-1.
+  return 1.0f - 2.0f / (vexp(x * 2.0f) + 1.0f);
+}
+
+// bfloat16 as its bit pattern (a distinct type, so templates can tell it from float16).
+struct Bf16 {
+  uint16_t bits;
+};
+
+// One float32 value of a float32, bfloat16 or float16 element.
+template <typename T>
+inline float to_float(T x) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Widens n bf16 values (bit patterns) to float32 in dst: a zero-extend and a shift per
+// element, a loop the compiler vectorises.
+inline void widen_bf16(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + kLanes <= n; i += kLanes) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(w, 16));
+  }
+#endif
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (; i < n; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+}
+
+// float16 to float32 (vcvtph2ps where the CPU has it).
+inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + kLanes <= n; i += kLanes)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
+
+// Runs fn(i, worker) for i in [0, total) on the caller and helper threads that draw
+// items from one atomic counter. Helpers come from, per KVJAX_CPU_THREADS:
+//   "own" (default): a persistent pool of hardware_concurrency - 1 threads owned by this
+//     library (started on first use, parked on a condition variable between calls);
+//   "pool": XLA's intra-op thread pool (the FFI ThreadPool context). Measured: XLA often
+//     runs the custom call itself on that pool's thread, and the helper task then queues
+//     behind it, so the call ran single-threaded in about half of the calls;
+//   "std": fresh std::threads per call;  "1": the caller alone.
+// The caller waits for items, not for helpers: a helper that starts after the last item
+// finds none and touches only the shared state, which it co-owns.
+struct WorkState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+  std::function<void(int64_t, int)> fn;  // (item, worker id)
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void run(int worker) {
+    int64_t i;
+    while ((i = next.fetch_add(1)) < total) {
+      fn(i, worker);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+// The library's own helper threads. Never destroyed (a static destructor joining threads
+// at process exit could hang), so the threads are detached.
+class HelperPool {
+ public:
+  static HelperPool& get() {
+    static HelperPool* pool = new HelperPool();
+    return *pool;
+  }
+  int size() const { return static_cast<int>(n_); }
+  void schedule(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  HelperPool() {
+    int64_t hw = std::thread::hardware_concurrency();
+    n_ = hw > 1 ? hw - 1 : 0;
+    for (int64_t i = 0; i < n_; ++i) std::thread([this] { loop(); }).detach();
+  }
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return !tasks_.empty(); });
+        task = std::move(tasks_.front());
+        tasks_.erase(tasks_.begin());
+      }
+      task();
+    }
+  }
+  int64_t n_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::function<void()>> tasks_;
+};
+
+inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
+                         std::function<void(int64_t, int)> fn) {
+  if (total <= 0) return;
+  const char* env = std::getenv("KVJAX_CPU_THREADS");
+  std::string mode = env ? env : "own";
+  int64_t hw = std::thread::hardware_concurrency();
+  hw = hw > 0 ? hw : 1;
+  int64_t workers = 1;
+  if (mode == "own") {
+    workers = HelperPool::get().size() + 1;
+  } else if (mode == "pool") {
+    int64_t p = pool ? pool->num_threads() : 0;
+    workers = p > 0 ? std::min(p + 1, hw) : 1;
+  } else if (mode == "std") {
+    workers = hw;
+  }
+  workers = std::min(workers, total);
+  if (workers <= 1) {
+    for (int64_t i = 0; i < total; ++i) fn(i, 0);
+    return;
+  }
+  auto state = std::make_shared<WorkState>();
+  state->total = total;
+  state->fn = std::move(fn);
+  std::vector<std::thread> threads;
+  for (int w = 1; w < workers; ++w) {
+    if (mode == "std") {
+      threads.emplace_back([state, w] { state->run(w); });
+    } else if (mode == "pool") {
+      pool->Schedule([state, w] { state->run(w); });
+    } else {
+      HelperPool::get().schedule([state, w] { state->run(w); });
+    }
+  }
+  state->run(0);
+  {
+    std::unique_lock<std::mutex> lock(state->mu);
+    state->cv.wait(lock, [&] { return state->done.load() == total; });
+  }
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace kvjax

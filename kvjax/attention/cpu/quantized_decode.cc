@@ -1,0 +1,337 @@
+// Decode attention over KIVI-quantized pages on CPU (the pages' part; the caller merges
+// the full-precision tail by log-sum-exp).
+//
+// Same structure as paged_decode.cc: work item = (sequence, KV head), one pass over the
+// sequence's quantized tokens in chunks of 16 positions, online softmax in float32. Each
+// chunk's packed codes are unpacked with shifts and masks and dequantized, code * scale +
+// zero, into an L1-resident float32 chunk that the shared core (attend.h) multiplies.
+// Layout (kernels_pallas/quantized_attention/layout.py): codes planar-packed along the
+// width (field i of byte j is channel i * W/k + j, k = 8 / bits codes per byte); keys'
+// scale/zero per channel for groups of G tokens, [page_size / G, width]; values' per token
+// for groups of G channels, [page_size, width / G]; scales float16, bfloat16 or float32.
+//
+// Semantics: the query of sequence b sits at q_pos[b] (< 0: padding, output 0 and lse
+// -inf) and sees quantized positions k < min(quant_lengths[b], q_pos[b] + 1) with
+// q_pos[b] - k < window when a window is set.
+
+#include "attend.h"
+
+namespace kvjax {
+namespace {
+
+struct QuantArgs {
+  const float* q;  // [batch, q_heads, head_dim]
+  const uint8_t *kc, *vc;  // [layers, kv_heads, pages, page_size, width * bits / 8]
+  const void *ks, *kz;     // [layers, kv_heads, pages, page_size / Gk, head_dim]
+  const void *vs, *vz;     // [layers, kv_heads, pages, page_size, v_head_dim / Gv]
+  int64_t layer;
+  int64_t kv_heads, pages, page_size, head_dim, v_head_dim, q_heads, group;
+  int64_t k_bits, v_bits, k_srows, v_groups;
+  const int32_t* quant_lengths;  // [batch]
+  const int32_t* q_pos;          // [batch]
+  const int32_t* tables;         // [batch, max_pages]
+  int64_t max_pages;
+  float scale, soft_cap;
+  int64_t window;
+  float* out;
+  float* lse;
+};
+
+// One key row (tokens grouping): dst[c] = code(c) * s[c] + z[c], s and z float32 rows.
+inline void dequant_key_row(const uint8_t* __restrict codes, int64_t width, int bits,
+                            const float* __restrict s, const float* __restrict z,
+                            int64_t padded, float* __restrict dst) {
+  const int k = 8 / bits;
+  const int64_t n = width / k;
+  const uint32_t mask = (1u << bits) - 1;
+  for (int f = 0; f < k; ++f) {
+    float* d = dst + f * n;
+    const float* sf = s + f * n;
+    const float* zf = z + f * n;
+    const int shift = f * bits;
+    for (int64_t j = 0; j < n; ++j)
+      d[j] = static_cast<float>((codes[j] >> shift) & mask) * sf[j] + zf[j];
+  }
+  for (int64_t c = width; c < padded; ++c) dst[c] = 0.0f;
+}
+
+// One value row (channels grouping): dst[c] = code(c) * s[c / G] + z[c / G].
+template <typename S>
+inline void dequant_value_row(const uint8_t* __restrict codes, int64_t width, int bits,
+                              const S* s, const S* z, int64_t group, int64_t padded,
+                              float* __restrict dst) {
+  const int k = 8 / bits;
+  const int64_t n = width / k;
+  const uint32_t mask = (1u << bits) - 1;
+  for (int f = 0; f < k; ++f) {
+    const int shift = f * bits;
+    // Field f is channels [f n, (f + 1) n); walk it in runs that share one group.
+    for (int64_t j0 = 0; j0 < n;) {
+      const int64_t c0 = f * n + j0, g = c0 / group;
+      const int64_t run = std::min(n - j0, (g + 1) * group - c0);
+      const float sg = to_float(s[g]), zg = to_float(z[g]);
+      float* d = dst + c0;
+      const uint8_t* cj = codes + j0;
+      for (int64_t j = 0; j < run; ++j)
+        d[j] = static_cast<float>((cj[j] >> shift) & mask) * sg + zg;
+      j0 += run;
+    }
+  }
+  for (int64_t c = width; c < padded; ++c) dst[c] = 0.0f;
+}
+
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
+
+// Codes of 16 consecutive bytes' field at bit `shift`, as float32: widen, shift, mask.
+template <int BITS>
+inline v16 codes16(const uint8_t* p, int shift) {
+#ifdef __AVX512F__
+  // GCC turns the generic conversion below into byte-by-byte inserts; vpmovzxbd is one op.
+  __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v16i x = reinterpret_cast<v16i&>(w);
+#else
+  v16i x = __builtin_convertvector(*reinterpret_cast<const u8x16*>(p), v16i);
+#endif
+  if constexpr (BITS < 8) x = (x >> shift) & ((1 << BITS) - 1);
+  return __builtin_convertvector(x, v16);
+}
+
+// Vectorised dequantization of one key row (per-channel float32 scale/zero rows) and
+// one value row (per-token scales for groups of `group` channels, 16 | group), for
+// widths with 16 | width / k (then D and Dv are multiples of 16: no padding). Channels
+// are visited in order, field by field (field f = channels [f n, (f + 1) n)).
+template <int BITS, typename S>
+inline void dequant_rows16(const uint8_t* kcodes, const float* ks, const float* kz,
+                           int64_t D, const uint8_t* vcodes, const S* vs, const S* vz,
+                           int64_t group, int64_t Dv, float* __restrict kdst,
+                           float* __restrict vdst) {
+  constexpr int k = 8 / BITS;
+  const int64_t n = D / k, nv = Dv / k;
+  float* kd = kdst;
+  for (int f = 0; f < k; ++f) {
+    for (int64_t j = 0; j < n; j += kLanes, kd += kLanes) {
+      const int64_t c = kd - kdst;
+      store16(kd, codes16<BITS>(kcodes + j, f * BITS) * load16(ks + c) + load16(kz + c));
+    }
+  }
+  float* vd = vdst;
+  int64_t g = 0, left = group;
+  v16 sg = splat(to_float(vs[0])), zg = splat(to_float(vz[0]));
+  for (int f = 0; f < k; ++f) {
+    for (int64_t j = 0; j < nv; j += kLanes, vd += kLanes) {
+      store16(vd, codes16<BITS>(vcodes + j, f * BITS) * sg + zg);
+      if ((left -= kLanes) == 0 && vd + kLanes < vdst + Dv) {
+        ++g;
+        left = group;
+        sg = splat(to_float(vs[g]));
+        zg = splat(to_float(vz[g]));
+      }
+    }
+  }
+}
+
+template <typename S, int DT, int DVT>
+void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
+  const int64_t G = a.group, D = a.head_dim, Dv = a.v_head_dim, ps = a.page_size;
+  const int64_t Dp = round16(D), Dvp = round16(Dv);
+  float* out = a.out + (b * a.q_heads + h * G) * Dv;
+  float* lse = a.lse + b * a.q_heads + h * G;
+
+  const int64_t pos = a.q_pos[b];
+  const int64_t hi = std::min<int64_t>({a.quant_lengths[b], pos + 1, a.max_pages * ps});
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos + 1 - a.window) : 0;
+  if (pos < 0 || lo >= hi) {
+    std::fill(out, out + G * Dv, 0.0f);
+    std::fill(lse, lse + G, kNegInf);
+    return;
+  }
+
+  std::vector<float> scratch(G * Dp + G * Dvp + kLanes * (Dp + Dvp) + G * kLanes + 2 * Dp);
+  float* qs = scratch.data();
+  float* acc = qs + G * Dp;
+  float* kbuf = acc + G * Dvp;
+  float* vbuf = kbuf + kLanes * Dp;
+  float* probs = vbuf + kLanes * Dvp;
+  float* kscale = probs + G * kLanes;  // the current key scale/zero row as float32
+  float* kzero = kscale + Dp;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qr = a.q + (b * a.q_heads + h * G + g) * D;
+    for (int64_t d = 0; d < Dp; ++d) qs[g * Dp + d] = d < D ? qr[d] * a.scale : 0.0f;
+  }
+
+  const int64_t kw = D * a.k_bits / 8, vw = Dv * a.v_bits / 8;  // bytes per row
+  const int64_t head = (a.layer * a.kv_heads + h) * a.pages;    // first page of this head
+  const uint8_t* kc = a.kc + head * ps * kw;
+  const uint8_t* vc = a.vc + head * ps * vw;
+  const S* ks = static_cast<const S*>(a.ks) + head * a.k_srows * D;
+  const S* kz = static_cast<const S*>(a.kz) + head * a.k_srows * D;
+  const S* vs = static_cast<const S*>(a.vs) + head * ps * a.v_groups;
+  const S* vz = static_cast<const S*>(a.vz) + head * ps * a.v_groups;
+  const int64_t k_group = ps / a.k_srows, v_group = Dv / a.v_groups;
+  const int32_t* table = a.tables + b * a.max_pages;
+  const S* loaded = nullptr;  // key scale row currently in kscale/kzero
+
+  auto page_slot = [&](int64_t p) {
+    p = std::min(std::max(p, lo), hi - 1);  // masked lanes read a visible row
+    return std::pair<int64_t, int64_t>(clamp_index(table[p / ps], a.pages), p % ps);
+  };
+  // The vectorised row dequantizer when the shapes allow it (same bits for K and V, each
+  // field a whole number of 16-channel vectors, value groups of whole vectors).
+  const bool vec = a.k_bits == a.v_bits && (D / (8 / a.k_bits)) % kLanes == 0 &&
+                   (Dv / (8 / a.v_bits)) % kLanes == 0 && v_group % kLanes == 0;
+  // Pages of whole 16-token chunks: a chunk inside [lo, hi) is 16 consecutive rows of one
+  // page, found with one table lookup (integer divisions per token cost as much as the
+  // dequantization of a row).
+  const bool whole = ps % kLanes == 0;
+  auto load = [&](int64_t c0) -> Chunk {
+    const bool fast = whole && c0 >= lo && c0 + kLanes <= hi;
+    const auto [page0, slot0] = page_slot(c0);
+    for (int j = 0; j < kLanes; ++j) {
+      const auto [page, slot] = fast ? std::pair<int64_t, int64_t>(page0, slot0 + j)
+                                     : page_slot(c0 + j);
+      const int64_t srow_index = fast && k_group % kLanes == 0 ? slot0 / k_group
+                                                                : slot / k_group;
+      const S* srow = ks + (page * a.k_srows + srow_index) * D;
+      if (srow != loaded) {  // a key group's scales serve its G tokens: convert once
+        to_f32(srow, D, Dp, kscale);
+        to_f32(kz + (srow - ks), D, Dp, kzero);
+        loaded = srow;
+      }
+      const uint8_t* kr = kc + (page * ps + slot) * kw;
+      const uint8_t* vr = vc + (page * ps + slot) * vw;
+      const int64_t vrow = (page * ps + slot) * a.v_groups;
+      float* kd = kbuf + j * Dp;
+      float* vd = vbuf + j * Dvp;
+      if (vec) {
+        if (a.k_bits == 8) {
+          dequant_rows16<8>(kr, kscale, kzero, D, vr, vs + vrow, vz + vrow, v_group, Dv, kd, vd);
+        } else if (a.k_bits == 4) {
+          dequant_rows16<4>(kr, kscale, kzero, D, vr, vs + vrow, vz + vrow, v_group, Dv, kd, vd);
+        } else {
+          dequant_rows16<2>(kr, kscale, kzero, D, vr, vs + vrow, vz + vrow, v_group, Dv, kd, vd);
+        }
+      } else {
+        dequant_key_row(kr, D, a.k_bits, kscale, kzero, Dp, kd);
+        dequant_value_row(vr, Dv, a.v_bits, vs + vrow, vz + vrow, v_group, Dvp, vd);
+      }
+    }
+    return {kbuf, Dp, vbuf, Dvp};
+  };
+  auto prefetch = [&](int64_t c0) {
+    const auto [page, slot] = page_slot(c0);
+    const int64_t rows = std::min<int64_t>(kLanes, ps - slot);
+    prefetch_bytes(kc + (page * ps + slot) * kw, rows * kw);
+    prefetch_bytes(vc + (page * ps + slot) * vw, rows * vw);
+    prefetch_bytes(vs + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
+    prefetch_bytes(vz + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
+  };
+  attend<DT, DVT>(qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, load, prefetch, acc, probs, out, lse);
+}
+
+template <typename S>
+void quant_dispatch(const QuantArgs& a, int64_t b, int64_t h) {
+  if (a.head_dim == 128 && a.v_head_dim == 128) return quant_item<S, 128, 128>(a, b, h);
+  if (a.head_dim == 64 && a.v_head_dim == 64) return quant_item<S, 64, 64>(a, b, h);
+  return quant_item<S, 0, 0>(a, b, h);
+}
+
+ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::U8> k_codes, ffi::AnyBuffer k_scale,
+                               ffi::AnyBuffer k_zero, ffi::Buffer<ffi::U8> v_codes,
+                               ffi::AnyBuffer v_scale, ffi::AnyBuffer v_zero,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> quant_lengths,
+                               ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> tables,
+                               float scale, float soft_cap, int64_t window, int64_t k_bits,
+                               int64_t v_bits, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::F32> lse) {
+  auto qd = q.dimensions(), kd = k_codes.dimensions(), vd = v_codes.dimensions();
+  auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || ksd.size() != 5 ||
+      vsd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("kvjax quantized decode: unexpected ranks");
+  const auto st = k_scale.element_type();
+  if (k_zero.element_type() != st || v_scale.element_type() != st ||
+      v_zero.element_type() != st || (st != ffi::F16 && st != ffi::BF16 && st != ffi::F32))
+    return ffi::Error::InvalidArgument(
+        "kvjax quantized decode: scales and zeros must share one dtype: f16, bf16 or f32");
+  auto bits_ok = [](int64_t b) { return b == 2 || b == 4 || b == 8; };
+  if (!bits_ok(k_bits) || !bits_ok(v_bits))
+    return ffi::Error::InvalidArgument("kvjax quantized decode: bits must be 2, 4 or 8");
+  QuantArgs a;
+  const int64_t batch = qd[0];
+  a.q = q.typed_data();
+  a.kc = k_codes.typed_data();
+  a.vc = v_codes.typed_data();
+  a.ks = k_scale.untyped_data();
+  a.kz = k_zero.untyped_data();
+  a.vs = v_scale.untyped_data();
+  a.vz = v_zero.untyped_data();
+  a.kv_heads = kd[1];
+  a.pages = kd[2];
+  a.page_size = kd[3];
+  a.head_dim = qd[2];
+  a.v_head_dim = vd[4] * (8 / v_bits);
+  a.q_heads = qd[1];
+  a.k_bits = k_bits;
+  a.v_bits = v_bits;
+  a.k_srows = ksd[3];
+  a.v_groups = vsd[4];
+  if (a.kv_heads <= 0 || a.q_heads % a.kv_heads || kd[4] * (8 / k_bits) != a.head_dim ||
+      ksd[4] != a.head_dim || k_zero.dimensions()[3] != a.k_srows ||
+      a.v_head_dim <= 0 || a.k_srows <= 0 || a.page_size % a.k_srows ||
+      a.v_groups <= 0 || a.v_head_dim % a.v_groups || vsd[3] != a.page_size ||
+      td[0] != batch || quant_lengths.element_count() != static_cast<size_t>(batch) ||
+      q_pos.element_count() != static_cast<size_t>(batch) ||
+      (8 / k_bits > 1 && a.head_dim % (8 / k_bits)) ||
+      (8 / v_bits > 1 && a.v_head_dim % (8 / v_bits)))
+    return ffi::Error::InvalidArgument("kvjax quantized decode: inconsistent shapes");
+  a.group = a.q_heads / a.kv_heads;
+  if (a.group > kMaxGroup)
+    return ffi::Error::InvalidArgument("kvjax quantized decode: too many query heads per KV head");
+  a.layer = clamp_index(layer.typed_data()[0], kd[0]);
+  a.quant_lengths = quant_lengths.typed_data();
+  a.q_pos = q_pos.typed_data();
+  a.tables = tables.typed_data();
+  a.max_pages = td[1];
+  a.scale = scale;
+  a.soft_cap = soft_cap;
+  a.window = window;
+  a.out = out->typed_data();
+  a.lse = lse->typed_data();
+  const int64_t kvh = a.kv_heads;
+  parallel_for(&pool, batch * kvh, [&](int64_t i, int) {
+    if (st == ffi::F16) {
+      quant_dispatch<_Float16>(a, i / kvh, i % kvh);
+    } else if (st == ffi::BF16) {
+      quant_dispatch<Bf16>(a, i / kvh, i % kvh);
+    } else {
+      quant_dispatch<float>(a, i / kvh, i % kvh);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace kvjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxQuantizedDecode, kvjax::QuantizedDecodeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // k codes
+                                  .Arg<xla::ffi::AnyBuffer>()              // k scale
+                                  .Arg<xla::ffi::AnyBuffer>()              // k zero
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // v codes
+                                  .Arg<xla::ffi::AnyBuffer>()              // v scale
+                                  .Arg<xla::ffi::AnyBuffer>()              // v zero
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // quant lengths
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // q positions
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block tables
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("k_bits")
+                                  .Attr<int64_t>("v_bits")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // out
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // lse

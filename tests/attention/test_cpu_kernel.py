@@ -1,0 +1,306 @@
+"""The C++ CPU decode kernels (impl="cpu") against the gather references."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hlo_written import materialised
+from test_xla_quantized import D as qz_D
+from test_xla_quantized import _close as q_close
+from test_xla_quantized import random_cache
+
+from kernels_pallas.mla_decode import reference as mla_ref
+from kernels_pallas.paged_attention import reference as paged_ref
+from kernels_pallas.quantized_attention import reference as qref
+from kvjax import attention
+from kvjax.attention import cpu as cpu_kernels
+from kvjax.attention import ops, paged_decode_attention
+from kvjax.attention import quantized as qattn
+from kvjax.attention import xla_quantized as xq
+from kvjax.attention.cpu import build
+from kvjax.cache import quantized as qz
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}",
+)
+
+# The kernel computes in float32 like the reference; only the summation order differs.
+# bf16 outputs are compared after both round to bf16 (one bf16 ulp is 2^-8 relative).
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+
+# Jitted: run op by op, the reference's dispatch dominates these tests' time.
+reference = jax.jit(paged_ref.paged_decode_attention,
+                    static_argnames=("scale", "soft_cap", "sliding_window"))
+
+
+def _case(rng, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, dtype,
+          shared=False, lengths=None):
+    num_pages = batch * max_pages + 3
+    if shared:  # pages drawn with replacement: sequences share (and repeat) pages
+        tables = rng.integers(0, num_pages, (batch, max_pages))
+    else:
+        tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+    if lengths is None:
+        lengths = rng.integers(1, max_pages * page_size + 1, batch)
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    return (draw(batch, q_heads, head_dim), draw(kv_heads, num_pages, page_size, head_dim),
+            draw(kv_heads, num_pages, page_size, head_dim),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(tables, jnp.int32))
+
+
+def _close(got, want, dtype):
+    (out, lse), (out_r, lse_r) = got, want
+    assert out.dtype == out_r.dtype and lse.dtype == jnp.float32
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_r, np.float32),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_r), rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim,page_size",
+    [(4, 4, 64, 16), (16, 4, 128, 16), (8, 1, 40, 5), (6, 2, 128, 7)],
+    ids=["mha-d64", "gqa4-d128", "mqa-d40-ps5", "gqa3-ps7"],
+)
+def test_matches_reference(rng, dtype, q_heads, kv_heads, head_dim, page_size):
+    """GQA ratios 1, 4, 3 and MQA; the unrolled head dims and a generic one; pages
+    holding whole 16-token chunks and pages that do not. Lengths: 1, a full last page,
+    a partial one, 0, random."""
+    max_pages = 5
+    full = max_pages * page_size
+    lengths = np.concatenate([[1, full, 2 * page_size + 3, 0],
+                              rng.integers(1, full + 1, 3)])
+    for shared in (False, True):
+        args = _case(rng, batch=len(lengths), q_heads=q_heads, kv_heads=kv_heads,
+                     head_dim=head_dim, page_size=page_size, max_pages=max_pages, dtype=dtype,
+                     shared=shared, lengths=lengths)
+        got = paged_decode_attention(*args, impl="cpu")
+        _close(got, reference(*args), dtype)
+        out, lse = got
+        assert np.all(np.asarray(out[3], np.float32) == 0.0) and np.all(np.isneginf(lse[3]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_soft_cap_sliding_window_scale(rng, dtype):
+    args = _case(rng, batch=5, q_heads=8, kv_heads=2, head_dim=128, page_size=16, max_pages=4,
+                 dtype=dtype, shared=True, lengths=[1, 64, 37, 17, 50])
+    for kw in (dict(soft_cap=3.0), dict(sliding_window=1), dict(sliding_window=21),
+               dict(sliding_window=21, soft_cap=5.0, scale=0.3)):
+        got = paged_decode_attention(*args, impl="cpu", **kw)
+        _close(got, reference(*args, **kw), dtype)
+
+
+@needs_kernel
+def test_jit_and_layers_scan_read_pools_in_place(rng):
+    """Under jit, whole pools + a traced layer inside a scan over layers (how the models
+    call it): equal to the reference per layer, and the program copies no layer pool."""
+    layers, dtype = 3, jnp.bfloat16
+    q, k, v, lengths, tables = _case(rng, batch=4, q_heads=8, kv_heads=2, head_dim=64,
+                                     page_size=16, max_pages=4, dtype=dtype)
+    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), dtype)
+    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), dtype)
+
+    def run(impl):
+        def step(x, layer):
+            out, _ = paged_decode_attention(x, k_all, v_all, lengths, tables, impl=impl,
+                                            layer=layer)
+            return x, out
+        return jax.jit(lambda x: jax.lax.scan(step, x, jnp.arange(layers))[1])
+
+    got = run("cpu")(q)
+    for layer in range(layers):
+        want = reference(q, k_all[layer], v_all[layer], lengths, tables)
+        np.testing.assert_allclose(np.asarray(got[layer], np.float32),
+                                   np.asarray(want[0], np.float32), rtol=1e-2, atol=1e-2)
+
+    def scan_kv(q, k_all, v_all):
+        def step(x, layer):
+            return x, paged_decode_attention(x, k_all, v_all, lengths, tables, impl="cpu",
+                                             layer=layer)[0]
+        return jax.lax.scan(step, q, jnp.arange(layers))[1]
+
+    written = materialised(scan_kv, q, k_all, v_all)
+    assert max(n for *_, n in written) < int(np.prod(k.shape)), written
+
+
+@needs_kernel
+def test_vmap_runs_per_element(rng):
+    """vmap is not needed by kvjax; it works by running the kernel per mapped element."""
+    args = _case(rng, batch=2, q_heads=4, kv_heads=2, head_dim=64, page_size=16, max_pages=2,
+                 dtype=jnp.float32)
+    qs = jnp.stack([args[0], -args[0]])
+    got = jax.vmap(lambda q: cpu_kernels.paged_decode_attention(q, *args[1:]))(qs)
+    for i in range(2):
+        _close((got[0][i], got[1][i]), reference(qs[i], *args[1:]),
+               jnp.float32)
+
+
+@needs_kernel
+def test_auto_is_cpu_kernel_for_decode():
+    assert ops._auto_impl("paged_decode_attention") == "cpu"
+    # Ops without a CPU kernel stay on the XLA path, and their "cpu" entry is that path
+    # (a model given impl="cpu" prefills too).
+    for op in ("paged_prefill_attention", "mla_prefill_attention"):
+        assert ops._auto_impl(op) == "xla"
+        assert ops._select(op, "cpu") is ops._IMPLS[op]["xla"]
+    assert qattn._select("quantized_mla_attention", "cpu") is xq.quantized_mla_attention
+
+
+def test_auto_falls_back_to_xla_when_unavailable(rng, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert ops._auto_impl("paged_decode_attention") == "xla"
+    args = _case(rng, batch=2, q_heads=2, kv_heads=1, head_dim=16, page_size=4, max_pages=2,
+                 dtype=jnp.float32)
+    _close(paged_decode_attention(*args), reference(*args), jnp.float32)
+
+
+def _qdecode(view, q, impl, **kw):
+    return jax.jit(lambda q, v: attention.quantized_decode_attention(q, v, impl=impl, **kw))(
+        q, view)
+
+
+def test_unavailable_reasons(monkeypatch, tmp_path):
+    """Disabled or unbuildable kernels report why instead of raising at import."""
+    monkeypatch.setenv("KVJAX_CPU_KERNEL", "0")
+    lib, reason = build._load.__wrapped__()
+    assert lib is None and "KVJAX_CPU_KERNEL=0" in reason
+    monkeypatch.setenv("KVJAX_CPU_KERNEL", "1")
+    monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-kvjax")
+    lib, reason = build._load.__wrapped__()
+    assert lib is None and "no C++ compiler" in reason
+    assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- quantized pages
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,q_heads,kv_heads", [(2, 8, 2), (4, 8, 1), (8, 4, 4)])
+def test_quantized_decode_matches_reference(rng, bits, q_heads, kv_heads):
+    """KIVI int2/int4/int8 pages with f16 scales, GQA 4 / MQA / MHA, lengths at the page
+    and tail edges (random_cache), whole pools and one layer: equal to the reference."""
+    cache = random_cache(rng, bits=bits, q_heads=q_heads, kv_heads=kv_heads)
+    q = jnp.asarray(rng.standard_normal((cache.spec.max_seqs, q_heads, qz_D)), jnp.float32)
+    want = _qdecode(qz.layer_view(cache, 0), q, "reference")
+    q_close(_qdecode(qz.layer_view(cache, 0), q, "cpu"), want, 2e-5)
+    q_close(_qdecode(qz.layer_view(cache, 0, whole_pools=True), q, "cpu"), want, 2e-5)
+
+
+@needs_kernel
+def test_quantized_bf16_soft_cap_window_mixed_layers(rng):
+    """bf16 cache and queries; soft cap and sliding window; layers of different bit widths
+    read from their whole pools."""
+    cache = random_cache(rng, bits=(8, 2), layers=2, batch=5, dtype="bfloat16")
+    q = jnp.asarray(rng.standard_normal((5, 8, qz_D)), jnp.bfloat16)
+    for layer, kw in ((0, dict(soft_cap=2.0)), (1, dict(sliding_window=21))):
+        want = _qdecode(qz.layer_view(cache, layer), q, "reference", **kw)
+        got = _qdecode(qz.layer_view(cache, layer, whole_pools=True), q, "cpu", **kw)
+        q_close(got, want, 2e-2)
+
+
+@needs_kernel
+def test_quantized_traced_layer_in_a_scan(rng):
+    layers = 3
+    cache = random_cache(rng, bits=4, layers=layers, batch=5)
+    q = jnp.asarray(rng.standard_normal((5, 8, qz_D)), jnp.float32)
+
+    def run(impl, whole):
+        def body(c, layer):
+            view = qz.layer_view(cache, layer, whole_pools=whole)
+            return c, attention.quantized_decode_attention(q, view, impl=impl)
+        return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(layers))[1])()
+
+    q_close(run("cpu", True), run("reference", False), 2e-5)
+
+
+@needs_kernel
+def test_quantized_auto_and_prefill_fallback(monkeypatch):
+    assert qattn._select("quantized_attention", "auto") is cpu_kernels.quantized_attention
+    assert qattn._select("quantized_mla_attention", "auto") is xq.quantized_mla_attention
+    # Chunked prefill (q_len > 1) goes to the XLA path with every argument.
+    seen = {}
+    monkeypatch.setattr(cpu_kernels.xla_quantized, "quantized_attention",
+                        lambda *a, **kw: seen.update(args=a, kw=kw) or "xla")
+    q = jnp.ones((2, 3, 4, 8), jnp.float32)
+    got = cpu_kernels.quantized_attention.__wrapped__(
+        q, *range(12), k_bits=4, v_bits=2, scale=0.5, layer=1)
+    assert got == "xla" and seen["args"][0] is q and seen["args"][1:] == tuple(range(12))
+    assert seen["kw"] == dict(k_bits=4, v_bits=2, scale=0.5, soft_cap=None,
+                              sliding_window=None, layer=1)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert qattn._select("quantized_attention", "auto") is qattn._IMPLS[
+        "quantized_attention"]["xla"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,head_dim,group,scale_dtype", [
+    (2, 64, 16, jnp.float16), (4, 128, 32, jnp.bfloat16), (8, 64, 16, jnp.float32)])
+def test_quantized_vectorised_rows(rng, bits, head_dim, group, scale_dtype):
+    """Widths whose packed fields hold whole 16-channel vectors take the vectorised
+    dequantizer (random_cache's head_dim 32 / group 8 take the scalar one); f16, bf16 and
+    f32 scales. Random tables with shared pages, lengths 1 .. max (some in the tail only)."""
+    kv_heads, q_heads, ps, max_pages, ring = 2, 8, 32, 4, 48
+    batch, num_pages = 5, 12
+    span = 1.0 / ((1 << bits) - 1)
+
+    def codes():
+        return jnp.asarray(rng.integers(0, 256, (kv_heads, num_pages, ps, head_dim * bits // 8)),
+                           jnp.uint8)
+
+    def scale_zero(shape):
+        return (jnp.asarray(rng.uniform(0.5 * span, 2 * span, shape), scale_dtype),
+                jnp.asarray(rng.uniform(-2.0, 0.0, shape), scale_dtype))
+
+    pools = (codes(), *scale_zero((kv_heads, num_pages, ps // group, head_dim)), codes(),
+             *scale_zero((kv_heads, num_pages, ps, head_dim // group)))
+    lengths = np.asarray([1, 20, 70, max_pages * ps, 100], np.int32)
+    quant_lengths = ps * np.maximum(lengths - 16, 0) // ps
+    tables = jnp.asarray(rng.integers(0, num_pages, (batch, max_pages)), jnp.int32)
+    tail_k, tail_v = (jnp.asarray(rng.standard_normal((kv_heads, batch, ring, head_dim)),
+                                  jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim)), jnp.float32)
+    args = (q, *pools, tail_k, tail_v, jnp.asarray(quant_lengths), jnp.asarray(lengths),
+            tables, jnp.asarray(lengths - 1)[:, None])
+    kw = dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5)
+    q_close(cpu_kernels.quantized_attention(*args, **kw),
+            jax.jit(functools.partial(qref.quantized_attention, **kw))(*args), 2e-5)
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mla_decode_matches_reference(rng, dtype):
+    """Absorbed MLA (latent 64 + rope 16, 8 heads): random shared pages, lengths 0, 1, a
+    full table and partial pages; one layer and whole pools with a traced layer."""
+    batch, heads, dc, dr, ps, max_pages, layers = 5, 8, 64, 16, 16, 4, 2
+    num_pages = 14
+    lengths = jnp.asarray([0, 1, max_pages * ps, 17, 40], jnp.int32)
+    tables = jnp.asarray(rng.integers(0, num_pages, (batch, max_pages)), jnp.int32)
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    ql, qr = draw(batch, heads, dc), draw(batch, heads, dr)
+    lat, rope = draw(layers, 1, num_pages, ps, dc), draw(layers, 1, num_pages, ps, dr)
+    ref = jax.jit(functools.partial(mla_ref.mla_decode_attention, scale=0.1))
+    for layer in range(layers):
+        want = ref(ql, qr, lat[layer, 0], rope[layer, 0], lengths, tables)
+        got = attention.mla_decode_attention(ql, qr, lat[layer, 0], rope[layer, 0], lengths,
+                                             tables, scale=0.1, impl="cpu")
+        _close(got, want, dtype)
+        got = jax.jit(lambda i: attention.mla_decode_attention(
+            ql, qr, lat, rope, lengths, tables, scale=0.1, impl="cpu", layer=i))(layer)
+        _close(got, want, dtype)
+    assert ops._auto_impl("mla_decode_attention") == "cpu"
