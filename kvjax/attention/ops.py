@@ -91,7 +91,7 @@ def _auto_impl(op: str) -> str:
         return "pallas"
     # CPU has no compiled Pallas. The C++ kernels are the fast path where an op has one
     # and they built; the blocked XLA path otherwise.
-    if op in CPU_KERNEL_OPS and cpu_kernels.available():
+    if pallas_impls.platform() == "cpu" and op in CPU_KERNEL_OPS and cpu_kernels.available():
         return "cpu"
     return "xla"
 
