@@ -21,11 +21,17 @@ inline int64_t round16(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // One chunk of 16 key/value rows as float32: row j of the keys at k + j * ks (ks floats
 // apart, the width padded to a multiple of 16 with zeros), of the values at v + j * vs.
+// Optionally the chunk brings its own query rows (G rows of the padded key width, used
+// instead of the item's) and a logit bias per row added to the dot products: KIVI keys
+// fold their per-channel scale into the query and their zero point into the bias, so the
+// rows hold bare codes.
 struct Chunk {
   const float* k;
   int64_t ks;
   const float* v;
   int64_t vs;
+  const float* q = nullptr;     // [G, Dp] or nullptr: the item's query rows
+  const float* bias = nullptr;  // [G] or nullptr: no bias
 };
 
 // Online-softmax attention of G query rows over the chunks of positions [lo, hi).
@@ -54,12 +60,13 @@ void attend(const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt, int64_t D
     for (int64_t g = 0; g < G; ++g) {
       v16 part[kLanes];
       for (int j = 0; j < kLanes; ++j) part[j] = v16{};
-      const float* qg = qs + g * Dp;
+      const float* qg = (ch.q ? ch.q : qs) + g * Dp;
       for (int64_t d = 0; d < Dp; d += kLanes) {
         const v16 qv = load16(qg + d);
         for (int j = 0; j < kLanes; ++j) part[j] += qv * load16(ch.k + j * ch.ks + d);
       }
       v16 s = sum_rows(part);
+      if (ch.bias) s += ch.bias[g];
       if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
       s = visible ? s : splat(kNegInf);
       const float m_new = std::max(m[g], hmax(s));  // finite: the chunk has a visible lane

@@ -130,6 +130,56 @@ inline void dequant_rows16(const uint8_t* kcodes, const float* ks, const float* 
   }
 }
 
+// Bare codes of one key row as float32 (the scales folded into the query, the zeros into
+// a logit bias): each 16-byte load serves all k fields. Same width condition as above.
+template <int BITS>
+inline void key_codes16(const uint8_t* kcodes, int64_t D, float* __restrict kdst) {
+  constexpr int k = 8 / BITS;
+  const int64_t n = D / k;
+  for (int64_t j = 0; j < n; j += kLanes) {
+#ifdef __AVX512F__
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kcodes + j)));
+    const v16i x = reinterpret_cast<v16i&>(w);
+#else
+    const v16i x = __builtin_convertvector(*reinterpret_cast<const u8x16*>(kcodes + j), v16i);
+#endif
+    for (int f = 0; f < k; ++f) {
+      v16i c = x;
+      if constexpr (BITS < 8) c = (x >> (f * BITS)) & ((1 << BITS) - 1);
+      store16(kdst + f * n + j, __builtin_convertvector(c, v16));
+    }
+  }
+}
+
+// Dequantized value row, code * s[group] + z[group], walking the packed bytes once: each
+// 16-byte load serves all k fields. `vec_group[i]` is the scale group of channels
+// [16 i, 16 i + 16) (16 | group, so a vector never straddles two groups). Same width
+// condition as dequant_rows16.
+template <int BITS, typename S>
+inline void value_row16(const uint8_t* vcodes, const S* vs, const S* vz,
+                        const int32_t* vec_group, int64_t Dv, float* __restrict sz,
+                        int64_t v_groups, float* __restrict vdst) {
+  constexpr int k = 8 / BITS;
+  const int64_t n = Dv / k;
+  float* zf = sz + v_groups;
+  for (int64_t g = 0; g < v_groups; ++g) sz[g] = to_float(vs[g]), zf[g] = to_float(vz[g]);
+  for (int64_t j = 0; j < n; j += kLanes) {
+#ifdef __AVX512F__
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vcodes + j)));
+    const v16i x = reinterpret_cast<v16i&>(w);
+#else
+    const v16i x = __builtin_convertvector(*reinterpret_cast<const u8x16*>(vcodes + j), v16i);
+#endif
+    for (int f = 0; f < k; ++f) {
+      v16i c = x;
+      if constexpr (BITS < 8) c = (x >> (f * BITS)) & ((1 << BITS) - 1);
+      const int64_t ch = f * n + j;
+      const int32_t g = vec_group[ch / kLanes];
+      store16(vdst + ch, __builtin_convertvector(c, v16) * sz[g] + zf[g]);
+    }
+  }
+}
+
 template <typename S, int DT, int DVT>
 void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   const int64_t G = a.group, D = a.head_dim, Dv = a.v_head_dim, ps = a.page_size;
@@ -146,7 +196,8 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     return;
   }
 
-  std::vector<float> scratch(G * Dp + G * Dvp + kLanes * (Dp + Dvp) + G * kLanes + 2 * Dp);
+  std::vector<float> scratch(G * Dp + G * Dvp + kLanes * (Dp + Dvp) + G * kLanes + 2 * Dp +
+                             G * Dp + G + 2 * Dvp);
   float* qs = scratch.data();
   float* acc = qs + G * Dp;
   float* kbuf = acc + G * Dvp;
@@ -154,6 +205,10 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   float* probs = vbuf + kLanes * Dvp;
   float* kscale = probs + G * kLanes;  // the current key scale/zero row as float32
   float* kzero = kscale + Dp;
+  float* qfold = kzero + Dp;  // the query rows times the current key group's scales
+  float* qbias = qfold + G * Dp;  // and their dot products with its zeros
+  float* vsz = qbias + G;  // one value row's scales and zeros as float32
+  int32_t vec_group[kMaxGroup];  // value scale group of each 16-channel vector
   for (int64_t g = 0; g < G; ++g) {
     const float* qr = a.q + (b * a.q_heads + h * G + g) * D;
     for (int64_t d = 0; d < Dp; ++d) qs[g * Dp + d] = d < D ? qr[d] * a.scale : 0.0f;
@@ -170,6 +225,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   const int64_t k_group = ps / a.k_srows, v_group = Dv / a.v_groups;
   const int32_t* table = a.tables + b * a.max_pages;
   const S* loaded = nullptr;  // key scale row currently in kscale/kzero
+  const S* folded = nullptr;  // key scale row currently folded into qfold/qbias
 
   auto page_slot = [&](int64_t p) {
     p = std::min(std::max(p, lo), hi - 1);  // masked lanes read a visible row
@@ -183,9 +239,54 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   // page, found with one table lookup (integer divisions per token cost as much as the
   // dequantization of a row).
   const bool whole = ps % kLanes == 0;
+  // A full chunk lies in one key group when groups are whole chunks: then the group's
+  // scales fold into the query (q . (s * c + z) = (q * s) . c + q . z) and a code costs a
+  // convert, not a convert, a multiply-add and two loads.
+  const bool fold = vec && whole && k_group % kLanes == 0 && Dvp / kLanes <= kMaxGroup;
+  if (fold)
+    for (int64_t i = 0; i < Dvp / kLanes; ++i)
+      vec_group[i] = static_cast<int32_t>(i * kLanes / v_group);
   auto load = [&](int64_t c0) -> Chunk {
     const bool fast = whole && c0 >= lo && c0 + kLanes <= hi;
     const auto [page0, slot0] = page_slot(c0);
+    if (fold && fast) {
+      const S* srow = ks + (page0 * a.k_srows + slot0 / k_group) * D;
+      if (srow != folded) {
+        to_f32(srow, D, Dp, kscale);
+        to_f32(kz + (srow - ks), D, Dp, kzero);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qs + g * Dp;
+          v16 bias{};
+          for (int64_t d = 0; d < Dp; d += kLanes) {
+            const v16 qv = load16(qg + d);
+            store16(qfold + g * Dp + d, qv * load16(kscale + d));
+            bias += qv * load16(kzero + d);
+          }
+          qbias[g] = hsum(bias);
+        }
+        folded = srow;
+        loaded = srow;  // kscale/kzero hold this row's scales as the unfolded path wants
+      }
+      for (int j = 0; j < kLanes; ++j) {
+        const int64_t row = page0 * ps + slot0 + j;
+        const uint8_t* kr = kc + row * kw;
+        const uint8_t* vr = vc + row * vw;
+        const int64_t vrow = row * a.v_groups;
+        float* kd = kbuf + j * Dp;
+        float* vd = vbuf + j * Dvp;
+        if (a.k_bits == 8) {
+          key_codes16<8>(kr, D, kd);
+          value_row16<8>(vr, vs + vrow, vz + vrow, vec_group, Dv, vsz, a.v_groups, vd);
+        } else if (a.k_bits == 4) {
+          key_codes16<4>(kr, D, kd);
+          value_row16<4>(vr, vs + vrow, vz + vrow, vec_group, Dv, vsz, a.v_groups, vd);
+        } else {
+          key_codes16<2>(kr, D, kd);
+          value_row16<2>(vr, vs + vrow, vz + vrow, vec_group, Dv, vsz, a.v_groups, vd);
+        }
+      }
+      return {kbuf, Dp, vbuf, Dvp, qfold, qbias};
+    }
     for (int j = 0; j < kLanes; ++j) {
       const auto [page, slot] = fast ? std::pair<int64_t, int64_t>(page0, slot0 + j)
                                      : page_slot(c0 + j);
