@@ -119,6 +119,18 @@ def _random_chars(rng, n):
 QUERY_STYLES = ("assert", "repeat")
 
 
+def _keys_values(rng, n):
+    """n distinct 4-character keys and their VALUE_DIGITS-digit values (bytes)."""
+    keys = []
+    while len(keys) < n:
+        k = _random_chars(rng, 4)
+        if k not in keys:
+            keys.append(k)
+    values = [bytes(rng.integers(ord("0"), ord("9") + 1, VALUE_DIGITS).astype(np.uint8))
+              for _ in keys]
+    return keys, values
+
+
 def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int, *,
                       num_pairs: int = 4, depth: float | None = None,
                       query: str = "assert") -> RetrievalExample:
@@ -136,13 +148,7 @@ def retrieval_example(rng: np.random.Generator, corpus: np.ndarray, length: int,
     """
     if query not in QUERY_STYLES:
         raise ValueError(f"query must be one of {QUERY_STYLES}, got {query!r}.")
-    keys = []
-    while len(keys) < num_pairs:
-        k = _random_chars(rng, 4)
-        if k not in keys:
-            keys.append(k)
-    values = [bytes(rng.integers(ord("0"), ord("9") + 1, VALUE_DIGITS).astype(np.uint8))
-              for _ in keys]
+    keys, values = _keys_values(rng, num_pairs)
     target = int(rng.integers(0, num_pairs))
     lines = [b'key_%s = "%s"\n' % (k, v) for k, v in zip(keys, values, strict=True)]
     ask = (b'\nkey_%s = "' if query == "repeat" else b'\nassert key_%s == "') % keys[target]
@@ -188,13 +194,7 @@ def retrieval_drill(rng: np.random.Generator, corpus: np.ndarray, length: int, *
     """
     if query not in QUERY_STYLES:
         raise ValueError(f"query must be one of {QUERY_STYLES}, got {query!r}.")
-    keys = []
-    while len(keys) < num_pairs:
-        k = _random_chars(rng, 4)
-        if k not in keys:
-            keys.append(k)
-    values = [bytes(rng.integers(ord("0"), ord("9") + 1, VALUE_DIGITS).astype(np.uint8))
-              for _ in keys]
+    keys, values = _keys_values(rng, num_pairs)
     lines = [b'key_%s = "%s"\n' % (k, v) for k, v in zip(keys, values, strict=True)]
     fmt = b'\nkey_%s = "' if query == "repeat" else b'\nassert key_%s == "'
     asks = [(fmt % keys[i], values[i] + b'"') for i in rng.permutation(num_pairs)]
