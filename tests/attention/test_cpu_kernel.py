@@ -304,3 +304,24 @@ def test_mla_decode_matches_reference(rng, dtype):
             ql, qr, lat, rope, lengths, tables, scale=0.1, impl="cpu", layer=i))(layer)
         _close(got, want, dtype)
     assert ops._auto_impl("mla_decode_attention") == "cpu"
+
+
+@needs_kernel
+def test_quantized_mixed_scale_dtypes_run_the_xla_path(rng):
+    """Key scales in float16, value scales in float32: the kernel takes one scale dtype,
+    so "cpu" runs the XLA path (no widened copy of the pools) and still equals the
+    reference."""
+    import dataclasses
+
+    cache = random_cache(rng, bits=4, q_heads=8, kv_heads=2)
+    view = qz.layer_view(cache, 0)
+    view = dataclasses.replace(view, v=dataclasses.replace(
+        view.v, scale=view.v.scale.astype(jnp.float32), zero=view.v.zero.astype(jnp.float32)))
+    assert view.k.scale.dtype != view.v.scale.dtype
+    q = jnp.asarray(rng.standard_normal((cache.spec.max_seqs, 8, qz_D)), jnp.float32)
+    q_close(_qdecode(view, q, "cpu"), _qdecode(view, q, "reference"), 2e-5)
+    lowered = jax.jit(lambda q, v: attention.quantized_decode_attention(q, v, impl="cpu"))
+    assert "kvjax_quantized_decode" not in lowered.lower(q, view).as_text()
+    # ... while one scale dtype does call the kernel (the check above can fail).
+    same = qz.layer_view(cache, 0)
+    assert "kvjax_quantized_decode" in lowered.lower(q, same).as_text()

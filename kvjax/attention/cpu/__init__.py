@@ -123,27 +123,23 @@ def quantized_attention(
     pools and the kernel reads that layer in place). The kernel does decode (q_len = 1):
     it streams the quantized pages once, dequantizing 16 tokens at a time in float32;
     the tail (at most residual + page_size tokens) is attended in XLA and merged by
-    log-sum-exp. Chunked prefill (q_len > 1) runs the XLA path.
+    log-sum-exp. Chunked prefill (q_len > 1) and scales / zeros of mixed dtypes run the
+    XLA path.
 
     Returns:
       (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
     """
     pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    if q.shape[1] != 1:
+    if q.shape[1] != 1 or len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1:
+        # Chunked prefill, or scales of mixed dtypes (the kernel takes one scale dtype;
+        # widening here would copy whole pools every call): the XLA path.
         return xla_quantized.quantized_attention(
             q, *pools, tail_k, tail_v, quant_lengths, lengths, block_tables, q_pos,
             k_bits=k_bits, v_bits=v_bits, scale=scale, soft_cap=soft_cap,
             sliding_window=sliding_window, layer=layer)
     load()
-    if layer is None:
-        pools, layer_idx = tuple(p[None] for p in pools), jnp.zeros((), jnp.int32)
-    else:
-        layer_idx = jnp.asarray(layer, jnp.int32)
-    k_scale, k_zero, v_scale, v_zero = pools[1], pools[2], pools[4], pools[5]
-    if len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1:
-        # The kernel takes one scale dtype; mixed ones are rare enough to widen here.
-        k_scale, k_zero, v_scale, v_zero = (
-            x.astype(jnp.float32) for x in (k_scale, k_zero, v_scale, v_zero))
+    layer_idx = _as_pools(k_codes, layer)[1]
+    pools = tuple(_as_pools(p, layer)[0] for p in pools)
     batch, _, q_heads, _ = q.shape
     v_head_dim = tail_v.shape[-1]
     call = jax.ffi.ffi_call(
@@ -153,7 +149,7 @@ def quantized_attention(
         vmap_method="sequential",
     )
     out_q, lse_q = call(
-        q[:, 0].astype(jnp.float32), pools[0], k_scale, k_zero, pools[3], v_scale, v_zero,
+        q[:, 0].astype(jnp.float32), *pools,
         layer_idx, quant_lengths.astype(jnp.int32), q_pos[:, 0].astype(jnp.int32),
         block_tables.astype(jnp.int32),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
