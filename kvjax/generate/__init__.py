@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     **dict.fromkeys(
         ("CachePolicy", "DecodeState", "GenerateResult", "StreamEvent", "GREEDY", "decode_loop",
+         "decode_params",
          "decode_step", "decode_step_jit", "default_cache_spec", "generate", "pad_prompts",
          "prefill", "start", "stream"),
         "kvjax.generate.loop"),

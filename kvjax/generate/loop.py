@@ -26,6 +26,7 @@ raise `CacheFullError` (unless `check=False`).
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "prefill",
     "start",
     "decode_step",
+    "decode_params",
     "decode_loop",
     "generate",
     "stream",
@@ -420,6 +422,32 @@ def _max_new_vector(max_new_tokens, batch: int) -> np.ndarray:
     return m
 
 
+# Stacked layer weights of at least this many bytes run the CPU decode loop per layer.
+_UNSTACK_MIN_BYTES = 32 << 20
+
+
+def decode_params(model: Model, params):
+    """The params the decode loop runs with.
+
+    On the CPU backend a family's stacked layer weights of 32 MiB or more become one
+    array per layer (`Model.unstack_layers`, a one-off copy): inside the decode's
+    `lax.scan` over layers XLA:CPU copies each layer's slice out of the stacked
+    weights every step, a read and a write of all layer weights per token
+    (benchmarks/NOTES.md v8). Small models keep the scan (their copies are cheap and
+    the unrolled layers compile slower); other backends read the slices in place.
+    `KVJAX_UNSTACK_LAYERS=0` turns this off.
+    """
+    if (model.unstack_layers is None or jax.default_backend() != "cpu"
+            or os.environ.get("KVJAX_UNSTACK_LAYERS", "1") == "0"):
+        return params
+    layers = getattr(params, "layers", None)
+    if layers is None or isinstance(layers, tuple):
+        return params
+    if sum(x.nbytes for x in jax.tree.leaves(layers)) < _UNSTACK_MIN_BYTES:
+        return params
+    return model.unstack_layers(params)
+
+
 def _prepare(model, params, prompts, *, key, max_new_tokens, cache, seq_ids, page_size,
              num_pages, cache_dtype, chunk_size, impl, policy, check):
     """Shared front half of generate/stream: prefill, then the starting state's inputs."""
@@ -503,8 +531,8 @@ def generate(
     state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
                   free_finished=free_finished, policy_state=policy_state)
-    state = decode_loop(model, params, state, sampling=sampling, eos_ids=eos_ids,
-                        free_finished=free_finished, impl=impl, policy=policy)
+    state = decode_loop(model, decode_params(model, params), state, sampling=sampling,
+                        eos_ids=eos_ids, free_finished=free_finished, impl=impl, policy=policy)
     if check:
         state.status.raise_if_error()
     return GenerateResult(tokens=np.asarray(state.tokens),
@@ -556,6 +584,7 @@ def stream(
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
                   free_finished=free_finished, policy_state=policy_state)
     prev = np.zeros(seq_ids.shape, np.int32)
+    params = decode_params(model, params)
     while True:
         num = np.asarray(state.num_generated)
         emitted = num > prev

@@ -31,6 +31,7 @@ class Family:
     params_from_hf: Callable
     forward: Callable
     cache_spec: Callable
+    unstack_layers: Callable | None = None
 
     def model(self, config) -> "Model":
         if not isinstance(config, self.config_cls):
@@ -39,7 +40,7 @@ class Family:
                 f"{type(config).__name__}."
             )
         return Model(family=self.name, config=config, forward=self.forward,
-                     cache_spec=self.cache_spec)
+                     cache_spec=self.cache_spec, unstack_layers=self.unstack_layers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,12 +54,16 @@ class Model:
         q_lengths, seq_ids=None, impl="auto") -> (logits, cache)`.
       cache_spec: the family's `cache_spec(config, *, page_size, num_pages, max_seqs,
         max_pages_per_seq, dtype) -> CacheSpec`.
+      unstack_layers: the family's `unstack_layers(params) -> params` (per-layer
+        weight arrays instead of stacked ones, which its `forward` also runs), or
+        None if it has none.
     """
 
     family: str
     config: Any
     forward: Callable
     cache_spec: Callable
+    unstack_layers: Callable | None = None
 
     def apply(self, params, tokens, positions, cache, *, q_lengths, seq_ids=None,
               impl: str = "auto", policy=None, policy_state=None):
@@ -134,7 +139,8 @@ def _module_family(name: str, module_path: str) -> Family:
         config_cls = configs[0]
     return Family(name=name, config_cls=config_cls, init_params=module.init_params,
                   params_from_hf=module.params_from_hf, forward=module.forward,
-                  cache_spec=module.cache_spec)
+                  cache_spec=module.cache_spec,
+                  unstack_layers=getattr(module, "unstack_layers", None))
 
 
 def get_family(name: str) -> Family:

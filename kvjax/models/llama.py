@@ -6,6 +6,9 @@ Qwen2/3 "sliding_attention" layers), RoPE scaling (Llama-3.1) and tied
 embeddings. Params are a frozen dataclass pytree whose per-layer tensors are
 stacked along a leading `layers` axis, so the layers run as one `lax.scan`
 (one compiled layer body) when every layer has the same attention window.
+`unstack_layers` gives the same weights as one array per layer (a tuple), which
+`forward` runs as an unrolled loop: on CPU the decode loop uses it for big
+models, since XLA:CPU copies a scan's slice of the stacked weights every step.
 
 `forward` follows the model contract (/work/notes/MODELS.md): the caller has
 already reserved the new tokens in the cache; each layer writes its K/V with
@@ -35,6 +38,7 @@ __all__ = [
     "cache_spec",
     "forward",
     "forward_dense",
+    "unstack_layers",
     "ARCHITECTURES",
 ]
 
@@ -214,12 +218,33 @@ class LlamaLayerParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LlamaParams:
-    """Embedding, stacked layers, final norm and LM head ([hidden, vocab]; None when tied)."""
+    """Embedding, stacked layers, final norm and LM head ([hidden, vocab]; None when tied).
+
+    `layers` may also be a tuple of per-layer params without the leading axis
+    (`unstack_layers`).
+    """
 
     embed: Float[Array, "vocab hidden"]
-    layers: LlamaLayerParams
+    layers: LlamaLayerParams | tuple[LlamaLayerParams, ...]
     final_norm: Float[Array, " hidden"]
     lm_head: Float[Array, "hidden vocab"] | None = None
+
+
+def unstack_layers(params: LlamaParams) -> LlamaParams:
+    """The same weights with `layers` as a tuple of per-layer `LlamaLayerParams`.
+
+    `forward` runs such params as an unrolled loop over the layers. On CPU this is
+    the faster form for decoding: XLA:CPU copies each step's slice of stacked
+    weights out of the stack inside a `lax.scan` (a read and a write of every layer
+    weight per token), while separate arrays are read in place. The result holds a
+    copy of the layer weights (stacked params that stay referenced double their
+    memory); params already unstacked are returned as they are.
+    """
+    if isinstance(params.layers, tuple):
+        return params
+    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda p, i=i: p[i], params.layers) for i in range(num_layers))
+    return dataclasses.replace(params, layers=layers)
 
 
 def _param_shapes(config: LlamaConfig) -> dict:
@@ -435,7 +460,15 @@ def forward(
     x = params.embed.astype(dtype)[tokens]
 
     windows = c.sliding_windows or (None,) * c.num_layers
-    if len(set(windows)) == 1:
+    if isinstance(params.layers, tuple):
+        # Per-layer weights (`unstack_layers`): an unrolled loop, no slicing.
+        queries = []
+        for layer, lp in enumerate(params.layers):
+            x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
+                                 windows[layer], impl, policy, policy_state)
+            queries.append(q)
+        queries = jnp.stack(queries) if policy is not None else None
+    elif len(set(windows)) == 1:
         # One compiled layer body for all layers.
         def body(carry, inputs):
             x, cache = carry
@@ -515,7 +548,10 @@ def forward_dense(
         return x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down, lp.b_gate, lp.b_up, lp.b_down)
 
     windows = c.sliding_windows or (None,) * c.num_layers
-    if len(set(windows)) == 1:
+    if isinstance(params.layers, tuple):
+        for layer, lp in enumerate(params.layers):
+            x = layer_fn(x, lp, windows[layer])
+    elif len(set(windows)) == 1:
         x, _ = jax.lax.scan(lambda x, lp: (layer_fn(x, lp, windows[0]), None), x, params.layers)
     else:
         for layer in range(c.num_layers):

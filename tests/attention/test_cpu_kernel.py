@@ -67,12 +67,13 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     "q_heads,kv_heads,head_dim,page_size",
-    [(4, 4, 64, 16), (16, 4, 128, 16), (8, 1, 40, 5), (6, 2, 128, 7)],
-    ids=["mha-d64", "gqa4-d128", "mqa-d40-ps5", "gqa3-ps7"],
+    [(4, 4, 64, 16), (16, 4, 128, 16), (8, 1, 40, 5), (6, 2, 128, 7), (12, 1, 64, 32)],
+    ids=["mha-d64", "gqa4-d128", "mqa-d40-ps5", "gqa3-ps7", "mqa12-d64"],
 )
 def test_matches_reference(rng, dtype, q_heads, kv_heads, head_dim, page_size):
-    """GQA ratios 1, 4, 3 and MQA; the unrolled head dims and a generic one; pages
-    holding whole 16-token chunks and pages that do not. Lengths: 1, a full last page,
+    """GQA ratios 1, 4, 3 and MQA (12 query rows: bf16 takes them 8 and 4 at a time); the
+    unrolled head dims and a generic one; pages holding whole 16-token chunks and pages that
+    do not. Lengths: 1, a full last page,
     a partial one, 0, random."""
     max_pages = 5
     full = max_pages * page_size

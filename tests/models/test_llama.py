@@ -16,6 +16,7 @@ import torch
 
 import kvjax.cache as kv_cache
 import kvjax.generate as gen
+import kvjax.generate.loop as gen_loop
 import kvjax.models as models
 from kvjax.models import llama
 from kvjax.models.layers import RopeConfig, rope_inv_freq
@@ -252,3 +253,32 @@ def test_config_validation():
         RopeConfig(theta=1e4, dim=16, rope_type="yarn")
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         llama.LlamaConfig.from_hf(dict(hidden_act="gelu", hidden_size=64))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_swa"])
+def test_unstacked_layers_give_the_same_logits_and_tokens(name, hf_dirs, rng, monkeypatch):
+    """Per-layer weights (`unstack_layers`, the CPU decode loop's form for big models) run
+    the same model: same prefill logits, same dense logits, same greedy tokens; and
+    `decode_params` picks them on CPU above its size threshold, unless turned off."""
+    m, path = hf_dirs(name)
+    model, params = models.load(path)
+    flat = llama.unstack_layers(params)
+    assert isinstance(flat.layers, tuple) and len(flat.layers) == model.config.num_layers
+    assert llama.unstack_layers(flat) is flat
+    np.testing.assert_array_equal(np.asarray(flat.layers[1].wq), np.asarray(params.layers.wq[1]))
+
+    tokens = rng.integers(3, model.vocab_size, (2, 12)).astype(np.int32)
+    dense = llama.forward_dense(params, model.config, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(llama.forward_dense(flat, model.config,
+                                                              jnp.asarray(tokens))),
+                               np.asarray(dense), rtol=0, atol=1e-5)
+
+    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in PROMPT_LENS]
+    kw = dict(key=jax.random.key(0), max_new_tokens=8, page_size=PAGE)
+    ref = gen.generate(model, params, prompts, **kw).tokens
+    monkeypatch.setattr(gen_loop, "_UNSTACK_MIN_BYTES", 0)
+    assert isinstance(gen.decode_params(model, params).layers, tuple)
+    np.testing.assert_array_equal(gen.generate(model, params, prompts, **kw).tokens, ref)
+    np.testing.assert_array_equal(gen.generate(model, flat, prompts, **kw).tokens, ref)
+    monkeypatch.setenv("KVJAX_UNSTACK_LAYERS", "0")
+    assert gen.decode_params(model, params) is params

@@ -34,6 +34,21 @@ struct Chunk {
   const float* bias = nullptr;  // [G] or nullptr: no bias
 };
 
+// Folds one chunk's logits `s` of a query row into its running max `m`, sum `l`: the
+// rescale of the earlier accumulator (`alpha`) and the chunk's probabilities (to `probs`).
+// Masked lanes (not `visible`) get probability 0; a chunk has at least one visible lane.
+inline void softmax_step(v16 s, v16i visible, float soft_cap, float& m, float& l, float& alpha,
+                         float* probs) {
+  if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
+  s = visible ? s : splat(kNegInf);
+  const float m_new = std::max(m, hmax(s));  // finite: the chunk has a visible lane
+  alpha = std::exp(m - m_new);               // 0 on the first chunk (m = -inf)
+  const v16 p = vexp(s - m_new);             // masked lanes: exp(-inf) = 0
+  l = l * alpha + hsum(p);
+  m = m_new;
+  store16(probs, p);
+}
+
 // Online-softmax attention of G query rows over the chunks of positions [lo, hi).
 // `load(c0)` returns the Chunk of positions [c0, c0 + 16) (positions outside [lo, hi)
 // may hold anything finite: they are masked); `prefetch(c0)` hints the memory of a later
@@ -67,14 +82,7 @@ void attend(const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt, int64_t D
       }
       v16 s = sum_rows(part);
       if (ch.bias) s += ch.bias[g];
-      if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
-      s = visible ? s : splat(kNegInf);
-      const float m_new = std::max(m[g], hmax(s));  // finite: the chunk has a visible lane
-      alpha[g] = std::exp(m[g] - m_new);            // 0 on the first chunk (m = -inf)
-      const v16 p = vexp(s - m_new);                // masked lanes: exp(-inf) = 0
-      l[g] = l[g] * alpha[g] + hsum(p);
-      m[g] = m_new;
-      store16(probs + g * kLanes, p);
+      softmax_step(s, visible, soft_cap, m[g], l[g], alpha[g], probs + g * kLanes);
     }
 
     // acc[g] = alpha[g] * acc[g] + sum_j p[g][j] v[j], 8 vectors of acc at a time held in
@@ -100,6 +108,196 @@ void attend(const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt, int64_t D
   for (int64_t g = 0; g < G; ++g) {
     const float inv = 1.0f / l[g];
     for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dvp + d] * inv;
+    lse[g] = m[g] + std::log(l[g]);
+  }
+}
+
+// bfloat16 rows used in place: 32 values (64 bytes) load as 16 int32 lanes, lane i
+// holding elements 2i (low half) and 2i + 1 (high half). `lane << 16` is element 2i as a
+// float32 and `lane & 0xffff0000` element 2i + 1: two integer ops widen 32 values in
+// registers, with no staging copy. Query rows and accumulators are kept in the matching
+// "split" order (per block of 32: the 16 even elements, then the 16 odd ones).
+typedef int32_t v16iu __attribute__((vector_size(64), aligned(2), may_alias));
+
+inline void bf16_split(const uint16_t* p, v16& even, v16& odd) {
+  const v16i w = *reinterpret_cast<const v16iu*>(p);
+  const v16i e = w << 16, o = w & static_cast<int32_t>(0xffff0000u);
+  even = (v16)e;  // same-size vector casts reinterpret the bits
+  odd = (v16)o;
+}
+
+// 32 consecutive row elements as two float32 vectors: bfloat16 in split order, float32
+// in natural order (elements 0-15, 16-31).
+inline void load32(const uint16_t* p, v16& a, v16& b) { bf16_split(p, a, b); }
+inline void load32(const float* p, v16& a, v16& b) {
+  a = load16(p);
+  b = load16(p + kLanes);
+}
+
+// To and from the split order of a width that is a multiple of 32.
+inline void to_split(const float* src, float* dst, int64_t n) {
+  for (int64_t b = 0; b < n; b += 2 * kLanes)
+    for (int i = 0; i < kLanes; ++i) {
+      dst[b + i] = src[b + 2 * i];
+      dst[b + kLanes + i] = src[b + 2 * i + 1];
+    }
+}
+inline void from_split(const float* src, float* dst, int64_t n, float scale) {
+  for (int64_t b = 0; b < n; b += 2 * kLanes)
+    for (int i = 0; i < kLanes; ++i) {
+      dst[b + 2 * i] = src[b + i] * scale;
+      dst[b + 2 * i + 1] = src[b + kLanes + i] * scale;
+    }
+}
+
+// One chunk of 16 key/value rows of element type E (float, or uint16_t for bfloat16
+// bits): row j at k + j * ks / v + j * vs.
+template <typename E>
+struct RowChunk {
+  const E* k;
+  int64_t ks;
+  const E* v;
+  int64_t vs;
+};
+
+// The logits of query rows [g0, g0 + NB) against one chunk's 16 key rows: each key vector
+// is loaded (and widened) once for the NB rows, whose partial sums stay in registers;
+// parts[r * 16 + j] = lane partial sums of row g0 + r and token j.
+template <int NB, int DT, typename E>
+inline void chunk_logits(const float* qsplit, int64_t D_rt, const RowChunk<E>& ch, v16* parts) {
+  const int64_t D = DT ? DT : D_rt;
+  for (int j = 0; j < kLanes; ++j) {
+    v16 a[NB];
+    for (int r = 0; r < NB; ++r) a[r] = v16{};
+    const E* kr = ch.k + j * ch.ks;
+    for (int64_t d = 0; d < D; d += 2 * kLanes) {
+      v16 ke, ko;
+      load32(kr + d, ke, ko);
+      for (int r = 0; r < NB; ++r) {
+        a[r] += load16(qsplit + r * D + d) * ke;
+        a[r] += load16(qsplit + r * D + d + kLanes) * ko;
+      }
+    }
+    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[r];
+  }
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_j probs[r][j] v[j] for rows [g0, g0 + NB) (load32's
+// order), one block of 32 channels at a time with the NB rows' accumulators in registers.
+template <int NB, int DVT, typename E>
+inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, const float* probs,
+                             const RowChunk<E>& ch) {
+  const int64_t Dv = DVT ? DVT : Dv_rt;
+  for (int64_t d = 0; d < Dv; d += 2 * kLanes) {
+    v16 xe[NB], xo[NB];
+    for (int r = 0; r < NB; ++r) {
+      const v16 al = splat(alpha[r]);
+      xe[r] = load16(acc + r * Dv + d) * al;
+      xo[r] = load16(acc + r * Dv + d + kLanes) * al;
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      v16 ve, vo;
+      load32(ch.v + j * ch.vs + d, ve, vo);
+      for (int r = 0; r < NB; ++r) {
+        const v16 pj = splat(probs[r * kLanes + j]);
+        xe[r] += pj * ve;
+        xo[r] += pj * vo;
+      }
+    }
+    for (int r = 0; r < NB; ++r) {
+      store16(acc + r * Dv + d, xe[r]);
+      store16(acc + r * Dv + d + kLanes, xo[r]);
+    }
+  }
+}
+
+// Calls fn(std::integral_constant<int, NB>, g0) over blocks of query rows covering [0, G):
+// 8 at a time when G is a multiple of 8, else 4 at a time and the rest one by one.
+template <typename Fn>
+inline void for_row_blocks(int64_t G, Fn&& fn) {
+  int64_t g0 = 0;
+  if (G % 8 == 0) {
+    for (; g0 < G; g0 += 8) fn(std::integral_constant<int, 8>{}, g0);
+    return;
+  }
+  for (; g0 + 4 <= G; g0 += 4) fn(std::integral_constant<int, 4>{}, g0);
+  for (; g0 < G; ++g0) fn(std::integral_constant<int, 1>{}, g0);
+}
+
+// `attend` for float32 or bfloat16 (E = uint16_t) rows and head widths D, Dv multiples
+// of 32: rows used in place (bf16 widened in registers, load32), query rows taken in
+// register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a time:
+// `load` must not reuse a chunk's memory before the chunk after next (paged_decode.cc
+// alternates two stage buffers). qs: [G, D] scaled queries; out: [G, Dv].
+template <typename E, int DT, int DVT, typename Load, typename Prefetch>
+void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_t lo, int64_t hi,
+                 float soft_cap, Load&& load, Prefetch&& prefetch, float* out, float* lse) {
+  const int64_t D = DT ? DT : D_rt, Dv = DVT ? DVT : Dv_rt;
+  // Scratch (64-byte aligned): split queries [G, D], split accumulators [G, Dv], the
+  // per-token partial sums of two chunks [2, G, 16] vectors, probabilities [G, 16].
+  const int64_t floats = G * D + G * Dv + 2 * G * kLanes * kLanes + G * kLanes;
+  std::unique_ptr<float[], void (*)(void*)> buf(
+      static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64)),
+      std::free);
+  float* qsplit = buf.get();
+  float* acc = qsplit + G * D;
+  v16* parts[2] = {reinterpret_cast<v16*>(acc + G * Dv),
+                   reinterpret_cast<v16*>(acc + G * Dv) + G * kLanes};
+  float* probs = reinterpret_cast<float*>(parts[1] + G * kLanes);
+  constexpr bool split = std::is_same_v<E, uint16_t>;  // bf16: split order, else natural
+  for (int64_t g = 0; g < G; ++g) {
+    if (split) {
+      to_split(qs + g * D, qsplit + g * D, D);
+    } else {
+      std::memcpy(qsplit + g * D, qs + g * D, D * sizeof(float));
+    }
+  }
+  std::fill(acc, acc + G * Dv, 0.0f);
+  float m[kMaxGroup], l[kMaxGroup], alpha[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, l[g] = 0.0f;
+  const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int64_t ahead = prefetch_chunks();
+  const int64_t first = lo / kLanes * kLanes;
+  // The keys of chunk c + 1 are read in iteration c: prefetch `ahead` chunks past that.
+  for (int64_t i = 0; i <= ahead; ++i) prefetch(first + i * kLanes);
+  auto logits = [&](const RowChunk<E>& ch, v16* out_parts) {
+    for_row_blocks(G, [&](auto nb, int64_t g0) {
+      chunk_logits<decltype(nb)::value, DT>(qsplit + g0 * D, D, ch, out_parts + g0 * kLanes);
+    });
+  };
+
+  // Software-pipelined: the logits of chunk c + 1 are computed between chunk c's softmax
+  // (a chain of dependent horizontal ops) and its value accumulation (which waits on
+  // it), so the out-of-order core has independent work while the chain resolves.
+  RowChunk<E> ch = load(first);
+  logits(ch, parts[0]);
+  int cur = 0;
+  for (int64_t c0 = first; c0 < hi; c0 += kLanes) {
+    if (ahead > 0 && c0 + (ahead + 1) * kLanes < hi) prefetch(c0 + (ahead + 1) * kLanes);
+    const v16 pos = iota + static_cast<float>(c0);
+    const v16i visible = (pos >= static_cast<float>(lo)) & (pos < static_cast<float>(hi));
+    for (int64_t g = 0; g < G; ++g)
+      softmax_step(sum_rows(parts[cur] + g * kLanes), visible, soft_cap, m[g], l[g], alpha[g],
+                   probs + g * kLanes);
+    const RowChunk<E> now = ch;
+    if (c0 + kLanes < hi) {
+      ch = load(c0 + kLanes);
+      logits(ch, parts[cur ^ 1]);
+    }
+    for_row_blocks(G, [&](auto nb, int64_t g0) {
+      chunk_accumulate<decltype(nb)::value, DVT>(acc + g0 * Dv, Dv, alpha + g0,
+                                                 probs + g0 * kLanes, now);
+    });
+    cur ^= 1;
+  }
+
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / l[g];
+    if (split) {
+      from_split(acc + g * Dv, out + g * Dv, Dv, inv);
+    } else {
+      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
+    }
     lse[g] = m[g] + std::log(l[g]);
   }
 }

@@ -2,11 +2,13 @@
 //
 // Work item = (sequence b, KV head h). The item loads the G = q_heads / kv_heads query
 // rows of its group once (scaled), then walks the sequence's visible tokens in chunks of
-// 16 positions: it finds each token's row through the block table (pages are read in
-// place in the pools, bf16 rows are widened to float32 in a small L1-resident buffer),
-// computes the G x 16 logits, folds them into a running (max, sum, accumulator) per
-// query row, and accumulates p . V. Everything is float32. Items are spread over the
-// caller and XLA's intra-op thread pool (common.h: parallel_for).
+// 16 positions: it finds each token's row through the block table, computes the G x 16
+// logits, folds them into a running (max, sum, accumulator) per query row, and
+// accumulates p . V. Everything is float32. Head widths that are multiples of 32 (f32 or
+// bf16 pages) take attend.h's `attend_rows`: rows read in place, bf16 widened in
+// registers, query rows in register blocks, the next chunk's logits overlapping this
+// chunk's softmax. Other widths and f16 widen 16 rows at a time into an L1-resident
+// float32 buffer (`attend`). Items are spread over threads (common.h: parallel_for).
 //
 // Semantics are kernels_pallas/paged_attention/reference.py's decode: the query sits at
 // position lengths[b] - 1 and sees key positions k < min(lengths[b], max_pages *
@@ -73,6 +75,55 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
   };
   // A chunk lies in one page when pages hold whole chunks; its rows are then contiguous.
   const bool whole = ps % kLanes == 0;
+  auto prefetch = [&](int64_t c0) {
+    if (whole) {
+      const int64_t r0 = row_of(c0);
+      prefetch_bytes(kbase + r0 * D, kLanes * D * sizeof(T));
+      prefetch_bytes(vbase + r0 * Dv, kLanes * Dv * sizeof(T));
+      return;
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      const int64_t r = row_of(c0 + j);
+      prefetch_bytes(kbase + r * D, D * sizeof(T));
+      prefetch_bytes(vbase + r * Dv, Dv * sizeof(T));
+    }
+  };
+
+  if constexpr (!std::is_same_v<T, _Float16>) {
+    // KVJAX_CPU_ROWS=0 runs these through the staging path below (for comparisons).
+    static const bool rows = [] {
+      const char* env = std::getenv("KVJAX_CPU_ROWS");
+      return !(env && env[0] == '0');
+    }();
+    if (rows && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0) {
+      // Rows are read in place (bf16 widened in registers); a chunk that is not 16
+      // contiguous visible rows has its rows copied into a small stage buffer first.
+      // qs holds the scaled queries (Dp = D here).
+      using E = std::conditional_t<std::is_same_v<T, Bf16>, uint16_t, float>;
+      const E* kb = reinterpret_cast<const E*>(kbase);
+      const E* vb = reinterpret_cast<const E*>(vbase);
+      // Two stage buffers, used in turn: attend_rows holds two chunks at a time.
+      std::vector<E> stage(2 * kLanes * (D + Dv));
+      int turn = 0;
+      auto load = [&](int64_t c0) -> RowChunk<E> {
+        if (whole && c0 >= lo && c0 + kLanes <= hi) {
+          const int64_t r0 = row_of(c0);
+          return {kb + r0 * D, D, vb + r0 * Dv, Dv};
+        }
+        E* ks = stage.data() + turn * kLanes * (D + Dv);
+        E* vs = ks + kLanes * D;
+        turn ^= 1;
+        for (int j = 0; j < kLanes; ++j) {
+          const int64_t r = row_of(c0 + j);
+          std::memcpy(ks + j * D, kb + r * D, D * sizeof(E));
+          std::memcpy(vs + j * Dv, vb + r * Dv, Dv * sizeof(E));
+        }
+        return {ks, D, vs, Dv};
+      };
+      attend_rows<E, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, out, lse);
+      return;
+    }
+  }
   const bool in_place = whole && std::is_same_v<T, float> && D == Dp && Dv == Dvp;
 
   auto load = [&](int64_t c0) -> Chunk {
@@ -94,19 +145,6 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
       to_f32(vbase + r * Dv, Dv, Dvp, vbuf + j * Dvp);
     }
     return {kbuf, Dp, vbuf, Dvp};
-  };
-  auto prefetch = [&](int64_t c0) {
-    if (whole) {
-      const int64_t r0 = row_of(c0);
-      prefetch_bytes(kbase + r0 * D, kLanes * D * sizeof(T));
-      prefetch_bytes(vbase + r0 * Dv, kLanes * Dv * sizeof(T));
-      return;
-    }
-    for (int j = 0; j < kLanes; ++j) {
-      const int64_t r = row_of(c0 + j);
-      prefetch_bytes(kbase + r * D, D * sizeof(T));
-      prefetch_bytes(vbase + r * Dv, Dv * sizeof(T));
-    }
   };
   attend<DT, DVT>(qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, load, prefetch, acc, probs, out, lse);
 }
