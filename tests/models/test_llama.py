@@ -255,12 +255,12 @@ def test_config_validation():
         llama.LlamaConfig.from_hf(dict(hidden_act="gelu", hidden_size=64))
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_swa"])
-def test_unstacked_layers_give_the_same_logits_and_tokens(name, hf_dirs, rng, monkeypatch):
+def test_unstacked_layers_give_the_same_logits_and_tokens(hf_dirs, rng, monkeypatch):
     """Per-layer weights (`unstack_layers`, the CPU decode loop's form for big models) run
-    the same model: same prefill logits, same dense logits, same greedy tokens; and
-    `decode_params` picks them on CPU above its size threshold, unless turned off."""
-    m, path = hf_dirs(name)
+    the same model (one with a different window per layer): same dense logits, same
+    greedy tokens; `decode_params` picks them on CPU above its size threshold, unless
+    turned off."""
+    m, path = hf_dirs("qwen2_swa")
     model, params = models.load(path)
     flat = llama.unstack_layers(params)
     assert isinstance(flat.layers, tuple) and len(flat.layers) == model.config.num_layers
@@ -279,6 +279,6 @@ def test_unstacked_layers_give_the_same_logits_and_tokens(name, hf_dirs, rng, mo
     monkeypatch.setattr(gen_loop, "_UNSTACK_MIN_BYTES", 0)
     assert isinstance(gen.decode_params(model, params).layers, tuple)
     np.testing.assert_array_equal(gen.generate(model, params, prompts, **kw).tokens, ref)
-    np.testing.assert_array_equal(gen.generate(model, flat, prompts, **kw).tokens, ref)
+    assert gen.decode_params(model, flat) is flat
     monkeypatch.setenv("KVJAX_UNSTACK_LAYERS", "0")
     assert gen.decode_params(model, params) is params
