@@ -129,13 +129,29 @@ def init_cache(spec: CacheSpec) -> PagedKVCache:
     return PagedKVCache(pages=pages, table=table, spec=spec)
 
 
+def set_drop(x: Array, index, values) -> Array:
+    """`x.at[index].set(values, mode="drop")`; 16-bit floats go through integer bits on CPU.
+
+    XLA:CPU has no bfloat16/float16 scatter: it widens the whole operand to float32,
+    scatters, and narrows it back, a copy of the pool (both ways) for every write of a
+    few rows. A scatter of the same bits as uint16 moves the same data in place.
+    """
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating) and (
+            jax.default_backend() == "cpu"):
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        vals = jax.lax.bitcast_convert_type(jnp.asarray(values, x.dtype), jnp.uint16)
+        return jax.lax.bitcast_convert_type(bits.at[index].set(vals, mode="drop"), x.dtype)
+    return x.at[index].set(values, mode="drop")
+
+
 def _copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
     """pages[:, :, dst] = pages[:, :, src] for every pool; dst == num_pages is skipped."""
-    return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src], mode="drop"), pages)
+    return jax.tree.map(lambda x: set_drop(x, (slice(None), slice(None), dst), x[:, :, src]),
+                        pages)
 
 
 def _zero_pages(pages, ids: Int[Array, " n"]):
-    return jax.tree.map(lambda x: x.at[:, :, ids].set(0, mode="drop"), pages)
+    return jax.tree.map(lambda x: set_drop(x, (slice(None), slice(None), ids), 0), pages)
 
 
 def _allocator(table: pt.PageTable):
@@ -252,7 +268,7 @@ def _scatter_tokens(pool, layer, slots: Slots, x):
     off = slots.offset.reshape(-1)
     # Advanced indices split by a slice put their axis first: [tokens, heads, width].
     x = x.reshape(-1, *x.shape[2:])
-    return pool.at[layer, :, page, off, :].set(x, mode="drop")
+    return set_drop(pool, (layer, slice(None), page, off, slice(None)), x)
 
 
 def write_layer(

@@ -417,7 +417,8 @@ def fork(
     tgt = jnp.where(ok, tgt, spec.max_seqs)
     table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
     s = jnp.clip(src, 0, spec.max_seqs - 1)
-    tail = jax.tree.map(lambda x: x.at[:, :, tgt].set(x[:, :, s], mode="drop"), cache.tail)
+    tail = jax.tree.map(
+        lambda x: paged.set_drop(x, (slice(None), slice(None), tgt), x[:, :, s]), cache.tail)
 
     def copy_row(x):
         return x.at[tgt].set(x[s], mode="drop")
@@ -571,7 +572,7 @@ def write_layer(
         )
         # pool[li, :, page_ids] has the advanced axes first: [batch, f, heads, ...].
         def put(dst, val):
-            return dst.at[li, :, page_ids].set(jnp.moveaxis(val, 0, 2), mode="drop")
+            return paged.set_drop(dst, (li, slice(None), page_ids), jnp.moveaxis(val, 0, 2))
 
         return dataclasses.replace(pool, codes=put(pool.codes, codes),
                                    scale=put(pool.scale, scale), zero=put(pool.zero, zero))
@@ -582,8 +583,8 @@ def write_layer(
     if spec.is_mla:
         c_kv = list(pages.c_kv)
         c_kv[gi] = flush(c_kv[gi], full_a)
-        k_rope = pages.k_rope.at[layer, :, page_ids].set(jnp.moveaxis(full_b, 0, 2),
-                                                         mode="drop")
+        k_rope = paged.set_drop(pages.k_rope, (layer, slice(None), page_ids),
+                                jnp.moveaxis(full_b, 0, 2))
         pages = QuantizedLatentPages(c_kv=tuple(c_kv), k_rope=k_rope)
     else:
         k, v = list(pages.k), list(pages.v)
@@ -597,8 +598,8 @@ def write_layer(
     tslot = jnp.where(keep, new_pos % ring, ring)  # ring is out of range: dropped
     sid = seq_ids[:, None]
     tail = KVTail(
-        a=cache.tail.a.at[layer, :, sid, tslot].set(a, mode="drop"),
-        b=cache.tail.b.at[layer, :, sid, tslot].set(b, mode="drop"),
+        a=paged.set_drop(cache.tail.a, (layer, slice(None), sid, tslot), a),
+        b=paged.set_drop(cache.tail.b, (layer, slice(None), sid, tslot), b),
     )
     return dataclasses.replace(cache, paged=dataclasses.replace(cache.paged, pages=pages),
                                tail=tail)

@@ -1,5 +1,6 @@
 """The page allocator: hand-checked cases and hypothesis-driven random interleavings."""
 
+import dataclasses
 import functools
 
 import jax
@@ -153,6 +154,42 @@ def test_jitted_write_updates_the_pool_in_place(rng):
     assert old.is_deleted()
     assert cache.pages.k.unsafe_buffer_pointer() == ptr
     np.testing.assert_array_equal(np.asarray(cache.pages.k[0, 0, 0, :2]), np.asarray(k[0, :, 0]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_writes_move_bits_in_place(rng, dtype):
+    """bf16/f16 pools: writes land bit-exactly, in place, and (on CPU, where XLA has no
+    16-bit float scatter) never widen the pool to float32; copy-on-write and scrubbing
+    too."""
+    spec = dataclasses.replace(SPEC, num_layers=3, dtype=dtype)
+    cache = kvx.init_cache(spec)
+    cache, _ = kvx.cache.reserve(cache, jnp.array([3, 2, 0, 0], jnp.int32))
+    slots = kvx.cache.token_slots(cache, jnp.array([[0, 1, 2]] * 4, jnp.int32),
+                                  jnp.array([[True] * 3, [True, True, False]] + [[False] * 3] * 2))
+    k = jnp.asarray(rng.standard_normal((4, 3, 1, 2)), dtype)
+    pool_f32 = "f32[" + ",".join(map(str, cache.pages.k.shape)) + "]"
+    hlo = kvx.cache.write_layer_jit.lower(cache, 1, slots, k, k).compile().as_text()
+    assert pool_f32 not in hlo
+    ptr = cache.pages.k.unsafe_buffer_pointer()
+    cache = kvx.cache.write_layer_jit(cache, 1, slots, k, -k)
+    assert cache.pages.k.unsafe_buffer_pointer() == ptr
+    for s, n in ((0, 3), (1, 2)):
+        page = int(cache.block_tables[s, 0])
+        got_k = np.asarray(cache.pages.k[1, 0, page, :n]).view(np.uint16)
+        got_v = np.asarray(cache.pages.v[1, 0, page, :n]).view(np.uint16)
+        np.testing.assert_array_equal(got_k, np.asarray(k[s, :n, 0]).view(np.uint16))
+        np.testing.assert_array_equal(got_v, np.asarray(-k[s, :n, 0]).view(np.uint16))
+    assert not np.any(np.asarray(cache.pages.k[0], np.float32))  # other layers untouched
+    # Fork, then a write to the shared partial page copies it (copy-on-write) first.
+    cache, _ = kvx.cache.fork(cache, jnp.array([1]), jnp.array([2]))
+    cache, st = kvx.cache.reserve(cache, jnp.array([0, 0, 1, 0], jnp.int32))
+    st.raise_if_error()
+    src, dst = int(cache.block_tables[1, 0]), int(cache.block_tables[2, 0])
+    assert src != dst
+    np.testing.assert_array_equal(np.asarray(cache.pages.k[1, 0, dst, :2]).view(np.uint16),
+                                  np.asarray(cache.pages.k[1, 0, src, :2]).view(np.uint16))
+    cache = kvx.cache.free(cache, jnp.array([True, True, True, True]), scrub=True)
+    assert not np.any(np.asarray(cache.pages.k, np.float32))
 
 
 def test_write_rejects_wrong_dtype_and_shape(rng):

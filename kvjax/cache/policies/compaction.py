@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import page_table as pt
-from kvjax.cache.paged import PagedKVCache, _copy_pages, _pools
+from kvjax.cache.paged import PagedKVCache, _copy_pages, _pools, set_drop
 
 __all__ = ["compact", "keep_heavy_and_recent", "only_rows"]
 
@@ -106,7 +106,7 @@ def compact(
         vals = pool[l_idx, h_idx, src_page, src_off]  # [layers, seqs, heads, budget, width]
         if i == 0 and rerotate_keys is not None:
             vals = rerotate_keys(vals, j - keep)
-        new_pools.append(pool.at[l_idx, h_idx, dst_page, dst_off].set(vals, mode="drop"))
+        new_pools.append(set_drop(pool, (l_idx, h_idx, dst_page, dst_off), vals))
     pages = type(pages)(*new_pools)
 
     table, released, t_status = pt.truncate(table, jnp.where(ok, new_lengths, table.lengths))

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.paged import PagedKVCache
+from kvjax.cache.paged import PagedKVCache, set_drop
 from kvjax.cache.policies.base import (
     CachePolicy,
     Selection,
@@ -125,8 +125,8 @@ class Quest(CachePolicy):
         big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
         kmin = jnp.min(jnp.where(valid, k, big), axis=3)
         kmax = jnp.max(jnp.where(valid, k, -big), axis=3)
-        return QuestState(kmin=state.kmin.at[:, :, ids].set(kmin, mode="drop"),
-                          kmax=state.kmax.at[:, :, ids].set(kmax, mode="drop"))
+        at = (slice(None), slice(None), ids)
+        return QuestState(kmin=set_drop(state.kmin, at, kmin), kmax=set_drop(state.kmax, at, kmax))
 
     def after_prefill(
         self,
