@@ -597,9 +597,10 @@ def write_layer(
     keep = (new_pos < end[:, None]) & (new_pos >= q1[:, None])
     tslot = jnp.where(keep, new_pos % ring, ring)  # ring is out of range: dropped
     sid = seq_ids[:, None]
+    rows = (jnp.broadcast_to(sid, tslot.shape).reshape(-1), tslot.reshape(-1))
     tail = KVTail(
-        a=paged.set_drop(cache.tail.a, (layer, slice(None), sid, tslot), a),
-        b=paged.set_drop(cache.tail.b, (layer, slice(None), sid, tslot), b),
+        a=paged.set_rows(cache.tail.a, layer, *rows, a.reshape(-1, *a.shape[2:])),
+        b=paged.set_rows(cache.tail.b, layer, *rows, b.reshape(-1, *b.shape[2:])),
     )
     return dataclasses.replace(cache, paged=dataclasses.replace(cache.paged, pages=pages),
                                tail=tail)

@@ -326,3 +326,21 @@ def test_quantized_mixed_scale_dtypes_run_the_xla_path(rng):
     # ... while one scale dtype does call the kernel (the check above can fail).
     same = qz.layer_view(cache, 0)
     assert "kvjax_quantized_decode" in lowered.lower(q, same).as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_write_rows_matches_scatter(rng, dtype):
+    """The in-place row write equals `.at[layer, :, i1, i2, :].set(x, mode="drop")`: rows
+    with an out-of-range index (the cache's sink) or an out-of-range layer are dropped."""
+    pool = jnp.asarray(rng.standard_normal((3, 2, 6, 4, 16)), dtype)
+    n = 9
+    i1 = rng.integers(0, 7, n)  # 6 = out of range
+    i2 = rng.integers(0, 5, n)  # 4 = out of range
+    i1[0], i2[1] = 6, 4
+    x = jnp.asarray(rng.standard_normal((n, 2, 16)), dtype)
+    i1, i2 = jnp.asarray(i1, jnp.int32), jnp.asarray(i2, jnp.int32)
+    for layer in (1, 3):
+        want = pool.at[layer, :, i1, i2, :].set(x, mode="drop")
+        got = jax.jit(cpu_kernels.write_rows)(pool, layer, i1, i2, x)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

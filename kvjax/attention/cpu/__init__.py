@@ -32,7 +32,7 @@ from kvjax.attention import xla_quantized
 from kvjax.attention.cpu.build import available, load, unavailable_reason
 
 __all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention",
-           "mla_decode_attention"]
+           "mla_decode_attention", "write_rows"]
 
 
 def _as_pools(pages, layer):
@@ -203,3 +203,24 @@ def mla_decode_attention(
     out, lse = call(q, latent_pages, rope_pages, layer_idx, lengths.astype(jnp.int32),
                     block_tables.astype(jnp.int32), scale=np.float32(scale))
     return out.astype(q_latent.dtype), lse
+
+
+def write_rows(
+    pool: Float[Array, "layers heads n1 n2 width"],
+    layer: int | Int[Array, ""],
+    i1: Int[Array, " rows"],
+    i2: Int[Array, " rows"],
+    x: Float[Array, "rows heads width"],
+) -> Float[Array, "layers heads n1 n2 width"]:
+    """`pool.at[layer, :, i1, i2, :].set(x, mode="drop")` in place, by a custom call.
+
+    For 16-bit float pools on CPU, where XLA has no in-place 16-bit float scatter (it
+    widens or copies the whole pool per write). The pool is aliased to the result:
+    inside a jit that donates it, no copy is made. Rows whose indices are out of range
+    are skipped (as "drop" does); x must have the pool's dtype.
+    """
+    load()
+    call = jax.ffi.ffi_call("kvjax_write_rows", jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(pool, jnp.asarray(layer, jnp.int32), i1.astype(jnp.int32), i2.astype(jnp.int32),
+                x.astype(pool.dtype))

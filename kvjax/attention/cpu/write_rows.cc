@@ -1,0 +1,55 @@
+// Writes token rows into a cache pool in place: pool[layer, :, page[i], off[i], :] = x[i].
+//
+// XLA:CPU has no 16-bit float scatter or in-place dynamic-update-slice: a bf16 pool
+// written with either is widened to float32 (or copied) whole, on every write of a few
+// rows (benchmarks/NOTES.md v8). This custom call aliases the pool to its result and
+// copies only the rows. Semantics are `pool.at[layer, :, page, off, :].set(x,
+// mode="drop")`: a row whose page or offset is out of range (the cache's sink entry) is
+// skipped, as is every row when the layer is out of range.
+
+#include "common.h"
+
+namespace kvjax {
+namespace {
+
+ffi::Error WriteRowsImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> page, ffi::Buffer<ffi::S32> off,
+                         ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions(), xd = x.dimensions();
+  if (pd.size() != 5 || xd.size() != 3 || x.element_type() != pool.element_type() ||
+      xd[1] != pd[1] || xd[2] != pd[4] || page.element_count() != static_cast<size_t>(xd[0]) ||
+      off.element_count() != static_cast<size_t>(xd[0]))
+    return ffi::Error::InvalidArgument(
+        "kvjax write rows: expected pool [layers, heads, pages, page_size, width], x [rows, "
+        "heads, width] of the pool's dtype, page and offset [rows]");
+  if (out->untyped_data() != pool.untyped_data())
+    return ffi::Error::Internal("kvjax write rows: the result must alias the pool");
+  const int64_t L = pd[0], H = pd[1], P = pd[2], ps = pd[3];
+  const int64_t row = pd[4] * static_cast<int64_t>(ffi::ByteWidth(pool.element_type()));
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::Success();
+  char* base = static_cast<char*>(out->untyped_data());
+  const char* src = static_cast<const char*>(x.untyped_data());
+  const int32_t* pg = page.typed_data();
+  const int32_t* of = off.typed_data();
+  for (int64_t i = 0; i < xd[0]; ++i) {
+    if (pg[i] < 0 || pg[i] >= P || of[i] < 0 || of[i] >= ps) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t dst = (((l * H + h) * P + pg[i]) * ps + of[i]) * row;
+      std::memcpy(base + dst, src + (i * H + h) * row, row);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace kvjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxWriteRows, kvjax::WriteRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()              // pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page [rows]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offset [rows]
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [rows, heads, w]
+                                  .Ret<xla::ffi::AnyBuffer>());            // pool (aliased)
