@@ -1,0 +1,128 @@
+"""Small-M matmul on CPU: kvjax's kernel (kvjax/attention/cpu/matmul.cc) against `x @ w`.
+
+For the weight shapes of the end-to-end decode model (hidden 512, intermediate 1408,
+vocab 32000) and a few row counts, times one `y = x @ w` with the kernel and with
+XLA's dot (jitted; warm-up, block_until_ready, median of repeats), checks the
+kernel's result against XLA's in the same run, and reports the weight-read rate
+(weight bytes / time) next to the streaming read bandwidth measured in the run.
+
+    python benchmarks/matmul.py --quick          # seconds: M 1 and 8, f32 and bf16
+    python benchmarks/matmul.py                  # M 1, 8, 16, 32, 64
+    python benchmarks/matmul.py --sweep          # kernel tuning grid on the LM head shape
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvjax.attention.cpu import matmul as cpu_matmul  # noqa: E402
+from kvjax.attention.cpu.build import available, unavailable_reason  # noqa: E402
+
+# (K, N): the LM head, q/k/v fused width and single projections, gate+up, down.
+SHAPES = ((512, 32000), (512, 1536), (512, 512), (512, 2816), (1408, 512))
+
+
+def read_bandwidth(nbytes=256 << 20, repeats=5):
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    return nbytes / median_time(f, repeats, x) / 1e9
+
+
+def median_time(fn, repeats, *args):
+    fn(*args).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="M in 1, 8 and fewer repeats (seconds)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row counts M (default 1,8,16,32,64; quick 1,8)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated weight dtypes (x is float32)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per measurement (default 30, quick 10)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time kernel settings (tile_vectors, ahead, block, panel) on [8,512]x"
+                             "[512,32000] instead of the shape table")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/matmul-<time>.json)")
+    args = parser.parse_args(argv)
+    if not available():
+        sys.exit(f"kvjax CPU kernels unavailable: {unavailable_reason()}")
+    rows = [int(r) for r in (args.rows or ("1,8" if args.quick else "1,8,16,32,64")).split(",")]
+    repeats = args.repeats or (10 if args.quick else 30)
+    dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
+    bw = read_bandwidth()
+    print(f"streaming read {bw:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
+    rng = np.random.default_rng(0)
+    results = []
+
+    if args.sweep:
+        grid = list(itertools.product(dtypes, (2, 3), (0, 32, 64), (256, 512, 1024),
+                                      (16, 32, 64, 0)))
+        xs = jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)
+        ws = {d: jnp.asarray(rng.standard_normal((512, 32000)), d) for d in dtypes}
+        for dt, tv, ahead, block, panel in grid:
+            if dt == jnp.bfloat16 and tv != 2:
+                continue  # bf16 tiles are always 32 columns
+            f = jax.jit(lambda x, w, tv=tv, a=ahead, b=block, p=panel: cpu_matmul.matmul(
+                x, w, tile_vectors=tv, ahead=a, block=b, panel=p))
+            t = median_time(f, repeats, xs, ws[dt])
+            gbps = ws[dt].nbytes / t / 1e9
+            results.append(dict(dtype=dt.name, tile_vectors=tv, ahead=ahead, block=block,
+                                panel=panel, kernel_s=t, kernel_GBps=gbps))
+            print(f"{dt.name:9s} tile_vectors {tv} ahead {ahead:3d} block {block:4d} "
+                  f"panel {panel:3d}: {t * 1e3:7.3f} ms {gbps:5.1f} GB/s")
+    else:
+        print(f"{'dtype':9s} {'M':>3s} {'K':>5s} {'N':>6s} | {'x@w ms':>8s} {'GB/s':>5s} | "
+              f"{'kernel ms':>9s} {'GB/s':>5s} | speedup  max rel err")
+        xla = jax.jit(lambda x, w: x @ w.astype(x.dtype))
+        ker = jax.jit(cpu_matmul.matmul)
+        for dt, (k, n), m in itertools.product(dtypes, SHAPES, rows):
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dt)
+            t_xla = median_time(xla, repeats, x, w)
+            t_ker = median_time(ker, repeats, x, w)
+            want, got = np.asarray(xla(x, w)), np.asarray(ker(x, w))
+            err = float(np.abs(got - want).max() / np.abs(want).max())
+            if err > 1e-4:
+                raise AssertionError(f"kernel disagrees with x @ w: max rel err {err:.2e}")
+            results.append(dict(dtype=dt.name, M=m, K=k, N=n, xla_s=t_xla, kernel_s=t_ker,
+                                xla_GBps=w.nbytes / t_xla / 1e9,
+                                kernel_GBps=w.nbytes / t_ker / 1e9, max_rel_err=err))
+            print(f"{dt.name:9s} {m:3d} {k:5d} {n:6d} | {t_xla * 1e3:8.3f} "
+                  f"{w.nbytes / t_xla / 1e9:5.1f} | {t_ker * 1e3:9.3f} "
+                  f"{w.nbytes / t_ker / 1e9:5.1f} | {t_xla / t_ker:6.2f}x  {err:.1e}")
+
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results",
+        f"matmul-{'sweep-' if args.sweep else ''}{'quick-' if args.quick else ''}"
+        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(read_GBps=bw, load_average=os.getloadavg(), repeats=repeats,
+                       results=results), f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
