@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from kvjax.attention.cpu import matmul as cpu_matmul
+
 __all__ = [
     "RopeConfig",
     "rms_norm",
@@ -45,8 +47,18 @@ def rms_norm(
 def linear(
     x: Float[Array, "*batch d_in"], w: Float[Array, "d_in d_out"], b: Float[Array, " d_out"] | None
 ) -> Float[Array, "*batch d_out"]:
-    """x @ w (+ b); weights are stored [in, out]."""
-    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+    """x @ w (+ b) in x's dtype; weights are stored [in, out].
+
+    On the CPU backend, a few rows (decode: at most `cpu_matmul.MAX_ROWS` rows, the
+    product of x's leading dims) run kvjax's small-M matmul kernel, which reads the
+    weights once at memory speed (XLA's dot streams them at a third of that) and takes
+    bfloat16 weights as they are; float32 accumulation either way. Otherwise, or with
+    `KVJAX_CPU_MATMUL=0`, XLA's dot. Both are differentiable.
+    """
+    if cpu_matmul.use_kernel(x, w):
+        y = cpu_matmul.matmul(x, w)
+    else:
+        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
     return y if b is None else y + b.astype(y.dtype)
 
 

@@ -403,6 +403,18 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_i
     return x, cache, q
 
 
+def _lm_head(params: LlamaParams, x: Float[Array, "batch seq hidden"], dtype
+             ) -> Float[Array, "batch seq vocab"]:
+    """Logits in `dtype`: x @ lm_head through `linear` (the CPU small-M kernel in decode).
+
+    Tied embeddings contract with the [vocab, hidden] table as stored: routing `embed.T`
+    through the kernel would make XLA copy the transposed table every call.
+    """
+    if params.lm_head is None:
+        return jnp.einsum("bth,vh->btv", x, params.embed.astype(dtype))
+    return linear(x.astype(dtype), params.lm_head, None)
+
+
 def forward(
     params: LlamaParams,
     config: LlamaConfig,
@@ -488,8 +500,7 @@ def forward(
             queries.append(q)
         queries = jnp.stack(queries)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.einsum("bth,hv->btv", x, head.astype(dtype))
+    logits = _lm_head(params, x, dtype)
     if policy is not None:
         return logits.astype(jnp.float32), cache, queries
     return logits.astype(jnp.float32), cache
@@ -558,5 +569,4 @@ def forward_dense(
             lp = jax.tree.map(lambda p, i=layer: p[i], params.layers)
             x = layer_fn(x, lp, windows[layer])
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    return jnp.einsum("bth,hv->btv", x, head.astype(dtype)).astype(jnp.float32)
+    return _lm_head(params, x, dtype).astype(jnp.float32)

@@ -9,8 +9,8 @@ weights in registers (no converted copy of the weights).
 `use_kernel(x, w)` says whether `kvjax.models.layers.linear` takes the kernel: on
 the CPU backend, kernel built, `KVJAX_CPU_MATMUL` not "0", 2-D float32 / bfloat16
 weights, float32 / bfloat16 activations and at most `MAX_ROWS` rows (the product of
-x's leading dims, static under jit). Larger row counts (prefill, training) run
-XLA's dot, which is compute-bound there and faster.
+x's leading dims, static under jit); all read when `linear` is traced. Larger row
+counts (prefill, training) run XLA's dot, which is compute-bound there and faster.
 
 `matmul` is differentiable (`jax.custom_vjp`; the backward pass is the einsum's
 gradients) and `jax.vmap` runs the kernel once per mapped element.
