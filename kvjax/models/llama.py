@@ -26,7 +26,15 @@ from jaxtyping import Array, Float, Int
 from kvjax import attention as kv_attention
 from kvjax import cache as kv_cache
 from kvjax.cache.policies.base import CachePolicy, rows_selection, selected_decode_attention
-from kvjax.models.layers import RopeConfig, apply_rope, linear, rms_norm, rope_cos_sin, swiglu
+from kvjax.models.layers import (
+    RopeConfig,
+    apply_rope,
+    layer_params,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
 from kvjax.specs import AttentionSpec, CacheSpec, canonical_dtype
 
 __all__ = [
@@ -482,19 +490,21 @@ def forward(
         queries = jnp.stack(queries) if policy is not None else None
     elif len(set(windows)) == 1:
         # One compiled layer body for all layers.
-        def body(carry, inputs):
+        def body(carry, layer):
             x, cache = carry
-            lp, layer = inputs
+            # Matrices stay in the stack (LayerSlice): the CPU matmul kernel reads them
+            # in place; a scan over the stacked params would copy each layer's slice.
+            lp = layer_params(params.layers, layer)
             x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
                                  windows[0], impl, policy, policy_state)
             return (x, cache), (q if policy is not None else None)
 
         (x, cache), queries = jax.lax.scan(
-            body, (x, cache), (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
+            body, (x, cache), jnp.arange(c.num_layers, dtype=jnp.int32))
     else:
         queries = []
         for layer in range(c.num_layers):
-            lp = jax.tree.map(lambda p, i=layer: p[i], params.layers)
+            lp = layer_params(params.layers, layer)
             x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
                                  windows[layer], impl, policy, policy_state)
             queries.append(q)

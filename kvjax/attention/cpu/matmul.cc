@@ -26,6 +26,7 @@ namespace {
 typedef int32_t v16iu __attribute__((vector_size(64), aligned(2), may_alias));
 
 constexpr int kMaxRows = 8;  // rows per register block
+constexpr int64_t kMinParallelBytes = 256 << 10;  // smaller weights: caller thread only
 
 struct MatmulArgs {
   const float* x;  // [M, K]
@@ -232,30 +233,44 @@ void run(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t tile_vectors, int64
   int64_t bw = std::min(block > 0 ? block : 16 * width, even_split);
   bw = std::max<int64_t>(width, (bw + width - 1) / width * width);
   const int64_t items = (covered + bw - 1) / bw;
-  parallel_for(pool, items + (covered < a.N ? 1 : 0), [&](int64_t i, int) {
+  auto item = [&](int64_t i, int) {
     if (i == items) return column_tail<T>(a, covered);
     column_block<T>(a, i * bw, std::min(covered, (i + 1) * bw), width, panel > 0 ? panel : a.K);
-  });
+  };
+  const int64_t total = items + (covered < a.N ? 1 : 0);
+  // Small weights (tens of microseconds of reading) stay on the caller: waking a helper
+  // costs about as much, and a helper preempted by another process stalls the call.
+  if (a.K * a.N * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {
+    for (int64_t i = 0; i < total; ++i) item(i, 0);
+  } else {
+    parallel_for(pool, total, item);
+  }
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      int64_t tile_vectors, int64_t block, int64_t panel, int64_t ahead,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> layer, int64_t tile_vectors, int64_t block,
+                      int64_t panel, int64_t ahead, ffi::ResultBuffer<ffi::F32> y) {
+  // w is [K, N], or stacked layers [L, K, N] of which `layer` (clamped) is used in place.
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] ||
-      yd[1] != wd[1])
+  const size_t wr = wd.size();
+  if (xd.size() != 2 || (wr != 2 && wr != 3) || yd.size() != 2 || xd[1] != wd[wr - 2] ||
+      yd[0] != xd[0] || yd[1] != wd[wr - 1])
     return ffi::Error::InvalidArgument(
-        "kvjax matmul: expected x [M, K], w [K, N] and y [M, N]");
+        "kvjax matmul: expected x [M, K], w [K, N] or [layers, K, N] and y [M, N]");
+  if (wr == 3 && wd[0] <= 0)
+    return ffi::Error::InvalidArgument("kvjax matmul: stacked weights with no layers");
   if (tile_vectors < 1 || tile_vectors > 3)
     return ffi::Error::InvalidArgument("kvjax matmul: tile_vectors must be 1, 2 or 3");
   const auto dt = w.element_type();
   MatmulArgs a;
   a.x = x.typed_data();
-  a.w = w.untyped_data();
   a.y = y->typed_data();
   a.M = xd[0];
   a.K = xd[1];
-  a.N = wd[1];
+  a.N = wd[wr - 1];
+  const int64_t l = wr == 3 ? clamp_index(layer.typed_data()[0], wd[0]) : 0;
+  const int64_t esize = dt == ffi::BF16 ? 2 : 4;
+  a.w = static_cast<const char*>(w.untyped_data()) + l * a.K * a.N * esize;
   a.ahead = ahead;
   if (a.M == 0 || a.N == 0) return ffi::Error::Success();
   if (a.K == 0) {
@@ -279,7 +294,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmul, kvjax::MatmulImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x [M, K]
-                                  .Arg<xla::ffi::AnyBuffer>()              // w [K, N]
+                                  .Arg<xla::ffi::AnyBuffer>()              // w [(L,) K, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
                                   .Attr<int64_t>("tile_vectors")
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("panel")

@@ -6,7 +6,7 @@ third of the read bandwidth for 8 rows (benchmarks/NOTES.md); the kernel reads e
 weight byte once, on all cores, with float32 accumulation, and widens bfloat16
 weights in registers (no converted copy of the weights).
 
-`use_kernel(x, w)` says whether `kvjax.models.layers.linear` takes the kernel: on
+`use_kernel(x, w_shape, w_dtype)` says whether `kvjax.models.layers.linear` takes the kernel: on
 the CPU backend, kernel built, `KVJAX_CPU_MATMUL` not "0", 2-D float32 / bfloat16
 weights, float32 / bfloat16 activations and at most `MAX_ROWS` rows (the product of
 x's leading dims, static under jit); all read when `linear` is traced. Larger row
@@ -23,7 +23,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from kvjax.attention.cpu.build import available, load
 
@@ -43,49 +43,53 @@ AHEAD = 32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def use_kernel(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `linear(x, w, ...)` runs the kernel (static: shapes, dtypes, backend)."""
+def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype) -> bool:
+    """Whether `linear` runs the kernel for x and a [d_in, d_out] weight of this dtype
+    (static: shapes, dtypes, backend, the `KVJAX_CPU_MATMUL` switch)."""
     if os.environ.get("KVJAX_CPU_MATMUL", "1") == "0":
         return False
-    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    if len(w_shape) != 2 or x.ndim < 1 or x.shape[-1] != w_shape[0]:
         return False
-    if jnp.dtype(x.dtype) not in _DTYPES or jnp.dtype(w.dtype) not in _DTYPES:
+    if jnp.dtype(x.dtype) not in _DTYPES or jnp.dtype(w_dtype) not in _DTYPES:
         return False
     if math.prod(x.shape[:-1]) > MAX_ROWS:
         return False
     return jax.default_backend() == "cpu" and available()
 
 
-def _kernel(x2, w, tile_vectors, block, panel, ahead):
+def _kernel(x2, w, layer, tile_vectors, block, panel, ahead):
     load()
     call = jax.ffi.ffi_call(
         "kvjax_matmul",
-        jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32),
+        jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
         vmap_method="sequential",
     )
-    return call(x2.astype(jnp.float32), w, tile_vectors=np.int64(tile_vectors),
+    return call(x2.astype(jnp.float32), w, layer, tile_vectors=np.int64(tile_vectors),
                 block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _matmul(x, w, tile_vectors, block, panel, ahead):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _matmul(x, w, layer, tile_vectors, block, panel, ahead):
     lead = x.shape[:-1]
-    y = _kernel(x.reshape(-1, x.shape[-1]), w, tile_vectors, block, panel, ahead)
-    return y.reshape(*lead, w.shape[1]).astype(x.dtype)
+    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, tile_vectors, block, panel, ahead)
+    return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
 
 
-def _fwd(x, w, tile_vectors, block, panel, ahead):
-    return _matmul(x, w, tile_vectors, block, panel, ahead), (x, w)
+def _fwd(x, w, layer, tile_vectors, block, panel, ahead):
+    return _matmul(x, w, layer, tile_vectors, block, panel, ahead), (x, w, layer)
 
 
 def _bwd(tile_vectors, block, panel, ahead, res, g):
-    # The gradients of einsum("...i,io->...o", x, w.astype(x.dtype)), each in its
-    # primal's dtype.
+    # The gradients of einsum("...i,io->...o", x, w_l.astype(x.dtype)), each in its
+    # primal's dtype; stacked weights get theirs in layer `layer`'s slot.
     del tile_vectors, block, panel, ahead
-    x, w = res
-    dx = jnp.einsum("...o,io->...i", g, w.astype(g.dtype))
-    dw = jnp.einsum("...i,...o->io", x.astype(g.dtype), g)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    x, w, layer = res
+    w_l = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    dx = jnp.einsum("...o,io->...i", g, w_l.astype(g.dtype))
+    dw = jnp.einsum("...i,...o->io", x.astype(g.dtype), g).astype(w.dtype)
+    if w.ndim == 3:
+        dw = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw, layer, 0)
+    return dx.astype(x.dtype), dw, None
 
 
 _matmul.defvjp(_fwd, _bwd)
@@ -93,8 +97,9 @@ _matmul.defvjp(_fwd, _bwd)
 
 def matmul(
     x: Float[Array, "*batch d_in"],
-    w: Float[Array, "d_in d_out"],
+    w: Float[Array, "*layers d_in d_out"],
     *,
+    layer: int | Int[Array, ""] | None = None,
     tile_vectors: int | None = None,
     block: int | None = None,
     panel: int | None = None,
@@ -104,7 +109,11 @@ def matmul(
 
     Args:
       x: [..., d_in] float32 or bfloat16 (cast to float32 for the kernel; a few rows).
-      w: [d_in, d_out] float32 or bfloat16, read in place (bf16 widened in registers).
+      w: [d_in, d_out] float32 or bfloat16, read in place (bf16 widened in registers);
+        with `layer`, stacked weights [layers, d_in, d_out] of which layer `layer` is
+        used, read in place (no slice of the stack is formed).
+      layer: None, or an int / traced int32 scalar indexing w's first axis (a traced
+        index outside [0, layers) is clamped by the kernel; a Python int is checked).
       tile_vectors, block, panel, ahead: kernel tuning (default: the module constants);
         tile_vectors in 1..3 (float32 tile width / 16), block the column-block width
         (0: automatic), panel the rows walked per tile before the next tile (0: all),
@@ -117,9 +126,13 @@ def matmul(
       ValueError / TypeError: shapes or dtypes the kernel does not take.
       RuntimeError: the kernel is unavailable (`kvjax.attention.cpu.unavailable_reason`).
     """
-    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    want = 2 if layer is None else 3
+    if w.ndim != want or x.ndim < 1 or x.shape[-1] != w.shape[-2]:
         raise ValueError(
-            f"matmul: expected x [..., d_in] and w [d_in, d_out], got {x.shape} and {w.shape}.")
+            f"matmul: expected x [..., d_in] and w [{'layers, ' if want == 3 else ''}d_in, "
+            f"d_out] (layer={layer!r}), got {x.shape} and {w.shape}.")
+    if isinstance(layer, int) and not 0 <= layer < w.shape[0]:
+        raise ValueError(f"matmul: layer {layer} is outside [0, {w.shape[0]}).")
     for name, a in (("x", x), ("w", w)):
         if jnp.dtype(a.dtype) not in _DTYPES:
             raise TypeError(f"matmul: {name} must be float32 or bfloat16, got {a.dtype}.")
@@ -132,4 +145,5 @@ def matmul(
     if min(block, panel, ahead) < 0:
         raise ValueError(
             f"matmul: block, panel and ahead must be >= 0, got {block}, {panel}, {ahead}.")
-    return _matmul(x, w, tile_vectors, block, panel, ahead)
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    return _matmul(x, w, layer, tile_vectors, block, panel, ahead)
