@@ -32,10 +32,9 @@ def _check(got, x, w):
 
 
 @needs_kernel
-@pytest.mark.parametrize("w_dtype", [F32, BF16])
-@pytest.mark.parametrize("x_dtype", [F32, BF16])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
-@pytest.mark.parametrize("k,n", [(64, 48), (100, 77), (130, 200), (37, 1000), (24, 5)])
+@pytest.mark.parametrize("k,n", [(64, 48), (100, 77), (37, 1000), (24, 5)])
 def test_matmul_matches_float64(rng, rows, k, n, x_dtype, w_dtype):
     x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
     w = jnp.asarray(rng.standard_normal((k, n)), w_dtype)

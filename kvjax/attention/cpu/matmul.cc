@@ -4,12 +4,15 @@
 // once per step, so the op is bound by reading w; XLA:CPU's dot streams those weights
 // at a third of the memory bandwidth for M = 8 (benchmarks/NOTES.md). Here each
 // weight byte is read once: the N columns are cut into blocks (work items, spread
-// over the caller and the helper threads), a block is walked tile by tile (32-48
-// columns, all K rows), and a tile's M x width sums stay in registers while its rows
-// stream in. Each weight row of a tile is a 64-192 byte piece at stride N, a pattern
-// the hardware prefetcher does not follow, so the kernel prefetches (into L2) a fixed
-// number of rows ahead along the block's walk, running into the next tile at the end
-// of one. Rows beyond 8 run in groups of 8 over the same tile, which is then in L2.
+// over the caller and the helper threads); a block is walked panel by panel (`panel`
+// rows of the block), and within a panel tile by tile (32-48 columns), a tile's
+// M x width sums in registers while its rows stream in, carried between panels in y.
+// Short panels keep the rows in flight few and read each as a contiguous piece of the
+// block's width; a walk of one narrow tile over all K (a new 4 KiB page every row)
+// ran at 60-70% of the panel walk's speed with prefetching and a third of it without
+// (benchmarks/matmul.py --sweep). The hardware prefetcher does not follow the walk, so
+// each tile row prefetches (into L2) the row `ahead` rows below it. Rows beyond 8 run in groups of 8 over the same tile, then in L1 / L2.
+// Stacked weights [layers, K, N] are read in place at the `layer` operand's offset.
 //
 // Weights are float32 or bfloat16 ([K, N], row-major, as kvjax stores them). bfloat16
 // is widened in registers: a 64-byte load holds 32 columns; shifting each 32-bit lane
