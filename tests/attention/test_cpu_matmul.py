@@ -100,6 +100,13 @@ def _hlo(x, w, b):
 
 @needs_kernel
 def test_linear_dispatch(rng, monkeypatch):
+    # Tests run on 8 simulated CPU devices, where "auto" keeps XLA's dot; "1" forces.
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "auto")
+    jax.clear_caches()
+    assert jax.device_count() == 1 or "kvjax_matmul" not in _hlo(
+        jnp.ones((2, 32), F32), jnp.ones((32, 48), F32), None)
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    jax.clear_caches()
     w = jnp.asarray(rng.standard_normal((32, 48)), F32)
     b = jnp.asarray(rng.standard_normal((48,)), F32)
     small = jnp.asarray(rng.standard_normal((2, 4, 32)), F32)
@@ -110,7 +117,7 @@ def test_linear_dispatch(rng, monkeypatch):
     monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")
     jax.clear_caches()  # the switch is read at trace time; earlier traces are cached
     assert "kvjax_matmul" not in _hlo(small, w, b)
-    monkeypatch.delenv("KVJAX_CPU_MATMUL")
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
     jax.clear_caches()
     # The kernel path and the einsum agree (float32 sums in both).
     got = jax.jit(linear)(small, w, b)
@@ -120,7 +127,9 @@ def test_linear_dispatch(rng, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_linear_grad_matches_einsum(rng, dtype):
+def test_linear_grad_matches_einsum(rng, dtype, monkeypatch):
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    jax.clear_caches()
     x = jnp.asarray(rng.standard_normal((3, 24)), dtype)
     w = jnp.asarray(rng.standard_normal((24, 40)), dtype)
     b = jnp.asarray(rng.standard_normal((40,)), dtype)
@@ -146,13 +155,15 @@ def test_linear_grad_matches_einsum(rng, dtype):
 
 
 @needs_kernel
-def test_linear_layer_slice_reads_the_stack(rng):
+def test_linear_layer_slice_reads_the_stack(rng, monkeypatch):
     # A LayerSlice reaches the kernel as the whole stack (no dynamic-slice feeds the call),
     # and value and gradients match the einsum on the sliced weight.
     x = jnp.asarray(rng.standard_normal((2, 1, 32)), F32)
     stack = jnp.asarray(rng.standard_normal((4, 32, 48)), F32)
     b = jnp.asarray(rng.standard_normal((48,)), F32)
     r = jnp.asarray(rng.standard_normal((2, 1, 48)), F32)
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    jax.clear_caches()
 
     def loss(x, stack, b, i):
         return jnp.sum(linear(x, LayerSlice(stack, i), b) * r)
@@ -167,3 +178,47 @@ def test_linear_layer_slice_reads_the_stack(rng):
         want = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2)))(x, stack, b, i)
         for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_decode_with_kernel_matches_xla(rng, monkeypatch, dtype):
+    # One decode step and a 5-token prefill of a tiny Llama (LM head untied, biases):
+    # the kernel path (layers as LayerSlices) gives XLA's logits.
+    from kvjax.cache import init_cache, reserve
+    from kvjax.models import llama
+    from kvjax.models.layers import RopeConfig
+
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80,
+                               num_layers=2, q_heads=4, kv_heads=2, head_dim=16,
+                               rope=RopeConfig(theta=1e4, dim=16), qkv_bias=True,
+                               tie_word_embeddings=False, dtype=dtype)
+    params = llama.init_params(config, jax.random.key(int(rng.integers(1 << 30))))
+    spec = llama.cache_spec(config, page_size=4, num_pages=16, max_seqs=2,
+                            max_pages_per_seq=4, dtype=dtype)
+    tokens = jnp.asarray(rng.integers(0, 96, (2, 6)), jnp.int32)
+
+    def run():
+        jax.clear_caches()
+        fwd = jax.jit(llama.forward, static_argnames="config")
+        cache, _ = reserve(init_cache(spec), jnp.full((2,), 5, jnp.int32))
+        pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+        prefill, cache = fwd(params, config, tokens[:, :5], pos, cache,
+                             q_lengths=jnp.full((2,), 5, jnp.int32))
+        cache, _ = reserve(cache, jnp.ones((2,), jnp.int32))
+        step, _ = fwd(params, config, tokens[:, 5:], jnp.full((2, 1), 5, jnp.int32), cache,
+                      q_lengths=jnp.ones((2,), jnp.int32))
+        hlo = fwd.lower(params, config, tokens[:, 5:], jnp.full((2, 1), 5, jnp.int32), cache,
+                        q_lengths=jnp.ones((2,), jnp.int32)).as_text()
+        return np.asarray(prefill), np.asarray(step), hlo
+
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    pre_k, step_k, hlo = run()
+    assert hlo.count("kvjax_matmul") >= 2  # the layer scan's projections and the LM head
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")
+    pre_x, step_x, _ = run()
+    # float32: same sums in another order; bfloat16: activations round to bf16 after
+    # each projection in both, at different points of a float32 vs bf16 sum.
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(pre_k, pre_x, **tol)
+    np.testing.assert_allclose(step_k, step_x, **tol)

@@ -6,11 +6,13 @@ third of the read bandwidth for 8 rows (benchmarks/NOTES.md); the kernel reads e
 weight byte once, on all cores, with float32 accumulation, and widens bfloat16
 weights in registers (no converted copy of the weights).
 
-`use_kernel(x, w_shape, w_dtype)` says whether `kvjax.models.layers.linear` takes the kernel: on
-the CPU backend, kernel built, `KVJAX_CPU_MATMUL` not "0", 2-D float32 / bfloat16
-weights, float32 / bfloat16 activations and at most `MAX_ROWS` rows (the product of
-x's leading dims, static under jit); all read when `linear` is traced. Larger row
-counts (prefill, training) run XLA's dot, which is compute-bound there and faster.
+`use_kernel(x, w_shape, w_dtype)` says whether `kvjax.models.layers.linear` takes
+the kernel: on the CPU backend with one device (the call has no partitioning rule:
+GSPMD would gather sharded weights around it), kernel built, `KVJAX_CPU_MATMUL` not
+"0" ("1": also with several devices), 2-D float32 / bfloat16 weights, float32 /
+bfloat16 activations and at most `MAX_ROWS` rows (the product of x's leading dims,
+static under jit); all read when `linear` is traced. Larger row counts (prefill,
+training) run XLA's dot, which is compute-bound there and faster.
 
 `matmul` is differentiable (`jax.custom_vjp`; the backward pass is the einsum's
 gradients) and `jax.vmap` runs the kernel once per mapped element.
@@ -46,7 +48,8 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype) -> bool:
     """Whether `linear` runs the kernel for x and a [d_in, d_out] weight of this dtype
     (static: shapes, dtypes, backend, the `KVJAX_CPU_MATMUL` switch)."""
-    if os.environ.get("KVJAX_CPU_MATMUL", "1") == "0":
+    switch = os.environ.get("KVJAX_CPU_MATMUL", "auto")
+    if switch == "0":
         return False
     if len(w_shape) != 2 or x.ndim < 1 or x.shape[-1] != w_shape[0]:
         return False
@@ -54,7 +57,14 @@ def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype) -> bool:
         return False
     if math.prod(x.shape[:-1]) > MAX_ROWS:
         return False
-    return jax.default_backend() == "cpu" and available()
+    if jax.default_backend() != "cpu":
+        return False
+    # The custom call has no partitioning rule: under GSPMD, tensor-parallel weights
+    # would be all-gathered around it every call. With one device there is nothing to
+    # partition; "1" forces the kernel anyway (tests on 8 simulated devices).
+    if switch != "1" and jax.device_count() != 1:
+        return False
+    return available()
 
 
 def _kernel(x2, w, layer, tile_vectors, block, panel, ahead):
