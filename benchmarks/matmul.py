@@ -63,6 +63,14 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true",
                         help="time kernel settings (tile_vectors, ahead, block, panel) on [8,512]x"
                              "[512,32000] instead of the shape table")
+    parser.add_argument("--sweep-tiles", default="2,3",
+                        help="--sweep: comma-separated tile_vectors (float32 only; bf16 uses 2)")
+    parser.add_argument("--sweep-ahead", default="16,32,48",
+                        help="--sweep: comma-separated prefetch distances in rows")
+    parser.add_argument("--sweep-blocks", default="256,512,1024",
+                        help="--sweep: comma-separated column-block widths")
+    parser.add_argument("--sweep-panels", default="8,16,32",
+                        help="--sweep: comma-separated panel heights in rows (0: all K)")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/matmul-<time>.json)")
     args = parser.parse_args(argv)
@@ -77,12 +85,16 @@ def main(argv=None):
     results = []
 
     if args.sweep:
-        grid = list(itertools.product(dtypes, (2, 3), (16, 32, 48), (256, 512), (8, 16, 32)))
+        def ints(text):
+            return [int(v) for v in text.split(",")]
+
+        grid = list(itertools.product(dtypes, ints(args.sweep_tiles), ints(args.sweep_ahead),
+                                      ints(args.sweep_blocks), ints(args.sweep_panels)))
         xs = jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)
         ws = {d: jnp.asarray(rng.standard_normal((512, 32000)), d) for d in dtypes}
         for dt, tv, ahead, block, panel in grid:
-            if dt == jnp.bfloat16 and tv != 2:
-                continue  # bf16 tiles are always 32 columns
+            if dt == jnp.bfloat16 and tv != ints(args.sweep_tiles)[0]:
+                continue  # bf16 tiles are always 32 columns: one pass over the rest
             f = jax.jit(lambda x, w, tv=tv, a=ahead, b=block, p=panel: cpu_matmul.matmul(
                 x, w, tile_vectors=tv, ahead=a, block=b, panel=p))
             t = median_time(f, repeats, xs, ws[dt])
