@@ -9,6 +9,13 @@ kernel's result against XLA's in the same run, and reports the weight-read rate
     python benchmarks/matmul.py --quick          # seconds: M 1 and 8, f32 and bf16
     python benchmarks/matmul.py                  # M 1, 8, 16, 32, 64
     python benchmarks/matmul.py --sweep          # kernel tuning grid on the LM head shape
+    python benchmarks/matmul.py --decode         # one decode step of the e2e model, A/B
+
+`--decode` times one decode step (reserve + forward, cache donated) of the
+decode_e2e.py model (random weights, batch 8, 1K tokens in the cache) compiled
+with the kernel and with XLA's dot (KVJAX_CPU_MATMUL is read at trace time),
+calling the two alternately so that both see the same machine load, and checks
+that their logits agree.
 """
 
 import argparse
@@ -49,6 +56,59 @@ def median_time(fn, repeats, *args):
     return float(np.median(ts))
 
 
+def decode_ab(dtype, repeats, batch=8, context=1024):
+    """Median decode-step times with and without the kernel, interleaved."""
+    from kvjax.cache import init_cache, reserve
+    from kvjax.models import llama
+    from kvjax.models.layers import RopeConfig
+
+    config = llama.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                               num_layers=8, q_heads=8, kv_heads=8, head_dim=64,
+                               rope=RopeConfig(theta=1e4, dim=64), dtype=dtype)
+    params = llama.init_params(config, jax.random.key(0))
+    steps = 2 * (repeats + 1)
+    pages = -(-(context + steps) // 16)
+    spec = llama.cache_spec(config, page_size=16, num_pages=batch * pages, max_seqs=batch,
+                            max_pages_per_seq=pages, dtype=dtype)
+    cache, _ = reserve(init_cache(spec), jnp.full((batch,), context, jnp.int32))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 32000, (batch, 1)), jnp.int32)
+
+    def step(params, cache, tokens):
+        positions = cache.table.lengths[:, None]
+        cache, _ = reserve(cache, jnp.ones((batch,), jnp.int32))
+        return llama.forward(params, config, tokens, positions, cache,
+                             q_lengths=jnp.ones((batch,), jnp.int32))
+
+    fns = {}
+    for name, switch in (("kernel", "1"), ("xla", "0")):
+        os.environ["KVJAX_CPU_MATMUL"] = switch
+        jax.clear_caches()
+        fns[name] = jax.jit(step, donate_argnums=1).lower(params, cache, tokens).compile()
+    os.environ.pop("KVJAX_CPU_MATMUL")
+    # Same state, both programs: the logits must agree (float32 sums in another order;
+    # bf16 activations round after each projection in both, at different points).
+    got = {name: np.asarray(fn(params, jax.tree.map(jnp.copy, cache), tokens)[0], np.float32)
+           for name, fn in fns.items()}
+    tol = 1e-3 if dtype == "float32" else 5e-2
+    err = float(np.abs(got["kernel"] - got["xla"]).max() / np.abs(got["xla"]).max())
+    if err > tol:
+        raise AssertionError(f"kernel and XLA decode logits differ: max rel err {err:.2e}")
+    times = {name: [] for name in fns}
+    for i in range(steps):
+        name = ("kernel", "xla")[i % 2]
+        t0 = time.perf_counter()
+        out, cache = fns[name](params, cache, tokens)
+        out.block_until_ready()
+        if i >= 2:  # the first call of each is a warm-up
+            times[name].append(time.perf_counter() - t0)
+    print(f"decode step, batch {batch}, context {context}, {dtype}: " + ", ".join(
+        f"{n} {np.median(t) * 1e3:.1f} ms (min {np.min(t) * 1e3:.1f})" for n, t in times.items())
+        + f"; xla / kernel {np.median(times['xla']) / np.median(times['kernel']):.2f}x; "
+        f"logits max rel diff {err:.1e}")
+    return [dict(dtype=dtype, batch=batch, context=context, kernel_step_s=times["kernel"],
+                 xla_step_s=times["xla"], logits_max_rel_diff=err)]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,6 +123,10 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true",
                         help="time kernel settings (tile_vectors, ahead, block, panel) on [8,512]x"
                              "[512,32000] instead of the shape table")
+    parser.add_argument("--decode", action="store_true",
+                        help="A/B one decode step of the e2e model instead of the shape table")
+    parser.add_argument("--decode-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="--decode: params, activations and cache dtype")
     parser.add_argument("--sweep-tiles", default="2,3",
                         help="--sweep: comma-separated tile_vectors (float32 only; bf16 uses 2)")
     parser.add_argument("--sweep-ahead", default="16,32,48",
@@ -84,7 +148,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     results = []
 
-    if args.sweep:
+    if args.decode:
+        results = decode_ab(args.decode_dtype, repeats)
+    elif args.sweep:
         def ints(text):
             return [int(v) for v in text.split(",")]
 
