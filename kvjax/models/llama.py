@@ -26,7 +26,15 @@ from jaxtyping import Array, Float, Int
 from kvjax import attention as kv_attention
 from kvjax import cache as kv_cache
 from kvjax.cache.policies.base import CachePolicy, rows_selection, selected_decode_attention
-from kvjax.models.layers import RopeConfig, apply_rope, linear, rms_norm, rope_cos_sin, swiglu
+from kvjax.models.layers import (
+    RopeConfig,
+    apply_rope,
+    layer_params,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
 from kvjax.specs import AttentionSpec, CacheSpec, canonical_dtype
 
 __all__ = [
@@ -403,6 +411,18 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_i
     return x, cache, q
 
 
+def _lm_head(params: LlamaParams, x: Float[Array, "batch seq hidden"], dtype
+             ) -> Float[Array, "batch seq vocab"]:
+    """Logits in `dtype`: x @ lm_head through `linear` (the CPU small-M kernel in decode).
+
+    Tied embeddings contract with the [vocab, hidden] table as stored: routing `embed.T`
+    through the kernel would make XLA copy the transposed table every call.
+    """
+    if params.lm_head is None:
+        return jnp.einsum("bth,vh->btv", x, params.embed.astype(dtype))
+    return linear(x.astype(dtype), params.lm_head, None)
+
+
 def forward(
     params: LlamaParams,
     config: LlamaConfig,
@@ -470,26 +490,27 @@ def forward(
         queries = jnp.stack(queries) if policy is not None else None
     elif len(set(windows)) == 1:
         # One compiled layer body for all layers.
-        def body(carry, inputs):
+        def body(carry, layer):
             x, cache = carry
-            lp, layer = inputs
+            # Matrices stay in the stack (LayerSlice): the CPU matmul kernel reads them
+            # in place; a scan over the stacked params would copy each layer's slice.
+            lp = layer_params(params.layers, layer)
             x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
                                  windows[0], impl, policy, policy_state)
             return (x, cache), (q if policy is not None else None)
 
         (x, cache), queries = jax.lax.scan(
-            body, (x, cache), (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
+            body, (x, cache), jnp.arange(c.num_layers, dtype=jnp.int32))
     else:
         queries = []
         for layer in range(c.num_layers):
-            lp = jax.tree.map(lambda p, i=layer: p[i], params.layers)
+            lp = layer_params(params.layers, layer)
             x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
                                  windows[layer], impl, policy, policy_state)
             queries.append(q)
         queries = jnp.stack(queries)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.einsum("bth,hv->btv", x, head.astype(dtype))
+    logits = _lm_head(params, x, dtype)
     if policy is not None:
         return logits.astype(jnp.float32), cache, queries
     return logits.astype(jnp.float32), cache
@@ -558,5 +579,4 @@ def forward_dense(
             lp = jax.tree.map(lambda p, i=layer: p[i], params.layers)
             x = layer_fn(x, lp, windows[layer])
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    return jnp.einsum("bth,hv->btv", x, head.astype(dtype)).astype(jnp.float32)
+    return _lm_head(params, x, dtype).astype(jnp.float32)

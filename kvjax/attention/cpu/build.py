@@ -31,13 +31,15 @@ import jaxlib
 
 __all__ = ["available", "unavailable_reason", "load", "TARGETS", "library_path"]
 
-_SOURCES = ("paged_decode.cc", "quantized_decode.cc", "mla_decode.cc", "write_rows.cc")
+_SOURCES = ("paged_decode.cc", "quantized_decode.cc", "mla_decode.cc", "matmul.cc",
+            "write_rows.cc")
 _HEADERS = ("common.h", "attend.h")
 # FFI symbol in the library -> target name registered with XLA.
 TARGETS = {
     "KvjaxPagedDecode": "kvjax_paged_decode",
     "KvjaxQuantizedDecode": "kvjax_quantized_decode",
     "KvjaxMlaDecode": "kvjax_mla_decode",
+    "KvjaxMatmul": "kvjax_matmul",
     "KvjaxWriteRows": "kvjax_write_rows",
 }
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17")

@@ -1,0 +1,205 @@
+"""Small-M matmul on CPU: kvjax's kernel (kvjax/attention/cpu/matmul.cc) against `x @ w`.
+
+For the weight shapes of the end-to-end decode model (hidden 512, intermediate 1408,
+vocab 32000) and a few row counts, times one `y = x @ w` with the kernel and with
+XLA's dot (jitted; warm-up, block_until_ready, median of repeats), checks the
+kernel's result against XLA's in the same run, and reports the weight-read rate
+(weight bytes / time) next to the streaming read bandwidth measured in the run.
+
+    python benchmarks/matmul.py --quick          # seconds: M 1 and 8, f32 and bf16
+    python benchmarks/matmul.py                  # M 1, 8, 16, 32, 64
+    python benchmarks/matmul.py --sweep          # kernel tuning grid on the LM head shape
+    python benchmarks/matmul.py --decode         # one decode step of the e2e model, A/B
+
+`--decode` times one decode step (reserve + forward, cache donated) of the
+decode_e2e.py model (random weights, batch 8, 1K tokens in the cache) compiled
+with the kernel and with XLA's dot (KVJAX_CPU_MATMUL is read at trace time),
+calling the two alternately so that both see the same machine load, and checks
+that their logits agree.
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvjax.attention.cpu import matmul as cpu_matmul  # noqa: E402
+from kvjax.attention.cpu.build import available, unavailable_reason  # noqa: E402
+
+# (K, N): the LM head, q/k/v fused width and single projections, gate+up, down.
+SHAPES = ((512, 32000), (512, 1536), (512, 512), (512, 2816), (1408, 512))
+
+
+def read_bandwidth(nbytes=256 << 20, repeats=5):
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    return nbytes / median_time(f, repeats, x) / 1e9
+
+
+def median_time(fn, repeats, *args):
+    fn(*args).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def decode_ab(dtype, repeats, batch=8, context=1024):
+    """Median decode-step times with and without the kernel, interleaved."""
+    from kvjax.cache import init_cache, reserve
+    from kvjax.models import llama
+    from kvjax.models.layers import RopeConfig
+
+    config = llama.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                               num_layers=8, q_heads=8, kv_heads=8, head_dim=64,
+                               rope=RopeConfig(theta=1e4, dim=64), dtype=dtype)
+    params = llama.init_params(config, jax.random.key(0))
+    steps = 2 * (repeats + 1)
+    pages = -(-(context + steps) // 16)
+    spec = llama.cache_spec(config, page_size=16, num_pages=batch * pages, max_seqs=batch,
+                            max_pages_per_seq=pages, dtype=dtype)
+    cache, _ = reserve(init_cache(spec), jnp.full((batch,), context, jnp.int32))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 32000, (batch, 1)), jnp.int32)
+
+    def step(params, cache, tokens):
+        positions = cache.table.lengths[:, None]
+        cache, _ = reserve(cache, jnp.ones((batch,), jnp.int32))
+        return llama.forward(params, config, tokens, positions, cache,
+                             q_lengths=jnp.ones((batch,), jnp.int32))
+
+    fns = {}
+    for name, switch in (("kernel", "1"), ("xla", "0")):
+        os.environ["KVJAX_CPU_MATMUL"] = switch
+        jax.clear_caches()
+        fns[name] = jax.jit(step, donate_argnums=1).lower(params, cache, tokens).compile()
+    os.environ.pop("KVJAX_CPU_MATMUL")
+    # Same state, both programs: the logits must agree (float32 sums in another order;
+    # bf16 activations round after each projection in both, at different points).
+    got = {name: np.asarray(fn(params, jax.tree.map(jnp.copy, cache), tokens)[0], np.float32)
+           for name, fn in fns.items()}
+    tol = 1e-3 if dtype == "float32" else 5e-2
+    err = float(np.abs(got["kernel"] - got["xla"]).max() / np.abs(got["xla"]).max())
+    if err > tol:
+        raise AssertionError(f"kernel and XLA decode logits differ: max rel err {err:.2e}")
+    times = {name: [] for name in fns}
+    for i in range(steps):
+        name = ("kernel", "xla")[i % 2]
+        t0 = time.perf_counter()
+        out, cache = fns[name](params, cache, tokens)
+        out.block_until_ready()
+        if i >= 2:  # the first call of each is a warm-up
+            times[name].append(time.perf_counter() - t0)
+    print(f"decode step, batch {batch}, context {context}, {dtype}: " + ", ".join(
+        f"{n} {np.median(t) * 1e3:.1f} ms (min {np.min(t) * 1e3:.1f})" for n, t in times.items())
+        + f"; xla / kernel {np.median(times['xla']) / np.median(times['kernel']):.2f}x; "
+        f"logits max rel diff {err:.1e}")
+    return [dict(dtype=dtype, batch=batch, context=context, kernel_step_s=times["kernel"],
+                 xla_step_s=times["xla"], logits_max_rel_diff=err)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="M in 1, 8 and fewer repeats (seconds)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row counts M (default 1,8,16,32,64; quick 1,8)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated weight dtypes (x is float32)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per measurement (default 30, quick 10)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time kernel settings (tile_vectors, ahead, block, panel) on [8,512]x"
+                             "[512,32000] instead of the shape table")
+    parser.add_argument("--decode", action="store_true",
+                        help="A/B one decode step of the e2e model instead of the shape table")
+    parser.add_argument("--decode-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="--decode: params, activations and cache dtype")
+    parser.add_argument("--sweep-tiles", default="2,3",
+                        help="--sweep: comma-separated tile_vectors (float32 only; bf16 uses 2)")
+    parser.add_argument("--sweep-ahead", default="16,32,48",
+                        help="--sweep: comma-separated prefetch distances in rows")
+    parser.add_argument("--sweep-blocks", default="256,512,1024",
+                        help="--sweep: comma-separated column-block widths")
+    parser.add_argument("--sweep-panels", default="8,16,32",
+                        help="--sweep: comma-separated panel heights in rows (0: all K)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/matmul-<time>.json)")
+    args = parser.parse_args(argv)
+    if not available():
+        sys.exit(f"kvjax CPU kernels unavailable: {unavailable_reason()}")
+    rows = [int(r) for r in (args.rows or ("1,8" if args.quick else "1,8,16,32,64")).split(",")]
+    repeats = args.repeats or (10 if args.quick else 30)
+    dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
+    bw = read_bandwidth()
+    print(f"streaming read {bw:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
+    rng = np.random.default_rng(0)
+    results = []
+
+    if args.decode:
+        results = decode_ab(args.decode_dtype, repeats)
+    elif args.sweep:
+        def ints(text):
+            return [int(v) for v in text.split(",")]
+
+        grid = list(itertools.product(dtypes, ints(args.sweep_tiles), ints(args.sweep_ahead),
+                                      ints(args.sweep_blocks), ints(args.sweep_panels)))
+        xs = jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)
+        ws = {d: jnp.asarray(rng.standard_normal((512, 32000)), d) for d in dtypes}
+        for dt, tv, ahead, block, panel in grid:
+            if dt == jnp.bfloat16 and tv != ints(args.sweep_tiles)[0]:
+                continue  # bf16 tiles are always 32 columns: one pass over the rest
+            f = jax.jit(lambda x, w, tv=tv, a=ahead, b=block, p=panel: cpu_matmul.matmul(
+                x, w, tile_vectors=tv, ahead=a, block=b, panel=p))
+            t = median_time(f, repeats, xs, ws[dt])
+            gbps = ws[dt].nbytes / t / 1e9
+            results.append(dict(dtype=dt.name, tile_vectors=tv, ahead=ahead, block=block,
+                                panel=panel, kernel_s=t, kernel_GBps=gbps))
+            print(f"{dt.name:9s} tile_vectors {tv} ahead {ahead:3d} block {block:4d} "
+                  f"panel {panel:3d}: {t * 1e3:7.3f} ms {gbps:5.1f} GB/s")
+    else:
+        print(f"{'dtype':9s} {'M':>3s} {'K':>5s} {'N':>6s} | {'x@w ms':>8s} {'GB/s':>5s} | "
+              f"{'kernel ms':>9s} {'GB/s':>5s} | speedup  max rel err")
+        xla = jax.jit(lambda x, w: x @ w.astype(x.dtype))
+        ker = jax.jit(cpu_matmul.matmul)
+        for dt, (k, n), m in itertools.product(dtypes, SHAPES, rows):
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dt)
+            t_xla = median_time(xla, repeats, x, w)
+            t_ker = median_time(ker, repeats, x, w)
+            want, got = np.asarray(xla(x, w)), np.asarray(ker(x, w))
+            err = float(np.abs(got - want).max() / np.abs(want).max())
+            if err > 1e-4:
+                raise AssertionError(f"kernel disagrees with x @ w: max rel err {err:.2e}")
+            results.append(dict(dtype=dt.name, M=m, K=k, N=n, xla_s=t_xla, kernel_s=t_ker,
+                                xla_GBps=w.nbytes / t_xla / 1e9,
+                                kernel_GBps=w.nbytes / t_ker / 1e9, max_rel_err=err))
+            print(f"{dt.name:9s} {m:3d} {k:5d} {n:6d} | {t_xla * 1e3:8.3f} "
+                  f"{w.nbytes / t_xla / 1e9:5.1f} | {t_ker * 1e3:9.3f} "
+                  f"{w.nbytes / t_ker / 1e9:5.1f} | {t_xla / t_ker:6.2f}x  {err:.1e}")
+
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results",
+        f"matmul-{'sweep-' if args.sweep else ''}{'quick-' if args.quick else ''}"
+        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(read_GBps=bw, load_average=os.getloadavg(), repeats=repeats,
+                       results=results), f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+// Small-M matmul on CPU: y[M, N] = x[M, K] @ w[K, N], float32 accumulation.
+//
+// Decode multiplies a few activation rows (batch x new tokens) by every weight matrix
+// once per step, so the op is bound by reading w; XLA:CPU's dot streams those weights
+// at a third of the memory bandwidth for M = 8 (benchmarks/NOTES.md). Here each
+// weight byte is read once: the N columns are cut into blocks (work items, spread
+// over the caller and the helper threads); a block is walked panel by panel (`panel`
+// rows of the block), and within a panel tile by tile (32-48 columns), a tile's
+// M x width sums in registers while its rows stream in, carried between panels in y.
+// Short panels keep the rows in flight few and read each as a contiguous piece of the
+// block's width; a walk of one narrow tile over all K (a new 4 KiB page every row)
+// ran at 60-70% of the panel walk's speed with prefetching and a third of it without
+// (benchmarks/matmul.py --sweep). The hardware prefetcher does not follow the walk, so
+// each tile row prefetches (into L2) the row `ahead` rows below it. Rows beyond 8 run in groups of 8 over the same tile, then in L1 / L2.
+// Stacked weights [layers, K, N] are read in place at the `layer` operand's offset.
+//
+// Weights are float32 or bfloat16 ([K, N], row-major, as kvjax stores them). bfloat16
+// is widened in registers: a 64-byte load holds 32 columns; shifting each 32-bit lane
+// left by 16 gives the even columns as float32, masking the low half the odd ones; the
+// two accumulators are interleaved back at the store. x and y are float32 (the Python
+// wrapper casts). Columns past the last whole 16 (float32) or 32 (bf16) run a scalar
+// loop.
+
+#include "common.h"
+
+namespace kvjax {
+namespace {
+
+typedef int32_t v16iu __attribute__((vector_size(64), aligned(2), may_alias));
+
+constexpr int kMaxRows = 8;  // rows per register block
+constexpr int64_t kMinParallelBytes = 256 << 10;  // smaller weights: caller thread only
+
+struct MatmulArgs {
+  const float* x;  // [M, K]
+  const void* w;   // [K, N] float32 or bfloat16
+  float* y;        // [M, N]
+  int64_t M, K, N;
+  int64_t ahead;   // rows prefetched ahead (0: none)
+};
+
+// x[0] in all 16 lanes, loaded as a broadcast (`splat` adds 0.0f first, an extra
+// instruction per row and step that the compiler must keep for -0.0f).
+inline v16 broadcast(const float* p) {
+  const float v = *p;
+  return v16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
+}
+
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+// Prefetches `lines` cache lines from p, plus the line of the piece's last byte (pieces
+// need not start on a line).
+inline void prefetch_piece(const char* p, int lines) {
+  for (int i = 0; i < lines; ++i) prefetch_l2(p + 64 * i);
+  prefetch_l2(p + 64 * lines - 1);
+}
+
+// Calls step(k) for the rows [k0, k1) of one tile; when `ahead` > 0 it first prefetches
+// the same tile's row k + ahead (if there is one).
+template <typename Step>
+inline void walk(int64_t k0, int64_t k1, int64_t K, int64_t stride, const char* tile, int lines,
+                 int64_t ahead, Step&& step) {
+  int64_t k = k0;
+  if (ahead > 0) {
+    const int64_t split = std::min(k1, K - ahead);
+    for (; k < split; ++k) {
+      prefetch_piece(tile + (k + ahead) * stride, lines);
+      step(k);
+    }
+  }
+  for (; k < k1; ++k) step(k);
+}
+
+// Rows [k0, k1) of one tile of NV x 16 float32 columns for MR rows of x, added to the
+// partial sums in y (first: y starts at 0).
+template <int MR, int NV>
+void tile_f32(const MatmulArgs& a, const float* x, const float* w, float* y, int64_t k0,
+              int64_t k1, bool first, int64_t ahead) {
+  const int64_t K = a.K, N = a.N;
+  v16 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = first ? v16{} : load16(y + m * N + kLanes * v);
+  walk(k0, k1, K, N * 4, reinterpret_cast<const char*>(w), NV, ahead,
+       [&](int64_t k) __attribute__((always_inline)) {
+         const float* row = w + k * N;
+         v16 wv[NV];
+         for (int v = 0; v < NV; ++v) wv[v] = load16(row + kLanes * v);
+         for (int m = 0; m < MR; ++m) {
+           const v16 xb = broadcast(x + m * K + k);
+           for (int v = 0; v < NV; ++v) acc[m][v] += xb * wv[v];
+         }
+       });
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) store16(y + m * N + kLanes * v, acc[m][v]);
+}
+
+inline v16 interleave_lo(v16 e, v16 o) {
+  return __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+}
+inline v16 interleave_hi(v16 e, v16 o) {
+  return __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                 15, 31);
+}
+
+// The same for one tile of 32 bfloat16 columns (even / odd columns in two accumulators;
+// the partial sums in y are in column order).
+template <int MR>
+void tile_bf16(const MatmulArgs& a, const float* x, const uint16_t* w, float* y, int64_t k0,
+               int64_t k1, bool first, int64_t ahead) {
+  const int64_t K = a.K, N = a.N;
+  v16 even[MR], odd[MR];
+  for (int m = 0; m < MR; ++m) {
+    if (first) {
+      even[m] = odd[m] = v16{};
+    } else {
+      const v16 lo = load16(y + m * N), hi = load16(y + m * N + kLanes);
+      even[m] = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                        26, 28, 30);
+      odd[m] = __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                       27, 29, 31);
+    }
+  }
+  walk(k0, k1, K, N * 2, reinterpret_cast<const char*>(w), 1, ahead,
+       [&](int64_t k) __attribute__((always_inline)) {
+         const v16i raw = *reinterpret_cast<const v16iu*>(w + k * N);
+         const v16i e = raw << 16, o = raw & static_cast<int32_t>(0xFFFF0000u);
+         const v16 we = reinterpret_cast<const v16&>(e), wo = reinterpret_cast<const v16&>(o);
+         for (int m = 0; m < MR; ++m) {
+           const v16 xb = broadcast(x + m * K + k);
+           even[m] += xb * we;
+           odd[m] += xb * wo;
+         }
+       });
+  for (int m = 0; m < MR; ++m) {
+    store16(y + m * N, interleave_lo(even[m], odd[m]));
+    store16(y + m * N + kLanes, interleave_hi(even[m], odd[m]));
+  }
+}
+
+template <int MR>
+void tile_f32_nv(const MatmulArgs& a, int nv, const float* x, const float* w, float* y,
+                 int64_t k0, int64_t k1, bool first, int64_t ahead) {
+  switch (nv) {
+    case 1: return tile_f32<MR, 1>(a, x, w, y, k0, k1, first, ahead);
+    case 2: return tile_f32<MR, 2>(a, x, w, y, k0, k1, first, ahead);
+    default: return tile_f32<MR, 3>(a, x, w, y, k0, k1, first, ahead);
+  }
+}
+
+void tile_f32_any(const MatmulArgs& a, int mr, int nv, const float* x, const float* w, float* y,
+                  int64_t k0, int64_t k1, bool first, int64_t ahead) {
+  switch (mr) {
+    case 1: return tile_f32_nv<1>(a, nv, x, w, y, k0, k1, first, ahead);
+    case 2: return tile_f32_nv<2>(a, nv, x, w, y, k0, k1, first, ahead);
+    case 3: return tile_f32_nv<3>(a, nv, x, w, y, k0, k1, first, ahead);
+    case 4: return tile_f32_nv<4>(a, nv, x, w, y, k0, k1, first, ahead);
+    case 5: return tile_f32_nv<5>(a, nv, x, w, y, k0, k1, first, ahead);
+    case 6: return tile_f32_nv<6>(a, nv, x, w, y, k0, k1, first, ahead);
+    case 7: return tile_f32_nv<7>(a, nv, x, w, y, k0, k1, first, ahead);
+    default: return tile_f32_nv<8>(a, nv, x, w, y, k0, k1, first, ahead);
+  }
+}
+
+void tile_bf16_any(const MatmulArgs& a, int mr, const float* x, const uint16_t* w, float* y,
+                   int64_t k0, int64_t k1, bool first, int64_t ahead) {
+  switch (mr) {
+    case 1: return tile_bf16<1>(a, x, w, y, k0, k1, first, ahead);
+    case 2: return tile_bf16<2>(a, x, w, y, k0, k1, first, ahead);
+    case 3: return tile_bf16<3>(a, x, w, y, k0, k1, first, ahead);
+    case 4: return tile_bf16<4>(a, x, w, y, k0, k1, first, ahead);
+    case 5: return tile_bf16<5>(a, x, w, y, k0, k1, first, ahead);
+    case 6: return tile_bf16<6>(a, x, w, y, k0, k1, first, ahead);
+    case 7: return tile_bf16<7>(a, x, w, y, k0, k1, first, ahead);
+    default: return tile_bf16<8>(a, x, w, y, k0, k1, first, ahead);
+  }
+}
+
+// Columns [c0, c1) (whole tiles of `width` columns, the last one possibly narrower but a
+// multiple of the vector granule), all rows, panel by panel: rows [k0, k0 + panel) of
+// the block, tile by tile, so the block's weight rows are read as contiguous pieces of
+// (c1 - c0) columns; the sums wait in y between panels.
+template <typename T>
+void column_block(const MatmulArgs& a, int64_t c0, int64_t c1, int64_t width, int64_t panel) {
+  const T* w = static_cast<const T*>(a.w);
+  for (int64_t k0 = 0; k0 < a.K; k0 += panel) {
+    const int64_t k1 = std::min(a.K, k0 + panel);
+    for (int64_t c = c0; c < c1; c += width) {
+      const int64_t cols = std::min(width, c1 - c);
+      for (int64_t m0 = 0; m0 < a.M; m0 += kMaxRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, a.M - m0));
+        // The first row group pulls the tile in; the others find it in L1 / L2.
+        const int64_t ahead = m0 == 0 ? a.ahead : 0;
+        float* y = a.y + m0 * a.N + c;
+        const float* x = a.x + m0 * a.K;
+        if constexpr (std::is_same_v<T, float>) {
+          tile_f32_any(a, mr, static_cast<int>(cols / kLanes), x, w + c, y, k0, k1, k0 == 0,
+                       ahead);
+        } else {
+          tile_bf16_any(a, mr, x, reinterpret_cast<const uint16_t*>(w + c), y, k0, k1, k0 == 0,
+                        ahead);
+        }
+      }
+    }
+  }
+}
+
+// Columns [c0, N) that no vector tile covers: a scalar loop, row by row of w.
+template <typename T>
+void column_tail(const MatmulArgs& a, int64_t c0) {
+  const T* w = static_cast<const T*>(a.w);
+  const int64_t n = a.N - c0;
+  if (n <= 0) return;
+  std::vector<float> acc(a.M * n, 0.0f);
+  for (int64_t k = 0; k < a.K; ++k) {
+    const T* row = w + k * a.N + c0;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float xv = a.x[m * a.K + k];
+      for (int64_t j = 0; j < n; ++j) acc[m * n + j] += xv * to_float(row[j]);
+    }
+  }
+  for (int64_t m = 0; m < a.M; ++m)
+    std::memcpy(a.y + m * a.N + c0, acc.data() + m * n, n * sizeof(float));
+}
+
+template <typename T>
+void run(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t tile_vectors, int64_t block,
+         int64_t panel) {
+  // Vector granule and tile width in columns.
+  const int64_t granule = std::is_same_v<T, float> ? kLanes : 2 * kLanes;
+  const int64_t width = std::is_same_v<T, float> ? kLanes * tile_vectors : granule;
+  const int64_t covered = a.N / granule * granule;
+  // Column blocks of whole tiles, at most `block` columns (<= 0: 16 tiles) and about 4
+  // per worker when N is small, so both cores get work for every N the models have.
+  const int64_t workers = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t even_split = (covered + 4 * workers - 1) / (4 * workers);
+  int64_t bw = std::min(block > 0 ? block : 16 * width, even_split);
+  bw = std::max<int64_t>(width, (bw + width - 1) / width * width);
+  const int64_t items = (covered + bw - 1) / bw;
+  auto item = [&](int64_t i, int) {
+    if (i == items) return column_tail<T>(a, covered);
+    column_block<T>(a, i * bw, std::min(covered, (i + 1) * bw), width, panel > 0 ? panel : a.K);
+  };
+  const int64_t total = items + (covered < a.N ? 1 : 0);
+  // Small weights (tens of microseconds of reading) stay on the caller: waking a helper
+  // costs about as much, and a helper preempted by another process stalls the call.
+  if (a.K * a.N * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {
+    for (int64_t i = 0; i < total; ++i) item(i, 0);
+  } else {
+    parallel_for(pool, total, item);
+  }
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                      ffi::Buffer<ffi::S32> layer, int64_t tile_vectors, int64_t block,
+                      int64_t panel, int64_t ahead, ffi::ResultBuffer<ffi::F32> y) {
+  // w is [K, N], or stacked layers [L, K, N] of which `layer` (clamped) is used in place.
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const size_t wr = wd.size();
+  if (xd.size() != 2 || (wr != 2 && wr != 3) || yd.size() != 2 || xd[1] != wd[wr - 2] ||
+      yd[0] != xd[0] || yd[1] != wd[wr - 1])
+    return ffi::Error::InvalidArgument(
+        "kvjax matmul: expected x [M, K], w [K, N] or [layers, K, N] and y [M, N]");
+  if (wr == 3 && wd[0] <= 0)
+    return ffi::Error::InvalidArgument("kvjax matmul: stacked weights with no layers");
+  if (tile_vectors < 1 || tile_vectors > 3)
+    return ffi::Error::InvalidArgument("kvjax matmul: tile_vectors must be 1, 2 or 3");
+  const auto dt = w.element_type();
+  MatmulArgs a;
+  a.x = x.typed_data();
+  a.y = y->typed_data();
+  a.M = xd[0];
+  a.K = xd[1];
+  a.N = wd[wr - 1];
+  const int64_t l = wr == 3 ? clamp_index(layer.typed_data()[0], wd[0]) : 0;
+  const int64_t esize = dt == ffi::BF16 ? 2 : 4;
+  a.w = static_cast<const char*>(w.untyped_data()) + l * a.K * a.N * esize;
+  a.ahead = ahead;
+  if (a.M == 0 || a.N == 0) return ffi::Error::Success();
+  if (a.K == 0) {
+    std::fill(a.y, a.y + a.M * a.N, 0.0f);
+    return ffi::Error::Success();
+  }
+  if (dt == ffi::F32) {
+    run<float>(&pool, a, tile_vectors, block, panel);
+  } else if (dt == ffi::BF16) {
+    run<Bf16>(&pool, a, tile_vectors, block, panel);
+  } else {
+    return ffi::Error::InvalidArgument("kvjax matmul: w must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace kvjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmul, kvjax::MatmulImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x [M, K]
+                                  .Arg<xla::ffi::AnyBuffer>()              // w [(L,) K, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
+                                  .Attr<int64_t>("tile_vectors")
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("panel")
+                                  .Attr<int64_t>("ahead")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y [M, N]

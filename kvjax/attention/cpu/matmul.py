@@ -1,0 +1,159 @@
+"""Small-M matmul on CPU (`matmul.cc`): `x @ w` for a few rows, at memory speed.
+
+Decode multiplies batch x new-token rows (a handful) by every weight matrix once
+per step: the work is reading the weights. XLA:CPU's dot streams them at about a
+third of the read bandwidth for 8 rows (benchmarks/NOTES.md); the kernel reads each
+weight byte once, on all cores, with float32 accumulation, and widens bfloat16
+weights in registers (no converted copy of the weights).
+
+`use_kernel(x, w_shape, w_dtype)` says whether `kvjax.models.layers.linear` takes
+the kernel: on the CPU backend with one device (the call has no partitioning rule:
+GSPMD would gather sharded weights around it), kernel built, `KVJAX_CPU_MATMUL` not
+"0" ("1": also with several devices), 2-D float32 / bfloat16 weights, float32 /
+bfloat16 activations and at most `MAX_ROWS` rows (the product of x's leading dims,
+static under jit); all read when `linear` is traced. Larger row counts (prefill,
+training) run XLA's dot, which is compute-bound there and faster.
+
+`matmul` is differentiable (`jax.custom_vjp`; the backward pass is the einsum's
+gradients) and `jax.vmap` runs the kernel once per mapped element.
+"""
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from kvjax.attention.cpu.build import available, load
+
+__all__ = ["MAX_ROWS", "matmul", "use_kernel"]
+
+# Rows up to which the kernel beats XLA's dot (benchmarks/matmul.py, see the report in
+# the commit that set it); above, XLA's dot.
+MAX_ROWS = 32
+# Kernel tuning (benchmarks/matmul.py --sweep): tile width in 16-float vectors (float32
+# weights; bf16 tiles are 32 columns), column-block width (at most; smaller N get about
+# 4 blocks per core; 0: always that), rows per panel (0: all K), rows prefetched ahead.
+TILE_VECTORS = 2
+BLOCK = 512
+PANEL = 32
+AHEAD = 32
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype) -> bool:
+    """Whether `linear` runs the kernel for x and a [d_in, d_out] weight of this dtype
+    (static: shapes, dtypes, backend, the `KVJAX_CPU_MATMUL` switch)."""
+    switch = os.environ.get("KVJAX_CPU_MATMUL", "auto")
+    if switch == "0":
+        return False
+    if len(w_shape) != 2 or x.ndim < 1 or x.shape[-1] != w_shape[0]:
+        return False
+    if jnp.dtype(x.dtype) not in _DTYPES or jnp.dtype(w_dtype) not in _DTYPES:
+        return False
+    if math.prod(x.shape[:-1]) > MAX_ROWS:
+        return False
+    if jax.default_backend() != "cpu":
+        return False
+    # The custom call has no partitioning rule: under GSPMD, tensor-parallel weights
+    # would be all-gathered around it every call. With one device there is nothing to
+    # partition; "1" forces the kernel anyway (tests on 8 simulated devices).
+    if switch != "1" and jax.device_count() != 1:
+        return False
+    return available()
+
+
+def _kernel(x2, w, layer, tile_vectors, block, panel, ahead):
+    load()
+    call = jax.ffi.ffi_call(
+        "kvjax_matmul",
+        jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(x2.astype(jnp.float32), w, layer, tile_vectors=np.int64(tile_vectors),
+                block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _matmul(x, w, layer, tile_vectors, block, panel, ahead):
+    lead = x.shape[:-1]
+    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, tile_vectors, block, panel, ahead)
+    return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
+
+
+def _fwd(x, w, layer, tile_vectors, block, panel, ahead):
+    return _matmul(x, w, layer, tile_vectors, block, panel, ahead), (x, w, layer)
+
+
+def _bwd(tile_vectors, block, panel, ahead, res, g):
+    # The gradients of einsum("...i,io->...o", x, w_l.astype(x.dtype)), each in its
+    # primal's dtype; stacked weights get theirs in layer `layer`'s slot.
+    del tile_vectors, block, panel, ahead
+    x, w, layer = res
+    w_l = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    dx = jnp.einsum("...o,io->...i", g, w_l.astype(g.dtype))
+    dw = jnp.einsum("...i,...o->io", x.astype(g.dtype), g).astype(w.dtype)
+    if w.ndim == 3:
+        dw = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw, layer, 0)
+    return dx.astype(x.dtype), dw, None
+
+
+_matmul.defvjp(_fwd, _bwd)
+
+
+def matmul(
+    x: Float[Array, "*batch d_in"],
+    w: Float[Array, "*layers d_in d_out"],
+    *,
+    layer: int | Int[Array, ""] | None = None,
+    tile_vectors: int | None = None,
+    block: int | None = None,
+    panel: int | None = None,
+    ahead: int | None = None,
+) -> Float[Array, "*batch d_out"]:
+    """`x @ w` with the CPU kernel, float32 accumulation, result in x's dtype.
+
+    Args:
+      x: [..., d_in] float32 or bfloat16 (cast to float32 for the kernel; a few rows).
+      w: [d_in, d_out] float32 or bfloat16, read in place (bf16 widened in registers);
+        with `layer`, stacked weights [layers, d_in, d_out] of which layer `layer` is
+        used, read in place (no slice of the stack is formed).
+      layer: None, or an int / traced int32 scalar indexing w's first axis (a traced
+        index outside [0, layers) is clamped by the kernel; a Python int is checked).
+      tile_vectors, block, panel, ahead: kernel tuning (default: the module constants);
+        tile_vectors in 1..3 (float32 tile width / 16), block the column-block width
+        (0: automatic), panel the rows walked per tile before the next tile (0: all),
+        ahead the rows prefetched ahead (0: none).
+
+    Returns:
+      [..., d_out] in x's dtype.
+
+    Raises:
+      ValueError / TypeError: shapes or dtypes the kernel does not take.
+      RuntimeError: the kernel is unavailable (`kvjax.attention.cpu.unavailable_reason`).
+    """
+    want = 2 if layer is None else 3
+    if w.ndim != want or x.ndim < 1 or x.shape[-1] != w.shape[-2]:
+        raise ValueError(
+            f"matmul: expected x [..., d_in] and w [{'layers, ' if want == 3 else ''}d_in, "
+            f"d_out] (layer={layer!r}), got {x.shape} and {w.shape}.")
+    if isinstance(layer, int) and not 0 <= layer < w.shape[0]:
+        raise ValueError(f"matmul: layer {layer} is outside [0, {w.shape[0]}).")
+    for name, a in (("x", x), ("w", w)):
+        if jnp.dtype(a.dtype) not in _DTYPES:
+            raise TypeError(f"matmul: {name} must be float32 or bfloat16, got {a.dtype}.")
+    tile_vectors = TILE_VECTORS if tile_vectors is None else int(tile_vectors)
+    if not 1 <= tile_vectors <= 3:
+        raise ValueError(f"matmul: tile_vectors must be 1, 2 or 3, got {tile_vectors}.")
+    block = BLOCK if block is None else int(block)
+    panel = PANEL if panel is None else int(panel)
+    ahead = AHEAD if ahead is None else int(ahead)
+    if min(block, panel, ahead) < 0:
+        raise ValueError(
+            f"matmul: block, panel and ahead must be >= 0, got {block}, {panel}, {ahead}.")
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    return _matmul(x, w, layer, tile_vectors, block, panel, ahead)

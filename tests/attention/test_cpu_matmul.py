@@ -1,0 +1,224 @@
+"""The CPU small-M matmul kernel (kvjax/attention/cpu/matmul.cc) and its dispatch in `linear`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.attention import cpu as cpu_kernels
+from kvjax.attention.cpu import matmul as cpu_matmul
+from kvjax.models.layers import LayerSlice, linear
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}",
+)
+
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+
+def _check(got, x, w):
+    """got against float64 x @ w: float32 sums of K products err by at most ~K * 2^-24 of
+    sum |x||w| (bound 1e-5 relative to it for K <= 1000 with margin); a bf16 result adds
+    its own rounding, half a bf16 ulp (2^-9) of |y|."""
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    wf = np.asarray(w.astype(jnp.float32), np.float64)
+    want = xf @ wf
+    scale = np.abs(xf) @ np.abs(wf)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    tol = 1e-5 * scale + (2.0**-8 * np.abs(want) if x.dtype == BF16 else 0.0)
+    err = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)
+    assert np.all(err <= tol), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("k,n", [(64, 48), (100, 77), (37, 1000), (24, 5)])
+def test_matmul_matches_float64(rng, rows, k, n, x_dtype, w_dtype):
+    x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)), w_dtype)
+    _check(jax.jit(cpu_matmul.matmul)(x, w), x, w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("w_dtype", [F32, BF16])
+@pytest.mark.parametrize("tile_vectors,block,panel,ahead",
+                         [(1, 16, 5, 0), (2, 64, 7, 3), (3, 96, 0, 40), (3, 0, 1, 1)])
+def test_matmul_tuning_settings(rng, w_dtype, tile_vectors, block, panel, ahead):
+    # Narrow blocks and short panels: many work items, partial sums carried through y.
+    x = jnp.asarray(rng.standard_normal((11, 150)), F32)
+    w = jnp.asarray(rng.standard_normal((150, 333)), w_dtype)
+    got = cpu_matmul.matmul(x, w, tile_vectors=tile_vectors, block=block, panel=panel,
+                            ahead=ahead)
+    _check(got, x, w)
+
+
+@needs_kernel
+def test_matmul_leading_dims_and_vmap(rng):
+    x = jnp.asarray(rng.standard_normal((2, 3, 40)), F32)
+    w = jnp.asarray(rng.standard_normal((40, 70)), F32)
+    got = cpu_matmul.matmul(x, w)
+    assert got.shape == (2, 3, 70)
+    _check(got.reshape(6, 70), x.reshape(6, 40), w)
+    ws = jnp.asarray(rng.standard_normal((2, 40, 70)), F32)
+    mapped = jax.vmap(cpu_matmul.matmul)(x, ws)
+    for i in range(2):
+        _check(mapped[i], x[i], ws[i])
+
+
+@needs_kernel
+@pytest.mark.parametrize("w_dtype", [F32, BF16])
+def test_matmul_stacked_layer_in_place(rng, w_dtype):
+    x = jnp.asarray(rng.standard_normal((5, 48)), F32)
+    stack = jnp.asarray(rng.standard_normal((3, 48, 80)), w_dtype)
+    f = jax.jit(lambda x, s, i: cpu_matmul.matmul(x, s, layer=i))
+    for i in range(3):
+        _check(f(x, stack, jnp.int32(i)), x, stack[i])
+    _check(cpu_matmul.matmul(x, stack, layer=2), x, stack[2])
+
+
+def test_matmul_rejects_bad_inputs():
+    x = jnp.ones((2, 8), F32)
+    with pytest.raises(ValueError, match="d_in"):
+        cpu_matmul.matmul(x, jnp.ones((9, 4), F32))
+    with pytest.raises(ValueError, match="d_in"):
+        cpu_matmul.matmul(x, jnp.ones((2, 8, 4), F32))
+    with pytest.raises(TypeError, match="float16"):
+        cpu_matmul.matmul(x, jnp.ones((8, 4), jnp.float16))
+    with pytest.raises(ValueError, match="layers"):
+        cpu_matmul.matmul(x, jnp.ones((8, 4), F32), layer=0)
+    with pytest.raises(ValueError, match="outside"):
+        cpu_matmul.matmul(x, jnp.ones((2, 8, 4), F32), layer=2)
+    with pytest.raises(ValueError, match="tile_vectors"):
+        cpu_matmul.matmul(x, jnp.ones((8, 4), F32), tile_vectors=4)
+
+
+def _hlo(x, w, b):
+    return jax.jit(linear).lower(x, w, b).as_text()
+
+
+@needs_kernel
+def test_linear_dispatch(rng, monkeypatch):
+    # Tests run on 8 simulated CPU devices, where "auto" keeps XLA's dot; "1" forces.
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "auto")
+    jax.clear_caches()
+    assert jax.device_count() == 1 or "kvjax_matmul" not in _hlo(
+        jnp.ones((2, 32), F32), jnp.ones((32, 48), F32), None)
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    jax.clear_caches()
+    w = jnp.asarray(rng.standard_normal((32, 48)), F32)
+    b = jnp.asarray(rng.standard_normal((48,)), F32)
+    small = jnp.asarray(rng.standard_normal((2, 4, 32)), F32)
+    large = jnp.asarray(rng.standard_normal((4, cpu_matmul.MAX_ROWS, 32)), F32)
+    assert "kvjax_matmul" in _hlo(small, w, b)
+    assert "kvjax_matmul" in _hlo(small.astype(BF16), w.astype(BF16), b)
+    assert "kvjax_matmul" not in _hlo(large, w, b)
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")
+    jax.clear_caches()  # the switch is read at trace time; earlier traces are cached
+    assert "kvjax_matmul" not in _hlo(small, w, b)
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    jax.clear_caches()
+    # The kernel path and the einsum agree (float32 sums in both).
+    got = jax.jit(linear)(small, w, b)
+    want = jnp.einsum("...i,io->...o", small, w) + b
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_linear_grad_matches_einsum(rng, dtype, monkeypatch):
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    jax.clear_caches()
+    x = jnp.asarray(rng.standard_normal((3, 24)), dtype)
+    w = jnp.asarray(rng.standard_normal((24, 40)), dtype)
+    b = jnp.asarray(rng.standard_normal((40,)), dtype)
+    r = jnp.asarray(rng.standard_normal((3, 40)), F32)
+
+    def loss(fn):
+        return lambda x, w, b: jnp.sum(fn(x, w, b).astype(F32) * r)
+
+    def einsum_linear(x, w, b):
+        return jnp.einsum("...i,io->...o", x, w.astype(x.dtype)) + b.astype(x.dtype)
+
+    # The forward runs the kernel (the gradients alone do not need it: it is linear).
+    assert "kvjax_matmul" in jax.jit(jax.value_and_grad(loss(linear))).lower(x, w, b).as_text()
+    got = jax.jit(jax.grad(loss(linear), argnums=(0, 1, 2)))(x, w, b)
+    want = jax.jit(jax.grad(loss(einsum_linear), argnums=(0, 1, 2)))(x, w, b)
+    # The backward pass is the einsum's own: identical up to float32 summation order
+    # (bf16: the primal's rounding of y may differ by an ulp, which r's gradient ignores).
+    tol = 1e-5 if dtype == F32 else 1e-2
+    for g, e in zip(got, want, strict=True):
+        assert g.dtype == e.dtype
+        np.testing.assert_allclose(np.asarray(g.astype(F32)), np.asarray(e.astype(F32)),
+                                   rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_linear_layer_slice_reads_the_stack(rng, monkeypatch):
+    # A LayerSlice reaches the kernel as the whole stack (no dynamic-slice feeds the call),
+    # and value and gradients match the einsum on the sliced weight.
+    x = jnp.asarray(rng.standard_normal((2, 1, 32)), F32)
+    stack = jnp.asarray(rng.standard_normal((4, 32, 48)), F32)
+    b = jnp.asarray(rng.standard_normal((48,)), F32)
+    r = jnp.asarray(rng.standard_normal((2, 1, 48)), F32)
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    jax.clear_caches()
+
+    def loss(x, stack, b, i):
+        return jnp.sum(linear(x, LayerSlice(stack, i), b) * r)
+
+    def ref_loss(x, stack, b, i):
+        return jnp.sum((jnp.einsum("...i,io->...o", x, stack[i]) + b) * r)
+
+    hlo = jax.jit(loss).lower(x, stack, b, jnp.int32(1)).as_text()
+    assert "tensor<4x32x48xf32>, tensor<i32>) -> tensor<2x48xf32>" in hlo
+    for i in (0, 3):
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, stack, b, jnp.int32(i))
+        want = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2)))(x, stack, b, i)
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_decode_with_kernel_matches_xla(rng, monkeypatch, dtype):
+    # One decode step and a 5-token prefill of a tiny Llama (LM head untied, biases):
+    # the kernel path (layers as LayerSlices) gives XLA's logits.
+    from kvjax.cache import init_cache, reserve
+    from kvjax.models import llama
+    from kvjax.models.layers import RopeConfig
+
+    config = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80,
+                               num_layers=2, q_heads=4, kv_heads=2, head_dim=16,
+                               rope=RopeConfig(theta=1e4, dim=16), qkv_bias=True,
+                               tie_word_embeddings=False, dtype=dtype)
+    params = llama.init_params(config, jax.random.key(int(rng.integers(1 << 30))))
+    spec = llama.cache_spec(config, page_size=4, num_pages=16, max_seqs=2,
+                            max_pages_per_seq=4, dtype=dtype)
+    tokens = jnp.asarray(rng.integers(0, 96, (2, 6)), jnp.int32)
+
+    def run():
+        jax.clear_caches()
+        fwd = jax.jit(llama.forward, static_argnames="config")
+        cache, _ = reserve(init_cache(spec), jnp.full((2,), 5, jnp.int32))
+        pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+        prefill, cache = fwd(params, config, tokens[:, :5], pos, cache,
+                             q_lengths=jnp.full((2,), 5, jnp.int32))
+        cache, _ = reserve(cache, jnp.ones((2,), jnp.int32))
+        step, _ = fwd(params, config, tokens[:, 5:], jnp.full((2, 1), 5, jnp.int32), cache,
+                      q_lengths=jnp.ones((2,), jnp.int32))
+        hlo = fwd.lower(params, config, tokens[:, 5:], jnp.full((2, 1), 5, jnp.int32), cache,
+                        q_lengths=jnp.ones((2,), jnp.int32)).as_text()
+        return np.asarray(prefill), np.asarray(step), hlo
+
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    pre_k, step_k, hlo = run()
+    assert hlo.count("kvjax_matmul") >= 2  # the layer scan's projections and the LM head
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")
+    pre_x, step_x, _ = run()
+    # float32: same sums in another order; bfloat16: activations round to bf16 after
+    # each projection in both, at different points of a float32 vs bf16 sum.
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(pre_k, pre_x, **tol)
+    np.testing.assert_allclose(step_k, step_x, **tol)
