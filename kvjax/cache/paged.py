@@ -166,9 +166,20 @@ def _cpu_16bit(x: Array) -> bool:
 
 
 def _copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
-    """pages[:, :, dst] = pages[:, :, src] for every pool; dst == num_pages is skipped."""
-    return jax.tree.map(lambda x: set_drop(x, (slice(None), slice(None), dst), x[:, :, src]),
-                        pages)
+    """pages[:, :, dst] = pages[:, :, src] for every pool; dst == num_pages is skipped.
+
+    Runs in every `reserve` (copy-on-write of shared last pages): 16-bit pools on CPU take
+    the in-place custom call, as `set_rows` does.
+    """
+    def copy(x):
+        if x.ndim == 5 and _cpu_16bit(x):
+            from kvjax.attention import cpu  # lazy: kvjax.attention imports the cache
+
+            if cpu.available():
+                return cpu.copy_pages(x, src, dst)
+        return set_drop(x, (slice(None), slice(None), dst), x[:, :, src])
+
+    return jax.tree.map(copy, pages)
 
 
 def _zero_pages(pages, ids: Int[Array, " n"]):

@@ -344,3 +344,18 @@ def test_write_rows_matches_scatter(rng, dtype):
         want = pool.at[layer, :, i1, i2, :].set(x, mode="drop")
         got = jax.jit(cpu_kernels.write_rows)(pool, layer, i1, i2, x)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_copy_pages_matches_scatter(rng, dtype):
+    """In-place page copies equal `.at[:, :, dst].set(pool[:, :, src], mode="drop")` for
+    fresh destinations; pairs with the sink index (out of range) are skipped."""
+    pool = jnp.asarray(rng.standard_normal((2, 3, 8, 4, 16)), dtype)
+    perm = rng.permutation(8)
+    src, dst = perm[:3].copy(), perm[3:6].copy()
+    dst[1] = 8  # the sink: nothing copied for this pair
+    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+    want = pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+    got = jax.jit(cpu_kernels.copy_pages)(pool, src, dst)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -32,7 +32,7 @@ from kvjax.attention import xla_quantized
 from kvjax.attention.cpu.build import available, load, unavailable_reason
 
 __all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention",
-           "mla_decode_attention", "write_rows"]
+           "mla_decode_attention", "write_rows", "copy_pages"]
 
 
 def _as_pools(pages, layer):
@@ -224,3 +224,20 @@ def write_rows(
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(pool, jnp.asarray(layer, jnp.int32), i1.astype(jnp.int32), i2.astype(jnp.int32),
                 x.astype(pool.dtype))
+
+
+def copy_pages(
+    pool: Float[Array, "layers heads pages page_size width"],
+    src: Int[Array, " n"],
+    dst: Int[Array, " n"],
+) -> Float[Array, "layers heads pages page_size width"]:
+    """`pool.at[:, :, dst].set(pool[:, :, src], mode="drop")` in place, by a custom call.
+
+    Copy-on-write of 16-bit pages on CPU (see `write_rows`); pairs with an index out of
+    range are skipped. The `dst` pages must be distinct and not among `src` (fresh pages,
+    as the allocator gives), so the copies do not depend on their order.
+    """
+    load()
+    call = jax.ffi.ffi_call("kvjax_copy_pages", jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32))

@@ -41,6 +41,7 @@ TARGETS = {
     "KvjaxMlaDecode": "kvjax_mla_decode",
     "KvjaxMatmul": "kvjax_matmul",
     "KvjaxWriteRows": "kvjax_write_rows",
+    "KvjaxCopyPages": "kvjax_copy_pages",
 }
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17")
 _HERE = Path(__file__).parent

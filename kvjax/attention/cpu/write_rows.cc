@@ -1,4 +1,5 @@
-// Writes token rows into a cache pool in place: pool[layer, :, page[i], off[i], :] = x[i].
+// Writes token rows into a cache pool in place: pool[layer, :, page[i], off[i], :] = x[i];
+// and copies whole pages in place: pool[:, :, dst[i]] = pool[:, :, src[i]].
 //
 // XLA:CPU has no 16-bit float scatter or in-place dynamic-update-slice: a bf16 pool
 // written with either is widened to float32 (or copied) whole, on every write of a few
@@ -42,8 +43,39 @@ ffi::Error WriteRowsImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+// pool[:, :, dst[i]] = pool[:, :, src[i]] for every layer and head, in order of i; pairs
+// with an index out of range (the sink) are skipped.
+ffi::Error CopyPagesImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
+                         ffi::Buffer<ffi::S32> dst, ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions();
+  if (pd.size() != 5 || src.element_count() != dst.element_count())
+    return ffi::Error::InvalidArgument(
+        "kvjax copy pages: expected pool [layers, heads, pages, page_size, width] and src, "
+        "dst of one length");
+  if (out->untyped_data() != pool.untyped_data())
+    return ffi::Error::Internal("kvjax copy pages: the result must alias the pool");
+  const int64_t LH = pd[0] * pd[1], P = pd[2];
+  const int64_t page = pd[3] * pd[4] * static_cast<int64_t>(ffi::ByteWidth(pool.element_type()));
+  char* base = static_cast<char*>(out->untyped_data());
+  const int32_t* s = src.typed_data();
+  const int32_t* d = dst.typed_data();
+  for (size_t i = 0; i < src.element_count(); ++i) {
+    if (s[i] < 0 || s[i] >= P || d[i] < 0 || d[i] >= P || s[i] == d[i]) continue;
+    for (int64_t lh = 0; lh < LH; ++lh)
+      std::memcpy(base + (lh * P + d[i]) * page, base + (lh * P + s[i]) * page, page);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace kvjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxCopyPages, kvjax::CopyPagesImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()              // pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // src [n]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst [n]
+                                  .Ret<xla::ffi::AnyBuffer>());            // pool (aliased)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxWriteRows, kvjax::WriteRowsImpl,
                               xla::ffi::Ffi::Bind()
