@@ -426,16 +426,19 @@ def _max_new_vector(max_new_tokens, batch: int) -> np.ndarray:
 _UNSTACK_MIN_BYTES = 32 << 20
 
 
-def decode_params(model: Model, params):
-    """The params the decode loop runs with.
+def decode_params(model: Model, params, rows: int = 1):
+    """The params the decode loop runs with, for `rows` sequences per step.
 
-    On the CPU backend a family's stacked layer weights of 32 MiB or more become one
-    array per layer (`Model.unstack_layers`, a one-off copy): inside the decode's
-    `lax.scan` over layers XLA:CPU copies each layer's slice out of the stacked
-    weights every step, a read and a write of all layer weights per token
-    (benchmarks/NOTES.md v8). Small models keep the scan (their copies are cheap and
-    the unrolled layers compile slower); other backends read the slices in place.
-    `KVJAX_UNSTACK_LAYERS=0` turns this off.
+    Inside the decode's `lax.scan` over stacked layer weights, XLA:CPU copies each
+    layer's slice out of the stack every step (a read and a write of all layer weights
+    per token; benchmarks/NOTES.md v8). On CPU the small-M matmul kernel reads the
+    stacked weights in place (`kvjax.models.layers.LayerSlice`) and nothing changes.
+    Where it does not run (no compiler, several devices, more than its 32 rows, or
+    `KVJAX_CPU_MATMUL=0`), a family's stacked layer weights of 32 MiB or more become one
+    array per layer (`Model.unstack_layers`: a copy of the layer weights for the call).
+    Small models keep the scan (their copies are cheap, the unrolled layers compile
+    slower); other backends read the slices in place. `KVJAX_UNSTACK_LAYERS=0` turns the
+    unstacking off.
     """
     if (model.unstack_layers is None or jax.default_backend() != "cpu"
             or os.environ.get("KVJAX_UNSTACK_LAYERS", "1") == "0"):
@@ -443,7 +446,14 @@ def decode_params(model: Model, params):
     layers = getattr(params, "layers", None)
     if layers is None or isinstance(layers, tuple):
         return params
-    if sum(x.nbytes for x in jax.tree.leaves(layers)) < _UNSTACK_MIN_BYTES:
+    leaves = jax.tree.leaves(layers)
+    if sum(x.nbytes for x in leaves) < _UNSTACK_MIN_BYTES:
+        return params
+    from kvjax.attention.cpu import matmul as cpu_matmul
+
+    w = max(leaves, key=lambda x: x.size)  # a projection [layers, d_in, d_out]
+    if w.ndim == 3 and cpu_matmul.use_kernel(jax.ShapeDtypeStruct((rows, w.shape[1]), w.dtype),
+                                             w.shape[1:], w.dtype):
         return params
     return model.unstack_layers(params)
 
@@ -531,8 +541,9 @@ def generate(
     state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
                   free_finished=free_finished, policy_state=policy_state)
-    state = decode_loop(model, decode_params(model, params), state, sampling=sampling,
-                        eos_ids=eos_ids, free_finished=free_finished, impl=impl, policy=policy)
+    state = decode_loop(model, decode_params(model, params, len(prompts)), state,
+                        sampling=sampling, eos_ids=eos_ids, free_finished=free_finished,
+                        impl=impl, policy=policy)
     if check:
         state.status.raise_if_error()
     return GenerateResult(tokens=np.asarray(state.tokens),
@@ -584,7 +595,7 @@ def stream(
                   sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
                   free_finished=free_finished, policy_state=policy_state)
     prev = np.zeros(seq_ids.shape, np.int32)
-    params = decode_params(model, params)
+    params = decode_params(model, params, len(prompts))
     while True:
         num = np.asarray(state.num_generated)
         emitted = num > prev

@@ -18,6 +18,7 @@ import kvjax.cache as kv_cache
 import kvjax.generate as gen
 import kvjax.generate.loop as gen_loop
 import kvjax.models as models
+from kvjax.attention import cpu as cpu_kernels
 from kvjax.models import llama
 from kvjax.models.layers import RopeConfig, rope_inv_freq
 from tests.models import hf_tiny
@@ -258,8 +259,8 @@ def test_config_validation():
 def test_unstacked_layers_give_the_same_logits_and_tokens(hf_dirs, rng, monkeypatch):
     """Per-layer weights (`unstack_layers`, the CPU decode loop's form for big models) run
     the same model (one with a different window per layer): same dense logits, same
-    greedy tokens; `decode_params` picks them on CPU above its size threshold, unless
-    turned off."""
+    greedy tokens; `decode_params` picks them on CPU above its size threshold when the
+    matmul kernel does not read the stack, unless turned off."""
     m, path = hf_dirs("qwen2_swa")
     model, params = models.load(path)
     flat = llama.unstack_layers(params)
@@ -277,8 +278,14 @@ def test_unstacked_layers_give_the_same_logits_and_tokens(hf_dirs, rng, monkeypa
     kw = dict(key=jax.random.key(0), max_new_tokens=8, page_size=PAGE)
     ref = gen.generate(model, params, prompts, **kw).tokens
     monkeypatch.setattr(gen_loop, "_UNSTACK_MIN_BYTES", 0)
-    assert isinstance(gen.decode_params(model, params).layers, tuple)
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")  # the matmul kernel would read the stack
+    assert isinstance(gen.decode_params(model, params, 3).layers, tuple)
     np.testing.assert_array_equal(gen.generate(model, params, prompts, **kw).tokens, ref)
     assert gen.decode_params(model, flat) is flat
     monkeypatch.setenv("KVJAX_UNSTACK_LAYERS", "0")
     assert gen.decode_params(model, params) is params
+    monkeypatch.setenv("KVJAX_UNSTACK_LAYERS", "1")
+    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    if cpu_kernels.available():  # the kernel reads stacked weights in place: no copy
+        assert gen.decode_params(model, params, 3) is params
+        assert isinstance(gen.decode_params(model, params, 33).layers, tuple)  # > 32 rows
