@@ -9,7 +9,11 @@ at a time into an L1-resident float32 buffer, and keep the online softmax in flo
 (sequence, KV head) work items are spread over the caller and XLA's intra-op thread
 pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), over
 KIVI-quantized pages (`quantized_decode.cc`, the tail merged in XLA) and MLA decode
-in absorbed form (`mla_decode.cc`). Prefill stays on the XLA path.
+in absorbed form (`mla_decode.cc`). Prefill stays on the XLA path. The same library
+holds the decode step's other CPU pieces: a small-M matmul (`matmul.py`, used by
+`kvjax.models.layers.linear`) and in-place row writes and page copies for 16-bit
+cache pools (`write_rows`, `copy_pages`; `write_rows.cc`), which XLA:CPU would do by
+widening or copying the whole pool.
 
 `kvjax.attention` registers them as `impl="cpu"`, and `"auto"` picks them on the CPU
 backend when `available()`; otherwise (no compiler, failed build,
