@@ -152,17 +152,25 @@ def set_rows(pool: Array, layer, i1: Array, i2: Array, x: Array) -> Array:
     XLA:CPU's own scatter or dynamic-update-slice widens or copies the whole pool on every
     write of a few rows. Elsewhere, or without the CPU kernels, the XLA scatter.
     """
-    if _cpu_16bit(pool):
-        from kvjax.attention import cpu  # lazy: kvjax.attention imports the cache
-
-        if cpu.available():
-            return cpu.write_rows(pool, layer, i1, i2, x)
+    cpu = _in_place_kernels(pool)
+    if cpu is not None:
+        return cpu.write_rows(pool, layer, i1, i2, x)
     return set_drop(pool, (layer, slice(None), i1, i2, slice(None)), x)
 
 
 def _cpu_16bit(x: Array) -> bool:
     return (jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
             and jax.default_backend() == "cpu")
+
+
+def _in_place_kernels(x: Array):
+    """`kvjax.attention.cpu` when x (a 5-D pool) is 16-bit float on CPU and the kernels
+    are built (its `write_rows` / `copy_pages` then update x in place), else None."""
+    if x.ndim != 5 or not _cpu_16bit(x):
+        return None
+    from kvjax.attention import cpu  # lazy: kvjax.attention imports the cache
+
+    return cpu if cpu.available() else None
 
 
 def _copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
@@ -172,11 +180,9 @@ def _copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
     the in-place custom call, as `set_rows` does.
     """
     def copy(x):
-        if x.ndim == 5 and _cpu_16bit(x):
-            from kvjax.attention import cpu  # lazy: kvjax.attention imports the cache
-
-            if cpu.available():
-                return cpu.copy_pages(x, src, dst)
+        cpu = _in_place_kernels(x)
+        if cpu is not None:
+            return cpu.copy_pages(x, src, dst)
         return set_drop(x, (slice(None), slice(None), dst), x[:, :, src])
 
     return jax.tree.map(copy, pages)
