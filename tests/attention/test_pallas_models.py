@@ -1,5 +1,6 @@
 """Tiny Llama-family and DeepSeek (MLA) models generate the same greedy tokens with the
-Pallas kernels (impl="pallas", interpreted on CPU) as with the XLA path.
+Pallas kernels (impl="pallas": interpreted on CPU, compiled on a GPU or TPU) as with the
+XLA path.
 
 Random weights, a few decode steps, prompts of different lengths so that rows
 cross page boundaries at different steps. Widths are ones the kernels support
@@ -11,7 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from kernels_pallas.mla_decode import gpu as mla_gpu
 from kernels_pallas.mla_decode import tpu as mla_tpu
+from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import tpu as paged_tpu
 from kvjax.generate.loop import generate
 from kvjax.models import get_family
@@ -20,14 +23,19 @@ from kvjax.models.layers import RopeConfig
 from kvjax.models.llama import LlamaConfig
 
 PROMPTS = [[3, 17, 5], [9, 1, 30, 12, 7, 7, 2, 40, 11, 4]]
+INTERPRET = jax.default_backend() == "cpu"  # what impl="pallas" passes to the kernels
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts traces of the TPU kernels (what impl="pallas" runs on CPU)."""
+    """Counts traces of the kernels impl="pallas" runs on this backend.
+
+    The Triton kernels on a GPU, the TPU kernels elsewhere (interpreted on CPU).
+    """
     calls = []
-    for module, name in ((paged_tpu, "paged_decode_attention"),
-                         (mla_tpu, "mla_decode_attention")):
+    on_gpu = jax.default_backend() == "gpu"
+    for module, name in ((paged_gpu if on_gpu else paged_tpu, "paged_decode_attention"),
+                         (mla_gpu if on_gpu else mla_tpu, "mla_decode_attention")):
         real = getattr(module, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -53,7 +61,7 @@ def test_llama_greedy_tokens_match_xla(kernel_calls):
     family = get_family("llama")
     params = family.init_params(config, jax.random.key(1))
     out = _both(family.model(config), params)
-    assert ("paged_decode_attention", True) in kernel_calls
+    assert ("paged_decode_attention", INTERPRET) in kernel_calls
     np.testing.assert_array_equal(out["pallas"][1], out["xla"][1])
     np.testing.assert_array_equal(out["pallas"][0], out["xla"][0])
     assert out["xla"][1].min() == 6
@@ -66,7 +74,7 @@ def test_deepseek_mla_greedy_tokens_match_xla(kernel_calls):
     family = get_family("deepseek")
     params = family.init_params(config, jax.random.key(2))
     out = _both(family.model(config), params)
-    assert ("mla_decode_attention", True) in kernel_calls
+    assert ("mla_decode_attention", INTERPRET) in kernel_calls
     np.testing.assert_array_equal(out["pallas"][1], out["xla"][1])
     np.testing.assert_array_equal(out["pallas"][0], out["xla"][0])
     assert out["xla"][1].min() == 6

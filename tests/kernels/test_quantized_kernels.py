@@ -37,7 +37,7 @@ from kernels_pallas.paged_attention.tpu import interpret_params
 from kernels_pallas.quantized_attention import gpu as qgpu
 from kernels_pallas.quantized_attention import reference as qref
 from kernels_pallas.quantized_attention import tpu as qtpu
-from tests.kernels.kernel_cases import make_tables
+from tests.kernels.kernel_cases import make_tables, native_flavours
 
 PS, G, MAX_PAGES, RING = 16, 16, 4, 32
 RATIOS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (4, 1)}
@@ -106,7 +106,8 @@ def mla_case(rng, *, bits, q_heads=4, d_c=64, d_rope=64, q_len=1, batch=6, dtype
 def _kernel(kind, mla):
     """(module function, interpret) of a kernel flavour."""
     mod, interpret = {"tpu": (qtpu, True), "tpu_interpreter": (qtpu, interpret_params()),
-                      "gpu": (qgpu, True)}[kind]
+                      "gpu": (qgpu, True), "tpu_native": (qtpu, False),
+                      "gpu_native": (qgpu, False)}[kind]
     fn = mod.quantized_mla_attention if mla else mod.quantized_attention
     return functools.partial(fn, interpret=interpret)
 
@@ -162,6 +163,18 @@ def test_gqa_kernel_equals_reference(rng, monkeypatch, kind, bits, ratio, q_len,
 @pytest.mark.parametrize("kind,bits,q_len,bf16", CI_MLA)
 def test_mla_kernel_equals_reference(rng, kind, bits, q_len, bf16):
     run_mla(rng, kind, bits, q_len, dtype=jnp.bfloat16 if bf16 else jnp.float32)
+
+
+@pytest.mark.parametrize("kind", native_flavours())
+def test_native_kernels_equal_reference(rng, kind):
+    # Compiled on an accelerator (skipped on CPU): every bits value, ratio and q_len of
+    # GQA, MLA at each bits, and the bf16 / soft-cap / window variant.
+    for bits, ratio, q_len in [(2, "mha", 1), (4, "gqa4", 3), (8, "mqa", 1)]:
+        run_gqa(rng, kind, bits, ratio, q_len)
+    run_gqa(rng, kind, 4, "gqa4", 3, **BF16_CAP_WINDOW)
+    for bits, q_len in [(2, 3), (4, 1), (8, 3)]:
+        run_mla(rng, kind, bits, q_len)
+    run_mla(rng, kind, 4, 1, dtype=jnp.bfloat16)
 
 
 @pytest.mark.slow
