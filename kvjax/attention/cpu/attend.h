@@ -17,6 +17,16 @@ inline int64_t prefetch_chunks() {
   return n;
 }
 
+// Whether f32/bf16 rows and unpacked KIVI chunks take `attend_rows` (KVJAX_CPU_ROWS=0: the
+// staging `attend`, kept for comparisons).
+inline bool rows_kernel() {
+  static const bool on = [] {
+    const char* env = std::getenv("KVJAX_CPU_ROWS");
+    return !(env && env[0] == '0');
+  }();
+  return on;
+}
+
 inline int64_t round16(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // One chunk of 16 key/value rows as float32: row j of the keys at k + j * ks (ks floats
@@ -151,22 +161,41 @@ inline void from_split(const float* src, float* dst, int64_t n, float scale) {
 }
 
 // One chunk of 16 key/value rows of element type E (float, or uint16_t for bfloat16
-// bits): row j at k + j * ks / v + j * vs.
+// bits): row j at k + j * ks / v + j * vs. As in `Chunk`, a chunk may bring its own query
+// rows ([G, D], in load32's order: natural for float) and a logit bias per row (KIVI keys
+// with folded scales).
 template <typename E>
 struct RowChunk {
   const E* k;
   int64_t ks;
   const E* v;
   int64_t vs;
+  const float* q = nullptr;     // [G, D] or nullptr: the item's query rows
+  const float* bias = nullptr;  // [G] or nullptr: no bias
 };
+
+// Prefetches (into L1) the n elements of one row.
+template <typename E>
+inline void prefetch_row(const E* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(E)); o += 64) __builtin_prefetch(c + o);
+}
 
 // The logits of query rows [g0, g0 + NB) against one chunk's 16 key rows: each key vector
 // is loaded (and widened) once for the NB rows, whose partial sums stay in registers;
-// parts[r * 16 + j] = lane partial sums of row g0 + r and token j.
+// parts[r * 16 + j] = lane partial sums of row g0 + r and token j. With `pf`, row j of
+// that later chunk's keys and values is prefetched in step j: spread over the chunk's
+// arithmetic, a few lines are in flight at a time (a burst of a whole chunk's prefetches
+// fills the core's miss buffers and stalls the arithmetic behind it; NOTES v9).
 template <int NB, int DT, typename E>
-inline void chunk_logits(const float* qsplit, int64_t D_rt, const RowChunk<E>& ch, v16* parts) {
+inline void chunk_logits(const float* qsplit, int64_t D_rt, const RowChunk<E>& ch, v16* parts,
+                         const RowChunk<E>* pf = nullptr) {
   const int64_t D = DT ? DT : D_rt;
   for (int j = 0; j < kLanes; ++j) {
+    if (pf) {
+      prefetch_row(pf->k + j * pf->ks, D);
+      prefetch_row(pf->v + j * pf->vs, pf->vs);  // rows in place: stride = width
+    }
     v16 a[NB];
     for (int r = 0; r < NB; ++r) a[r] = v16{};
     const E* kr = ch.k + j * ch.ks;
@@ -228,10 +257,13 @@ inline void for_row_blocks(int64_t G, Fn&& fn) {
 // of 32: rows used in place (bf16 widened in registers, load32), query rows taken in
 // register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a time:
 // `load` must not reuse a chunk's memory before the chunk after next (paged_decode.cc
-// alternates two stage buffers). qs: [G, D] scaled queries; out: [G, Dv].
-template <typename E, int DT, int DVT, typename Load, typename Prefetch>
+// alternates two stage buffers). `locate(c0)` gives a chunk's rows in place for the
+// spread prefetch (k == nullptr where they are not: `prefetch(c0)` then hints the chunk
+// at once). qs: [G, D] scaled queries; out: [G, Dv].
+template <typename E, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
 void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_t lo, int64_t hi,
-                 float soft_cap, Load&& load, Prefetch&& prefetch, float* out, float* lse) {
+                 float soft_cap, Load&& load, Prefetch&& prefetch, Locate&& locate, float* out,
+                 float* lse) {
   const int64_t D = DT ? DT : D_rt, Dv = DVT ? DVT : Dv_rt;
   // Scratch (64-byte aligned): split queries [G, D], split accumulators [G, Dv], the
   // per-token partial sums of two chunks [2, G, 16] vectors, probabilities [G, 16].
@@ -260,9 +292,10 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   const int64_t first = lo / kLanes * kLanes;
   // The keys of chunk c + 1 are read in iteration c: prefetch `ahead` chunks past that.
   for (int64_t i = 0; i <= ahead; ++i) prefetch(first + i * kLanes);
-  auto logits = [&](const RowChunk<E>& ch, v16* out_parts) {
+  auto logits = [&](const RowChunk<E>& ch, v16* out_parts, const RowChunk<E>* pf) {
     for_row_blocks(G, [&](auto nb, int64_t g0) {
-      chunk_logits<decltype(nb)::value, DT>(qsplit + g0 * D, D, ch, out_parts + g0 * kLanes);
+      chunk_logits<decltype(nb)::value, DT>((ch.q ? ch.q : qsplit) + g0 * D, D, ch,
+                                            out_parts + g0 * kLanes, g0 == 0 ? pf : nullptr);
     });
   };
 
@@ -270,19 +303,25 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   // (a chain of dependent horizontal ops) and its value accumulation (which waits on
   // it), so the out-of-order core has independent work while the chain resolves.
   RowChunk<E> ch = load(first);
-  logits(ch, parts[0]);
+  logits(ch, parts[0], nullptr);
   int cur = 0;
   for (int64_t c0 = first; c0 < hi; c0 += kLanes) {
-    if (ahead > 0 && c0 + (ahead + 1) * kLanes < hi) prefetch(c0 + (ahead + 1) * kLanes);
+    RowChunk<E> pf{nullptr, 0, nullptr, 0};
+    if (ahead > 0 && c0 + (ahead + 1) * kLanes < hi) {
+      pf = locate(c0 + (ahead + 1) * kLanes);
+      if (!pf.k) prefetch(c0 + (ahead + 1) * kLanes);
+    }
     const v16 pos = iota + static_cast<float>(c0);
     const v16i visible = (pos >= static_cast<float>(lo)) & (pos < static_cast<float>(hi));
-    for (int64_t g = 0; g < G; ++g)
-      softmax_step(sum_rows(parts[cur] + g * kLanes), visible, soft_cap, m[g], l[g], alpha[g],
-                   probs + g * kLanes);
+    for (int64_t g = 0; g < G; ++g) {
+      v16 s = sum_rows(parts[cur] + g * kLanes);
+      if (ch.bias) s += splat(ch.bias[g]);
+      softmax_step(s, visible, soft_cap, m[g], l[g], alpha[g], probs + g * kLanes);
+    }
     const RowChunk<E> now = ch;
     if (c0 + kLanes < hi) {
       ch = load(c0 + kLanes);
-      logits(ch, parts[cur ^ 1]);
+      logits(ch, parts[cur ^ 1], pf.k ? &pf : nullptr);
     }
     for_row_blocks(G, [&](auto nb, int64_t g0) {
       chunk_accumulate<decltype(nb)::value, DVT>(acc + g0 * Dv, Dv, alpha + g0,

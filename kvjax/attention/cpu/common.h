@@ -41,7 +41,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-inline v16 splat(float x) { return v16{} + x; }
+// A broadcast (v16{} + x would add +0.0, which compilers must keep: -0.0 + 0.0 is +0.0).
+inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
@@ -169,6 +170,12 @@ inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int
   for (; i + kLanes <= n; i += kLanes)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(
                                   reinterpret_cast<const __m256i*>(src + i))));
+#endif
+#ifdef __F16C__
+  // Short rows (a KIVI value row's few group scales) too: scalar converts merge into their
+  // destination register, a dependency chain from one element to the next.
+  for (; i + 4 <= n; i += 4)
+    _mm_storeu_ps(dst + i, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }

@@ -91,11 +91,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
 
   if constexpr (!std::is_same_v<T, _Float16>) {
     // KVJAX_CPU_ROWS=0 runs these through the staging path below (for comparisons).
-    static const bool rows = [] {
-      const char* env = std::getenv("KVJAX_CPU_ROWS");
-      return !(env && env[0] == '0');
-    }();
-    if (rows && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0) {
+    if (rows_kernel() && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0) {
       // Rows are read in place (bf16 widened in registers); a chunk that is not 16
       // contiguous visible rows has its rows copied into a small stage buffer first.
       // qs holds the scaled queries (Dp = D here).
@@ -120,7 +116,15 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
         }
         return {ks, D, vs, Dv};
       };
-      attend_rows<E, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, out, lse);
+      auto locate = [&](int64_t c0) -> RowChunk<E> {
+        if (whole && c0 >= lo && c0 + kLanes <= hi) {
+          const int64_t r0 = row_of(c0);
+          return {kb + r0 * D, D, vb + r0 * Dv, Dv};
+        }
+        return {nullptr, 0, nullptr, 0};
+      };
+      attend_rows<E, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate, out,
+                              lse);
       return;
     }
   }

@@ -162,7 +162,8 @@ inline void value_row16(const uint8_t* vcodes, const S* vs, const S* vz,
   constexpr int k = 8 / BITS;
   const int64_t n = Dv / k;
   float* zf = sz + v_groups;
-  for (int64_t g = 0; g < v_groups; ++g) sz[g] = to_float(vs[g]), zf[g] = to_float(vz[g]);
+  to_f32(vs, v_groups, v_groups, sz);
+  to_f32(vz, v_groups, v_groups, zf);
   for (int64_t j = 0; j < n; j += kLanes) {
 #ifdef __AVX512F__
     __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vcodes + j)));
@@ -196,13 +197,17 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     return;
   }
 
-  std::vector<float> scratch(G * Dp + G * Dvp + kLanes * (Dp + Dvp) + G * kLanes + 2 * Dp +
+  std::vector<float> scratch(G * Dp + G * Dvp + kLanes * (Dp + 2 * Dvp) + G * kLanes + 2 * Dp +
                              G * Dp + G + 2 * Dvp);
   float* qs = scratch.data();
   float* acc = qs + G * Dp;
   float* kbuf = acc + G * Dvp;
-  float* vbuf = kbuf + kLanes * Dp;
-  float* probs = vbuf + kLanes * Dvp;
+  // Two value buffers, used in turn: attend_rows accumulates a chunk's values after the
+  // next chunk is loaded (its keys are done by then, so one key buffer serves).
+  float* vbufs[2] = {kbuf + kLanes * Dp, kbuf + kLanes * Dp + kLanes * Dvp};
+  int vturn = 0;
+  float* vbuf = vbufs[0];
+  float* probs = vbufs[1] + kLanes * Dvp;
   float* kscale = probs + G * kLanes;  // the current key scale/zero row as float32
   float* kzero = kscale + Dp;
   float* qfold = kzero + Dp;  // the query rows times the current key group's scales
@@ -246,8 +251,12 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   if (fold)
     for (int64_t i = 0; i < Dvp / kLanes; ++i)
       vec_group[i] = static_cast<int32_t>(i * kLanes / v_group);
+  auto fast_chunk = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= hi; };
+  bool spread = false;  // whole chunks prefetch a later chunk's rows as they unpack
   auto load = [&](int64_t c0) -> Chunk {
-    const bool fast = whole && c0 >= lo && c0 + kLanes <= hi;
+    vbuf = vbufs[vturn];
+    vturn ^= 1;
+    const bool fast = fast_chunk(c0);
     const auto [page0, slot0] = page_slot(c0);
     if (fold && fast) {
       const S* srow = ks + (page0 * a.k_srows + slot0 / k_group) * D;
@@ -267,7 +276,22 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         folded = srow;
         loaded = srow;  // kscale/kzero hold this row's scales as the unfolded path wants
       }
+      // Rows of the chunk `ahead` past the next one, prefetched one per unpacked row
+      // (spread out, as attend_rows does for rows in place; a burst stalls the unpacking).
+      const int64_t c_pf = c0 + (prefetch_chunks() + 1) * kLanes;
+      int64_t row_pf = -1;
+      if (spread && prefetch_chunks() > 0 && c_pf + kLanes <= hi) {
+        const auto [page_pf, slot_pf] = page_slot(c_pf);
+        row_pf = page_pf * ps + slot_pf;
+      }
       for (int j = 0; j < kLanes; ++j) {
+        if (row_pf >= 0) {
+          const int64_t r = row_pf + j;
+          prefetch_bytes(kc + r * kw, kw);
+          prefetch_bytes(vc + r * vw, vw);
+          prefetch_bytes(vs + r * a.v_groups, a.v_groups * sizeof(S));
+          prefetch_bytes(vz + r * a.v_groups, a.v_groups * sizeof(S));
+        }
         const int64_t row = page0 * ps + slot0 + j;
         const uint8_t* kr = kc + row * kw;
         const uint8_t* vr = vc + row * vw;
@@ -326,6 +350,24 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     prefetch_bytes(vs + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
     prefetch_bytes(vz + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
   };
+  if (fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 && rows_kernel()) {
+    // The register-blocked core over the unpacked float32 chunk (query rows in register
+    // blocks, each key/value vector used by 4-8 of them).
+    auto load_rows = [&](int64_t c0) -> RowChunk<float> {
+      const Chunk c = load(c0);
+      return {c.k, c.ks, c.v, c.vs, c.q, c.bias};
+    };
+    // Whole chunks prefetch their successors' rows themselves (load, above); the others
+    // (edges of [lo, hi)) are hinted at once.
+    auto in_place = [](int64_t) { return RowChunk<float>{nullptr, 0, nullptr, 0}; };
+    spread = true;
+    auto edge_prefetch = [&](int64_t c0) {
+      if (!(fast_chunk(c0) && fast_chunk(c0 - (prefetch_chunks() + 1) * kLanes))) prefetch(c0);
+    };
+    attend_rows<float, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load_rows, edge_prefetch,
+                                in_place, out, lse);
+    return;
+  }
   attend<DT, DVT>(qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, load, prefetch, acc, probs, out, lse);
 }
 
