@@ -19,8 +19,8 @@ layer's slice).
     Triton kernel on a GPU backend, the TPU kernel otherwise (interpreted on
     CPU); decode and prefill alike;
   "cpu": the C++ CPU kernel (`kvjax/attention/cpu/quantized_decode.cc`: the pages
-    streamed once and dequantized 16 tokens at a time in float32; the tail merged as
-    the reference does) for GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu"
+    streamed once and dequantized 16 tokens at a time in float32, then the tail ring
+    in the same online softmax) for GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu"
     entry run the "xla" path;
   "auto": the best one for the default backend: "cpu" on the CPU backend for the
     ops that have it when the kernels are available

@@ -269,8 +269,9 @@ def test_quantized_vectorised_rows(rng, bits, head_dim, group, scale_dtype, q_he
     lengths = np.asarray([1, 20, 70, max_pages * ps, 100], np.int32)
     quant_lengths = ps * np.maximum(lengths - 16, 0) // ps
     tables = jnp.asarray(rng.integers(0, num_pages, (batch, max_pages)), jnp.int32)
+    # The tail ring in the scales' dtype: f16, bf16 and f32 rows widened by the kernel.
     tail_k, tail_v = (jnp.asarray(rng.standard_normal((kv_heads, batch, ring, head_dim)),
-                                  jnp.float32) for _ in range(2))
+                                  jnp.float32).astype(scale_dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim)), jnp.float32)
     args = (q, *pools, tail_k, tail_v, jnp.asarray(quant_lengths), jnp.asarray(lengths),
             tables, jnp.asarray(lengths - 1)[:, None])

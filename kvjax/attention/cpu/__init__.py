@@ -8,7 +8,7 @@ page of each sequence once, in place in the pool, widen bf16 / dequantize 16 tok
 at a time into an L1-resident float32 buffer, and keep the online softmax in float32;
 (sequence, KV head) work items are spread over the caller and XLA's intra-op thread
 pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), over
-KIVI-quantized pages (`quantized_decode.cc`, the tail merged in XLA) and MLA decode
+KIVI-quantized pages and their tail ring (`quantized_decode.cc`) and MLA decode
 in absorbed form (`mla_decode.cc`). Prefill stays on the XLA path. The same library
 holds the decode step's other CPU pieces: a small-M matmul (`matmul.py`, used by
 `kvjax.models.layers.linear`) and in-place row writes and page copies for 16-bit
@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
-from kernels_pallas.quantized_attention import reference as qref
 from kvjax.attention import xla as xla_path
 from kvjax.attention import xla_quantized
 from kvjax.attention.cpu.build import available, load, unavailable_reason
@@ -125,16 +124,18 @@ def quantized_attention(
     The signature and semantics of `reference.quantized_attention` (with `layer` as in
     `xla_quantized.quantized_attention`: the six pool arguments are then a cache's whole
     pools and the kernel reads that layer in place). The kernel does decode (q_len = 1):
-    it streams the quantized pages once, dequantizing 16 tokens at a time in float32;
-    the tail (at most residual + page_size tokens) is attended in XLA and merged by
-    log-sum-exp. Chunked prefill (q_len > 1) and scales / zeros of mixed dtypes run the
-    XLA path.
+    it streams the quantized pages once, dequantizing 16 tokens at a time in float32,
+    then the tail ring (at most residual + page_size tokens, f32/bf16/f16 rows) in the same
+    online softmax. Chunked prefill (q_len > 1), scales / zeros of mixed dtypes and tails
+    of other dtypes run the XLA path.
 
     Returns:
       (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
     """
     pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    if q.shape[1] != 1 or len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1:
+    if (q.shape[1] != 1 or len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1
+            or tail_k.dtype != tail_v.dtype
+            or tail_k.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
         # Chunked prefill, or scales of mixed dtypes (the kernel takes one scale dtype;
         # widening here would copy whole pools every call): the XLA path.
         return xla_quantized.quantized_attention(
@@ -152,16 +153,14 @@ def quantized_attention(
          jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
         vmap_method="sequential",
     )
-    out_q, lse_q = call(
-        q[:, 0].astype(jnp.float32), *pools,
-        layer_idx, quant_lengths.astype(jnp.int32), q_pos[:, 0].astype(jnp.int32),
-        block_tables.astype(jnp.int32),
+    out, lse = call(
+        q[:, 0].astype(jnp.float32), *pools, tail_k, tail_v,
+        layer_idx, quant_lengths.astype(jnp.int32), lengths.astype(jnp.int32),
+        q_pos[:, 0].astype(jnp.int32), block_tables.astype(jnp.int32),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
         window=np.int64(sliding_window or 0), k_bits=np.int64(k_bits), v_bits=np.int64(v_bits),
     )
-    return qref.merge_with_tail(out_q[:, None], lse_q[:, None], q, tail_k, tail_v,
-                                quant_lengths, lengths, q_pos, scale=scale, soft_cap=soft_cap,
-                                sliding_window=sliding_window)
+    return out[:, None].astype(q.dtype), lse[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))

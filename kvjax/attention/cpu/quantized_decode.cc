@@ -1,5 +1,4 @@
-// Decode attention over KIVI-quantized pages on CPU (the pages' part; the caller merges
-// the full-precision tail by log-sum-exp).
+// Decode attention over KIVI-quantized pages and their full-precision tail on CPU.
 //
 // Same structure as paged_decode.cc: work item = (sequence, KV head), one pass over the
 // sequence's quantized tokens in chunks of 16 positions, online softmax in float32. Each
@@ -11,8 +10,10 @@
 // for groups of G channels, [page_size, width / G]; scales float16, bfloat16 or float32.
 //
 // Semantics: the query of sequence b sits at q_pos[b] (< 0: padding, output 0 and lse
-// -inf) and sees quantized positions k < min(quant_lengths[b], q_pos[b] + 1) with
-// q_pos[b] - k < window when a window is set.
+// -inf) and sees positions k < min(lengths[b], q_pos[b] + 1) with q_pos[b] - k < window
+// when a window is set: k < Q = quant_lengths[b] from the pages, k in [Q, Q + ring) from
+// the tail ring (slot k mod ring of tail_k / tail_v [kv_heads, batch, ring, width], f32,
+// bf16 or f16), in one online softmax (no merge of two partial results).
 
 #include "attend.h"
 
@@ -28,6 +29,10 @@ struct QuantArgs {
   int64_t kv_heads, pages, page_size, head_dim, v_head_dim, q_heads, group;
   int64_t k_bits, v_bits, k_srows, v_groups;
   const int32_t* quant_lengths;  // [batch]
+  const int32_t* lengths;        // [batch]
+  const void *tk, *tv;           // tail rings [kv_heads, batch, ring, width]
+  ffi::DataType tail_type;
+  int64_t ring, tail_batch;
   const int32_t* q_pos;          // [batch]
   const int32_t* tables;         // [batch, max_pages]
   int64_t max_pages;
@@ -189,8 +194,12 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   float* lse = a.lse + b * a.q_heads + h * G;
 
   const int64_t pos = a.q_pos[b];
-  const int64_t hi = std::min<int64_t>({a.quant_lengths[b], pos + 1, a.max_pages * ps});
+  // Positions below Q are in pages, [Q, Q + ring) in the tail ring.
+  const int64_t Q = std::min<int64_t>(a.quant_lengths[b], a.max_pages * ps);
+  const int64_t hi = std::min<int64_t>({a.lengths[b], pos + 1, Q + a.ring});
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos + 1 - a.window) : 0;
+  const int64_t qhi = std::min(hi, Q);  // the pages' part ends here
+  const int64_t batch = a.tail_batch;
   if (pos < 0 || lo >= hi) {
     std::fill(out, out + G * Dv, 0.0f);
     std::fill(lse, lse + G, kNegInf);
@@ -232,9 +241,12 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   const S* loaded = nullptr;  // key scale row currently in kscale/kzero
   const S* folded = nullptr;  // key scale row currently folded into qfold/qbias
 
-  auto page_slot = [&](int64_t p) {
-    p = std::min(std::max(p, lo), hi - 1);  // masked lanes read a visible row
-    return std::pair<int64_t, int64_t>(clamp_index(table[p / ps], a.pages), p % ps);
+  auto page_slot = [&](int64_t p) {  // (page, slot) of a position below Q
+    if (a.max_pages == 0) return std::pair<int64_t, int64_t>(0, 0);
+    // Masked lanes read a visible row; tail chunks compute this too and do not use it.
+    p = std::max<int64_t>(std::min(std::max(p, lo), qhi - 1), 0);
+    const int64_t page = std::min<int64_t>(p / ps, a.max_pages - 1);
+    return std::pair<int64_t, int64_t>(clamp_index(table[page], a.pages), p % ps);
   };
   // The vectorised row dequantizer when the shapes allow it (same bits for K and V, each
   // field a whole number of 16-channel vectors, value groups of whole vectors).
@@ -251,7 +263,26 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   if (fold)
     for (int64_t i = 0; i < Dvp / kLanes; ++i)
       vec_group[i] = static_cast<int32_t>(i * kLanes / v_group);
-  auto fast_chunk = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= hi; };
+  // Whole chunks of pages (16 rows of one page): the table looked up once, scales folded.
+  auto fast_chunk = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= qhi; };
+  // One tail row (position p >= Q) widened to float32 rows of the chunk buffers.
+  const int64_t tail_row0 = (h * batch + b) * a.ring;
+  auto tail_row = [&](int64_t p, float* kd, float* vd) {
+    const int64_t r = tail_row0 + p % a.ring;
+    switch (a.tail_type) {
+      case ffi::F32:
+        to_f32(static_cast<const float*>(a.tk) + r * D, D, Dp, kd);
+        to_f32(static_cast<const float*>(a.tv) + r * Dv, Dv, Dvp, vd);
+        break;
+      case ffi::BF16:
+        to_f32(static_cast<const Bf16*>(a.tk) + r * D, D, Dp, kd);
+        to_f32(static_cast<const Bf16*>(a.tv) + r * Dv, Dv, Dvp, vd);
+        break;
+      default:
+        to_f32(static_cast<const _Float16*>(a.tk) + r * D, D, Dp, kd);
+        to_f32(static_cast<const _Float16*>(a.tv) + r * Dv, Dv, Dvp, vd);
+    }
+  };
   bool spread = false;  // whole chunks prefetch a later chunk's rows as they unpack
   auto load = [&](int64_t c0) -> Chunk {
     vbuf = vbufs[vturn];
@@ -280,7 +311,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
       // (spread out, as attend_rows does for rows in place; a burst stalls the unpacking).
       const int64_t c_pf = c0 + (prefetch_chunks() + 1) * kLanes;
       int64_t row_pf = -1;
-      if (spread && prefetch_chunks() > 0 && c_pf + kLanes <= hi) {
+      if (spread && prefetch_chunks() > 0 && c_pf + kLanes <= qhi) {
         const auto [page_pf, slot_pf] = page_slot(c_pf);
         row_pf = page_pf * ps + slot_pf;
       }
@@ -312,6 +343,11 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
       return {kbuf, Dp, vbuf, Dvp, qfold, qbias};
     }
     for (int j = 0; j < kLanes; ++j) {
+      const int64_t p = std::min(std::max(c0 + j, lo), hi - 1);  // masked lanes: a visible row
+      if (p >= Q) {
+        tail_row(p, kbuf + j * Dp, vbuf + j * Dvp);
+        continue;
+      }
       const auto [page, slot] = fast ? std::pair<int64_t, int64_t>(page0, slot0 + j)
                                      : page_slot(c0 + j);
       const int64_t srow_index = fast && k_group % kLanes == 0 ? slot0 / k_group
@@ -343,6 +379,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     return {kbuf, Dp, vbuf, Dvp};
   };
   auto prefetch = [&](int64_t c0) {
+    if (c0 >= qhi) return;  // the tail (a few hundred rows, written this step): no hint
     const auto [page, slot] = page_slot(c0);
     const int64_t rows = std::min<int64_t>(kLanes, ps - slot);
     prefetch_bytes(kc + (page * ps + slot) * kw, rows * kw);
@@ -382,8 +419,10 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::U8> k_codes, ffi::AnyBuffer k_scale,
                                ffi::AnyBuffer k_zero, ffi::Buffer<ffi::U8> v_codes,
                                ffi::AnyBuffer v_scale, ffi::AnyBuffer v_zero,
+                               ffi::AnyBuffer tail_k, ffi::AnyBuffer tail_v,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> quant_lengths,
-                               ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> tables,
+                               ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> q_pos,
+                               ffi::Buffer<ffi::S32> tables,
                                float scale, float soft_cap, int64_t window, int64_t k_bits,
                                int64_t v_bits, ffi::ResultBuffer<ffi::F32> out,
                                ffi::ResultBuffer<ffi::F32> lse) {
@@ -400,8 +439,12 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   auto bits_ok = [](int64_t b) { return b == 2 || b == 4 || b == 8; };
   if (!bits_ok(k_bits) || !bits_ok(v_bits))
     return ffi::Error::InvalidArgument("kvjax quantized decode: bits must be 2, 4 or 8");
+  const auto tt = tail_k.element_type();
+  if (tail_v.element_type() != tt || (tt != ffi::F32 && tt != ffi::BF16 && tt != ffi::F16))
+    return ffi::Error::InvalidArgument("kvjax quantized decode: tails must both be f32, bf16 or f16");
   QuantArgs a;
   const int64_t batch = qd[0];
+  auto tkd = tail_k.dimensions(), tvd = tail_v.dimensions();
   a.q = q.typed_data();
   a.kc = k_codes.typed_data();
   a.vc = v_codes.typed_data();
@@ -425,6 +468,10 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       a.v_groups <= 0 || a.v_head_dim % a.v_groups || vsd[3] != a.page_size ||
       td[0] != batch || quant_lengths.element_count() != static_cast<size_t>(batch) ||
       q_pos.element_count() != static_cast<size_t>(batch) ||
+      lengths.element_count() != static_cast<size_t>(batch) || tkd.size() != 4 ||
+      tvd.size() != 4 || tkd[0] != a.kv_heads || tkd[1] != batch || tkd[3] != a.head_dim ||
+      tvd[0] != a.kv_heads || tvd[1] != batch || tvd[2] != tkd[2] ||
+      tvd[3] != a.v_head_dim ||
       (8 / k_bits > 1 && a.head_dim % (8 / k_bits)) ||
       (8 / v_bits > 1 && a.v_head_dim % (8 / v_bits)))
     return ffi::Error::InvalidArgument("kvjax quantized decode: inconsistent shapes");
@@ -433,6 +480,12 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("kvjax quantized decode: too many query heads per KV head");
   a.layer = clamp_index(layer.typed_data()[0], kd[0]);
   a.quant_lengths = quant_lengths.typed_data();
+  a.lengths = lengths.typed_data();
+  a.tk = tail_k.untyped_data();
+  a.tv = tail_v.untyped_data();
+  a.tail_type = tt;
+  a.ring = tkd[2];
+  a.tail_batch = batch;
   a.q_pos = q_pos.typed_data();
   a.tables = tables.typed_data();
   a.max_pages = td[1];
@@ -467,8 +520,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxQuantizedDecode, kvjax::QuantizedDecodeImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // v codes
                                   .Arg<xla::ffi::AnyBuffer>()              // v scale
                                   .Arg<xla::ffi::AnyBuffer>()              // v zero
+                                  .Arg<xla::ffi::AnyBuffer>()              // tail k
+                                  .Arg<xla::ffi::AnyBuffer>()              // tail v
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // quant lengths
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lengths
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // q positions
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block tables
                                   .Attr<float>("scale")
