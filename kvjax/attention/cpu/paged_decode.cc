@@ -75,6 +75,8 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
   };
   // A chunk lies in one page when pages hold whole chunks; its rows are then contiguous.
   const bool whole = ps % kLanes == 0;
+  // A chunk of 16 visible rows of one page: read in place.
+  auto contiguous = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= hi; };
   auto prefetch = [&](int64_t c0) {
     if (whole) {
       const int64_t r0 = row_of(c0);
@@ -102,7 +104,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
       std::vector<E> stage(2 * kLanes * (D + Dv));
       int turn = 0;
       auto load = [&](int64_t c0) -> RowChunk<E> {
-        if (whole && c0 >= lo && c0 + kLanes <= hi) {
+        if (contiguous(c0)) {
           const int64_t r0 = row_of(c0);
           return {kb + r0 * D, D, vb + r0 * Dv, Dv};
         }
@@ -117,7 +119,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
         return {ks, D, vs, Dv};
       };
       auto locate = [&](int64_t c0) -> RowChunk<E> {
-        if (whole && c0 >= lo && c0 + kLanes <= hi) {
+        if (contiguous(c0)) {
           const int64_t r0 = row_of(c0);
           return {kb + r0 * D, D, vb + r0 * Dv, Dv};
         }
@@ -131,7 +133,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
   const bool in_place = whole && std::is_same_v<T, float> && D == Dp && Dv == Dvp;
 
   auto load = [&](int64_t c0) -> Chunk {
-    if (whole && c0 >= lo && c0 + kLanes <= hi) {
+    if (contiguous(c0)) {
       const int64_t r0 = row_of(c0);
       if (in_place) {
         return {reinterpret_cast<const float*>(kbase) + r0 * D, D,
