@@ -29,20 +29,23 @@ inline bool rows_kernel() {
 
 inline int64_t round16(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// One chunk of 16 key/value rows as float32: row j of the keys at k + j * ks (ks floats
-// apart, the width padded to a multiple of 16 with zeros), of the values at v + j * vs.
-// Optionally the chunk brings its own query rows (G rows of the padded key width, used
-// instead of the item's) and a logit bias per row added to the dot products: KIVI keys
-// fold their per-channel scale into the query and their zero point into the bias, so the
-// rows hold bare codes.
-struct Chunk {
-  const float* k;
+// One chunk of 16 key/value rows of element type E (float, or uint16_t for bfloat16
+// bits): row j of the keys at k + j * ks, of the values at v + j * vs. Optionally the
+// chunk brings its own query rows (G rows of the key width, in load32's order: natural for
+// float; used instead of the item's) and a logit bias per row added to the dot products:
+// KIVI keys fold their per-channel scale into the query and their zero point into the
+// bias, so the rows hold bare codes.
+template <typename E>
+struct RowChunk {
+  const E* k;
   int64_t ks;
-  const float* v;
+  const E* v;
   int64_t vs;
-  const float* q = nullptr;     // [G, Dp] or nullptr: the item's query rows
+  const float* q = nullptr;     // [G, D] or nullptr: the item's query rows
   const float* bias = nullptr;  // [G] or nullptr: no bias
 };
+// The float32 chunk of the staging `attend` (widths padded to a multiple of 16 with zeros).
+using Chunk = RowChunk<float>;
 
 // Folds one chunk's logits `s` of a query row into its running max `m`, sum `l`: the
 // rescale of the earlier accumulator (`alpha`) and the chunk's probabilities (to `probs`).
@@ -160,19 +163,6 @@ inline void from_split(const float* src, float* dst, int64_t n, float scale) {
     }
 }
 
-// One chunk of 16 key/value rows of element type E (float, or uint16_t for bfloat16
-// bits): row j at k + j * ks / v + j * vs. As in `Chunk`, a chunk may bring its own query
-// rows ([G, D], in load32's order: natural for float) and a logit bias per row (KIVI keys
-// with folded scales).
-template <typename E>
-struct RowChunk {
-  const E* k;
-  int64_t ks;
-  const E* v;
-  int64_t vs;
-  const float* q = nullptr;     // [G, D] or nullptr: the item's query rows
-  const float* bias = nullptr;  // [G] or nullptr: no bias
-};
 
 // Prefetches (into L1) the n elements of one row.
 template <typename E>

@@ -390,10 +390,6 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   if (fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 && rows_kernel()) {
     // The register-blocked core over the unpacked float32 chunk (query rows in register
     // blocks, each key/value vector used by 4-8 of them).
-    auto load_rows = [&](int64_t c0) -> RowChunk<float> {
-      const Chunk c = load(c0);
-      return {c.k, c.ks, c.v, c.vs, c.q, c.bias};
-    };
     // Whole chunks prefetch their successors' rows themselves (load, above); the others
     // (edges of [lo, hi)) are hinted at once.
     auto in_place = [](int64_t) { return RowChunk<float>{nullptr, 0, nullptr, 0}; };
@@ -401,7 +397,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     auto edge_prefetch = [&](int64_t c0) {
       if (!(fast_chunk(c0) && fast_chunk(c0 - (prefetch_chunks() + 1) * kLanes))) prefetch(c0);
     };
-    attend_rows<float, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load_rows, edge_prefetch,
+    attend_rows<float, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, edge_prefetch,
                                 in_place, out, lse);
     return;
   }
