@@ -245,13 +245,16 @@ def test_quantized_auto_and_prefill_fallback(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
-    (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2)])
+    (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
+    (4, 64, 32, jnp.float16, 8), (2, 128, 16, jnp.bfloat16, 4), (4, 32, 32, jnp.float32, 4),
+    (8, 96, 32, jnp.float16, 2)])
 def test_quantized_vectorised_rows(rng, bits, head_dim, group, scale_dtype, q_heads):
     """Widths whose packed fields hold whole 16-channel vectors take the vectorised
     dequantizer (random_cache's head_dim 32 / group 8 take the scalar one) and, for whole
-    chunks, the register-blocked core (query rows in blocks of 8, 4 and 1: GQA 8, 4, 1);
-    f16, bf16 and f32 scales. Random tables with shared pages, lengths 1 .. max (some in
-    the tail only, some ending inside a chunk)."""
+    chunks, the codes read in place by the register-blocked core (query rows in blocks of
+    8, 4 and 1: GQA 8, 4, 1; 1, 2, 4 and 8 value groups per row through the vector
+    weights, 3 through the scalar ones); f16, bf16 and f32 scales. Random tables with
+    shared pages, lengths 1 .. max (some in the tail only, some ending inside a chunk)."""
     kv_heads, ps, max_pages, ring = 2, 32, 4, 48
     batch, num_pages = 5, 12
     span = 1.0 / ((1 << bits) - 1)

@@ -168,7 +168,7 @@ inline void from_split(const float* src, float* dst, int64_t n, float scale) {
 template <typename E>
 inline void prefetch_row(const E* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(E)); o += 64) __builtin_prefetch(c + o);
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(E)); o += 64) prefetch_line(c + o);
 }
 
 // The logits of query rows [g0, g0 + NB) against one chunk's 16 key rows: each key vector
@@ -243,14 +243,19 @@ inline void for_row_blocks(int64_t G, Fn&& fn) {
   for (; g0 < G; ++g0) fn(std::integral_constant<int, 1>{}, g0);
 }
 
-// `attend` for float32 or bfloat16 (E = uint16_t) rows and head widths D, Dv multiples
-// of 32: rows used in place (bf16 widened in registers, load32), query rows taken in
-// register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a time:
-// `load` must not reuse a chunk's memory before the chunk after next (paged_decode.cc
-// alternates two stage buffers). `locate(c0)` gives a chunk's rows in place for the
-// spread prefetch (k == nullptr where they are not: `prefetch(c0)` then hints the chunk
-// at once). qs: [G, D] scaled queries; out: [G, Dv].
-template <typename E, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
+// `attend` for chunks of type C: RowChunk<E> of float32 or bfloat16 (E = uint16_t) rows,
+// or another chunk type with its own chunk_logits / chunk_accumulate / located overloads
+// (the KIVI kernel's codes read in place, quantized_decode.cc), and head widths D, Dv
+// multiples of 32: rows used in place (bf16 widened in registers, load32), query rows
+// taken in register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a
+// time: `load` must not reuse a chunk's memory before the chunk after next
+// (paged_decode.cc alternates two stage buffers). `locate(c0)` gives a chunk in place
+// for the spread prefetch (located(chunk) false where it is not: `prefetch(c0)` then
+// hints the chunk at once). qs: [G, D] scaled queries; out: [G, Dv].
+template <typename E>
+inline bool located(const RowChunk<E>& ch) { return ch.k != nullptr; }
+
+template <typename C, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
 void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_t lo, int64_t hi,
                  float soft_cap, Load&& load, Prefetch&& prefetch, Locate&& locate, float* out,
                  float* lse) {
@@ -266,7 +271,7 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   v16* parts[2] = {reinterpret_cast<v16*>(acc + G * Dv),
                    reinterpret_cast<v16*>(acc + G * Dv) + G * kLanes};
   float* probs = reinterpret_cast<float*>(parts[1] + G * kLanes);
-  constexpr bool split = std::is_same_v<E, uint16_t>;  // bf16: split order, else natural
+  constexpr bool split = std::is_same_v<C, RowChunk<uint16_t>>;  // bf16: split order
   for (int64_t g = 0; g < G; ++g) {
     if (split) {
       to_split(qs + g * D, qsplit + g * D, D);
@@ -282,7 +287,7 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   const int64_t first = lo / kLanes * kLanes;
   // The keys of chunk c + 1 are read in iteration c: prefetch `ahead` chunks past that.
   for (int64_t i = 0; i <= ahead; ++i) prefetch(first + i * kLanes);
-  auto logits = [&](const RowChunk<E>& ch, v16* out_parts, const RowChunk<E>* pf) {
+  auto logits = [&](const C& ch, v16* out_parts, const C* pf) {
     for_row_blocks(G, [&](auto nb, int64_t g0) {
       chunk_logits<decltype(nb)::value, DT>((ch.q ? ch.q : qsplit) + g0 * D, D, ch,
                                             out_parts + g0 * kLanes, g0 == 0 ? pf : nullptr);
@@ -292,14 +297,14 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   // Software-pipelined: the logits of chunk c + 1 are computed between chunk c's softmax
   // (a chain of dependent horizontal ops) and its value accumulation (which waits on
   // it), so the out-of-order core has independent work while the chain resolves.
-  RowChunk<E> ch = load(first);
+  C ch = load(first);
   logits(ch, parts[0], nullptr);
   int cur = 0;
   for (int64_t c0 = first; c0 < hi; c0 += kLanes) {
-    RowChunk<E> pf{nullptr, 0, nullptr, 0};
+    C pf{};
     if (ahead > 0 && c0 + (ahead + 1) * kLanes < hi) {
       pf = locate(c0 + (ahead + 1) * kLanes);
-      if (!pf.k) prefetch(c0 + (ahead + 1) * kLanes);
+      if (!located(pf)) prefetch(c0 + (ahead + 1) * kLanes);
     }
     const v16 pos = iota + static_cast<float>(c0);
     const v16i visible = (pos >= static_cast<float>(lo)) & (pos < static_cast<float>(hi));
@@ -308,10 +313,10 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
       if (ch.bias) s += splat(ch.bias[g]);
       softmax_step(s, visible, soft_cap, m[g], l[g], alpha[g], probs + g * kLanes);
     }
-    const RowChunk<E> now = ch;
+    const C now = ch;
     if (c0 + kLanes < hi) {
       ch = load(c0 + kLanes);
-      logits(ch, parts[cur ^ 1], pf.k ? &pf : nullptr);
+      logits(ch, parts[cur ^ 1], located(pf) ? &pf : nullptr);
     }
     for_row_blocks(G, [&](auto nb, int64_t g0) {
       chunk_accumulate<decltype(nb)::value, DVT>(acc + g0 * Dv, Dv, alpha + g0,
@@ -346,7 +351,7 @@ inline void to_f32(const T* src, int64_t width, int64_t padded, float* dst) {
 
 inline void prefetch_bytes(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(c + o, 0, 3);
+  for (int64_t o = 0; o < n; o += 64) prefetch_line(c + o);
 }
 
 

@@ -44,6 +44,25 @@ inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 // A broadcast (v16{} + x would add +0.0, which compilers must keep: -0.0 + 0.0 is +0.0).
 inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+// Software prefetch of the line holding p into all cache levels (L1: Level 0) or L2 and
+// below (Level 1). Inline asm, not __builtin_prefetch: GCC treats the builtin as free of
+// side effects, so a helper made of nothing but prefetches is "const" to its IPA passes
+// and its calls are deleted (every prefetch of quantized_decode.cc and mla_decode.cc was
+// gone at -O3; NOTES v10).
+template <int Level = 0>
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  if constexpr (Level == 0) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  }
+#else
+  __builtin_prefetch(p, 0, Level == 0 ? 3 : 2);
+  asm volatile("" : : "r"(p));  // keeps the call (see above)
+#endif
+}
+
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
 inline float hmax(v16 x) {

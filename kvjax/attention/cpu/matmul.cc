@@ -46,7 +46,7 @@ inline v16 broadcast(const float* p) {
   return v16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
 }
 
-inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline void prefetch_l2(const void* p) { prefetch_line<1>(p); }
 
 // Prefetches `lines` cache lines from p, plus the line of the piece's last byte (pieces
 // need not start on a line).

@@ -1,9 +1,11 @@
 // Decode attention over KIVI-quantized pages and their full-precision tail on CPU.
 //
 // Same structure as paged_decode.cc: work item = (sequence, KV head), one pass over the
-// sequence's quantized tokens in chunks of 16 positions, online softmax in float32. Each
-// chunk's packed codes are unpacked with shifts and masks and dequantized, code * scale +
-// zero, into an L1-resident float32 chunk that the shared core (attend.h) multiplies.
+// sequence's quantized tokens in chunks of 16 positions, online softmax in float32. Chunks
+// of 16 rows of one page are read in place: the logits and value loops of attend.h's
+// register-blocked core take the packed codes (CodeChunk below); the other chunks (the
+// edges of the visible range, the tail ring, shapes the in-place path does not cover) are
+// unpacked and dequantized, code * scale + zero, into a float32 chunk first (`stage`).
 // Layout (kernels_pallas/quantized_attention/layout.py): codes planar-packed along the
 // width (field i of byte j is channel i * W/k + j, k = 8 / bits codes per byte); keys'
 // scale/zero per channel for groups of G tokens, [page_size / G, width]; values' per token
@@ -87,16 +89,21 @@ inline void dequant_value_row(const uint8_t* __restrict codes, int64_t width, in
 
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
 
-// Codes of 16 consecutive bytes' field at bit `shift`, as float32: widen, shift, mask.
-template <int BITS>
-inline v16 codes16(const uint8_t* p, int shift) {
+// Bytes p[0, 16) zero-extended to 16 int32 lanes.
+inline v16i widen_bytes(const uint8_t* p) {
 #ifdef __AVX512F__
   // GCC turns the generic conversion below into byte-by-byte inserts; vpmovzxbd is one op.
   __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  v16i x = reinterpret_cast<v16i&>(w);
+  return reinterpret_cast<v16i&>(w);
 #else
-  v16i x = __builtin_convertvector(*reinterpret_cast<const u8x16*>(p), v16i);
+  return __builtin_convertvector(*reinterpret_cast<const u8x16*>(p), v16i);
 #endif
+}
+
+// Codes of 16 consecutive bytes' field at bit `shift`, as float32: widen, shift, mask.
+template <int BITS>
+inline v16 codes16(const uint8_t* p, int shift) {
+  v16i x = widen_bytes(p);
   if constexpr (BITS < 8) x = (x >> shift) & ((1 << BITS) - 1);
   return __builtin_convertvector(x, v16);
 }
@@ -142,12 +149,7 @@ inline void key_codes16(const uint8_t* kcodes, int64_t D, float* __restrict kdst
   constexpr int k = 8 / BITS;
   const int64_t n = D / k;
   for (int64_t j = 0; j < n; j += kLanes) {
-#ifdef __AVX512F__
-    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kcodes + j)));
-    const v16i x = reinterpret_cast<v16i&>(w);
-#else
-    const v16i x = __builtin_convertvector(*reinterpret_cast<const u8x16*>(kcodes + j), v16i);
-#endif
+    const v16i x = widen_bytes(kcodes + j);
     for (int f = 0; f < k; ++f) {
       v16i c = x;
       if constexpr (BITS < 8) c = (x >> (f * BITS)) & ((1 << BITS) - 1);
@@ -170,18 +172,193 @@ inline void value_row16(const uint8_t* vcodes, const S* vs, const S* vz,
   to_f32(vs, v_groups, v_groups, sz);
   to_f32(vz, v_groups, v_groups, zf);
   for (int64_t j = 0; j < n; j += kLanes) {
-#ifdef __AVX512F__
-    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vcodes + j)));
-    const v16i x = reinterpret_cast<v16i&>(w);
-#else
-    const v16i x = __builtin_convertvector(*reinterpret_cast<const u8x16*>(vcodes + j), v16i);
-#endif
+    const v16i x = widen_bytes(vcodes + j);
     for (int f = 0; f < k; ++f) {
       v16i c = x;
       if constexpr (BITS < 8) c = (x >> (f * BITS)) & ((1 << BITS) - 1);
       const int64_t ch = f * n + j;
       const int32_t g = vec_group[ch / kLanes];
       store16(vdst + ch, __builtin_convertvector(c, v16) * sz[g] + zf[g]);
+    }
+  }
+}
+
+// ---- Codes read in place by attend.h's register-blocked core (attend_rows) ----
+//
+// Unpacking a chunk into float32 rows and reading them again cost more than the attention
+// itself (a store and a reload per value besides the unpacking: the kernel was 1.4-1.6x
+// slower than bf16 pages, NOTES v10). Here the logits and value loops take the packed codes
+// directly: a key code is multiplied by the query row with the group's scales folded in
+// (q . (s c + z) = (q s) . c + q . z, the q . z a logit bias), and a value code by its
+// token's probability times its group's scale, p s c, with sum_j p_j z_j added once per
+// group and chunk.
+
+constexpr int64_t kMaxValueGroups = 16;  // value scale groups per row on the in-place path
+
+// Field f (bits [f BITS, (f + 1) BITS)) of bytes widened to int32 lanes, as float32. With
+// AVX-512 a 16-entry table lookup converts 4- and 2-bit codes (vpermps reads the low 4
+// bits of each index, so field 0 needs no mask): 1-2 ops per 16 codes, not shift, mask
+// and convert.
+template <int BITS>
+inline v16 code_field(v16i x, int f) {
+  if constexpr (BITS == 8) {
+    return __builtin_convertvector(x, v16);
+  } else {
+#ifdef __AVX512F__
+    if constexpr (BITS == 4) {
+      const v16 codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const v16i i = f ? x >> 4 : x;
+      return (v16)_mm512_permutexvar_ps((__m512i)i, (__m512)codes);
+    } else {
+      // Index bits 0-1 are one field, bits 2-3 the next.
+      const v16 low = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+      const v16 high = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+      const v16i i = f >= 2 ? x >> 4 : x;
+      return (v16)_mm512_permutexvar_ps((__m512i)i, (__m512)(f & 1 ? high : low));
+    }
+#else
+    return __builtin_convertvector((x >> (f * BITS)) & ((1 << BITS) - 1), v16);
+#endif
+  }
+}
+
+// A chunk of 16 rows of one page, its codes in place: key row j at k + j * kw, value row j
+// at v + j * vw, the values' scales and zeros [16, vg] at vs / vz (groups of `vgroup`
+// channels); q / bias: the query rows with the key group's scales folded in and their
+// dot products with its zeros. Chunks that are not whole rows of one page (the edges of
+// [lo, hi), the tail ring) come as float32 `rows` with k == nullptr.
+template <int BITS, typename S>
+struct CodeChunk {
+  const uint8_t* k = nullptr;
+  int64_t kw = 0;
+  const uint8_t* v = nullptr;
+  int64_t vw = 0;
+  const S* vs = nullptr;
+  const S* vz = nullptr;
+  int64_t vg = 0, vgroup = 0;
+  const float* q = nullptr;
+  const float* bias = nullptr;
+  RowChunk<float> rows{nullptr, 0, nullptr, 0};
+};
+
+template <int BITS, typename S>
+inline bool located(const CodeChunk<BITS, S>& ch) { return ch.k != nullptr; }
+
+template <int BITS, typename S>
+inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
+  prefetch_bytes(ch.k + j * ch.kw, ch.kw);
+  prefetch_bytes(ch.v + j * ch.vw, ch.vw);
+  prefetch_line(ch.vs + j * ch.vg);
+  prefetch_line(ch.vz + j * ch.vg);
+}
+
+// Logits of query rows [g0, g0 + NB) (q: their rows, natural order) against the chunk's 16
+// key rows; as attend.h's chunk_logits, with row j of `pf` prefetched in step j.
+template <int NB, int DT, int BITS, typename S>
+inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>& ch, v16* parts,
+                         const CodeChunk<BITS, S>* pf = nullptr) {
+  if (!ch.k) {
+    if (pf)
+      for (int j = 0; j < kLanes; ++j) prefetch_codes(*pf, j);
+    return chunk_logits<NB, DT>(q, D_rt, ch.rows, parts);
+  }
+  constexpr int k = 8 / BITS;
+  const int64_t D = DT ? DT : D_rt, n = D / k;  // field f of byte c is channel f n + c
+  for (int j = 0; j < kLanes; ++j) {
+    if (pf) prefetch_codes(*pf, j);
+    v16 a[NB];
+    for (int r = 0; r < NB; ++r) a[r] = v16{};
+    const uint8_t* kr = ch.k + j * ch.kw;
+    for (int64_t c = 0; c < n; c += kLanes) {
+      const v16i x = widen_bytes(kr + c);
+      for (int f = 0; f < k; ++f) {
+        const v16 code = code_field<BITS>(x, f);
+        for (int r = 0; r < NB; ++r) a[r] += load16(q + r * D + f * n + c) * code;
+      }
+    }
+    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[r];
+  }
+}
+
+// The value weights of NB rows' probabilities p [NB, 16] over the chunk's tokens:
+// w[r][j vg + g] = p[r][j] s[j][g] and z[r][g] = sum_j p[r][j] zero[j][g].
+template <int NB, int BITS, typename S>
+inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w, float* z) {
+  const int64_t vg = ch.vg, m = kLanes * vg;
+  alignas(64) float s[kLanes * kMaxValueGroups], zero[kLanes * kMaxValueGroups];
+  to_f32(ch.vs, m, m, s);
+  to_f32(ch.vz, m, m, zero);
+#ifdef __AVX512F__
+  if ((vg & (vg - 1)) == 0) {
+    const int lg = __builtin_ctzll(vg);
+    const v16i iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int r = 0; r < NB; ++r) {
+      const v16 pr = load16(p + r * kLanes);
+      v16 zs{};
+      for (int64_t b = 0; b < vg; ++b) {
+        // Lane i of block b is token (16 b + i) / vg, group i mod vg.
+        const v16i tok = (iota + static_cast<int32_t>(b * kLanes)) >> lg;
+        const v16 pp = (v16)_mm512_permutexvar_ps((__m512i)tok, (__m512)pr);
+        store16(w + r * m + b * kLanes, pp * load16(s + b * kLanes));
+        zs += pp * load16(zero + b * kLanes);
+      }
+      // Lane g < vg: the sum over the lanes congruent to g mod vg (pairs i, i ^ h).
+      if (vg <= 8) zs += __builtin_shufflevector(zs, zs, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+      if (vg <= 4) zs += __builtin_shufflevector(zs, zs, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+      if (vg <= 2) zs += __builtin_shufflevector(zs, zs, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+      if (vg <= 1) zs += __builtin_shufflevector(zs, zs, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+      for (int64_t g = 0; g < vg; ++g) z[r * kMaxValueGroups + g] = zs[g];
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < NB; ++r) {
+    float* zr = z + r * kMaxValueGroups;
+    for (int64_t g = 0; g < vg && g < kMaxValueGroups; ++g) zr[g] = 0.0f;
+    for (int64_t i = 0; i < m; ++i) {
+      const float pj = p[r * kLanes + i / vg];
+      w[r * m + i] = pj * s[i];
+      zr[i % vg] += pj * zero[i];
+    }
+  }
+}
+
+// acc[r] = alpha[r] acc[r] + sum_j p[r][j] (s[j] code[j] + zero[j]) for rows [g0, g0 + NB)
+// (natural order), one 16-byte column of codes (k vectors of channels) at a time with the
+// rows' accumulators in registers; at most 16 accumulators per pass.
+template <int NB, int DVT, int BITS, typename S>
+inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, const float* probs,
+                             const CodeChunk<BITS, S>& ch) {
+  if (!ch.k) return chunk_accumulate<NB, DVT>(acc, Dv_rt, alpha, probs, ch.rows);
+  constexpr int k = 8 / BITS;
+  const int64_t Dv = DVT ? DVT : Dv_rt, n = Dv / k;
+  constexpr int RB = NB * k <= 16 ? NB : std::max(1, 16 / k);
+  if constexpr (RB < NB) {
+    for (int r0 = 0; r0 < NB; r0 += RB)
+      chunk_accumulate<RB, DVT>(acc + r0 * Dv, Dv, alpha + r0, probs + r0 * kLanes, ch);
+    return;
+  } else {
+    const int64_t m = kLanes * ch.vg;
+    alignas(64) float w[NB * kLanes * kMaxValueGroups];
+    float z[NB * kMaxValueGroups];
+    value_weights<NB>(probs, ch, w, z);
+    for (int64_t c = 0; c < n; c += kLanes) {
+      int64_t gf[k];  // the value group of each field's 16 channels
+      for (int f = 0; f < k; ++f) gf[f] = (f * n + c) / ch.vgroup;
+      v16 x[NB][k];
+      for (int r = 0; r < NB; ++r)
+        for (int f = 0; f < k; ++f)
+          x[r][f] = load16(acc + r * Dv + f * n + c) * splat(alpha[r]) +
+                    splat(z[r * kMaxValueGroups + gf[f]]);
+      for (int j = 0; j < kLanes; ++j) {
+        const v16i b = widen_bytes(ch.v + j * ch.vw + c);
+        for (int f = 0; f < k; ++f) {
+          const v16 code = code_field<BITS>(b, f);
+          for (int r = 0; r < NB; ++r) x[r][f] += splat(w[r * m + j * ch.vg + gf[f]]) * code;
+        }
+      }
+      for (int r = 0; r < NB; ++r)
+        for (int f = 0; f < k; ++f) store16(acc + r * Dv + f * n + c, x[r][f]);
     }
   }
 }
@@ -283,46 +460,33 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         to_f32(static_cast<const _Float16*>(a.tv) + r * Dv, Dv, Dvp, vd);
     }
   };
-  bool spread = false;  // whole chunks prefetch a later chunk's rows as they unpack
-  auto load = [&](int64_t c0) -> Chunk {
+  // Folds the key scale row srow (a group's scales and zeros) into the query rows.
+  auto refold = [&](const S* srow) {
+    if (srow == folded) return;
+    to_f32(srow, D, Dp, kscale);
+    to_f32(kz + (srow - ks), D, Dp, kzero);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * Dp;
+      v16 bias{};
+      for (int64_t d = 0; d < Dp; d += kLanes) {
+        const v16 qv = load16(qg + d);
+        store16(qfold + g * Dp + d, qv * load16(kscale + d));
+        bias += qv * load16(kzero + d);
+      }
+      qbias[g] = hsum(bias);
+    }
+    folded = srow;
+    loaded = srow;  // kscale/kzero hold this row's scales as the unfolded path wants
+  };
+  // The chunk of positions [c0, c0 + 16) unpacked and dequantized into float32 rows.
+  auto stage = [&](int64_t c0) -> Chunk {
     vbuf = vbufs[vturn];
     vturn ^= 1;
     const bool fast = fast_chunk(c0);
     const auto [page0, slot0] = page_slot(c0);
     if (fold && fast) {
-      const S* srow = ks + (page0 * a.k_srows + slot0 / k_group) * D;
-      if (srow != folded) {
-        to_f32(srow, D, Dp, kscale);
-        to_f32(kz + (srow - ks), D, Dp, kzero);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qs + g * Dp;
-          v16 bias{};
-          for (int64_t d = 0; d < Dp; d += kLanes) {
-            const v16 qv = load16(qg + d);
-            store16(qfold + g * Dp + d, qv * load16(kscale + d));
-            bias += qv * load16(kzero + d);
-          }
-          qbias[g] = hsum(bias);
-        }
-        folded = srow;
-        loaded = srow;  // kscale/kzero hold this row's scales as the unfolded path wants
-      }
-      // Rows of the chunk `ahead` past the next one, prefetched one per unpacked row
-      // (spread out, as attend_rows does for rows in place; a burst stalls the unpacking).
-      const int64_t c_pf = c0 + (prefetch_chunks() + 1) * kLanes;
-      int64_t row_pf = -1;
-      if (spread && prefetch_chunks() > 0 && c_pf + kLanes <= qhi) {
-        const auto [page_pf, slot_pf] = page_slot(c_pf);
-        row_pf = page_pf * ps + slot_pf;
-      }
+      refold(ks + (page0 * a.k_srows + slot0 / k_group) * D);
       for (int j = 0; j < kLanes; ++j) {
-        if (row_pf >= 0) {
-          const int64_t r = row_pf + j;
-          prefetch_bytes(kc + r * kw, kw);
-          prefetch_bytes(vc + r * vw, vw);
-          prefetch_bytes(vs + r * a.v_groups, a.v_groups * sizeof(S));
-          prefetch_bytes(vz + r * a.v_groups, a.v_groups * sizeof(S));
-        }
         const int64_t row = page0 * ps + slot0 + j;
         const uint8_t* kr = kc + row * kw;
         const uint8_t* vr = vc + row * vw;
@@ -387,21 +551,56 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     prefetch_bytes(vs + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
     prefetch_bytes(vz + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
   };
-  if (fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 && rows_kernel()) {
-    // The register-blocked core over the unpacked float32 chunk (query rows in register
-    // blocks, each key/value vector used by 4-8 of them).
-    // Whole chunks prefetch their successors' rows themselves (load, above); the others
-    // (edges of [lo, hi)) are hinted at once.
-    auto in_place = [](int64_t) { return RowChunk<float>{nullptr, 0, nullptr, 0}; };
-    spread = true;
-    auto edge_prefetch = [&](int64_t c0) {
-      if (!(fast_chunk(c0) && fast_chunk(c0 - (prefetch_chunks() + 1) * kLanes))) prefetch(c0);
+  if (fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 && a.v_groups <= kMaxValueGroups &&
+      rows_kernel()) {
+    // Whole chunks: codes read in place by the register-blocked core (query rows in
+    // register blocks, each unpacked key/value vector used by 4-8 of them), a later
+    // chunk's rows prefetched one per token step (locate); the edges of [lo, hi) and
+    // the tail come as float32 rows (stage) and are hinted at once.
+    auto run = [&](auto bits) {
+      using Codes = CodeChunk<decltype(bits)::value, S>;
+      auto in_place = [&](int64_t c0) {
+        Codes ch;
+        const auto [page, slot] = page_slot(c0);
+        const int64_t row = page * ps + slot;
+        ch.k = kc + row * kw;
+        ch.kw = kw;
+        ch.v = vc + row * vw;
+        ch.vw = vw;
+        ch.vs = vs + row * a.v_groups;
+        ch.vz = vz + row * a.v_groups;
+        ch.vg = a.v_groups;
+        ch.vgroup = v_group;
+        ch.q = qfold;
+        ch.bias = qbias;
+        return ch;
+      };
+      auto load = [&](int64_t c0) {
+        if (!fast_chunk(c0)) {
+          Codes ch;
+          ch.rows = stage(c0);
+          ch.q = ch.rows.q;
+          ch.bias = ch.rows.bias;
+          return ch;
+        }
+        const auto [page, slot] = page_slot(c0);
+        refold(ks + (page * a.k_srows + slot / k_group) * D);
+        return in_place(c0);
+      };
+      auto locate = [&](int64_t c0) { return fast_chunk(c0) ? in_place(c0) : Codes{}; };
+      attend_rows<Codes, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate, out,
+                                  lse);
     };
-    attend_rows<float, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, edge_prefetch,
-                                in_place, out, lse);
+    if (a.k_bits == 8) {
+      run(std::integral_constant<int, 8>{});
+    } else if (a.k_bits == 4) {
+      run(std::integral_constant<int, 4>{});
+    } else {
+      run(std::integral_constant<int, 2>{});
+    }
     return;
   }
-  attend<DT, DVT>(qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, load, prefetch, acc, probs, out, lse);
+  attend<DT, DVT>(qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, stage, prefetch, acc, probs, out, lse);
 }
 
 template <typename S>
