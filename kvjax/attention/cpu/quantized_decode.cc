@@ -236,6 +236,9 @@ struct CodeChunk {
   const S* vs = nullptr;
   const S* vz = nullptr;
   int64_t vg = 0, vgroup = 0;
+  const S* ks = nullptr;  // the key group's scale and zero rows (folded into q): prefetched
+  const S* kz = nullptr;
+  int64_t kbytes = 0;     // bytes of each
   const float* q = nullptr;
   const float* bias = nullptr;
   RowChunk<float> rows{nullptr, 0, nullptr, 0};
@@ -250,6 +253,12 @@ inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
   prefetch_bytes(ch.v + j * ch.vw, ch.vw);
   prefetch_line(ch.vs + j * ch.vg);
   prefetch_line(ch.vz + j * ch.vg);
+  // The key scale and zero rows, a line per step (a group's rows serve 16+ tokens).
+  const int64_t o = 64 * j;
+  if (o < ch.kbytes) {
+    prefetch_line(reinterpret_cast<const char*>(ch.ks) + o);
+    prefetch_line(reinterpret_cast<const char*>(ch.kz) + o);
+  }
 }
 
 // Logits of query rows [g0, g0 + NB) (q: their rows, natural order) against the chunk's 16
@@ -571,6 +580,9 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         ch.vz = vz + row * a.v_groups;
         ch.vg = a.v_groups;
         ch.vgroup = v_group;
+        ch.ks = ks + (page * a.k_srows + slot / k_group) * D;
+        ch.kz = kz + (ch.ks - ks);
+        ch.kbytes = D * sizeof(S);
         ch.q = qfold;
         ch.bias = qbias;
         return ch;
@@ -583,9 +595,9 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
           ch.bias = ch.rows.bias;
           return ch;
         }
-        const auto [page, slot] = page_slot(c0);
-        refold(ks + (page * a.k_srows + slot / k_group) * D);
-        return in_place(c0);
+        const Codes ch = in_place(c0);
+        refold(ch.ks);
+        return ch;
       };
       auto locate = [&](int64_t c0) { return fast_chunk(c0) ? in_place(c0) : Codes{}; };
       attend_rows<Codes, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate, out,
