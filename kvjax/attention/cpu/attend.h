@@ -243,6 +243,10 @@ inline void for_row_blocks(int64_t G, Fn&& fn) {
   for (; g0 < G; ++g0) fn(std::integral_constant<int, 1>{}, g0);
 }
 
+// Whether locate() found the chunk's rows in place.
+template <typename E>
+inline bool located(const RowChunk<E>& ch) { return ch.k != nullptr; }
+
 // `attend` for chunks of type C: RowChunk<E> of float32 or bfloat16 (E = uint16_t) rows,
 // or another chunk type with its own chunk_logits / chunk_accumulate / located overloads
 // (the KIVI kernel's codes read in place, quantized_decode.cc), and head widths D, Dv
@@ -252,9 +256,6 @@ inline void for_row_blocks(int64_t G, Fn&& fn) {
 // (paged_decode.cc alternates two stage buffers). `locate(c0)` gives a chunk in place
 // for the spread prefetch (located(chunk) false where it is not: `prefetch(c0)` then
 // hints the chunk at once). qs: [G, D] scaled queries; out: [G, Dv].
-template <typename E>
-inline bool located(const RowChunk<E>& ch) { return ch.k != nullptr; }
-
 template <typename C, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
 void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_t lo, int64_t hi,
                  float soft_cap, Load&& load, Prefetch&& prefetch, Locate&& locate, float* out,

@@ -125,8 +125,8 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
         }
         return {nullptr, 0, nullptr, 0};
       };
-      attend_rows<RowChunk<E>, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate, out,
-                              lse);
+      attend_rows<RowChunk<E>, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate,
+                                        out, lse);
       return;
     }
   }

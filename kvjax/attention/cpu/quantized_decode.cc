@@ -262,7 +262,8 @@ inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
 }
 
 // Logits of query rows [g0, g0 + NB) (q: their rows, natural order) against the chunk's 16
-// key rows; as attend.h's chunk_logits, with row j of `pf` prefetched in step j.
+// key rows; as attend.h's chunk_logits, with row j of `pf` prefetched in step j (all of
+// pf's rows at once when this chunk is staged float32 rows: the rare edge chunks).
 template <int NB, int DT, int BITS, typename S>
 inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>& ch, v16* parts,
                          const CodeChunk<BITS, S>* pf = nullptr) {
@@ -312,10 +313,14 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
         zs += pp * load16(zero + b * kLanes);
       }
       // Lane g < vg: the sum over the lanes congruent to g mod vg (pairs i, i ^ h).
-      if (vg <= 8) zs += __builtin_shufflevector(zs, zs, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-      if (vg <= 4) zs += __builtin_shufflevector(zs, zs, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-      if (vg <= 2) zs += __builtin_shufflevector(zs, zs, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-      if (vg <= 1) zs += __builtin_shufflevector(zs, zs, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+      if (vg <= 8)
+        zs += __builtin_shufflevector(zs, zs, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+      if (vg <= 4)
+        zs += __builtin_shufflevector(zs, zs, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+      if (vg <= 2)
+        zs += __builtin_shufflevector(zs, zs, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+      if (vg <= 1)
+        zs += __builtin_shufflevector(zs, zs, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
       for (int64_t g = 0; g < vg; ++g) z[r * kMaxValueGroups + g] = zs[g];
     }
     return;
@@ -323,7 +328,7 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
 #endif
   for (int r = 0; r < NB; ++r) {
     float* zr = z + r * kMaxValueGroups;
-    for (int64_t g = 0; g < vg && g < kMaxValueGroups; ++g) zr[g] = 0.0f;
+    for (int64_t g = 0; g < vg && g < kMaxValueGroups; ++g) zr[g] = 0.0f;  // vg <= 16
     for (int64_t i = 0; i < m; ++i) {
       const float pj = p[r * kLanes + i / vg];
       w[r * m + i] = pj * s[i];
@@ -648,7 +653,8 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("kvjax quantized decode: bits must be 2, 4 or 8");
   const auto tt = tail_k.element_type();
   if (tail_v.element_type() != tt || (tt != ffi::F32 && tt != ffi::BF16 && tt != ffi::F16))
-    return ffi::Error::InvalidArgument("kvjax quantized decode: tails must both be f32, bf16 or f16");
+    return ffi::Error::InvalidArgument(
+        "kvjax quantized decode: tails must both be f32, bf16 or f16");
   QuantArgs a;
   const int64_t batch = qd[0];
   auto tkd = tail_k.dimensions(), tvd = tail_v.dimensions();
