@@ -19,9 +19,9 @@ layer's slice).
     Triton kernel on a GPU backend, the TPU kernel otherwise (interpreted on
     CPU); decode and prefill alike;
   "cpu": the C++ CPU kernel (`kvjax/attention/cpu/quantized_decode.cc`: the pages
-    streamed once and dequantized 16 tokens at a time in float32, then the tail ring
-    in the same online softmax) for GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu"
-    entry run the "xla" path;
+    streamed once, their packed codes multiplied in registers with the scales folded
+    into queries and probabilities, then the tail ring in the same online softmax) for
+    GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu" entry run the "xla" path;
   "auto": the best one for the default backend: "cpu" on the CPU backend for the
     ops that have it when the kernels are available
     (`kvjax.attention.cpu.available()`), "xla" otherwise.

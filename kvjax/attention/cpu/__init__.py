@@ -4,8 +4,9 @@ On CPU the XLA path (`kvjax/attention/xla.py`) is bound by per-element work, not
 memory: each block of pages is gathered (a copy), bf16 is converted, and XLA:CPU's
 batched matmuls with a few query rows run far below bandwidth (benchmarks/NOTES.md).
 These kernels (C++ in this folder, built on first use by `build.py`) read each live
-page of each sequence once, in place in the pool, widen bf16 / dequantize 16 tokens
-at a time into an L1-resident float32 buffer, and keep the online softmax in float32;
+page of each sequence once, in place in the pool (bf16 widened and KIVI codes converted
+in registers; rows that are not 16 whole rows of one page staged in a small float32
+buffer), and keep the online softmax in float32;
 (sequence, KV head) work items are spread over the caller and XLA's intra-op thread
 pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), over
 KIVI-quantized pages and their tail ring (`quantized_decode.cc`) and MLA decode
@@ -124,9 +125,10 @@ def quantized_attention(
     The signature and semantics of `reference.quantized_attention` (with `layer` as in
     `xla_quantized.quantized_attention`: the six pool arguments are then a cache's whole
     pools and the kernel reads that layer in place). The kernel does decode (q_len = 1):
-    it streams the quantized pages once, dequantizing 16 tokens at a time in float32,
-    then the tail ring (at most residual + page_size tokens, f32/bf16/f16 rows) in the same
-    online softmax. Chunked prefill (q_len > 1), scales / zeros of mixed dtypes and tails
+    it streams the quantized pages once, multiplying the packed codes in registers (key
+    scales folded into the query, value scales into the probabilities), then the tail
+    ring (at most residual + page_size tokens, f32/bf16/f16 rows) in the same online
+    softmax. Chunked prefill (q_len > 1), scales / zeros of mixed dtypes and tails
     of other dtypes run the XLA path.
 
     Returns:
@@ -136,8 +138,9 @@ def quantized_attention(
     if (q.shape[1] != 1 or len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1
             or tail_k.dtype != tail_v.dtype
             or tail_k.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
-        # Chunked prefill, or scales of mixed dtypes (the kernel takes one scale dtype;
-        # widening here would copy whole pools every call): the XLA path.
+        # Chunked prefill, scales of mixed dtypes (the kernel takes one scale dtype;
+        # widening here would copy whole pools every call) or a tail the kernel does not
+        # read: the XLA path.
         return xla_quantized.quantized_attention(
             q, *pools, tail_k, tail_v, quant_lengths, lengths, block_tables, q_pos,
             k_bits=k_bits, v_bits=v_bits, scale=scale, soft_cap=soft_cap,
