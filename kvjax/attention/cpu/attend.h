@@ -17,6 +17,16 @@ inline int64_t prefetch_chunks() {
   return n;
 }
 
+// How many chunks ahead `attend_rows` touches the pages of a chunk early (KVJAX_CPU_TOUCH
+// overrides, 0 disables): see touch_early.
+inline int64_t touch_chunks() {
+  static const int64_t n = [] {
+    const char* env = std::getenv("KVJAX_CPU_TOUCH");
+    return env ? std::atoll(env) : 4;
+  }();
+  return n;
+}
+
 // Whether f32/bf16 rows and unpacked KIVI chunks take `attend_rows` (KVJAX_CPU_ROWS=0: the
 // staging `attend`, kept for comparisons).
 inline bool rows_kernel() {
@@ -164,11 +174,33 @@ inline void from_split(const float* src, float* dst, int64_t n, float scale) {
 }
 
 
-// Prefetches (into L1) the n elements of one row.
+// Prefetches the n elements of one row into L2 (with the early touch below, the L2 hint
+// measured 0.93-0.98x of the L1 hint on scattered bf16 pages; NOTES v11).
 template <typename E>
 inline void prefetch_row(const E* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(E)); o += 64) prefetch_line(c + o);
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(E)); o += 64) prefetch_line<1>(c + o);
+}
+
+// The first lines of n bytes at p, and the first line of each later 4 KiB page they
+// span, into L2: a chunk's pages touched a few chunks before the spread prefetch asks for
+// all of their lines (NOTES v11: 0.87-0.96x on scattered bf16 pages, f32 0.95-0.97x; the
+// same with huge pages, so not the page walk: the touch starts the pages' memory streams
+// early). Whole chunks prefetched that far ahead were slower (a burst of prefetches fills
+// the core's miss buffers, NOTES v9).
+inline void touch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < std::min<int64_t>(n, 512); o += 64) prefetch_line<1>(c + o);
+  for (int64_t o = 4096 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(c) & 4095); o < n;
+       o += 4096)
+    prefetch_line<1>(c + o);
+}
+
+// Touches the pages of a chunk whose rows are in place (located) early.
+template <typename E>
+inline void touch_early(const RowChunk<E>& ch) {
+  touch_bytes(ch.k, kLanes * ch.ks * static_cast<int64_t>(sizeof(E)));
+  touch_bytes(ch.v, kLanes * ch.vs * static_cast<int64_t>(sizeof(E)));
 }
 
 // The logits of query rows [g0, g0 + NB) against one chunk's 16 key rows: each key vector
@@ -262,8 +294,9 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
                  float* lse) {
   const int64_t D = DT ? DT : D_rt, Dv = DVT ? DVT : Dv_rt;
   // Scratch (64-byte aligned): split queries [G, D], split accumulators [G, Dv], the
-  // per-token partial sums of two chunks [2, G, 16] vectors, probabilities [G, 16].
-  const int64_t floats = G * D + G * Dv + 2 * G * kLanes * kLanes + G * kLanes;
+  // per-token partial sums of two chunks [2, G, 16] vectors, probabilities [G, 16], the
+  // per-lane softmax sums [G] vectors.
+  const int64_t floats = G * D + G * Dv + 2 * G * kLanes * kLanes + 2 * G * kLanes;
   std::unique_ptr<float[], void (*)(void*)> buf(
       static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64)),
       std::free);
@@ -272,7 +305,11 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   v16* parts[2] = {reinterpret_cast<v16*>(acc + G * Dv),
                    reinterpret_cast<v16*>(acc + G * Dv) + G * kLanes};
   float* probs = reinterpret_cast<float*>(parts[1] + G * kLanes);
+  v16* lsum = reinterpret_cast<v16*>(probs + G * kLanes);
   constexpr bool split = std::is_same_v<C, RowChunk<uint16_t>>;  // bf16: split order
+  // Rows in place are touched early (touch_early); the KIVI kernel's code chunks are not:
+  // that measured 1.05-1.11x slower (its chunks are compute-bound; NOTES v11).
+  constexpr bool is_rows = split || std::is_same_v<C, RowChunk<float>>;
   for (int64_t g = 0; g < G; ++g) {
     if (split) {
       to_split(qs + g * D, qsplit + g * D, D);
@@ -281,10 +318,10 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
     }
   }
   std::fill(acc, acc + G * Dv, 0.0f);
-  float m[kMaxGroup], l[kMaxGroup], alpha[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, l[g] = 0.0f;
+  float m[kMaxGroup], alpha[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, lsum[g] = v16{};
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const int64_t ahead = prefetch_chunks();
+  const int64_t ahead = prefetch_chunks(), touch = touch_chunks();
   const int64_t first = lo / kLanes * kLanes;
   // The keys of chunk c + 1 are read in iteration c: prefetch `ahead` chunks past that.
   for (int64_t i = 0; i <= ahead; ++i) prefetch(first + i * kLanes);
@@ -302,6 +339,12 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   logits(ch, parts[0], nullptr);
   int cur = 0;
   for (int64_t c0 = first; c0 < hi; c0 += kLanes) {
+    if constexpr (is_rows) {
+      if (touch > 0 && c0 + touch * kLanes < hi) {
+        const C early = locate(c0 + touch * kLanes);
+        if (located(early)) touch_early(early);
+      }
+    }
     C pf{};
     if (ahead > 0 && c0 + (ahead + 1) * kLanes < hi) {
       pf = locate(c0 + (ahead + 1) * kLanes);
@@ -312,7 +355,23 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
     for (int64_t g = 0; g < G; ++g) {
       v16 s = sum_rows(parts[cur] + g * kLanes);
       if (ch.bias) s += splat(ch.bias[g]);
-      softmax_step(s, visible, soft_cap, m[g], l[g], alpha[g], probs + g * kLanes);
+      if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
+      s = visible ? s : splat(kNegInf);
+      // The running max moves only when a logit exceeds it (for most chunks after the
+      // first few it does not): then the horizontal max, the rescale of the sums and the
+      // accumulator (alpha); else alpha = 1 and the chunk costs one compare. The sum is
+      // kept per lane (lsum) and added up once at the end.
+      if (any(s > splat(m[g]))) {
+        const float m_new = hmax(s);  // > m[g]; finite (a visible lane exceeds m[g])
+        alpha[g] = std::exp(m[g] - m_new);  // 0 on the first chunk (m = -inf)
+        lsum[g] *= splat(alpha[g]);
+        m[g] = m_new;
+      } else {
+        alpha[g] = 1.0f;
+      }
+      const v16 pr = vexp(s - splat(m[g]));  // masked lanes: exp(-inf) = 0
+      lsum[g] += pr;
+      store16(probs + g * kLanes, pr);
     }
     const C now = ch;
     if (c0 + kLanes < hi) {
@@ -327,13 +386,14 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   }
 
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / l[g];
+    const float l = hsum(lsum[g]);
+    const float inv = 1.0f / l;
     if (split) {
       from_split(acc + g * Dv, out + g * Dv, Dv, inv);
     } else {
       for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
     }
-    lse[g] = m[g] + std::log(l[g]);
+    lse[g] = m[g] + std::log(l);
   }
 }
 

@@ -65,6 +65,17 @@ inline void prefetch_line(const void* p) {
 
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
+// Whether any lane of a comparison result (lanes 0 or -1) is true.
+inline bool any(v16i x) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask(reinterpret_cast<__m512i>(x), reinterpret_cast<__m512i>(x)) != 0;
+#else
+  int32_t r = 0;
+  for (int i = 0; i < kLanes; ++i) r |= x[i];
+  return r != 0;
+#endif
+}
+
 inline float hmax(v16 x) {
   x = vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   x = vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
