@@ -276,17 +276,24 @@ inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>&
   const int64_t D = DT ? DT : D_rt, n = D / k;  // field f of byte c is channel f n + c
   for (int j = 0; j < kLanes; ++j) {
     if (pf) prefetch_codes(*pf, j);
-    v16 a[NB];
-    for (int r = 0; r < NB; ++r) a[r] = v16{};
+    // Two accumulators per row (even and odd fields): half the dependent chain.
+    v16 a[NB], b[NB];
+    for (int r = 0; r < NB; ++r) a[r] = v16{}, b[r] = v16{};
     const uint8_t* kr = ch.k + j * ch.kw;
     for (int64_t c = 0; c < n; c += kLanes) {
       const v16i x = widen_bytes(kr + c);
       for (int f = 0; f < k; ++f) {
         const v16 code = code_field<BITS>(x, f);
-        for (int r = 0; r < NB; ++r) a[r] += load16(q + r * D + f * n + c) * code;
+        for (int r = 0; r < NB; ++r) {
+          if (f % 2 == 0) {
+            a[r] += load16(q + r * D + f * n + c) * code;
+          } else {
+            b[r] += load16(q + r * D + f * n + c) * code;
+          }
+        }
       }
     }
-    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[r];
+    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[r] + b[r];
   }
 }
 
