@@ -175,7 +175,7 @@ inline void from_split(const float* src, float* dst, int64_t n, float scale) {
 
 
 // Prefetches the n elements of one row into L2 (with the early touch below, the L2 hint
-// measured 0.93-0.98x of the L1 hint on scattered bf16 pages; NOTES v11).
+// measured 0.93-0.96x of the L1 hint on scattered bf16 pages; NOTES v11).
 template <typename E>
 inline void prefetch_row(const E* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -184,7 +184,7 @@ inline void prefetch_row(const E* p, int64_t n) {
 
 // The first lines of n bytes at p, and the first line of each later 4 KiB page they
 // span, into L2: a chunk's pages touched a few chunks before the spread prefetch asks for
-// all of their lines (NOTES v11: 0.87-0.96x on scattered bf16 pages, f32 0.95-0.97x; the
+// all of their lines (NOTES v11: 0.83-0.96x on scattered bf16 pages, f32 0.95-0.97x; the
 // same with huge pages, so not the page walk: the touch starts the pages' memory streams
 // early). Whole chunks prefetched that far ahead were slower (a burst of prefetches fills
 // the core's miss buffers, NOTES v9).
