@@ -57,18 +57,28 @@ struct RowChunk {
 // The float32 chunk of the staging `attend` (widths padded to a multiple of 16 with zeros).
 using Chunk = RowChunk<float>;
 
-// Folds one chunk's logits `s` of a query row into its running max `m`, sum `l`: the
-// rescale of the earlier accumulator (`alpha`) and the chunk's probabilities (to `probs`).
-// Masked lanes (not `visible`) get probability 0; a chunk has at least one visible lane.
-inline void softmax_step(v16 s, v16i visible, float soft_cap, float& m, float& l, float& alpha,
+// Folds one chunk's logits `s` of a query row into its running max `m` and per-lane sums
+// `lsum` (added up once at the end): the rescale of the earlier accumulator (`alpha`) and
+// the chunk's probabilities (to `probs`). Masked lanes (not `visible`) get probability 0;
+// a chunk has at least one visible lane. The max moves only when a logit exceeds it (for
+// most chunks after the first few it does not): only then the horizontal max, the exp
+// and the rescale; else alpha = 1 and the chunk costs one compare (NOTES v11: a scalar
+// exp, a horizontal max and sum per row and chunk were a quarter of the cached step).
+// Always inlined: GCC otherwise calls it, and the call costs ~4% of the cached step.
+__attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, float soft_cap, float& m, v16& lsum, float& alpha,
                          float* probs) {
   if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
   s = visible ? s : splat(kNegInf);
-  const float m_new = std::max(m, hmax(s));  // finite: the chunk has a visible lane
-  alpha = std::exp(m - m_new);               // 0 on the first chunk (m = -inf)
-  const v16 p = vexp(s - m_new);             // masked lanes: exp(-inf) = 0
-  l = l * alpha + hsum(p);
-  m = m_new;
+  if (any(s > splat(m))) {
+    const float m_new = hmax(s);  // > m; finite (a visible lane exceeds m)
+    alpha = std::exp(m - m_new);  // 0 on the first chunk (m = -inf)
+    lsum *= splat(alpha);
+    m = m_new;
+  } else {
+    alpha = 1.0f;
+  }
+  const v16 p = vexp(s - splat(m));  // masked lanes: exp(-inf) = 0
+  lsum += p;
   store16(probs, p);
 }
 
@@ -82,8 +92,9 @@ void attend(const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt, int64_t D
             int64_t hi, float soft_cap, Load&& load, Prefetch&& prefetch, float* acc,
             float* probs, float* out, float* lse) {
   const int64_t Dp = DT ? DT : Dp_rt, Dvp = DVT ? DVT : Dvp_rt;
-  float m[kMaxGroup], l[kMaxGroup], alpha[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, l[g] = 0.0f;
+  float m[kMaxGroup], alpha[kMaxGroup];
+  v16 lsum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, lsum[g] = v16{};
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t ahead = prefetch_chunks();
   const int64_t first = lo / kLanes * kLanes;
@@ -105,7 +116,7 @@ void attend(const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt, int64_t D
       }
       v16 s = sum_rows(part);
       if (ch.bias) s += ch.bias[g];
-      softmax_step(s, visible, soft_cap, m[g], l[g], alpha[g], probs + g * kLanes);
+      softmax_step(s, visible, soft_cap, m[g], lsum[g], alpha[g], probs + g * kLanes);
     }
 
     // acc[g] = alpha[g] * acc[g] + sum_j p[g][j] v[j], 8 vectors of acc at a time held in
@@ -129,9 +140,10 @@ void attend(const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt, int64_t D
   }
 
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / l[g];
+    const float l = hsum(lsum[g]);
+    const float inv = 1.0f / l;
     for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dvp + d] * inv;
-    lse[g] = m[g] + std::log(l[g]);
+    lse[g] = m[g] + std::log(l);
   }
 }
 
@@ -355,23 +367,7 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
     for (int64_t g = 0; g < G; ++g) {
       v16 s = sum_rows(parts[cur] + g * kLanes);
       if (ch.bias) s += splat(ch.bias[g]);
-      if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
-      s = visible ? s : splat(kNegInf);
-      // The running max moves only when a logit exceeds it (for most chunks after the
-      // first few it does not): then the horizontal max, the rescale of the sums and the
-      // accumulator (alpha); else alpha = 1 and the chunk costs one compare. The sum is
-      // kept per lane (lsum) and added up once at the end.
-      if (any(s > splat(m[g]))) {
-        const float m_new = hmax(s);  // > m[g]; finite (a visible lane exceeds m[g])
-        alpha[g] = std::exp(m[g] - m_new);  // 0 on the first chunk (m = -inf)
-        lsum[g] *= splat(alpha[g]);
-        m[g] = m_new;
-      } else {
-        alpha[g] = 1.0f;
-      }
-      const v16 pr = vexp(s - splat(m[g]));  // masked lanes: exp(-inf) = 0
-      lsum[g] += pr;
-      store16(probs + g * kLanes, pr);
+      softmax_step(s, visible, soft_cap, m[g], lsum[g], alpha[g], probs + g * kLanes);
     }
     const C now = ch;
     if (c0 + kLanes < hi) {
