@@ -207,8 +207,10 @@ inline v16 code_field(v16i x, int f) {
 #ifdef __AVX512F__
     if constexpr (BITS == 4) {
       const v16 codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      const v16i i = f ? x >> 4 : x;
-      return (v16)_mm512_permutexvar_ps((__m512i)i, (__m512)codes);
+      // Field 1 (x >> 4: x is a zero-extended byte) converts on another port than the
+      // lookup, which shares one with the widening (NOTES v12: 0.97x).
+      if (f) return __builtin_convertvector(x >> 4, v16);
+      return (v16)_mm512_permutexvar_ps((__m512i)x, (__m512)codes);
     } else {
       // Index bits 0-1 are one field, bits 2-3 the next.
       const v16 low = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
@@ -222,42 +224,57 @@ inline v16 code_field(v16i x, int f) {
   }
 }
 
+// What the code chunks of one work item share: bytes per key / value row, the values'
+// scale groups per row and channels per group, and the bytes a chunk's prefetch covers.
+template <typename S>
+struct CodeRows {
+  int64_t kw = 0, vw = 0;
+  int64_t vg = 0, vgroup = 0;
+  int64_t kbytes = 0;   // of the key group's scale row (and of its zero row)
+  int64_t vbytes = 0;   // of a chunk's value scales [16, vg] (and of its zeros)
+  std::ptrdiff_t kz = 0, vz = 0;  // zeros - scales, in elements (keys, values)
+};
+
 // A chunk of 16 rows of one page, its codes in place: key row j at k + j * kw, value row j
-// at v + j * vw, the values' scales and zeros [16, vg] at vs / vz (groups of `vgroup`
-// channels); q / bias: the query rows with the key group's scales folded in and their
-// dot products with its zeros. Chunks that are not whole rows of one page (the edges of
-// [lo, hi), the tail ring) come as float32 `rows` with k == nullptr.
+// at v + j * vw, the values' scales [16, vg] at vs (zeros at vs + vz), the key group's
+// scale row at ks (zeros at ks + kz); q / bias: the query rows with the key group's
+// scales folded in and their dot products with its zeros. Chunks that are not whole rows
+// of one page (the edges of [lo, hi), the tail ring) are float32 `rows` with k == nullptr.
+// Eight pointers (one cache line): attend_rows copies chunks by value.
 template <int BITS, typename S>
 struct CodeChunk {
   const uint8_t* k = nullptr;
-  int64_t kw = 0;
   const uint8_t* v = nullptr;
-  int64_t vw = 0;
   const S* vs = nullptr;
-  const S* vz = nullptr;
-  int64_t vg = 0, vgroup = 0;
-  const S* ks = nullptr;  // the key group's scale and zero rows (folded into q): prefetched
-  const S* kz = nullptr;
-  int64_t kbytes = 0;     // bytes of each
+  const S* ks = nullptr;
+  const CodeRows<S>* geo = nullptr;
   const float* q = nullptr;
   const float* bias = nullptr;
-  RowChunk<float> rows{nullptr, 0, nullptr, 0};
+  const RowChunk<float>* rows = nullptr;
 };
 
 template <int BITS, typename S>
 inline bool located(const CodeChunk<BITS, S>& ch) { return ch.k != nullptr; }
 
+// Step j of 16 of a chunk's prefetch: line j of its key rows and of its value rows (a
+// chunk's 16 rows lie contiguous in its page; 8-bit rows take two lines a step), into L2,
+// and of its value scales and zeros and the key group's scale and zero rows (these serve
+// 16+ tokens). One line per array and step, spread over the chunk's arithmetic (a loop
+// over each row's bytes, two rows to a line at 2 bits, was 0.96-0.97x; the L2 hint for
+// the codes 0.97-0.98x; NOTES v12).
 template <int BITS, typename S>
 inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
-  prefetch_bytes(ch.k + j * ch.kw, ch.kw);
-  prefetch_bytes(ch.v + j * ch.vw, ch.vw);
-  prefetch_line(ch.vs + j * ch.vg);
-  prefetch_line(ch.vz + j * ch.vg);
-  // The key scale and zero rows, a line per step (a group's rows serve 16+ tokens).
-  const int64_t o = 64 * j;
-  if (o < ch.kbytes) {
+  const CodeRows<S>& g = *ch.geo;
+  const int64_t o = 64 * j, kb = kLanes * g.kw, vb = kLanes * g.vw;
+  for (int64_t i = o; i < kb; i += 64 * kLanes) prefetch_line<1>(ch.k + i);
+  for (int64_t i = o; i < vb; i += 64 * kLanes) prefetch_line<1>(ch.v + i);
+  if (o < g.vbytes) {
+    prefetch_line(reinterpret_cast<const char*>(ch.vs) + o);
+    prefetch_line(reinterpret_cast<const char*>(ch.vs + g.vz) + o);
+  }
+  if (o < g.kbytes) {
     prefetch_line(reinterpret_cast<const char*>(ch.ks) + o);
-    prefetch_line(reinterpret_cast<const char*>(ch.kz) + o);
+    prefetch_line(reinterpret_cast<const char*>(ch.ks + g.kz) + o);
   }
 }
 
@@ -270,16 +287,17 @@ inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>&
   if (!ch.k) {
     if (pf)
       for (int j = 0; j < kLanes; ++j) prefetch_codes(*pf, j);
-    return chunk_logits<NB, DT>(q, D_rt, ch.rows, parts);
+    return chunk_logits<NB, DT>(q, D_rt, *ch.rows, parts);
   }
   constexpr int k = 8 / BITS;
   const int64_t D = DT ? DT : D_rt, n = D / k;  // field f of byte c is channel f n + c
+  const int64_t kw = ch.geo->kw;
   for (int j = 0; j < kLanes; ++j) {
     if (pf) prefetch_codes(*pf, j);
     // Two accumulators per row (even and odd fields): half the dependent chain.
     v16 a[NB], b[NB];
     for (int r = 0; r < NB; ++r) a[r] = v16{}, b[r] = v16{};
-    const uint8_t* kr = ch.k + j * ch.kw;
+    const uint8_t* kr = ch.k + j * kw;
     for (int64_t c = 0; c < n; c += kLanes) {
       const v16i x = widen_bytes(kr + c);
       for (int f = 0; f < k; ++f) {
@@ -301,10 +319,10 @@ inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>&
 // w[r][j vg + g] = p[r][j] s[j][g] and z[r][g] = sum_j p[r][j] zero[j][g].
 template <int NB, int BITS, typename S>
 inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w, float* z) {
-  const int64_t vg = ch.vg, m = kLanes * vg;
+  const int64_t vg = ch.geo->vg, m = kLanes * vg;
   alignas(64) float s[kLanes * kMaxValueGroups], zero[kLanes * kMaxValueGroups];
   to_f32(ch.vs, m, m, s);
-  to_f32(ch.vz, m, m, zero);
+  to_f32(ch.vs + ch.geo->vz, m, m, zero);
 #ifdef __AVX512F__
   if ((vg & (vg - 1)) == 0) {
     const int lg = __builtin_ctzll(vg);
@@ -350,7 +368,7 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
 template <int NB, int DVT, int BITS, typename S>
 inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, const float* probs,
                              const CodeChunk<BITS, S>& ch) {
-  if (!ch.k) return chunk_accumulate<NB, DVT>(acc, Dv_rt, alpha, probs, ch.rows);
+  if (!ch.k) return chunk_accumulate<NB, DVT>(acc, Dv_rt, alpha, probs, *ch.rows);
   constexpr int k = 8 / BITS;
   const int64_t Dv = DVT ? DVT : Dv_rt, n = Dv / k;
   constexpr int RB = NB * k <= 16 ? NB : std::max(1, 16 / k);
@@ -359,23 +377,24 @@ inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, cons
       chunk_accumulate<RB, DVT>(acc + r0 * Dv, Dv, alpha + r0, probs + r0 * kLanes, ch);
     return;
   } else {
-    const int64_t m = kLanes * ch.vg;
+    const CodeRows<S>& geo = *ch.geo;
+    const int64_t vw = geo.vw, vg = geo.vg, vgroup = geo.vgroup, m = kLanes * vg;
     alignas(64) float w[NB * kLanes * kMaxValueGroups];
     float z[NB * kMaxValueGroups];
     value_weights<NB>(probs, ch, w, z);
     for (int64_t c = 0; c < n; c += kLanes) {
       int64_t gf[k];  // the value group of each field's 16 channels
-      for (int f = 0; f < k; ++f) gf[f] = (f * n + c) / ch.vgroup;
+      for (int f = 0; f < k; ++f) gf[f] = (f * n + c) / vgroup;
       v16 x[NB][k];
       for (int r = 0; r < NB; ++r)
         for (int f = 0; f < k; ++f)
           x[r][f] = load16(acc + r * Dv + f * n + c) * splat(alpha[r]) +
                     splat(z[r * kMaxValueGroups + gf[f]]);
       for (int j = 0; j < kLanes; ++j) {
-        const v16i b = widen_bytes(ch.v + j * ch.vw + c);
+        const v16i b = widen_bytes(ch.v + j * vw + c);
         for (int f = 0; f < k; ++f) {
           const v16 code = code_field<BITS>(b, f);
-          for (int r = 0; r < NB; ++r) x[r][f] += splat(w[r * m + j * ch.vg + gf[f]]) * code;
+          for (int r = 0; r < NB; ++r) x[r][f] += splat(w[r * m + j * vg + gf[f]]) * code;
         }
       }
       for (int r = 0; r < NB; ++r)
@@ -578,6 +597,16 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     // register blocks, each unpacked key/value vector used by 4-8 of them), a later
     // chunk's rows prefetched one per token step (locate); the edges of [lo, hi) and
     // the tail come as float32 rows (stage) and are hinted at once.
+    CodeRows<S> geo;
+    geo.kw = kw;
+    geo.vw = vw;
+    geo.vg = a.v_groups;
+    geo.vgroup = v_group;
+    geo.kbytes = D * sizeof(S);
+    geo.vbytes = kLanes * a.v_groups * sizeof(S);
+    geo.kz = kz - ks;
+    geo.vz = vz - vs;
+    Chunk staged[2];  // the staged chunks' rows (two live at a time, as the value buffers)
     auto run = [&](auto bits) {
       using Codes = CodeChunk<decltype(bits)::value, S>;
       auto in_place = [&](int64_t c0) {
@@ -585,26 +614,22 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         const auto [page, slot] = page_slot(c0);
         const int64_t row = page * ps + slot;
         ch.k = kc + row * kw;
-        ch.kw = kw;
         ch.v = vc + row * vw;
-        ch.vw = vw;
         ch.vs = vs + row * a.v_groups;
-        ch.vz = vz + row * a.v_groups;
-        ch.vg = a.v_groups;
-        ch.vgroup = v_group;
         ch.ks = ks + (page * a.k_srows + slot / k_group) * D;
-        ch.kz = kz + (ch.ks - ks);
-        ch.kbytes = D * sizeof(S);
+        ch.geo = &geo;
         ch.q = qfold;
         ch.bias = qbias;
         return ch;
       };
       auto load = [&](int64_t c0) {
         if (!fast_chunk(c0)) {
+          const int turn = vturn;  // stage() takes this turn's value buffer
+          staged[turn] = stage(c0);
           Codes ch;
-          ch.rows = stage(c0);
-          ch.q = ch.rows.q;
-          ch.bias = ch.rows.bias;
+          ch.rows = &staged[turn];
+          ch.q = staged[turn].q;
+          ch.bias = staged[turn].bias;
           return ch;
         }
         const Codes ch = in_place(c0);
