@@ -19,7 +19,9 @@ Measures, in one process so that the ratios share the machine's state:
    with float16 scales and zeros, a bf16 tail of R tokens) against paged bf16 and
    float32 pages on the same geometry, all through the XLA path: ms per decode
    step and the ratio to bf16 (issue 11: int4/int2 must not be slower per token
-   than bf16); rows "cpu_*" do the same with the C++ CPU kernels (ratios to "cpu_bfloat16").
+   than bf16); rows "cpu_*" do the same with the C++ CPU kernels (ratios to "cpu_bfloat16";
+   the bf16 and intN kernels are timed in turn, one call of each per round, so that
+   their ratios see the same memory speed, which on a shared VM drifts by minutes).
    Bytes counted: codes + scales + zeros of the used pages + the tail.
 
 Every result is verified against the reference in the same run. Times are
@@ -71,6 +73,26 @@ def _time(fn, args, repeats):
         cpu_min_s=float(min(cpus)), cpu_max_s=float(max(cpus)), repeats=repeats,
     )
     return stats, out
+
+
+def _time_interleaved(calls, repeats):
+    """`_time` for several {name: (fn, args)} called in turn, one call of each per round:
+    the ratios between them see the same machine (its memory speed drifts by minutes)."""
+    outs = {name: jax.block_until_ready(fn(*a)) for name, (fn, a) in calls.items()}
+    walls = {name: [] for name in calls}
+    cpus = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (fn, a) in calls.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(time.process_time() - c0)
+    stats = {name: dict(
+        wall_median_s=float(np.median(walls[name])), wall_min_s=float(min(walls[name])),
+        wall_max_s=float(max(walls[name])), cpu_median_s=float(np.median(cpus[name])),
+        cpu_min_s=float(min(cpus[name])), cpu_max_s=float(max(cpus[name])), repeats=repeats,
+        interleaved=True) for name in calls}
+    return stats, outs
 
 
 def measure_bandwidth(nbytes, repeats):
@@ -320,6 +342,7 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
     lengths = jnp.full((batch,), seq, jnp.int32)
     scale = d**-0.5
     rows, nbytes, tokens = {}, {}, batch * seq
+    cpu_calls = {}  # name: (fn, args, reference output, dtype)
     # Full-precision pages through the XLA path.
     for dt in (F32, jnp.bfloat16):
         name = f"paged_{jnp.dtype(dt).name}"
@@ -333,9 +356,15 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
         nbytes[name] = 2 * kv_heads * tokens * d * jnp.dtype(dt).itemsize
         if cpu_kernels.available():
             cname = f"cpu_{jnp.dtype(dt).name}"
-            rows[cname], got = _time(jax.jit(cpu_kernels.paged_decode_attention), args, repeats)
-            rows[cname]["max_err"] = _check(cname, got[0], want, dt)
             nbytes[cname] = nbytes[name]
+            if dt == F32:
+                rows[cname], got = _time(jax.jit(cpu_kernels.paged_decode_attention), args,
+                                         repeats)
+                rows[cname]["max_err"] = _check(cname, got[0], want, dt)
+            else:  # timed below, interleaved with the intN kernels it is compared to
+                rows[cname] = None
+                cpu_calls[cname] = (jax.jit(cpu_kernels.paged_decode_attention), args,
+                                    want, dt)
         del kp, vp, args
     # Quantized pages + bf16 tail: Q = ps * floor((seq - R) / ps) tokens in pages.
     q_tokens = ps * (max(seq - residual, 0) // ps)
@@ -363,10 +392,15 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
         if cpu_kernels.available():
             cname = f"cpu_int{bits}"
             cpu_fn = jax.jit(lambda *a, kw=kw: cpu_kernels.quantized_attention(*a, **kw))
-            rows[cname], got = _time(cpu_fn, args, repeats)
-            rows[cname]["max_err"] = _check(cname, got[0], want[0], jnp.bfloat16)
+            rows[cname] = None
+            cpu_calls[cname] = (cpu_fn, args, want[0], jnp.bfloat16)
             nbytes[cname] = nbytes[name]
         del pools, args
+    # The CPU kernels on bf16 and intN pages, called in turn (ratios in one machine state).
+    stats, outs = _time_interleaved({k: c[:2] for k, c in cpu_calls.items()}, repeats)
+    for cname, (_, _, want, dt) in cpu_calls.items():
+        rows[cname] = stats[cname]
+        rows[cname]["max_err"] = _check(cname, outs[cname][0], want, dt)
     return nbytes, rows
 
 

@@ -9,7 +9,8 @@ into kvjax, and for each batch size runs greedy generation in both:
 * the weight + KV-read roofline of a decode step: every step must read all
   weights (the embedding table once per step is not needed, only its rows; the
   LM head is) and every row's live K/V once, at the streaming read bandwidth
-  measured in the same run;
+  measured in the same run, between the timed repeats of that decode (the first
+  probe's figure is reported too);
 * whether both produce the same tokens (greedy, float32: they should, except
   where two logits tie within rounding).
 
@@ -42,16 +43,21 @@ QUICK = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden
              num_attention_heads=4, num_key_value_heads=2)
 
 
-def read_bandwidth(nbytes=512 << 20, repeats=5):
+def read_probe(nbytes=512 << 20):
+    """A function returning the streaming read bandwidth in GB/s (a jitted sum over a
+    `nbytes` array, median of three calls), warmed up."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(jnp.sum)
     f(x).block_until_ready()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return nbytes / float(np.median(ts)) / 1e9
+
+    def probe(repeats=3):
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        return nbytes / float(np.median(ts)) / 1e9
+    return probe
 
 
 def build_hf(cfg, seed=0):
@@ -76,12 +82,17 @@ def kvjax_generate(model, params, prompts, new_tokens, cache_dtype, impl):
     return np.asarray(res.tokens)[:, :new_tokens]
 
 
-def decode_rate(run, new_tokens, repeats):
-    """Seconds per decode step: (t(N) - t(1)) / (N - 1), medians over repeats."""
+def decode_rate(run, new_tokens, repeats, probe=None):
+    """Seconds per decode step: (t(N) - t(1)) / (N - 1), medians over repeats; with a
+    `probe`, also the median read bandwidth it measures before each repeat (the roofline
+    then sees the memory speed of the decode it is compared to: on a shared VM it drifts
+    by minutes)."""
     run(1)
     run(new_tokens)  # warm-up: compiles / allocates
-    t1, tn = [], []
+    t1, tn, bws = [], [], []
     for _ in range(repeats):
+        if probe is not None:
+            bws.append(probe())
         t0 = time.perf_counter()
         run(1)
         t1.append(time.perf_counter() - t0)
@@ -89,7 +100,7 @@ def decode_rate(run, new_tokens, repeats):
         out = run(new_tokens)
         tn.append(time.perf_counter() - t0)
     step = (float(np.median(tn)) - float(np.median(t1))) / (new_tokens - 1)
-    return step, out
+    return step, out, (float(np.median(bws)) if bws else None)
 
 
 def main(argv=None):
@@ -124,7 +135,8 @@ def main(argv=None):
     weight_bytes = (n_params - embed) * itemsize  # the input embedding is only indexed
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
-    bw = read_bandwidth()
+    probe = read_probe()
+    bw = probe(5)
     print(f"model {n_params / 1e6:.1f}M params, kvjax {args.dtype}; streaming read {bw:.1f} GB/s;"
           f" load average {os.getloadavg()[0]:.1f}")
 
@@ -132,23 +144,28 @@ def main(argv=None):
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(3, cfg["vocab_size"], size=(batch, prompt_len))
-        step, toks = decode_rate(
+        step, toks, step_bw = decode_rate(
             lambda n, p=prompts: kvjax_generate(model, params, p, n, args.dtype, args.impl),
-            new_tokens, args.repeats)
+            new_tokens, args.repeats, probe)
         ctx = prompt_len + new_tokens / 2
-        roof_step = (weight_bytes + batch * ctx * kv_per_token) / (bw * 1e9)
+        read_bytes = weight_bytes + batch * ctx * kv_per_token
+        roof_step = read_bytes / (step_bw * 1e9)
         row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                   kvjax_step_s=step, kvjax_tokens_per_s=batch / step,
-                   roofline_step_s=roof_step, roofline_fraction=roof_step / step)
+                   kvjax_step_s=step, kvjax_tokens_per_s=batch / step, read_GBps=step_bw,
+                   roofline_step_s=roof_step, roofline_fraction=roof_step / step,
+                   # against the one probe at the start (the figure before 2026-11-30)
+                   roofline_fraction_first_probe=read_bytes / (bw * 1e9) / step)
         if not args.skip_hf:
-            hf_step, hf_toks = decode_rate(lambda n, p=prompts: hf_generate(hf, p, n),
-                                           new_tokens, args.repeats)
+            hf_step, hf_toks, _ = decode_rate(lambda n, p=prompts: hf_generate(hf, p, n),
+                                              new_tokens, args.repeats)
             row.update(hf_step_s=hf_step, hf_tokens_per_s=batch / hf_step,
                        speedup=hf_step / step,
                        same_tokens_fraction=float(np.mean(hf_toks == toks)))
         results.append(row)
         msg = (f"batch {batch}: kvjax {batch / step:8.1f} tok/s ({step * 1e3:.1f} ms/step, "
-               f"{100 * roof_step / step:.0f}% of roofline {roof_step * 1e3:.1f} ms)")
+               f"{100 * roof_step / step:.0f}% of roofline {roof_step * 1e3:.1f} ms at "
+               f"{step_bw:.1f} GB/s read alongside; "
+               f"{100 * row['roofline_fraction_first_probe']:.0f}% at the first probe's {bw:.1f})")
         if not args.skip_hf:
             msg += (f"; HF {row['hf_tokens_per_s']:8.1f} tok/s; speedup {row['speedup']:.2f}x; "
                     f"same tokens {100 * row['same_tokens_fraction']:.0f}%")
