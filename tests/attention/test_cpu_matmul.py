@@ -222,3 +222,37 @@ def test_llama_decode_with_kernel_matches_xla(rng, monkeypatch, dtype="float32")
     tol = dict(rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(pre_k, pre_x, **tol)
     np.testing.assert_allclose(step_k, step_x, **tol)
+
+
+_SPIN_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from kvjax.attention.cpu import matmul as m
+ks = jax.random.split(jax.random.key(int(__import__("sys").argv[1])), 2)
+x = jax.random.normal(ks[0], (3, 256), jnp.float32)
+w = jax.random.normal(ks[1], (256, 1000), jnp.float32)
+f = jax.jit(m.matmul)
+want = np.asarray(jnp.matmul(x, w, precision="highest"))
+for _ in range(50):  # calls back to back (helpers spinning) and after a pause (parked)
+    np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-4, atol=1e-4)
+__import__("time").sleep(0.01)
+np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("spin_us", ["0", "1000000"])
+def test_helpers_park_or_spin(spin_us, rng):
+    """The helper threads and the waiting caller park at once (KVJAX_CPU_SPIN_US=0) or
+    spin a second before parking: the same products either way, and no call hangs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, KVJAX_CPU_SPIN_US=spin_us, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", _SPIN_SCRIPT, str(rng.integers(1 << 30))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -212,6 +213,40 @@ inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int
 
 inline int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 
+// How long (microseconds) an idle helper thread, and a caller waiting for the last items,
+// spin before parking on a condition variable (KVJAX_CPU_SPIN_US overrides; 0: park at
+// once). A decode step makes dozens of short calls (a layer's matmuls take 0.05-0.2 ms
+// each at batch 1): waking a parked thread cost ~30 us a call on this VM (NOTES v12).
+inline int64_t spin_us() {
+  static const int64_t n = [] {
+    const char* env = std::getenv("KVJAX_CPU_SPIN_US");
+    return env ? std::atoll(env) : 200;
+  }();
+  return n;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spins until pred() or spin_us() have passed; returns pred().
+template <typename Pred>
+inline bool spin_until(Pred&& pred) {
+  if (pred()) return true;
+  const int64_t us = spin_us();
+  if (us <= 0) return false;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  for (;;) {
+    for (int k = 0; k < 64; ++k) {
+      if (pred()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= end) return pred();
+  }
+}
+
 // Runs fn(i, worker) for i in [0, total) on the caller and helper threads that draw
 // items from one atomic counter. Helpers come from, per KVJAX_CPU_THREADS:
 //   "own" (default): a persistent pool of hardware_concurrency - 1 threads owned by this
@@ -255,6 +290,7 @@ class HelperPool {
     {
       std::lock_guard<std::mutex> lock(mu_);
       tasks_.push_back(std::move(task));
+      pending_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_one();
   }
@@ -267,17 +303,21 @@ class HelperPool {
   }
   void loop() {
     for (;;) {
+      // The next call usually comes within microseconds: spin a while before parking.
+      spin_until([this] { return pending_.load(std::memory_order_acquire) > 0; });
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [this] { return !tasks_.empty(); });
         task = std::move(tasks_.front());
         tasks_.erase(tasks_.begin());
+        pending_.fetch_sub(1, std::memory_order_relaxed);
       }
       task();
     }
   }
   int64_t n_ = 0;
+  std::atomic<int64_t> pending_{0};  // tasks queued (read without the lock by spinners)
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::function<void()>> tasks_;
@@ -318,7 +358,7 @@ inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
     }
   }
   state->run(0);
-  {
+  if (!spin_until([&] { return state->done.load(std::memory_order_acquire) == total; })) {
     std::unique_lock<std::mutex> lock(state->mu);
     state->cv.wait(lock, [&] { return state->done.load() == total; });
   }
