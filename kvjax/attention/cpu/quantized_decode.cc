@@ -259,9 +259,9 @@ inline bool located(const CodeChunk<BITS, S>& ch) { return ch.k != nullptr; }
 // Step j of 16 of a chunk's prefetch: line j of its key rows and of its value rows (a
 // chunk's 16 rows lie contiguous in its page; 8-bit rows take two lines a step), into L2,
 // and of its value scales and zeros and the key group's scale and zero rows (these serve
-// 16+ tokens). One line per array and step, spread over the chunk's arithmetic (a loop
-// over each row's bytes, two rows to a line at 2 bits, was 0.96-0.97x; the L2 hint for
-// the codes 0.97-0.98x; NOTES v12).
+// 16+ tokens). One line per array and step, spread over the chunk's arithmetic: 0.96x
+// of a loop over each row's bytes (at 2 bits that prefetched every line twice); the L2
+// hint for the codes a further 0.92-0.99x (NOTES v12).
 template <int BITS, typename S>
 inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
   const CodeRows<S>& g = *ch.geo;
