@@ -10,20 +10,14 @@ namespace kvjax {
 
 // Chunks of 16 tokens prefetched ahead (KVJAX_CPU_PREFETCH overrides, 0 disables).
 inline int64_t prefetch_chunks() {
-  static const int64_t n = [] {
-    const char* env = std::getenv("KVJAX_CPU_PREFETCH");
-    return env ? std::atoll(env) : 1;
-  }();
+  static const int64_t n = env_int("KVJAX_CPU_PREFETCH", 1);
   return n;
 }
 
 // How many chunks ahead `attend_rows` touches the pages of a chunk early (KVJAX_CPU_TOUCH
 // overrides, 0 disables): see touch_early.
 inline int64_t touch_chunks() {
-  static const int64_t n = [] {
-    const char* env = std::getenv("KVJAX_CPU_TOUCH");
-    return env ? std::atoll(env) : 4;
-  }();
+  static const int64_t n = env_int("KVJAX_CPU_TOUCH", 4);
   return n;
 }
 

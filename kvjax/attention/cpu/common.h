@@ -213,15 +213,19 @@ inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int
 
 inline int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 
+// An integer tuning knob from the environment, or `fallback` when it is unset (callers
+// keep the value in a function-local static: read once per process).
+inline int64_t env_int(const char* name, int64_t fallback) {
+  const char* env = std::getenv(name);
+  return env ? std::atoll(env) : fallback;
+}
+
 // How long (microseconds) an idle helper thread, and a caller waiting for the last items,
 // spin before parking on a condition variable (KVJAX_CPU_SPIN_US overrides; 0: park at
 // once). A decode step makes dozens of short calls (a layer's matmuls take 0.05-0.2 ms
 // each at batch 1): waking a parked thread cost ~30 us a call on this VM (NOTES v12).
 inline int64_t spin_us() {
-  static const int64_t n = [] {
-    const char* env = std::getenv("KVJAX_CPU_SPIN_US");
-    return env ? std::atoll(env) : 200;
-  }();
+  static const int64_t n = env_int("KVJAX_CPU_SPIN_US", 200);
   return n;
 }
 
