@@ -60,24 +60,14 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def _time(fn, args, repeats):
     """Median/min/max wall and CPU seconds of `fn(*args)` after one warm-up call."""
-    out = jax.block_until_ready(fn(*args))
-    walls, cpus = [], []
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    stats = dict(
-        wall_median_s=float(np.median(walls)), wall_min_s=float(min(walls)),
-        wall_max_s=float(max(walls)), cpu_median_s=float(np.median(cpus)),
-        cpu_min_s=float(min(cpus)), cpu_max_s=float(max(cpus)), repeats=repeats,
-    )
-    return stats, out
+    stats, outs = _time_interleaved({0: (fn, args)}, repeats)
+    return stats[0], outs[0]
 
 
 def _time_interleaved(calls, repeats):
-    """`_time` for several {name: (fn, args)} called in turn, one call of each per round:
-    the ratios between them see the same machine (its memory speed drifts by minutes)."""
+    """`_time` for each of {name: (fn, args)}, called in turn, one call of each per round
+    (with several: their ratios see the same machine, whose memory speed drifts by
+    minutes; rows say `interleaved`)."""
     outs = {name: jax.block_until_ready(fn(*a)) for name, (fn, a) in calls.items()}
     walls = {name: [] for name in calls}
     cpus = {name: [] for name in calls}
@@ -91,7 +81,7 @@ def _time_interleaved(calls, repeats):
         wall_median_s=float(np.median(walls[name])), wall_min_s=float(min(walls[name])),
         wall_max_s=float(max(walls[name])), cpu_median_s=float(np.median(cpus[name])),
         cpu_min_s=float(min(cpus[name])), cpu_max_s=float(max(cpus[name])), repeats=repeats,
-        interleaved=True) for name in calls}
+        **({"interleaved": True} if len(calls) > 1 else {})) for name in calls}
     return stats, outs
 
 

@@ -59,8 +59,9 @@ using Chunk = RowChunk<float>;
 // and the rescale; else alpha = 1 and the chunk costs one compare (NOTES v11: a scalar
 // exp, a horizontal max and sum per row and chunk were a quarter of the cached step).
 // Always inlined: GCC otherwise calls it, and the call costs ~4% of the cached step.
-__attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, float soft_cap, float& m, v16& lsum, float& alpha,
-                         float* probs) {
+__attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, float soft_cap,
+                                                       float& m, v16& lsum, float& alpha,
+                                                       float* probs) {
   if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
   s = visible ? s : splat(kNegInf);
   if (any(s > splat(m))) {

@@ -295,23 +295,17 @@ inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>&
   for (int j = 0; j < kLanes; ++j) {
     if (pf) prefetch_codes(*pf, j);
     // Two accumulators per row (even and odd fields): half the dependent chain.
-    v16 a[NB], b[NB];
-    for (int r = 0; r < NB; ++r) a[r] = v16{}, b[r] = v16{};
+    v16 a[2][NB];
+    for (int r = 0; r < NB; ++r) a[0][r] = v16{}, a[1][r] = v16{};
     const uint8_t* kr = ch.k + j * kw;
     for (int64_t c = 0; c < n; c += kLanes) {
       const v16i x = widen_bytes(kr + c);
       for (int f = 0; f < k; ++f) {
         const v16 code = code_field<BITS>(x, f);
-        for (int r = 0; r < NB; ++r) {
-          if (f % 2 == 0) {
-            a[r] += load16(q + r * D + f * n + c) * code;
-          } else {
-            b[r] += load16(q + r * D + f * n + c) * code;
-          }
-        }
+        for (int r = 0; r < NB; ++r) a[f % 2][r] += load16(q + r * D + f * n + c) * code;
       }
     }
-    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[r] + b[r];
+    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[0][r] + a[1][r];
   }
 }
 
