@@ -243,18 +243,9 @@ def test_quantized_auto_and_prefill_fallback(monkeypatch):
         "quantized_attention"]["xla"]
 
 
-@needs_kernel
-@pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
-    (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
-    (4, 64, 32, jnp.float16, 8), (2, 128, 16, jnp.bfloat16, 4), (4, 32, 32, jnp.float32, 4),
-    (8, 96, 32, jnp.float16, 2)])
-def test_quantized_vectorised_rows(rng, bits, head_dim, group, scale_dtype, q_heads):
-    """Widths whose packed fields hold whole 16-channel vectors take the vectorised
-    dequantizer (random_cache's head_dim 32 / group 8 take the scalar one) and, for whole
-    chunks, the codes read in place by the register-blocked core (query rows in blocks of
-    8, 4 and 1: GQA 8, 4, 1; 1, 2, 4 and 8 value groups per row through the vector
-    weights, 3 through the scalar ones); f16, bf16 and f32 scales. Random tables with
-    shared pages, lengths 1 .. max (some in the tail only, some ending inside a chunk)."""
+def _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads):
+    """Pools of random codes, f16/bf16/f32 scales and zeros, a tail ring, random tables with
+    shared pages and lengths 1 .. max (some in the tail only, some ending inside a chunk)."""
     kv_heads, ps, max_pages, ring = 2, 32, 4, 48
     batch, num_pages = 5, 12
     span = 1.0 / ((1 << bits) - 1)
@@ -278,9 +269,55 @@ def test_quantized_vectorised_rows(rng, bits, head_dim, group, scale_dtype, q_he
     q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim)), jnp.float32)
     args = (q, *pools, tail_k, tail_v, jnp.asarray(quant_lengths), jnp.asarray(lengths),
             tables, jnp.asarray(lengths - 1)[:, None])
-    kw = dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5)
-    q_close(cpu_kernels.quantized_attention(*args, **kw),
-            jax.jit(functools.partial(qref.quantized_attention, **kw))(*args), 2e-5)
+    return args, dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
+    (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
+    (4, 64, 32, jnp.float16, 8), (2, 128, 16, jnp.bfloat16, 4), (4, 32, 32, jnp.float32, 4),
+    (8, 96, 32, jnp.float16, 2)])
+def test_quantized_vectorised_rows(rng, monkeypatch, bits, head_dim, group, scale_dtype,
+                                   q_heads):
+    """Widths whose packed fields hold whole 16-channel vectors take the vectorised
+    dequantizer (random_cache's head_dim 32 / group 8 take the scalar one) and, for whole
+    chunks, the codes read in place by the register-blocked core (query rows in blocks of
+    8, 4 and 1: GQA 8, 4, 1; 1, 2, 4 and 8 value groups per row through the vector
+    weights, 3 through the scalar ones); f16, bf16 and f32 scales. With the float32 logits
+    (KVJAX_CPU_INT_LOGITS=0) the kernel is float32-exact: equal to the reference to 2e-6."""
+    args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
+    want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
+    q_close(cpu_kernels.quantized_attention(*args, **kw), want, 2e-5)
+    monkeypatch.setenv("KVJAX_CPU_INT_LOGITS", "0")
+    got = cpu_kernels.quantized_attention(*args, **kw)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
+    (4, 128, 32, jnp.float16, 4), (2, 128, 16, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2)])
+def test_quantized_int_logits_within_their_bound(rng, bits, head_dim, group, scale_dtype,
+                                                 q_heads):
+    """The integer logits (AVX512-VNNI; the float32 path elsewhere, which meets the bound
+    too): each folded query row q s rounded to int16 with its largest entry m at 32767
+    moves a logit by at most eps = m / 65534 * D * (2^bits - 1), so lse by at most eps and
+    an output by at most (e^(2 eps) - 1) * the values' range; here m is bounded by the
+    largest |q| * scale * key scale of the case."""
+    args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
+    q, _, k_scale, _, _, v_scale, v_zero, _, tail_v = args[:9]
+    want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
+    got = cpu_kernels.quantized_attention(*args, **kw)
+    f32 = functools.partial(np.asarray, dtype=np.float32)
+    m = f32(jnp.abs(q)).max() * kw["scale"] * f32(k_scale).max()
+    eps = m / 65534 * head_dim * ((1 << bits) - 1)
+    v_max = max(((1 << bits) - 1) * f32(v_scale).max() + np.abs(f32(v_zero)).max(),
+                np.abs(f32(tail_v)).max())
+    live = np.isfinite(f32(want[1]))
+    out_err = np.abs(f32(got[0]) - f32(want[0])).max()
+    lse_err = np.abs(f32(got[1])[live] - f32(want[1])[live]).max()
+    assert lse_err <= eps + 1e-5, (lse_err, eps)
+    assert out_err <= np.expm1(2 * eps) * 2 * v_max + 1e-5, (out_err, eps, v_max)
 
 
 # ----------------------------------------------------------------------------- MLA

@@ -40,6 +40,7 @@ struct QuantArgs {
   int64_t max_pages;
   float scale, soft_cap;
   int64_t window;
+  bool int_logits;  // KVJAX_CPU_INT_LOGITS (default 1)
   float* out;
   float* lse;
 };
@@ -224,12 +225,46 @@ inline v16 code_field(v16i x, int f) {
   }
 }
 
+// Integer logits (AVX512-VNNI): the folded query rows of a key group rounded to 16-bit
+// integers, m = max |q s| of the row mapped to 32767, and the codes' dot products taken in
+// int32 (chunk_logits), exact, then scaled by m / 32767. The rounding changes a logit by at
+// most (m / 65534) * sum_c code_c: about 2^-16 of the row's largest term per code unit,
+// far inside the codes' own quantization error (KVJAX_CPU_INT_LOGITS=0: float32 FMAs).
+#ifdef __AVX512VNNI__
+constexpr bool kIntLogits = true;
+#else
+constexpr bool kIntLogits = false;
+#endif
+
+// Row q [D] (D a multiple of 16) as int16: D values in dst's first D / 2 floats, the
+// scale (m / 32767, 0 for a zero row) in float D / 2.
+inline void int_query_row(const float* q, int64_t D, float* dst) {
+#ifdef __AVX512VNNI__
+  v16 mx{};
+  for (int64_t d = 0; d < D; d += kLanes) {
+    const v16 x = load16(q + d);
+    mx = vmax(mx, x < 0 ? -x : x);
+  }
+  const float m = hmax(mx);
+  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  int16_t* qi = reinterpret_cast<int16_t*>(dst);
+  for (int64_t d = 0; d < D; d += kLanes) {
+    const __m512i x = _mm512_cvtps_epi32((__m512)(load16(q + d) * inv));  // nearest
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + d), _mm512_cvtsepi32_epi16(x));
+  }
+  dst[D / 2] = m / 32767.0f;
+#else
+  (void)q, (void)D, (void)dst;
+#endif
+}
+
 // What the code chunks of one work item share: bytes per key / value row, the values'
 // scale groups per row and channels per group, and the bytes a chunk's prefetch covers.
 template <typename S>
 struct CodeRows {
   int64_t kw = 0, vw = 0;
   int64_t vg = 0, vgroup = 0;
+  bool int_logits = false;  // query rows as 16-bit integers (int_query_rows)
   int64_t kbytes = 0;   // of the key group's scale row (and of its zero row)
   int64_t vbytes = 0;   // of a chunk's value scales [16, vg] (and of its zeros)
   std::ptrdiff_t kz = 0, vz = 0;  // zeros - scales, in elements (keys, values)
@@ -263,7 +298,7 @@ inline bool located(const CodeChunk<BITS, S>& ch) { return ch.k != nullptr; }
 // of a loop over each row's bytes (at 2 bits that prefetched every line twice); the L2
 // hint for the codes a further 0.92-0.99x (NOTES v12).
 template <int BITS, typename S>
-inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
+__attribute__((always_inline)) inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
   const CodeRows<S>& g = *ch.geo;
   const int64_t o = 64 * j, kb = kLanes * g.kw, vb = kLanes * g.vw;
   for (int64_t i = o; i < kb; i += 64 * kLanes) prefetch_line<1>(ch.k + i);
@@ -282,7 +317,7 @@ inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
 // key rows; as attend.h's chunk_logits, with row j of `pf` prefetched in step j (all of
 // pf's rows at once when this chunk is staged float32 rows: the rare edge chunks).
 template <int NB, int DT, int BITS, typename S>
-inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>& ch, v16* parts,
+__attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>& ch, v16* parts,
                          const CodeChunk<BITS, S>* pf = nullptr) {
   if (!ch.k) {
     if (pf)
@@ -292,6 +327,37 @@ inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>&
   constexpr int k = 8 / BITS;
   const int64_t D = DT ? DT : D_rt, n = D / k;  // field f of byte c is channel f n + c
   const int64_t kw = ch.geo->kw;
+#ifdef __AVX512VNNI__
+  if (ch.geo->int_logits) {
+    // 32 codes as 16-bit words against 32 of the row's int16 query values: one vpdpwssd
+    // per row (pairs of products summed into 16 int32 lanes) where the float32 path
+    // needs two FMAs and a conversion per 16 codes.
+    float qscale[NB];
+    for (int r = 0; r < NB; ++r) qscale[r] = q[r * D + D / 2];
+    for (int j = 0; j < kLanes; ++j) {
+      if (pf) prefetch_codes(*pf, j);
+      __m512i a[NB];
+      for (int r = 0; r < NB; ++r) a[r] = _mm512_setzero_si512();
+      const uint8_t* kr = ch.k + j * kw;
+      for (int64_t c = 0; c < n; c += 2 * kLanes) {
+        const __m512i x =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + c)));
+        for (int f = 0; f < k; ++f) {
+          __m512i code = f ? _mm512_srli_epi16(x, f * BITS) : x;
+          if constexpr (BITS < 8)
+            if (f < k - 1) code = _mm512_and_si512(code, _mm512_set1_epi16((1 << BITS) - 1));
+          for (int r = 0; r < NB; ++r)
+            a[r] = _mm512_dpwssd_epi32(
+                a[r], code, _mm512_loadu_si512(reinterpret_cast<const int16_t*>(q + r * D) +
+                                               f * n + c));
+        }
+      }
+      for (int r = 0; r < NB; ++r)
+        parts[r * kLanes + j] = (v16)_mm512_cvtepi32_ps(a[r]) * splat(qscale[r]);
+    }
+    return;
+  }
+#endif
   for (int j = 0; j < kLanes; ++j) {
     if (pf) prefetch_codes(*pf, j);
     // Two accumulators per row (even and odd fields): half the dependent chain.
@@ -418,7 +484,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   }
 
   std::vector<float> scratch(G * Dp + G * Dvp + kLanes * (Dp + 2 * Dvp) + G * kLanes + 2 * Dp +
-                             G * Dp + G + 2 * Dvp);
+                             2 * G * Dp + G + 2 * Dvp);
   float* qs = scratch.data();
   float* acc = qs + G * Dp;
   float* kbuf = acc + G * Dvp;
@@ -433,6 +499,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   float* qfold = kzero + Dp;  // the query rows times the current key group's scales
   float* qbias = qfold + G * Dp;  // and their dot products with its zeros
   float* vsz = qbias + G;  // one value row's scales and zeros as float32
+  float* qint = vsz + 2 * Dvp;  // qfold as 16-bit integers (int_query_rows)
   int32_t vec_group[kMaxGroup];  // value scale group of each 16-channel vector
   for (int64_t g = 0; g < G; ++g) {
     const float* qr = a.q + (b * a.q_heads + h * G + g) * D;
@@ -474,6 +541,14 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   if (fold)
     for (int64_t i = 0; i < Dvp / kLanes; ++i)
       vec_group[i] = static_cast<int32_t>(i * kLanes / v_group);
+  // Whole chunks read in place by attend_rows (below).
+  const bool in_place = fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 &&
+                        a.v_groups <= kMaxValueGroups && rows_kernel();
+  // Their logits in 16-bit integers (int_query_rows) where each field is whole 32-byte
+  // blocks and the int32 sums cannot overflow: 32767 * (2^bits - 1) * D < 2^31.
+  const bool int_logits = kIntLogits && a.int_logits && in_place &&
+                          (D / (8 / a.k_bits)) % (2 * kLanes) == 0 &&
+                          32767.0 * ((1 << a.k_bits) - 1) * D < 2147483648.0;
   // Whole chunks of pages (16 rows of one page): the table looked up once, scales folded.
   auto fast_chunk = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= qhi; };
   // One tail row (position p >= Q) widened to float32 rows of the chunk buffers.
@@ -508,6 +583,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         bias += qv * load16(kzero + d);
       }
       qbias[g] = hsum(bias);
+      if (int_logits) int_query_row(qfold + g * Dp, D, qint + g * Dp);
     }
     folded = srow;
     loaded = srow;  // kscale/kzero hold this row's scales as the unfolded path wants
@@ -577,7 +653,17 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     return {kbuf, Dp, vbuf, Dvp};
   };
   auto prefetch = [&](int64_t c0) {
-    if (c0 >= qhi) return;  // the tail (a few hundred rows, written this step): no hint
+    if (c0 >= qhi) {
+      // The tail ring's rows: all but the newest were written in earlier steps, and a
+      // whole decode step (every layer) has run since, so they are out of cache too.
+      const int64_t bytes = a.tail_type == ffi::F32 ? 4 : 2;
+      for (int64_t p = std::max(c0, lo); p < std::min(c0 + kLanes, hi); ++p) {
+        const int64_t r = tail_row0 + p % a.ring;
+        prefetch_row(static_cast<const char*>(a.tk) + r * D * bytes, D * bytes);
+        prefetch_row(static_cast<const char*>(a.tv) + r * Dv * bytes, Dv * bytes);
+      }
+      return;
+    }
     const auto [page, slot] = page_slot(c0);
     const int64_t rows = std::min<int64_t>(kLanes, ps - slot);
     prefetch_bytes(kc + (page * ps + slot) * kw, rows * kw);
@@ -585,8 +671,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     prefetch_bytes(vs + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
     prefetch_bytes(vz + (page * ps + slot) * a.v_groups, rows * a.v_groups * sizeof(S));
   };
-  if (fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 && a.v_groups <= kMaxValueGroups &&
-      rows_kernel()) {
+  if (in_place) {
     // Whole chunks: codes read in place by the register-blocked core (query rows in
     // register blocks, each unpacked key/value vector used by 4-8 of them), a later
     // chunk's rows prefetched one per token step (locate); the edges of [lo, hi) and
@@ -599,6 +684,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     geo.kbytes = D * sizeof(S);
     geo.vbytes = kLanes * a.v_groups * sizeof(S);
     geo.kz = kz - ks;
+    geo.int_logits = int_logits;
     geo.vz = vz - vs;
     Chunk staged[2];  // the staged chunks' rows (two live at a time, as the value buffers)
     auto run = [&](auto bits) {
@@ -612,7 +698,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         ch.vs = vs + row * a.v_groups;
         ch.ks = ks + (page * a.k_srows + slot / k_group) * D;
         ch.geo = &geo;
-        ch.q = qfold;
+        ch.q = int_logits ? qint : qfold;
         ch.bias = qbias;
         return ch;
       };
@@ -731,6 +817,7 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.scale = scale;
   a.soft_cap = soft_cap;
   a.window = window;
+  a.int_logits = env_int("KVJAX_CPU_INT_LOGITS", 1) != 0;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
   const int64_t kvh = a.kv_heads;
