@@ -40,7 +40,7 @@ struct QuantArgs {
   int64_t max_pages;
   float scale, soft_cap;
   int64_t window;
-  bool int_logits;  // KVJAX_CPU_INT_LOGITS (default 1)
+  bool int_logits;  // KVJAX_CPU_INT_LOGITS (default 1), read per call: tests switch it
   float* out;
   float* lse;
 };
@@ -264,7 +264,7 @@ template <typename S>
 struct CodeRows {
   int64_t kw = 0, vw = 0;
   int64_t vg = 0, vgroup = 0;
-  bool int_logits = false;  // query rows as 16-bit integers (int_query_rows)
+  bool int_logits = false;  // query rows as 16-bit integers (int_query_row)
   int64_t kbytes = 0;   // of the key group's scale row (and of its zero row)
   int64_t vbytes = 0;   // of a chunk's value scales [16, vg] (and of its zeros)
   std::ptrdiff_t kz = 0, vz = 0;  // zeros - scales, in elements (keys, values)
@@ -317,8 +317,9 @@ __attribute__((always_inline)) inline void prefetch_codes(const CodeChunk<BITS, 
 // key rows; as attend.h's chunk_logits, with row j of `pf` prefetched in step j (all of
 // pf's rows at once when this chunk is staged float32 rows: the rare edge chunks).
 template <int NB, int DT, int BITS, typename S>
-__attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t D_rt, const CodeChunk<BITS, S>& ch, v16* parts,
-                         const CodeChunk<BITS, S>* pf = nullptr) {
+__attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t D_rt,
+                                                        const CodeChunk<BITS, S>& ch, v16* parts,
+                                                        const CodeChunk<BITS, S>* pf = nullptr) {
   if (!ch.k) {
     if (pf)
       for (int j = 0; j < kLanes; ++j) prefetch_codes(*pf, j);
@@ -499,7 +500,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   float* qfold = kzero + Dp;  // the query rows times the current key group's scales
   float* qbias = qfold + G * Dp;  // and their dot products with its zeros
   float* vsz = qbias + G;  // one value row's scales and zeros as float32
-  float* qint = vsz + 2 * Dvp;  // qfold as 16-bit integers (int_query_rows)
+  float* qint = vsz + 2 * Dvp;  // qfold as 16-bit integers (int_query_row)
   int32_t vec_group[kMaxGroup];  // value scale group of each 16-channel vector
   for (int64_t g = 0; g < G; ++g) {
     const float* qr = a.q + (b * a.q_heads + h * G + g) * D;
@@ -544,7 +545,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   // Whole chunks read in place by attend_rows (below).
   const bool in_place = fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 &&
                         a.v_groups <= kMaxValueGroups && rows_kernel();
-  // Their logits in 16-bit integers (int_query_rows) where each field is whole 32-byte
+  // Their logits in 16-bit integers (int_query_row) where each field is whole 32-byte
   // blocks and the int32 sums cannot overflow: 32767 * (2^bits - 1) * D < 2^31.
   const bool int_logits = kIntLogits && a.int_logits && in_place &&
                           (D / (8 / a.k_bits)) % (2 * kLanes) == 0 &&
