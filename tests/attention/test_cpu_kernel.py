@@ -283,12 +283,14 @@ def test_quantized_vectorised_rows(rng, monkeypatch, bits, head_dim, group, scal
     dequantizer (random_cache's head_dim 32 / group 8 take the scalar one) and, for whole
     chunks, the codes read in place by the register-blocked core (query rows in blocks of
     8, 4 and 1: GQA 8, 4, 1; 1, 2, 4 and 8 value groups per row through the vector
-    weights, 3 through the scalar ones); f16, bf16 and f32 scales. With the float32 logits
-    (KVJAX_CPU_INT_LOGITS=0) the kernel is float32-exact: equal to the reference to 2e-6."""
+    weights, 3 through the scalar ones); f16, bf16 and f32 scales. With float32 logits and
+    values (KVJAX_CPU_INT_LOGITS=0, KVJAX_CPU_INT_VALUES=0) the kernel is float32-exact:
+    equal to the reference to 2e-6."""
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
     want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
     q_close(cpu_kernels.quantized_attention(*args, **kw), want, 2e-5)
     monkeypatch.setenv("KVJAX_CPU_INT_LOGITS", "0")
+    monkeypatch.setenv("KVJAX_CPU_INT_VALUES", "0")
     got = cpu_kernels.quantized_attention(*args, **kw)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
@@ -297,13 +299,14 @@ def test_quantized_vectorised_rows(rng, monkeypatch, bits, head_dim, group, scal
 @needs_kernel
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
     (4, 128, 32, jnp.float16, 4), (2, 128, 16, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2)])
-def test_quantized_int_logits_within_their_bound(rng, bits, head_dim, group, scale_dtype,
-                                                 q_heads):
+def test_quantized_int_logits_within_their_bound(rng, monkeypatch, bits, head_dim, group,
+                                                 scale_dtype, q_heads):
     """The integer logits (AVX512-VNNI; the float32 path elsewhere, which meets the bound
     too): each folded query row q s rounded to int16 with its largest entry m at 32767
     moves a logit by at most eps = m / 65534 * D * (2^bits - 1), so lse by at most eps and
     an output by at most (e^(2 eps) - 1) * the values' range; here m is bounded by the
-    largest |q| * scale * key scale of the case."""
+    largest |q| * scale * key scale of the case (values in float32 here)."""
+    monkeypatch.setenv("KVJAX_CPU_INT_VALUES", "0")
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
     q, _, k_scale, _, _, v_scale, v_zero, _, tail_v = args[:9]
     want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
@@ -318,6 +321,33 @@ def test_quantized_int_logits_within_their_bound(rng, bits, head_dim, group, sca
     lse_err = np.abs(f32(got[1])[live] - f32(want[1])[live]).max()
     assert lse_err <= eps + 1e-5, (lse_err, eps)
     assert out_err <= np.expm1(2 * eps) * 2 * v_max + 1e-5, (out_err, eps, v_max)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
+    (4, 128, 32, jnp.float16, 4), (2, 128, 16, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
+    (4, 32, 32, jnp.bfloat16, 16), (2, 64, 32, jnp.float16, 2)])
+def test_quantized_int_values_within_their_bound(rng, monkeypatch, bits, head_dim, group,
+                                                 scale_dtype, q_heads):
+    """The integer values (AVX512-VNNI and VBMI; the float32 path elsewhere, which meets
+    the bound too): a chunk's weights p s, rounded to int16 per query row and value group
+    with the largest at 32767, move by at most (max_j p_j) s_max / 65534 each, so a chunk's
+    sum by 16 (2^bits - 1) times that; the chunks' max_j p_j add up to at most the softmax
+    sum, so an output moves by at most 16 (2^bits - 1) s_max / 65534 (s_max: the case's
+    largest value scale). The logits are float32 here, so lse is float32-exact. 1, 2, 4 and
+    8 value groups per row; query rows in blocks of 8, 4 and 1 (GQA 8, 4, 2, 1)."""
+    monkeypatch.setenv("KVJAX_CPU_INT_LOGITS", "0")
+    args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
+    v_scale = args[5]
+    want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
+    got = cpu_kernels.quantized_attention(*args, **kw)
+    f32 = functools.partial(np.asarray, dtype=np.float32)
+    eps = 16 * ((1 << bits) - 1) * f32(v_scale).max() / 65534
+    live = np.isfinite(f32(want[1]))
+    out_err = np.abs(f32(got[0]) - f32(want[0])).max()
+    lse_err = np.abs(f32(got[1])[live] - f32(want[1])[live]).max()
+    assert lse_err <= 2e-6, lse_err
+    assert out_err <= eps + 2e-6, (out_err, eps)
 
 
 # ----------------------------------------------------------------------------- MLA

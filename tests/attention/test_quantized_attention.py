@@ -19,9 +19,11 @@ HEAD_DIM = 32
 @pytest.fixture(autouse=True)
 def float32_logits(monkeypatch):
     """The comparisons here hold the attention mechanics to float32 rounding: the CPU
-    kernel's integer logits (16-bit query rows, KVJAX_CPU_INT_LOGITS) are held to their own
-    error bound in test_cpu_kernel.py instead."""
+    kernel's integer logits and values (16-bit query rows and value weights,
+    KVJAX_CPU_INT_LOGITS / KVJAX_CPU_INT_VALUES) are held to their own error bounds in
+    test_cpu_kernel.py instead."""
     monkeypatch.setenv("KVJAX_CPU_INT_LOGITS", "0")
+    monkeypatch.setenv("KVJAX_CPU_INT_VALUES", "0")
 
 
 def jitted(fn, *args, **static):

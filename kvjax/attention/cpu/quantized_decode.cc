@@ -41,6 +41,7 @@ struct QuantArgs {
   float scale, soft_cap;
   int64_t window;
   bool int_logits;  // KVJAX_CPU_INT_LOGITS (default 1), read per call: tests switch it
+  bool int_values;  // KVJAX_CPU_INT_VALUES (default 1), likewise
   float* out;
   float* lse;
 };
@@ -258,6 +259,55 @@ inline void int_query_row(const float* q, int64_t D, float* dst) {
 #endif
 }
 
+// The query rows qs [G, Dp] with a key group's scales s and zeros z (float32 rows of Dp)
+// folded in: bias[g] = qs[g] . z, qfold[g] = qs[g] * s and, for the integer logits
+// (qint not null), that row as int_query_row writes it to qint. With the width known at
+// compile time the integer rows are made in registers and qfold is not written.
+template <int DT>
+inline void fold_rows(const float* __restrict qs, int64_t G, int64_t Dp_rt,
+                      const float* __restrict s, const float* __restrict z,
+                      float* __restrict qfold, float* __restrict qint, float* __restrict bias) {
+  const int64_t Dp = DT ? DT : Dp_rt;
+#ifdef __AVX512VNNI__
+  if constexpr (DT > 0 && DT <= 16 * kLanes) {
+    if (qint) {
+      constexpr int n = DT / kLanes;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qs + g * Dp;
+        v16 x[n], b{}, mx{};
+        for (int i = 0; i < n; ++i) {
+          const v16 qv = load16(qg + i * kLanes);
+          x[i] = qv * load16(s + i * kLanes);
+          b += qv * load16(z + i * kLanes);
+          mx = vmax(mx, (v16)_mm512_abs_ps((__m512)x[i]));
+        }
+        bias[g] = hsum(b);
+        const float m = hmax(mx);
+        const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+        int16_t* qi = reinterpret_cast<int16_t*>(qint + g * Dp);
+        for (int i = 0; i < n; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + i * kLanes),
+                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32((__m512)(x[i] * inv))));
+        qint[g * Dp + Dp / 2] = m / 32767.0f;
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qs + g * Dp;
+    float* row = qfold + g * Dp;
+    v16 b{};
+    for (int64_t d = 0; d < Dp; d += kLanes) {
+      const v16 qv = load16(qg + d);
+      store16(row + d, qv * load16(s + d));
+      b += qv * load16(z + d);
+    }
+    bias[g] = hsum(b);
+    if (qint) int_query_row(row, Dp, qint + g * Dp);
+  }
+}
+
 // What the code chunks of one work item share: bytes per key / value row, the values'
 // scale groups per row and channels per group, and the bytes a chunk's prefetch covers.
 template <typename S>
@@ -265,6 +315,14 @@ struct CodeRows {
   int64_t kw = 0, vw = 0;
   int64_t vg = 0, vgroup = 0;
   bool int_logits = false;  // query rows as 16-bit integers (int_query_row)
+  bool int_values = false;  // value weights as 16-bit integers (int_value_weights)
+  const int32_t* vec_group = nullptr;  // value group of each 16-channel vector of a row
+  // int_value_weights' placement: two blocks of w packed to int16 (vpackssdw) and spread
+  // to their padded places, out_index[z] giving output zmm z's source lanes (pad_mask:
+  // the lanes of groups below vg; the rest zeroed).
+  alignas(64) int16_t out_index[4][2 * kLanes] = {};
+  uint32_t pad_mask = 0;
+  v16i lane_group{};  // lane i: i mod vg
   int64_t kbytes = 0;   // of the key group's scale row (and of its zero row)
   int64_t vbytes = 0;   // of a chunk's value scales [16, vg] (and of its zeros)
   std::ptrdiff_t kz = 0, vz = 0;  // zeros - scales, in elements (keys, values)
@@ -376,6 +434,21 @@ __attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t 
   }
 }
 
+// Lane i: op over the lanes of x congruent to i mod vg (vg a power of two <= 16), pairing
+// lanes i and i ^ h for h = 8, 4, 2, 1 down to vg.
+template <typename Op>
+inline v16 reduce_mod(v16 x, int64_t vg, Op op) {
+  if (vg <= 8)
+    x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  if (vg <= 4)
+    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  if (vg <= 2)
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  if (vg <= 1)
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return x;
+}
+
 // The value weights of NB rows' probabilities p [NB, 16] over the chunk's tokens:
 // w[r][j vg + g] = p[r][j] s[j][g] and z[r][g] = sum_j p[r][j] zero[j][g].
 template <int NB, int BITS, typename S>
@@ -398,15 +471,7 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
         store16(w + r * m + b * kLanes, pp * load16(s + b * kLanes));
         zs += pp * load16(zero + b * kLanes);
       }
-      // Lane g < vg: the sum over the lanes congruent to g mod vg (pairs i, i ^ h).
-      if (vg <= 8)
-        zs += __builtin_shufflevector(zs, zs, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-      if (vg <= 4)
-        zs += __builtin_shufflevector(zs, zs, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-      if (vg <= 2)
-        zs += __builtin_shufflevector(zs, zs, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-      if (vg <= 1)
-        zs += __builtin_shufflevector(zs, zs, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+      zs = reduce_mod(zs, vg, [](v16 a, v16 b) { return a + b; });
       for (int64_t g = 0; g < vg; ++g) z[r * kMaxValueGroups + g] = zs[g];
     }
     return;
@@ -421,6 +486,163 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
       zr[i % vg] += pj * zero[i];
     }
   }
+}
+
+// Integer values (AVX512-VNNI and VBMI): a chunk's value weights p s rounded to 16-bit
+// integers per query row and value group (the largest over the chunk's tokens, m, mapped to
+// 32767) and the codes of a token pair dotted with them by vpdpwssd, exact int32 sums over
+// the chunk, then scaled by m / 32767 into the float32 accumulator. A weight moves by at
+// most m / 65534, so a chunk's sum for a channel by at most (m / 65534) * sum_j code_j:
+// about 2^-16 of the chunk's largest term per code unit (KVJAX_CPU_INT_VALUES=0: FMAs).
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+constexpr bool kIntValues = true;
+#else
+constexpr bool kIntValues = false;
+#endif
+constexpr int64_t kMaxIntGroups = 8;  // value groups per row on the integer path
+// int_value_weights' dwords per query row: 8 token pairs of kMaxIntGroups (a fixed stride,
+// so that the value loop reaches row r's weight at a constant offset).
+constexpr int64_t kIntRow = kLanes / 2 * kMaxIntGroups;
+
+// vpermb indexes pairing two rows' 16 bytes (a ymm, row j then row j + 1): dword i of the
+// result holds byte i of each row as 16-bit words (odd bytes zeroed by the mask), channels
+// in order.
+struct PairIndex {
+  alignas(64) uint8_t b[64];
+};
+constexpr PairIndex pair_index() {
+  PairIndex p{};
+  for (int i = 0; i < kLanes; ++i) {
+    p.b[4 * i] = static_cast<uint8_t>(i);
+    p.b[4 * i + 2] = static_cast<uint8_t>(kLanes + i);
+  }
+  return p;
+}
+inline constexpr PairIndex kPairIndex = pair_index();
+
+// value_weights' w as 16-bit integers: wq (int32 pairs of int16) [NB][8][kMaxIntGroups],
+// row r's pair t of group g (tokens 2 t and 2 t + 1) at r kIntRow + t kMaxIntGroups + g
+// (groups past vg padding); dq[r vg + g] = m / 32767 with m the row's largest w of group g
+// (vg a power of two <= 8). z as value_weights. The rows' maxima share one division per
+// 16 / vg rows (a division per row was a chain of ~20 cycles each).
+template <int NB, int BITS, typename S>
+inline void int_value_weights(const float* p, const CodeChunk<BITS, S>& ch, int32_t* wq,
+                              float* dq, float* z) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  const CodeRows<S>& geo = *ch.geo;
+  const int64_t vg = geo.vg, m = kLanes * vg;
+  alignas(64) float w[NB * kLanes * kMaxIntGroups];
+  value_weights<NB>(p, ch, w, z);
+  // Lane i of mx[r]: row r's largest w of group i mod vg.
+  v16 mx[NB];
+  for (int r = 0; r < NB; ++r) {
+    const float* wr = w + r * m;
+    v16 x = load16(wr);
+    for (int64_t b = 1; b < vg; ++b) x = vmax(x, load16(wr + b * kLanes));
+    x = reduce_mod(x, vg, [](v16 a, v16 b) { return vmax(a, b); });
+    mx[r] = vmax(x, splat(1e-30f));  // a group of zero weights: quantized to 0, no inf
+  }
+  // Rows r0 .. r0 + 16 / vg - 1 in one vector (lane r vg + g holds row r's group g).
+  alignas(64) float inv[NB * kMaxIntGroups + kLanes];
+  const int64_t per = kLanes / vg;
+  for (int64_t r0 = 0; r0 < NB; r0 += per) {
+    v16 x = mx[r0];
+    for (int64_t r = r0 + 1; r < std::min<int64_t>(NB, r0 + per); ++r)
+      x = (v16)_mm512_mask_blend_ps(static_cast<__mmask16>(((1u << vg) - 1) << ((r - r0) * vg)),
+                                    (__m512)x, (__m512)mx[r]);
+    store16(inv + r0 * vg, splat(32767.0f) / x);
+    store16(dq + r0 * vg, x * (1.0f / 32767.0f));
+  }
+  const v16i lane_group = geo.lane_group;
+  const __m512i zero = _mm512_setzero_si512();
+  const int nz = vg == 1 ? 4 : static_cast<int>(kMaxIntGroups / vg);  // outputs per block pair
+  for (int r = 0; r < NB; ++r) {
+    const float* wr = w + r * m;
+    const v16 ir = (v16)_mm512_permutexvar_ps((__m512i)lane_group, (__m512)load16(inv + r * vg));
+    int16_t* out = reinterpret_cast<int16_t*>(wq + r * kIntRow);
+    for (int64_t b = 0; b < vg; b += 2) {
+      const __m512i lo = _mm512_cvtps_epi32((__m512)(load16(wr + b * kLanes) * ir));  // nearest
+      const __m512i hi =
+          b + 1 < vg ? _mm512_cvtps_epi32((__m512)(load16(wr + (b + 1) * kLanes) * ir)) : zero;
+      const __m512i packed = _mm512_packs_epi32(lo, hi);  // saturating; lanes interleaved
+      int16_t* dst = out + b * nz * kLanes;  // block pair b / 2: nz outputs of 32
+      for (int zi = 0; zi < nz; ++zi)
+        _mm512_storeu_si512(dst + zi * 2 * kLanes,
+                            _mm512_maskz_permutexvar_epi16(
+                                geo.pad_mask, _mm512_load_si512(geo.out_index[zi]), packed));
+    }
+  }
+#else
+  (void)p, (void)ch, (void)wq, (void)dq, (void)z;
+#endif
+}
+
+// acc + the dot products of code's word pairs with the pair at w (broadcast): vpdpwssd
+// with its memory operand (GCC does not fold _mm512_set1_epi32 into it: a separate load
+// per product, and the loop was front-end bound).
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+inline __m512i dpwssd_bcst(__m512i acc, __m512i code, const int32_t* w) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(code), "m"(*w));
+  return acc;
+}
+#endif
+
+// chunk_accumulate on the integer path, NB rows (NB * k <= 16), a column of 16 bytes of
+// each row at a time: per token pair, the two rows' bytes paired as words by one vpermb,
+// each field masked / shifted out, and one vpdpwssd per field and query row (the float32
+// path: two FMAs and a conversion per 16 codes and row, per token). Writing the loop for
+// 32-byte columns (two vpermb from one zmm) measured no faster.
+template <int NB, int DVT, int BITS, typename S>
+inline void int_accumulate(float* acc, int64_t Dv_rt, const float* alpha, const float* probs,
+                           const CodeChunk<BITS, S>& ch) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  constexpr int k = 8 / BITS;
+  static_assert(NB * k <= 16, "int32 accumulators must fit the registers");
+  const int64_t Dv = DVT ? DVT : Dv_rt, n = Dv / k;
+  const CodeRows<S>& geo = *ch.geo;
+  const int64_t vw = geo.vw, vg = geo.vg;
+  alignas(64) int32_t wq[NB * kIntRow];
+  alignas(64) float dq[NB * kMaxIntGroups + kLanes];
+  float z[NB * kMaxValueGroups];
+  int_value_weights<NB>(probs, ch, wq, dq, z);
+  const __mmask64 even = 0x5555555555555555ull;
+  const __m512i pair = _mm512_load_si512(kPairIndex.b);
+  for (int64_t c = 0; c < n; c += kLanes) {
+    int64_t gf[k];  // the value group of each field's 16 channels
+    const int32_t* wp[k];  // and row 0's weight of its first token pair
+    for (int f = 0; f < k; ++f) {
+      gf[f] = geo.vec_group[(f * n + c) / kLanes];
+      wp[f] = wq + gf[f];
+    }
+    __m512i a[NB][k];
+    for (int r = 0; r < NB; ++r)
+      for (int f = 0; f < k; ++f) a[r][f] = _mm512_setzero_si512();
+    // Unrolled: GCC otherwise copies every accumulator in and out of the loop.
+#pragma GCC unroll 8
+    for (int t = 0; t < kLanes / 2; ++t) {
+      const uint8_t* row = ch.v + 2 * t * vw + c;
+      const __m256i both = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + vw)), 1);
+      const __m512i words = _mm512_maskz_permutexvar_epi8(even, pair, _mm512_castsi256_si512(both));
+      for (int f = 0; f < k; ++f) {
+        __m512i code = f ? _mm512_srli_epi16(words, f * BITS) : words;
+        if constexpr (BITS < 8)
+          if (f < k - 1) code = _mm512_and_si512(code, _mm512_set1_epi16((1 << BITS) - 1));
+        const int32_t* wt = wp[f] + t * kMaxIntGroups;
+        for (int r = 0; r < NB; ++r) a[r][f] = dpwssd_bcst(a[r][f], code, wt + r * kIntRow);
+      }
+    }
+    for (int r = 0; r < NB; ++r)
+      for (int f = 0; f < k; ++f) {
+        float* x = acc + r * Dv + f * n + c;
+        store16(x, load16(x) * splat(alpha[r]) + splat(z[r * kMaxValueGroups + gf[f]]) +
+                       (v16)_mm512_cvtepi32_ps(a[r][f]) * splat(dq[r * vg + gf[f]]));
+      }
+  }
+#else
+  (void)acc, (void)Dv_rt, (void)alpha, (void)probs, (void)ch;
+#endif
 }
 
 // acc[r] = alpha[r] acc[r] + sum_j p[r][j] (s[j] code[j] + zero[j]) for rows [g0, g0 + NB)
@@ -439,6 +661,8 @@ inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, cons
     return;
   } else {
     const CodeRows<S>& geo = *ch.geo;
+    if constexpr (kIntValues)
+      if (geo.int_values) return int_accumulate<NB, DVT>(acc, Dv, alpha, probs, ch);
     const int64_t vw = geo.vw, vg = geo.vg, vgroup = geo.vgroup, m = kLanes * vg;
     alignas(64) float w[NB * kLanes * kMaxValueGroups];
     float z[NB * kMaxValueGroups];
@@ -550,6 +774,10 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   const bool int_logits = kIntLogits && a.int_logits && in_place &&
                           (D / (8 / a.k_bits)) % (2 * kLanes) == 0 &&
                           32767.0 * ((1 << a.k_bits) - 1) * D < 2147483648.0;
+  // Their values in 16-bit integers (int_value_weights) where the groups per row are a
+  // power of two up to 8 (a token pair's weights one dword after one in-block permute).
+  const bool int_values = kIntValues && a.int_values && in_place &&
+                          a.v_groups <= kMaxIntGroups && (a.v_groups & (a.v_groups - 1)) == 0;
   // Whole chunks of pages (16 rows of one page): the table looked up once, scales folded.
   auto fast_chunk = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= qhi; };
   // One tail row (position p >= Q) widened to float32 rows of the chunk buffers.
@@ -575,17 +803,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     if (srow == folded) return;
     to_f32(srow, D, Dp, kscale);
     to_f32(kz + (srow - ks), D, Dp, kzero);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qs + g * Dp;
-      v16 bias{};
-      for (int64_t d = 0; d < Dp; d += kLanes) {
-        const v16 qv = load16(qg + d);
-        store16(qfold + g * Dp + d, qv * load16(kscale + d));
-        bias += qv * load16(kzero + d);
-      }
-      qbias[g] = hsum(bias);
-      if (int_logits) int_query_row(qfold + g * Dp, D, qint + g * Dp);
-    }
+    fold_rows<DT>(qs, G, Dp, kscale, kzero, qfold, int_logits ? qint : nullptr, qbias);
     folded = srow;
     loaded = srow;  // kscale/kzero hold this row's scales as the unfolded path wants
   };
@@ -686,6 +904,22 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     geo.vbytes = kLanes * a.v_groups * sizeof(S);
     geo.kz = kz - ks;
     geo.int_logits = int_logits;
+    geo.int_values = int_values;
+    geo.vec_group = vec_group;
+    if (int_values) {
+      // Output zmm zi of a block pair: lane q is token pair 2 zi + q / 16, group (q % 16) / 2,
+      // token (q % 2) of the pair, read from packed lane 8 (i / 4) + 4 (u / 16) + i % 4
+      // (vpackssdw interleaves the two blocks by 128-bit lanes; u: the w lane, i = u % 16).
+      const int64_t vg = a.v_groups;
+      for (int zi = 0; zi < 4; ++zi)
+        for (int q = 0; q < 2 * kLanes; ++q) {
+          const int64_t g = q % kLanes / 2, j = 2 * (2 * zi + q / kLanes) + q % 2;
+          const int64_t u = (j * vg + g) % (2 * kLanes), i = u % kLanes;
+          geo.out_index[zi][q] = static_cast<int16_t>(8 * (i / 4) + 4 * (u / kLanes) + i % 4);
+          if (zi == 0 && g < vg) geo.pad_mask |= 1u << q;
+        }
+      for (int o = 0; o < kLanes; ++o) geo.lane_group[o] = static_cast<int32_t>(o % vg);
+    }
     geo.vz = vz - vs;
     Chunk staged[2];  // the staged chunks' rows (two live at a time, as the value buffers)
     auto run = [&](auto bits) {
@@ -819,6 +1053,7 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.soft_cap = soft_cap;
   a.window = window;
   a.int_logits = env_int("KVJAX_CPU_INT_LOGITS", 1) != 0;
+  a.int_values = env_int("KVJAX_CPU_INT_VALUES", 1) != 0;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
   const int64_t kvh = a.kv_heads;
