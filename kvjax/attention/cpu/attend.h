@@ -282,12 +282,22 @@ inline void for_row_blocks(int64_t G, Fn&& fn) {
   for (; g0 < G; ++g0) fn(std::integral_constant<int, 1>{}, g0);
 }
 
+// Query row g's logits of a chunk from its 16 partial-sum vectors (chunk_logits), plus the
+// chunk's logit bias when it has one.
+template <typename E>
+inline v16 chunk_scores(const RowChunk<E>& ch, const v16* parts, int64_t g) {
+  v16 s = sum_rows(parts);
+  if (ch.bias) s += splat(ch.bias[g]);
+  return s;
+}
+
 // Whether locate() found the chunk's rows in place.
 template <typename E>
 inline bool located(const RowChunk<E>& ch) { return ch.k != nullptr; }
 
 // `attend` for chunks of type C: RowChunk<E> of float32 or bfloat16 (E = uint16_t) rows,
-// or another chunk type with its own chunk_logits / chunk_accumulate / located overloads
+// or another chunk type with its own chunk_logits / chunk_scores / chunk_accumulate /
+// located overloads
 // (the KIVI kernel's codes read in place, quantized_decode.cc), and head widths D, Dv
 // multiples of 32: rows used in place (bf16 widened in registers, load32), query rows
 // taken in register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a
@@ -360,8 +370,7 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
     const v16 pos = iota + static_cast<float>(c0);
     const v16i visible = (pos >= static_cast<float>(lo)) & (pos < static_cast<float>(hi));
     for (int64_t g = 0; g < G; ++g) {
-      v16 s = sum_rows(parts[cur] + g * kLanes);
-      if (ch.bias) s += splat(ch.bias[g]);
+      const v16 s = chunk_scores(ch, parts[cur] + g * kLanes, g);
       softmax_step(s, visible, soft_cap, m[g], lsum[g], alpha[g], probs + g * kLanes);
     }
     const C now = ch;

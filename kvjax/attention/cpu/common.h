@@ -96,32 +96,33 @@ inline float hsum(v16 x) {
 // Sums of 16 vectors as one vector: lane t = sum of the lanes of a[t]. A transpose-and-add
 // tree (15 steps of two shuffles and an add) instead of 16 separate horizontal sums.
 // Each level halves the lanes per input; feeding the inputs in bit-reversed order makes
-// the output lanes come out in natural order.
-inline v16 sum_rows(const v16* a) {
-  auto l8 = [](v16 x, v16 y) {
+// the output lanes come out in natural order. V: v16 or v16i (the integer logits' sums).
+template <typename V>
+inline V sum_rows(const V* a) {
+  auto l8 = [](V x, V y) {
     return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
                                    31);
   };
-  auto l4 = [](v16 x, v16 y) {
+  auto l4 = [](V x, V y) {
     return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
            __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
                                    31);
   };
-  auto l2 = [](v16 x, v16 y) {
+  auto l2 = [](V x, V y) {
     return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
            __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
                                    31);
   };
-  auto l1 = [](v16 x, v16 y) {
+  auto l1 = [](V x, V y) {
     return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
            __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   };
   // rev4(i) for i = 0..15: 0 8 4 12 2 10 6 14 1 9 5 13 3 11 7 15.
-  v16 b0 = l8(a[0], a[8]), b1 = l8(a[4], a[12]), b2 = l8(a[2], a[10]), b3 = l8(a[6], a[14]);
-  v16 b4 = l8(a[1], a[9]), b5 = l8(a[5], a[13]), b6 = l8(a[3], a[11]), b7 = l8(a[7], a[15]);
-  v16 c0 = l4(b0, b1), c1 = l4(b2, b3), c2 = l4(b4, b5), c3 = l4(b6, b7);
-  v16 d0 = l2(c0, c1), d1 = l2(c2, c3);
+  V b0 = l8(a[0], a[8]), b1 = l8(a[4], a[12]), b2 = l8(a[2], a[10]), b3 = l8(a[6], a[14]);
+  V b4 = l8(a[1], a[9]), b5 = l8(a[5], a[13]), b6 = l8(a[3], a[11]), b7 = l8(a[7], a[15]);
+  V c0 = l4(b0, b1), c1 = l4(b2, b3), c2 = l4(b4, b5), c3 = l4(b6, b7);
+  V d0 = l2(c0, c1), d1 = l2(c2, c3);
   return l1(d0, d1);
 }
 

@@ -315,6 +315,7 @@ struct CodeRows {
   int64_t kw = 0, vw = 0;
   int64_t vg = 0, vgroup = 0;
   bool int_logits = false;  // query rows as 16-bit integers (int_query_row)
+  int64_t qstride = 0;  // floats per query row (for the integer rows' scales)
   bool int_values = false;  // value weights as 16-bit integers (int_value_weights)
   const int32_t* vec_group = nullptr;  // value group of each 16-channel vector of a row
   // int_value_weights' placement: two blocks of w packed to int16 (vpackssdw) and spread
@@ -390,9 +391,8 @@ __attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t 
   if (ch.geo->int_logits) {
     // 32 codes as 16-bit words against 32 of the row's int16 query values: one vpdpwssd
     // per row (pairs of products summed into 16 int32 lanes) where the float32 path
-    // needs two FMAs and a conversion per 16 codes.
-    float qscale[NB];
-    for (int r = 0; r < NB; ++r) qscale[r] = q[r * D + D / 2];
+    // needs two FMAs and a conversion per 16 codes. The partial sums stay int32 (exact;
+    // chunk_scores adds them up and scales once per row).
     for (int j = 0; j < kLanes; ++j) {
       if (pf) prefetch_codes(*pf, j);
       __m512i a[NB];
@@ -411,8 +411,7 @@ __attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t 
                                                f * n + c));
         }
       }
-      for (int r = 0; r < NB; ++r)
-        parts[r * kLanes + j] = (v16)_mm512_cvtepi32_ps(a[r]) * splat(qscale[r]);
+      for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = (v16)a[r];  // int32 lanes
     }
     return;
   }
@@ -447,6 +446,22 @@ inline v16 reduce_mod(v16 x, int64_t vg, Op op) {
   if (vg <= 1)
     x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return x;
+}
+
+// Query row g's logits of a chunk (attend.h's chunk_scores); on the integer path the
+// partial sums are int32: added up exactly, then scaled by the row's int_query_row scale.
+template <int BITS, typename S>
+inline v16 chunk_scores(const CodeChunk<BITS, S>& ch, const v16* parts, int64_t g) {
+  if (!ch.k || !ch.geo->int_logits) {
+    v16 s = sum_rows(parts);
+    if (ch.bias) s += splat(ch.bias[g]);
+    return s;
+  }
+  const int64_t D = ch.geo->qstride;
+  v16i ints[kLanes];
+  for (int j = 0; j < kLanes; ++j) ints[j] = (v16i)parts[j];  // bit casts of the values
+  const v16i sum = sum_rows(ints);
+  return __builtin_convertvector(sum, v16) * splat(ch.q[g * D + D / 2]) + splat(ch.bias[g]);
 }
 
 // The value weights of NB rows' probabilities p [NB, 16] over the chunk's tokens:
@@ -904,6 +919,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     geo.vbytes = kLanes * a.v_groups * sizeof(S);
     geo.kz = kz - ks;
     geo.int_logits = int_logits;
+    geo.qstride = Dp;
     geo.int_values = int_values;
     geo.vec_group = vec_group;
     if (int_values) {
