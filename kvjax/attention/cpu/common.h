@@ -24,8 +24,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // AVX-512 paths, and F16C's converts on AVX2-only CPUs
 #endif
 
 namespace kvjax {
