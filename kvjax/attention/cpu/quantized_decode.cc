@@ -537,7 +537,7 @@ inline constexpr PairIndex kPairIndex = pair_index();
 
 // value_weights' w as 16-bit integers: wq (int32 pairs of int16) [NB][8][kMaxIntGroups],
 // row r's pair t of group g (tokens 2 t and 2 t + 1) at r kIntRow + t kMaxIntGroups + g
-// (groups past vg padding); dq[r vg + g] = m / 32767 with m the row's largest w of group g
+// (groups past vg padding); dq[r vg + g] = m / 32767 with m the row's largest |w| of group g
 // (vg a power of two <= 8). z as value_weights. The rows' maxima share one division per
 // 16 / vg rows (a division per row was a chain of ~20 cycles each).
 template <int NB, int BITS, typename S>
@@ -548,12 +548,14 @@ inline void int_value_weights(const float* p, const CodeChunk<BITS, S>& ch, int3
   const int64_t vg = geo.vg, m = kLanes * vg;
   alignas(64) float w[NB * kLanes * kMaxIntGroups];
   value_weights<NB>(p, ch, w, z);
-  // Lane i of mx[r]: row r's largest w of group i mod vg.
+  // Lane i of mx[r]: row r's largest |w| of group i mod vg (scales are not negative, but
+  // a caller's may be: then m bounds |w| and nothing saturates).
   v16 mx[NB];
+  auto mag = [](v16 x) { return (v16)_mm512_abs_ps((__m512)x); };
   for (int r = 0; r < NB; ++r) {
     const float* wr = w + r * m;
-    v16 x = load16(wr);
-    for (int64_t b = 1; b < vg; ++b) x = vmax(x, load16(wr + b * kLanes));
+    v16 x = mag(load16(wr));
+    for (int64_t b = 1; b < vg; ++b) x = vmax(x, mag(load16(wr + b * kLanes)));
     x = reduce_mod(x, vg, [](v16 a, v16 b) { return vmax(a, b); });
     mx[r] = vmax(x, splat(1e-30f));  // a group of zero weights: quantized to 0, no inf
   }
