@@ -17,7 +17,7 @@ HEAD_DIM = 32
 
 
 @pytest.fixture(autouse=True)
-def float32_logits(monkeypatch):
+def float32_dot_products(monkeypatch):
     """The comparisons here hold the attention mechanics to float32 rounding: the CPU
     kernel's integer logits and values (16-bit query rows and value weights,
     KVJAX_CPU_INT_LOGITS / KVJAX_CPU_INT_VALUES) are held to their own error bounds in

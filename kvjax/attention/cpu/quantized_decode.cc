@@ -237,26 +237,30 @@ constexpr bool kIntLogits = true;
 constexpr bool kIntLogits = false;
 #endif
 
-// Row q [D] (D a multiple of 16) as int16: D values in dst's first D / 2 floats, the
-// scale (m / 32767, 0 for a zero row) in float D / 2.
-inline void int_query_row(const float* q, int64_t D, float* dst) {
+// A row of n vectors, row(i) the i-th, whose largest |entry| is m, as int16: its values in
+// dst's first 8 n floats, the scale (m / 32767, 0 for a zero row) in float 8 n.
+template <typename Row>
+inline void store_int_row(Row&& row, int64_t n, float m, float* dst) {
 #ifdef __AVX512VNNI__
+  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  int16_t* qi = reinterpret_cast<int16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + i * kLanes),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32((__m512)(row(i) * inv))));
+  dst[n * kLanes / 2] = m / 32767.0f;  // cvtps: nearest
+#else
+  (void)row, (void)n, (void)m, (void)dst;
+#endif
+}
+
+// Row q [D] (D a multiple of 16) as int16 (store_int_row).
+inline void int_query_row(const float* q, int64_t D, float* dst) {
   v16 mx{};
   for (int64_t d = 0; d < D; d += kLanes) {
     const v16 x = load16(q + d);
     mx = vmax(mx, x < 0 ? -x : x);
   }
-  const float m = hmax(mx);
-  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
-  int16_t* qi = reinterpret_cast<int16_t*>(dst);
-  for (int64_t d = 0; d < D; d += kLanes) {
-    const __m512i x = _mm512_cvtps_epi32((__m512)(load16(q + d) * inv));  // nearest
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + d), _mm512_cvtsepi32_epi16(x));
-  }
-  dst[D / 2] = m / 32767.0f;
-#else
-  (void)q, (void)D, (void)dst;
-#endif
+  store_int_row([&](int64_t i) { return load16(q + i * kLanes); }, D / kLanes, hmax(mx), dst);
 }
 
 // The query rows qs [G, Dp] with a key group's scales s and zeros z (float32 rows of Dp)
@@ -282,13 +286,7 @@ inline void fold_rows(const float* __restrict qs, int64_t G, int64_t Dp_rt,
           mx = vmax(mx, (v16)_mm512_abs_ps((__m512)x[i]));
         }
         bias[g] = hsum(b);
-        const float m = hmax(mx);
-        const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
-        int16_t* qi = reinterpret_cast<int16_t*>(qint + g * Dp);
-        for (int i = 0; i < n; ++i)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + i * kLanes),
-                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32((__m512)(x[i] * inv))));
-        qint[g * Dp + Dp / 2] = m / 32767.0f;
+        store_int_row([&](int64_t i) { return x[i]; }, n, hmax(mx), qint + g * Dp);
       }
       return;
     }
