@@ -5,7 +5,7 @@ Measures, in one process so that the ratios share the machine's state:
 1. streaming read bandwidth (a jitted sum over a large array) and copy bandwidth
    (an in-place scale of a large donated array, counting read + write);
 2. paged decode attention for the gather reference, the XLA path
-   (`kvjax/attention/xla.py`), the C++ CPU kernel (`kvjax/attention/cpu/`, row "cpu",
+   (`kvjax/attention/xla.py`), the C++ CPU kernel (`kvjax/backends/cpu/`, row "cpu",
    when it is available; it runs on the caller and XLA's intra-op threads, so its
    CPU time is up to the number of cores times its wall time) and contiguous
    `[batch, kv_heads, seq, head_dim]` attention on the same K/V (plain
@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas.mla_decode import reference as mla_ref  # noqa: E402
 from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kernels_pallas.quantized_attention import reference as quant_ref  # noqa: E402
-from kvjax.attention import cpu as cpu_kernels  # noqa: E402
 from kvjax.attention import xla, xla_quantized  # noqa: E402
+from kvjax.backends import cpu as cpu_kernels  # noqa: E402
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST

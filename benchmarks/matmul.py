@@ -1,4 +1,4 @@
-"""Small-M matmul on CPU: kvjax's kernel (kvjax/attention/cpu/matmul.cc) against `x @ w`.
+"""Small-M matmul on CPU: kvjax's kernel (kvjax/backends/cpu/matmul.cc) against `x @ w`.
 
 For the weight shapes of the end-to-end decode model (hidden 512, intermediate 1408,
 vocab 32000) and a few row counts, times one `y = x @ w` with the kernel and with
@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvjax.attention.cpu import matmul as cpu_matmul  # noqa: E402
-from kvjax.attention.cpu.build import available, unavailable_reason  # noqa: E402
+from kvjax.backends.cpu import matmul as cpu_matmul  # noqa: E402
+from kvjax.backends.cpu.build import available, unavailable_reason  # noqa: E402
 
 # (K, N): the LM head, q/k/v fused width and single projections, gate+up, down.
 SHAPES = ((512, 32000), (512, 1536), (512, 512), (512, 2816), (1408, 512))

@@ -16,12 +16,12 @@ outside the pool, or a length past `max_pages * page_size`, raises
     Pallas' interpret mode on CPU). `interpret=None` means interpret on CPU
     only. The prefill ops have no kernel yet: their "pallas" entry runs the
     "xla" path;
-  "cpu": the C++ CPU kernels of `kvjax/attention/cpu/` (XLA FFI custom calls,
+  "cpu": the C++ CPU kernels of `kvjax/backends/cpu/` (XLA FFI custom calls,
     built on first use, that stream each live page once): GQA and MLA decode; the
     prefill ops have no kernel, their "cpu" entry runs the "xla" path;
   "auto": the best one for the default backend: "pallas" on TPU and GPU for
     the ops that have a kernel; on CPU "cpu" for the ops that have one when the
-    kernels are available (`kvjax.attention.cpu.available()`: a C++ compiler
+    kernels are available (`kvjax.backends.cpu.available()`: a C++ compiler
     built them and `KVJAX_CPU_KERNEL=0` is not set), "xla" otherwise.
 Each op looks its implementation up in `_IMPLS[op][impl]`.
 """
@@ -36,9 +36,10 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
-from kvjax.attention import cpu as cpu_kernels
+from kvjax.attention import cpu_impls as cpu_kernels
 from kvjax.attention import pallas_impls
 from kvjax.attention import xla as xla_path
+from kvjax.backends import cpu as cpu_backend
 
 __all__ = [
     "paged_decode_attention",
@@ -91,7 +92,7 @@ def _auto_impl(op: str) -> str:
         return "pallas"
     # CPU has no compiled Pallas. The C++ kernels are the fast path where an op has one
     # and they built; the blocked XLA path otherwise.
-    if pallas_impls.platform() == "cpu" and op in CPU_KERNEL_OPS and cpu_kernels.available():
+    if pallas_impls.platform() == "cpu" and op in CPU_KERNEL_OPS and cpu_backend.available():
         return "cpu"
     return "xla"
 

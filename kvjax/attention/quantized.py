@@ -18,13 +18,13 @@ layer's slice).
     dequantized in VMEM/registers; the tail is merged by log-sum-exp) — the
     Triton kernel on a GPU backend, the TPU kernel otherwise (interpreted on
     CPU); decode and prefill alike;
-  "cpu": the C++ CPU kernel (`kvjax/attention/cpu/quantized_decode.cc`: the pages
+  "cpu": the C++ CPU kernel (`kvjax/backends/cpu/quantized_decode.cc`: the pages
     streamed once, their packed codes multiplied in registers with the scales folded
     into queries and probabilities, then the tail ring in the same online softmax) for
     GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu" entry run the "xla" path;
   "auto": the best one for the default backend: "cpu" on the CPU backend for the
     ops that have it when the kernels are available
-    (`kvjax.attention.cpu.available()`), "xla" otherwise.
+    (`kvjax.backends.cpu.available()`), "xla" otherwise.
 """
 
 import functools
@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas.quantized_attention import reference as qref
-from kvjax.attention import cpu as cpu_kernels
+from kvjax.attention import cpu_impls as cpu_kernels
 from kvjax.attention import pallas_impls, xla_quantized
+from kvjax.backends import cpu as cpu_backend
 from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
 
 __all__ = [
@@ -65,7 +66,7 @@ _IMPLS = {
 def _auto_impl(op: str) -> str:
     """The implementation "auto" resolves to on the default backend."""
     if (pallas_impls.platform() == "cpu" and op == "quantized_attention"
-            and cpu_kernels.available()):
+            and cpu_backend.available()):
         return "cpu"
     return "xla"
 

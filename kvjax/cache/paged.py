@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax.backends import cpu
 from kvjax.cache import page_table as pt
 from kvjax.cache import sharded_table as st
 from kvjax.specs import CacheSpec
@@ -148,7 +149,7 @@ def set_rows(pool: Array, layer, i1: Array, i2: Array, x: Array) -> Array:
     """`pool.at[layer, :, i1, i2, :].set(x, mode="drop")`: x [rows, heads, width], i1, i2 [rows].
 
     The token writes of the cache (pages and KIVI tails). For 16-bit float pools on CPU it
-    is a custom call that copies the rows in place (`kvjax.attention.cpu.write_rows`):
+    is a custom call that copies the rows in place (`kvjax.backends.cpu.write_rows`):
     XLA:CPU's own scatter or dynamic-update-slice widens or copies the whole pool on every
     write of a few rows. Elsewhere, or without the CPU kernels, the XLA scatter.
     """
@@ -164,12 +165,10 @@ def _cpu_16bit(x: Array) -> bool:
 
 
 def _in_place_kernels(x: Array):
-    """`kvjax.attention.cpu` when x (a 5-D pool) is 16-bit float on CPU and the kernels
+    """`kvjax.backends.cpu` when x (a 5-D pool) is 16-bit float on CPU and the kernels
     are built (its `write_rows` / `copy_pages` then update x in place), else None."""
     if x.ndim != 5 or not _cpu_16bit(x):
         return None
-    from kvjax.attention import cpu  # lazy: kvjax.attention imports the cache
-
     return cpu if cpu.available() else None
 
 

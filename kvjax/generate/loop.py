@@ -449,7 +449,7 @@ def decode_params(model: Model, params, rows: int = 1):
     leaves = jax.tree.leaves(layers)
     if sum(x.nbytes for x in leaves) < _UNSTACK_MIN_BYTES:
         return params
-    from kvjax.attention.cpu import matmul as cpu_matmul
+    from kvjax.backends.cpu import matmul as cpu_matmul
 
     w = max(leaves, key=lambda x: x.size)  # a projection [layers, d_in, d_out]
     if w.ndim == 3 and cpu_matmul.use_kernel(jax.ShapeDtypeStruct((rows, w.shape[1]), w.dtype),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax.attention.cpu import matmul as cpu_matmul
+from kvjax.backends.cpu import matmul as cpu_matmul
 
 __all__ = [
     "RopeConfig",

@@ -15,11 +15,11 @@ from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
 from kernels_pallas.quantized_attention import reference as qref
 from kvjax import attention
-from kvjax.attention import cpu as cpu_kernels
-from kvjax.attention import ops, paged_decode_attention
+from kvjax.attention import cpu_impls, ops, paged_decode_attention
 from kvjax.attention import quantized as qattn
 from kvjax.attention import xla_quantized as xq
-from kvjax.attention.cpu import build
+from kvjax.backends import cpu as cpu_kernels
+from kvjax.backends.cpu import build
 from kvjax.cache import quantized as qz
 
 needs_kernel = pytest.mark.skipif(
@@ -226,16 +226,18 @@ def test_quantized_traced_layer_in_a_scan(rng):
 
 @needs_kernel
 def test_quantized_auto_and_prefill_fallback(monkeypatch):
-    assert qattn._select("quantized_attention", "auto") is cpu_kernels.quantized_attention
+    assert qattn._select("quantized_attention", "auto") is cpu_impls.quantized_attention
     assert qattn._select("quantized_mla_attention", "auto") is xq.quantized_mla_attention
     # Chunked prefill (q_len > 1) goes to the XLA path with every argument.
     seen = {}
-    monkeypatch.setattr(cpu_kernels.xla_quantized, "quantized_attention",
+    monkeypatch.setattr(cpu_impls.xla_quantized, "quantized_attention",
                         lambda *a, **kw: seen.update(args=a, kw=kw) or "xla")
     q = jnp.ones((2, 3, 4, 8), jnp.float32)
-    got = cpu_kernels.quantized_attention.__wrapped__(
-        q, *range(12), k_bits=4, v_bits=2, scale=0.5, layer=1)
-    assert got == "xla" and seen["args"][0] is q and seen["args"][1:] == tuple(range(12))
+    scales = [jnp.ones((1,), jnp.float16)] * 2
+    tails = [jnp.ones((1,), jnp.float32)] * 2
+    args = (0, *scales, 3, *scales, *tails, 9, 10, 11, 12)
+    got = cpu_impls.quantized_attention(q, *args, k_bits=4, v_bits=2, scale=0.5, layer=1)
+    assert got == "xla" and seen["args"][0] is q and seen["args"][1:] == args
     assert seen["kw"] == dict(k_bits=4, v_bits=2, scale=0.5, soft_cap=None,
                               sliding_window=None, layer=1)
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)

@@ -1,4 +1,4 @@
-"""The CPU small-M matmul kernel (kvjax/attention/cpu/matmul.cc) and its dispatch in `linear`."""
+"""The CPU small-M matmul kernel (kvjax/backends/cpu/matmul.cc) and its dispatch in `linear`."""
 
 import functools
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.attention import cpu as cpu_kernels
-from kvjax.attention.cpu import matmul as cpu_matmul
+from kvjax.backends import cpu as cpu_kernels
+from kvjax.backends.cpu import matmul as cpu_matmul
 from kvjax.models.layers import LayerSlice, linear
 
 needs_kernel = pytest.mark.skipif(
@@ -226,7 +226,7 @@ def test_llama_decode_with_kernel_matches_xla(rng, monkeypatch, dtype="float32")
 
 _SPIN_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np
-from kvjax.attention.cpu import matmul as m
+from kvjax.backends.cpu import matmul as m
 ks = jax.random.split(jax.random.key(int(__import__("sys").argv[1])), 2)
 x = jax.random.normal(ks[0], (4, 1024), jnp.float32)
 w = jax.random.normal(ks[1], (1024, 8192), jnp.float32)

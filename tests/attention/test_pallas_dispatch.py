@@ -35,7 +35,7 @@ def _gqa_inputs(rng, batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=8, m
 def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform, want):
     monkeypatch.setattr(pallas_impls, "platform", lambda: platform)
     # Without the C++ CPU kernels (tests/attention/test_cpu_kernel.py covers them).
-    monkeypatch.setattr(ops.cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(ops.cpu_backend, "available", lambda: False)
     assert ops._auto_impl("paged_decode_attention") == want
     assert ops._auto_impl("mla_decode_attention") == want
     # No prefill kernel yet: prefill stays on the XLA path everywhere.

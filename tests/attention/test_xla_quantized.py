@@ -273,7 +273,7 @@ def test_auto_is_xla_and_reference_is_the_oracle(monkeypatch):
     assert jax.default_backend() == "cpu"
     # Without the C++ CPU kernels, which "auto" prefers for GQA decode
     # (tests/attention/test_cpu_kernel.py).
-    monkeypatch.setattr(qattn.cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(qattn.cpu_backend, "available", lambda: False)
     assert qattn._select("quantized_attention", "auto") is xq.quantized_attention
     assert qattn._select("quantized_mla_attention", "auto") is xq.quantized_mla_attention
     assert qattn._select("quantized_attention", "reference") is qref.quantized_attention

@@ -18,7 +18,7 @@ import kvjax.cache as kv_cache
 import kvjax.generate as gen
 import kvjax.generate.loop as gen_loop
 import kvjax.models as models
-from kvjax.attention import cpu as cpu_kernels
+from kvjax.backends import cpu as cpu_kernels
 from kvjax.models import llama
 from kvjax.models.layers import RopeConfig, rope_inv_freq
 from tests.models import hf_tiny

@@ -31,12 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
-from kvjax.attention import xla as xla_path
-from kvjax.attention import xla_quantized
-from kvjax.attention.cpu.build import available, load, unavailable_reason
+from kvjax.backends.cpu.build import available, load, unavailable_reason
 
 __all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention",
-           "mla_decode_attention", "write_rows", "copy_pages"]
+           "quantized_supported", "mla_decode_attention", "mla_supported", "write_rows",
+           "copy_pages"]
 
 
 def _as_pools(pages, layer):
@@ -96,6 +95,22 @@ def paged_decode_attention(
 
 
 
+def quantized_supported(q, k_scale, k_zero, v_scale, v_zero, tail_k, tail_v) -> bool:
+    """Whether `quantized_attention`'s kernel takes these inputs (static: shapes and dtypes).
+
+    Decode only (q_len 1); scales and zeros of one dtype (the kernel takes one; widening
+    would copy whole pools every call); a float32, bfloat16 or float16 tail.
+    """
+    return (q.shape[1] == 1 and len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) == 1
+            and tail_k.dtype == tail_v.dtype
+            and tail_k.dtype in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def mla_supported(latent_pages, rope_pages) -> bool:
+    """Whether `mla_decode_attention`'s kernel takes these pools (one dtype for both)."""
+    return latent_pages.dtype == rope_pages.dtype
+
+
 @functools.partial(
     jax.jit, static_argnames=("k_bits", "v_bits", "scale", "soft_cap", "sliding_window"))
 def quantized_attention(
@@ -129,22 +144,17 @@ def quantized_attention(
     scales folded into the query, value scales into the probabilities), then the tail
     ring (at most residual + page_size tokens, f32/bf16/f16 rows) in the same online
     softmax. Chunked prefill (q_len > 1), scales / zeros of mixed dtypes and tails
-    of other dtypes run the XLA path.
+    of other dtypes are not supported (`quantized_supported` says; callers take the XLA
+    path for them).
 
     Returns:
       (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
     """
     pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    if (q.shape[1] != 1 or len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) != 1
-            or tail_k.dtype != tail_v.dtype
-            or tail_k.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
-        # Chunked prefill, scales of mixed dtypes (the kernel takes one scale dtype;
-        # widening here would copy whole pools every call) or a tail the kernel does not
-        # read: the XLA path.
-        return xla_quantized.quantized_attention(
-            q, *pools, tail_k, tail_v, quant_lengths, lengths, block_tables, q_pos,
-            k_bits=k_bits, v_bits=v_bits, scale=scale, soft_cap=soft_cap,
-            sliding_window=sliding_window, layer=layer)
+    if not quantized_supported(q, k_scale, k_zero, v_scale, v_zero, tail_k, tail_v):
+        raise ValueError("quantized_attention: the CPU kernel does decode (q_len 1) with one "
+                         "scale dtype and a float32/bfloat16/float16 tail; check "
+                         "quantized_supported first.")
     load()
     layer_idx = _as_pools(k_codes, layer)[1]
     pools = tuple(_as_pools(p, layer)[0] for p in pools)
@@ -183,15 +193,15 @@ def mla_decode_attention(
     Each sequence's latent and rope rows are read once per step and serve as keys and
     (the latent part) values for all its query heads. With `layer`, the pages are a
     cache's whole latent pools `[layers, 1, pages, page_size, width]`, read in place.
-    Latent and rope pools of different dtypes run the XLA path.
+    Latent and rope pools of different dtypes are not supported (`mla_supported`).
 
     Returns:
       (out in latent space [batch, q_heads, d_c] in q_latent's dtype,
       lse float32[batch, q_heads]).
     """
-    if latent_pages.dtype != rope_pages.dtype:
-        return xla_path.mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages,
-                                             lengths, block_tables, scale=scale, layer=layer)
+    if not mla_supported(latent_pages, rope_pages):
+        raise ValueError("mla_decode_attention: the CPU kernel needs latent and rope pools "
+                         "of one dtype; check mla_supported first.")
     load()
     if layer is None:  # one layer [pages, page_size, width]: add the layer and head axes
         latent_pages, rope_pages = latent_pages[None, None], rope_pages[None, None]

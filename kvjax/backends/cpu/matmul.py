@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax.attention.cpu.build import available, load
+from kvjax.backends.cpu.build import available, load
 
 __all__ = ["MAX_ROWS", "matmul", "use_kernel"]
 
@@ -134,7 +134,7 @@ def matmul(
 
     Raises:
       ValueError / TypeError: shapes or dtypes the kernel does not take.
-      RuntimeError: the kernel is unavailable (`kvjax.attention.cpu.unavailable_reason`).
+      RuntimeError: the kernel is unavailable (`kvjax.backends.cpu.unavailable_reason`).
     """
     want = 2 if layer is None else 3
     if w.ndim != want or x.ndim < 1 or x.shape[-1] != w.shape[-2]:
