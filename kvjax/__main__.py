@@ -13,11 +13,12 @@ from collections.abc import Sequence
 
 from kvjax import demo as demo_cli
 from kvjax import eval as eval_cli
+from kvjax import info as info_cli
 from kvjax.generate import cli as generate_cli
 from kvjax.memory import cli as memory_cli
 
 # Append a module here to add a subcommand (generate, demo, eval, ...).
-SUBCOMMANDS = (memory_cli, generate_cli, demo_cli, eval_cli)
+SUBCOMMANDS = (memory_cli, generate_cli, demo_cli, eval_cli, info_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax.backends.cpu import matmul as cpu_matmul
+from kvjax.backends.linear import LayerSlice, layer_params, linear
 
 __all__ = [
     "RopeConfig",
@@ -44,64 +44,6 @@ def rms_norm(
     var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype)
     return weight.astype(x.dtype) * y
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerSlice:
-    """Layer `index` of stacked weights [layers, d_in, d_out], not sliced yet.
-
-    `linear` takes it in place of a [d_in, d_out] weight: the CPU matmul kernel then
-    reads that layer inside the stack, where slicing first (a `lax.scan` over stacked
-    params does) makes XLA copy the layer's weights every step; other paths slice.
-    """
-
-    stack: Float[Array, "layers d_in d_out"]
-    index: Int[Array, ""]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.stack.shape[1:]
-
-    @property
-    def dtype(self):
-        return self.stack.dtype
-
-    def get(self) -> Float[Array, "d_in d_out"]:
-        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
-
-
-def layer_params(stacked, index: int | Int[Array, ""]):
-    """One layer of a stacked params pytree: matrices (3-D leaves) as `LayerSlice`s,
-    the rest (norms, biases) sliced."""
-    index = jnp.asarray(index, jnp.int32)
-    return jax.tree.map(
-        lambda p: LayerSlice(p, index) if p.ndim == 3
-        else jax.lax.dynamic_index_in_dim(p, index, keepdims=False), stacked)
-
-
-def linear(
-    x: Float[Array, "*batch d_in"],
-    w: Float[Array, "d_in d_out"] | LayerSlice,
-    b: Float[Array, " d_out"] | None,
-) -> Float[Array, "*batch d_out"]:
-    """x @ w (+ b) in x's dtype; weights are stored [in, out] (or a `LayerSlice`).
-
-    On the CPU backend, a few rows (decode: at most `cpu_matmul.MAX_ROWS` rows, the
-    product of x's leading dims) run kvjax's small-M matmul kernel, which reads the
-    weights once at memory speed (XLA's dot streams them at a third of that) and takes
-    bfloat16 weights as they are; float32 accumulation either way. Otherwise, or with
-    `KVJAX_CPU_MATMUL=0` (read at trace time), XLA's dot. Both are differentiable.
-    """
-    if cpu_matmul.use_kernel(x, w.shape, w.dtype):
-        if isinstance(w, LayerSlice):
-            y = cpu_matmul.matmul(x, w.stack, layer=w.index)
-        else:
-            y = cpu_matmul.matmul(x, w)
-    else:
-        w = w.get() if isinstance(w, LayerSlice) else w
-        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
-    return y if b is None else y + b.astype(y.dtype)
 
 
 def swiglu(

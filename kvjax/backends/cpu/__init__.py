@@ -16,9 +16,12 @@ holds the decode step's other CPU pieces: a small-M matmul (`matmul.py`, used by
 cache pools (`write_rows`, `copy_pages`; `write_rows.cc`), which XLA:CPU would do by
 widening or copying the whole pool.
 
-`kvjax.attention` registers them as `impl="cpu"`, and `"auto"` picks them on the CPU
-backend when `available()`; otherwise (no compiler, failed build,
-`KVJAX_CPU_KERNEL=0`) "auto" is the XLA path and `unavailable_reason()` says why.
+`kvjax.attention` registers them as `impl="cpu"`; `choose(op)` says whether "auto"
+should take the kernel for an op on this CPU and build (measured rules, `policy.py`),
+and it is the XLA path whenever the kernels are unavailable (no compiler, failed build,
+`CpuOptions.kernels` False; `unavailable_reason()` says why). Every knob lives in
+`CpuOptions` (`options.py`: `get_options`, `set_options`, `override`); the wrappers read
+the options in force when they are traced.
 
 `jax.vmap` of these ops is supported only by running the kernel once per mapped
 element (`vmap_method="sequential"`); kvjax's own code never maps over them.
@@ -31,11 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
-from kvjax.backends.cpu.build import available, load, unavailable_reason
+from kvjax.backends.cpu.build import Library, available, library, load, unavailable_reason
+from kvjax.backends.cpu.options import CpuOptions, get_options, override, set_options
+from kvjax.backends.cpu.policy import Choice, choose, unstack_layers_for
 
-__all__ = ["available", "unavailable_reason", "paged_decode_attention", "quantized_attention",
-           "quantized_supported", "mla_decode_attention", "mla_supported", "write_rows",
-           "copy_pages"]
+__all__ = ["available", "unavailable_reason", "library", "Library", "CpuOptions", "get_options",
+           "set_options", "override", "choose", "Choice", "unstack_layers_for",
+           "paged_decode_attention", "quantized_attention", "quantized_supported",
+           "mla_decode_attention", "mla_supported", "write_rows", "copy_pages"]
 
 
 def _as_pools(pages, layer):
@@ -45,7 +51,6 @@ def _as_pools(pages, layer):
     return pages, jnp.asarray(layer, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
 def paged_decode_attention(
     q: Float[Array, "batch q_heads head_dim"],
     k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
@@ -71,8 +76,20 @@ def paged_decode_attention(
 
     Returns:
       (out [batch, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_heads]).
+
+    Raises:
+      RuntimeError: the kernels are unavailable (`unavailable_reason()`).
     """
-    load()
+    opts = get_options()
+    return _paged_decode(q, k_pages, v_pages, lengths, block_tables, layer, scale=scale,
+                         soft_cap=soft_cap, sliding_window=sliding_window,
+                         target=load(opts).target("paged_decode"), tuning=opts.tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "target",
+                                             "tuning"))
+def _paged_decode(q, k_pages, v_pages, lengths, block_tables, layer, *, scale, soft_cap,
+                  sliding_window, target, tuning):
     batch, q_heads, head_dim = q.shape
     if scale is None:
         scale = head_dim**-0.5
@@ -80,7 +97,7 @@ def paged_decode_attention(
     v_pools, _ = _as_pools(v_pages, layer)
     v_head_dim = v_pools.shape[-1]
     call = jax.ffi.ffi_call(
-        "kvjax_paged_decode",
+        target,
         (jax.ShapeDtypeStruct((batch, q_heads, v_head_dim), jnp.float32),
          jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
         vmap_method="sequential",
@@ -89,7 +106,8 @@ def paged_decode_attention(
         q.astype(jnp.float32), k_pools, v_pools, layer_idx,
         lengths.astype(jnp.int32), block_tables.astype(jnp.int32),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
-        window=np.int64(sliding_window or 0),
+        window=np.int64(sliding_window or 0), prefetch=np.int64(tuning.prefetch),
+        touch=np.int64(tuning.touch), rows=np.int64(tuning.rows),
     )
     return out.astype(q.dtype), lse
 
@@ -111,8 +129,6 @@ def mla_supported(latent_pages, rope_pages) -> bool:
     return latent_pages.dtype == rope_pages.dtype
 
 
-@functools.partial(
-    jax.jit, static_argnames=("k_bits", "v_bits", "scale", "soft_cap", "sliding_window"))
 def quantized_attention(
     q: Float[Array, "batch q_len q_heads head_dim"],
     k_codes: UInt8[Array, "*layers kv_heads pages page_size k_packed"],
@@ -150,18 +166,30 @@ def quantized_attention(
     Returns:
       (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
     """
-    pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     if not quantized_supported(q, k_scale, k_zero, v_scale, v_zero, tail_k, tail_v):
         raise ValueError("quantized_attention: the CPU kernel does decode (q_len 1) with one "
                          "scale dtype and a float32/bfloat16/float16 tail; check "
                          "quantized_supported first.")
-    load()
+    opts = get_options()
+    return _quantized(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, tail_v,
+                      quant_lengths, lengths, block_tables, q_pos, layer, k_bits=k_bits,
+                      v_bits=v_bits, scale=scale, soft_cap=soft_cap,
+                      sliding_window=sliding_window,
+                      target=load(opts).target("quantized_decode"), tuning=opts.tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("k_bits", "v_bits", "scale", "soft_cap",
+                                             "sliding_window", "target", "tuning"))
+def _quantized(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, tail_v,
+               quant_lengths, lengths, block_tables, q_pos, layer, *, k_bits, v_bits, scale,
+               soft_cap, sliding_window, target, tuning):
+    pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     layer_idx = _as_pools(k_codes, layer)[1]
     pools = tuple(_as_pools(p, layer)[0] for p in pools)
     batch, _, q_heads, _ = q.shape
     v_head_dim = tail_v.shape[-1]
     call = jax.ffi.ffi_call(
-        "kvjax_quantized_decode",
+        target,
         (jax.ShapeDtypeStruct((batch, q_heads, v_head_dim), jnp.float32),
          jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
         vmap_method="sequential",
@@ -172,11 +200,13 @@ def quantized_attention(
         q_pos[:, 0].astype(jnp.int32), block_tables.astype(jnp.int32),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
         window=np.int64(sliding_window or 0), k_bits=np.int64(k_bits), v_bits=np.int64(v_bits),
+        prefetch=np.int64(tuning.prefetch), touch=np.int64(tuning.touch),
+        rows=np.int64(tuning.rows), int_logits=np.int64(tuning.int_logits),
+        int_values=np.int64(tuning.int_values),
     )
     return out[:, None].astype(q.dtype), lse[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
 def mla_decode_attention(
     q_latent: Float[Array, "batch q_heads d_c"],
     q_rope: Float[Array, "batch q_heads d_rope"],
@@ -202,7 +232,14 @@ def mla_decode_attention(
     if not mla_supported(latent_pages, rope_pages):
         raise ValueError("mla_decode_attention: the CPU kernel needs latent and rope pools "
                          "of one dtype; check mla_supported first.")
-    load()
+    opts = get_options()
+    return _mla(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, layer,
+                scale=scale, target=load(opts).target("mla_decode"), tuning=opts.tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "target", "tuning"))
+def _mla(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, layer, *, scale,
+         target, tuning):
     if layer is None:  # one layer [pages, page_size, width]: add the layer and head axes
         latent_pages, rope_pages = latent_pages[None, None], rope_pages[None, None]
         layer_idx = jnp.zeros((), jnp.int32)
@@ -211,13 +248,14 @@ def mla_decode_attention(
     batch, q_heads, d_c = q_latent.shape
     q = jnp.concatenate([q_latent.astype(jnp.float32), q_rope.astype(jnp.float32)], axis=-1)
     call = jax.ffi.ffi_call(
-        "kvjax_mla_decode",
+        target,
         (jax.ShapeDtypeStruct((batch, q_heads, d_c), jnp.float32),
          jax.ShapeDtypeStruct((batch, q_heads), jnp.float32)),
         vmap_method="sequential",
     )
     out, lse = call(q, latent_pages, rope_pages, layer_idx, lengths.astype(jnp.int32),
-                    block_tables.astype(jnp.int32), scale=np.float32(scale))
+                    block_tables.astype(jnp.int32), scale=np.float32(scale),
+                    prefetch=np.int64(tuning.prefetch))
     return out.astype(q_latent.dtype), lse
 
 
@@ -235,8 +273,8 @@ def write_rows(
     inside a jit that donates it, no copy is made. Rows whose indices are out of range
     are skipped (as "drop" does); x must have the pool's dtype.
     """
-    load()
-    call = jax.ffi.ffi_call("kvjax_write_rows", jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+    call = jax.ffi.ffi_call(load().target("write_rows"),
+                            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(pool, jnp.asarray(layer, jnp.int32), i1.astype(jnp.int32), i2.astype(jnp.int32),
                 x.astype(pool.dtype))
@@ -253,7 +291,7 @@ def copy_pages(
     range are skipped. The `dst` pages must be distinct and not among `src` (fresh pages,
     as the allocator gives), so the copies do not depend on their order.
     """
-    load()
-    call = jax.ffi.ffi_call("kvjax_copy_pages", jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+    call = jax.ffi.ffi_call(load().target("copy_pages"),
+                            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32))

@@ -8,29 +8,6 @@
 
 namespace kvjax {
 
-// Chunks of 16 tokens prefetched ahead (KVJAX_CPU_PREFETCH overrides, 0 disables).
-inline int64_t prefetch_chunks() {
-  static const int64_t n = env_int("KVJAX_CPU_PREFETCH", 1);
-  return n;
-}
-
-// How many chunks ahead `attend_rows` touches the pages of a chunk early (KVJAX_CPU_TOUCH
-// overrides, 0 disables): see touch_early.
-inline int64_t touch_chunks() {
-  static const int64_t n = env_int("KVJAX_CPU_TOUCH", 4);
-  return n;
-}
-
-// Whether f32/bf16 rows and unpacked KIVI chunks take `attend_rows` (KVJAX_CPU_ROWS=0: the
-// staging `attend`, kept for comparisons).
-inline bool rows_kernel() {
-  static const bool on = [] {
-    const char* env = std::getenv("KVJAX_CPU_ROWS");
-    return !(env && env[0] == '0');
-  }();
-  return on;
-}
-
 inline int64_t round16(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // One chunk of 16 key/value rows of element type E (float, or uint16_t for bfloat16
@@ -83,15 +60,15 @@ __attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, flo
 // chunk. DT / DVT are the padded key / value widths when known at compile time (0: use
 // Dp / Dvp), so the common head dims get fully unrolled loops with immediate offsets.
 template <int DT, int DVT, typename Load, typename Prefetch>
-void attend(const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt, int64_t Dv, int64_t lo,
-            int64_t hi, float soft_cap, Load&& load, Prefetch&& prefetch, float* acc,
-            float* probs, float* out, float* lse) {
+void attend(const Tuning& tuning, const float* qs, int64_t G, int64_t Dp_rt, int64_t Dvp_rt,
+            int64_t Dv, int64_t lo, int64_t hi, float soft_cap, Load&& load, Prefetch&& prefetch,
+            float* acc, float* probs, float* out, float* lse) {
   const int64_t Dp = DT ? DT : Dp_rt, Dvp = DVT ? DVT : Dvp_rt;
   float m[kMaxGroup], alpha[kMaxGroup];
   v16 lsum[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, lsum[g] = v16{};
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const int64_t ahead = prefetch_chunks();
+  const int64_t ahead = tuning.prefetch;
   const int64_t first = lo / kLanes * kLanes;
   for (int64_t i = 0; i < ahead; ++i) prefetch(first + i * kLanes);
 
@@ -306,9 +283,9 @@ inline bool located(const RowChunk<E>& ch) { return ch.k != nullptr; }
 // for the spread prefetch (located(chunk) false where it is not: `prefetch(c0)` then
 // hints the chunk at once). qs: [G, D] scaled queries; out: [G, Dv].
 template <typename C, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
-void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_t lo, int64_t hi,
-                 float soft_cap, Load&& load, Prefetch&& prefetch, Locate&& locate, float* out,
-                 float* lse) {
+void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt,
+                 int64_t lo, int64_t hi, float soft_cap, Load&& load, Prefetch&& prefetch,
+                 Locate&& locate, float* out, float* lse) {
   const int64_t D = DT ? DT : D_rt, Dv = DVT ? DVT : Dv_rt;
   // Scratch (64-byte aligned): split queries [G, D], split accumulators [G, Dv], the
   // per-token partial sums of two chunks [2, G, 16] vectors, probabilities [G, 16], the
@@ -338,7 +315,7 @@ void attend_rows(const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt, int64_
   float m[kMaxGroup], alpha[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, lsum[g] = v16{};
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const int64_t ahead = prefetch_chunks(), touch = touch_chunks();
+  const int64_t ahead = tuning.prefetch, touch = tuning.touch;
   const int64_t first = lo / kLanes * kLanes;
   // The keys of chunk c + 1 are read in iteration c: prefetch `ahead` chunks past that.
   for (int64_t i = 0; i <= ahead; ++i) prefetch(first + i * kLanes);

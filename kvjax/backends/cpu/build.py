@@ -1,21 +1,29 @@
-"""Compiles, caches and registers the CPU attention kernels (XLA FFI custom calls).
+"""Compiles, caches and registers the CPU kernels (XLA FFI custom calls).
 
-The C++ sources next to this file are compiled on first use with the system C++
-compiler (`$CXX`, default `g++`) into one shared library, cached under
-`$KVJAX_CACHE_DIR` (default `~/.cache/kvjax`) by a hash of the sources, the
-jaxlib version, the compiler and its flags and the CPU's feature flags
-(`-march=native` code must not run on another CPU). The sources compile in
-parallel; the library is linked under a temporary name and renamed into place,
-and a lock file makes a second process wait for the first one's build instead
-of repeating it. It is loaded with ctypes and its handlers are registered with
-`jax.ffi.register_ffi_target` for the CPU platform.
+The C++ sources next to this file are compiled on first use with the compiler of
+`CpuOptions.compiler` for `-march=CpuOptions.march` into one shared library, cached
+under `CpuOptions.cache_dir` by a hash of the sources, the jaxlib version, the
+compiler, its flags, the machine and the CPU's feature flags (`-march=native` code
+must not run on another CPU). The sources compile in parallel; the library is linked
+under a temporary name and renamed into place, and a lock file makes a second process
+wait for the first one's build instead of repeating it. It is loaded with ctypes and
+its handlers are registered with `jax.ffi.register_ffi_target` for the CPU platform,
+under target names that carry the library's hash: builds for several `-march` values
+can be loaded side by side in one process (benchmarks compare them in one run).
 
-Nothing here raises at import: when there is no compiler, the build fails, or
-`KVJAX_CPU_KERNEL=0` is set, `available()` is False and `unavailable_reason()`
-says why; `kvjax.attention`'s `impl="auto"` then uses the XLA path.
+Nothing here raises at import or on a failed build: when there is no compiler, the
+build fails or `CpuOptions.kernels` is False, `available()` is False,
+`unavailable_reason()` says why, a failed build warns once with the compiler's message,
+and the kernel choices (`kvjax.backends.cpu.choose`) fall back to the XLA path.
+
+`python -m kvjax.backends.cpu.build --compiler aarch64-linux-gnu-g++ --march armv8-a`
+compiles the sources with another compiler without loading them (CI's cross-compile
+check of the portable path).
 """
 
+import argparse
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -24,31 +32,81 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 import jax
 import jaxlib
 
-__all__ = ["available", "unavailable_reason", "load", "TARGETS", "library_path"]
+from kvjax.backends.cpu import options as options_mod
 
-_SOURCES = ("paged_decode.cc", "quantized_decode.cc", "mla_decode.cc", "matmul.cc",
-            "write_rows.cc")
+__all__ = ["Library", "available", "unavailable_reason", "load", "library", "library_path",
+           "TARGETS", "SOURCES", "compile_sources"]
+
+SOURCES = ("paged_decode.cc", "quantized_decode.cc", "mla_decode.cc", "matmul.cc",
+           "write_rows.cc", "config.cc")
 _HEADERS = ("common.h", "attend.h")
-# FFI symbol in the library -> target name registered with XLA.
+# FFI symbol in the library -> the op's name (its target is "kvjax_<name>_<library hash>").
 TARGETS = {
-    "KvjaxPagedDecode": "kvjax_paged_decode",
-    "KvjaxQuantizedDecode": "kvjax_quantized_decode",
-    "KvjaxMlaDecode": "kvjax_mla_decode",
-    "KvjaxMatmul": "kvjax_matmul",
-    "KvjaxWriteRows": "kvjax_write_rows",
-    "KvjaxCopyPages": "kvjax_copy_pages",
+    "KvjaxPagedDecode": "paged_decode",
+    "KvjaxQuantizedDecode": "quantized_decode",
+    "KvjaxMlaDecode": "mla_decode",
+    "KvjaxMatmul": "matmul",
+    "KvjaxWriteRows": "write_rows",
+    "KvjaxCopyPages": "copy_pages",
 }
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17")
+_COMMON_FLAGS = ("-O3", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17")
 _HERE = Path(__file__).parent
+_ISA_BITS = {0: "avx2", 1: "fma", 2: "f16c", 3: "avx512f", 4: "avx512bw", 5: "avx512vl",
+             6: "avx512vnni", 7: "avx512vbmi", 8: "avx512fp16", 16: "neon", 17: "fp16"}
+_POOL_CODES = {"own": 0, "xla": 1, "std": 2}
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVJAX_CACHE_DIR", Path.home() / ".cache" / "kvjax"))
+def _flags(march: str) -> tuple[str, ...]:
+    return (*_COMMON_FLAGS, f"-march={march}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Library:
+    """A loaded build of the kernels.
+
+    Attributes:
+      path: the shared library file.
+      march: the `-march` it was built for.
+      isa: the instruction-set extensions its code uses ("avx2", "avx512f", "avx512vnni",
+        "neon", ...: what the compiler targeted, not what the CPU has).
+    """
+
+    path: Path
+    march: str
+    isa: frozenset
+    cdll: ctypes.CDLL = dataclasses.field(repr=False)
+
+    @property
+    def tag(self) -> str:
+        return self.path.stem.rsplit("-", 1)[-1]
+
+    def target(self, op: str) -> str:
+        """The registered FFI target name of `op` ("paged_decode", "matmul", ...)."""
+        return f"kvjax_{op}_{self.tag}"
+
+    @property
+    def isa_class(self) -> str:
+        """"avx512" (AVX-512 F/BW/VL), "avx2" (AVX2 + FMA + F16C), "neon" or "portable"."""
+        if {"avx512f", "avx512bw", "avx512vl"} <= self.isa:
+            return "avx512"
+        if {"avx2", "fma", "f16c"} <= self.isa:
+            return "avx2"
+        if "neon" in self.isa:
+            return "neon"
+        return "portable"
+
+    def configure(self, opts: options_mod.CpuOptions) -> None:
+        """Pushes the thread settings of `opts` into the library (the one configuration call)."""
+        self.cdll.KvjaxConfigure(ctypes.c_int64(opts.threads),
+                                 ctypes.c_int64(_POOL_CODES[opts.thread_pool]),
+                                 ctypes.c_int64(opts.spin_us))
 
 
 def _cpu_flags() -> str:
@@ -61,98 +119,184 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
+def _resolve(compiler: str) -> str | None:
+    return shutil.which(compiler)
 
 
-def library_path() -> Path:
-    """Where the library for these sources, this jaxlib, compiler and CPU is cached."""
+def library_path(opts: options_mod.CpuOptions | None = None) -> Path:
+    """Where the library for these sources, this jaxlib, compiler, flags and CPU is cached."""
+    opts = opts or options_mod.get_options()
     h = hashlib.sha256()
-    for name in (*_SOURCES, *_HEADERS):
+    for name in (*SOURCES, *_HEADERS):
         h.update(name.encode())
         h.update((_HERE / name).read_bytes())
-    cxx = _compiler() or "none"
-    h.update(f"{jaxlib.__version__}|{cxx}|{' '.join(_FLAGS)}|{platform.machine()}".encode())
+    cxx = _resolve(opts.compiler) or opts.compiler
+    h.update(f"{jaxlib.__version__}|{cxx}|{' '.join(_flags(opts.march))}|"
+             f"{platform.machine()}".encode())
     h.update(_cpu_flags().encode())
-    return _cache_dir() / f"kvjax_cpu_kernels-{h.hexdigest()[:20]}.so"
+    return opts.cache_path / f"kvjax_cpu_kernels-{h.hexdigest()[:20]}.so"
 
 
-def _build(path: Path) -> None:
-    """Compiles the sources (in parallel, one compiler per file) and links the library."""
-    cxx = _compiler()
+def compile_sources(compiler: str, march: str, out_dir: Path, *, link: bool = True) -> Path:
+    """Compiles the sources (in parallel, one compiler process per file) into `out_dir`
+    and, with `link`, links `out_dir/lib.so`; returns the library's (or last object's) path.
+
+    Raises:
+      RuntimeError: no such compiler, or a compile / link step failed (its stderr tail).
+    """
+    cxx = _resolve(compiler)
     if cxx is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} not on PATH)")
+        raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH; set "
+                           f"CpuOptions.compiler or CXX)")
+    flags = _flags(march)
+    objs, procs = [], []
+    for src in SOURCES:
+        obj = os.path.join(out_dir, src + ".o")
+        cmd = [cxx, *flags, "-c", "-isystem", jax.ffi.include_dir(), str(_HERE / src), "-o", obj]
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True)))
+        objs.append(obj)
+    errors = []
+    for cmd, proc in procs:
+        _, err = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            errors.append(f"{' '.join(cmd)} failed:\n{err[-4000:]}")
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    if not link:
+        return Path(objs[-1])
+    lib = os.path.join(out_dir, "lib.so")
+    cmd = [cxx, *flags, *objs, "-o", lib]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+    return Path(lib)
+
+
+def _build(path: Path, opts: options_mod.CpuOptions) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Once per machine and source version; say so, a first call otherwise just stalls.
-    print(f"kvjax: compiling the CPU attention kernels into {path} (once; ~10-30 s)",
+    # Once per machine, source version and -march; say so, a first call otherwise just stalls.
+    print(f"kvjax: compiling the CPU kernels (-march={opts.march}) into {path} (once; ~30-60 s)",
           file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        objs, procs = [], []
-        for src in _SOURCES:
-            obj = os.path.join(tmp, src + ".o")
-            cmd = [cxx, *_FLAGS, "-c", "-isystem", jax.ffi.include_dir(), str(_HERE / src),
-                   "-o", obj]
-            procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True)))
-            objs.append(obj)
-        for cmd, proc in procs:
-            _, err = proc.communicate(timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-4000:]}")
-        lib = os.path.join(tmp, "lib.so")
-        cmd = [cxx, *_FLAGS, *objs, "-o", lib]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+        lib = compile_sources(opts.compiler, opts.march, Path(tmp))
         os.replace(lib, path)  # atomic: a racing process sees no file or the whole file
 
 
-def _build_once(path: Path) -> None:
+def _build_once(path: Path, opts: options_mod.CpuOptions) -> None:
     """Builds unless another process holds the build lock and builds it meanwhile."""
-    if _compiler() is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} not on PATH)")
+    if _resolve(opts.compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({opts.compiler!r} is not on PATH; set "
+                           f"CpuOptions.compiler or CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:  # no flock (Windows): racing builds are still safe, only wasteful
-        _build(path)
+        _build(path, opts)
         return
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
-            _build(path)
+            _build(path, opts)
+
+
+_loaded: dict[Path, Library] = {}
+_loaded_lock = threading.Lock()
+
+
+def _push_threads(opts: options_mod.CpuOptions) -> None:
+    with _loaded_lock:
+        libs = list(_loaded.values())
+    for lib in libs:
+        lib.configure(opts)
+
+
+options_mod._listeners.append(_push_threads)
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("KVJAX_CPU_KERNEL", "1") == "0":
-        return None, "disabled by KVJAX_CPU_KERNEL=0"
+def _load(kernels: bool, compiler: str, march: str, cache_dir: str | None
+          ) -> tuple[Library | None, str]:
+    if not kernels:
+        return None, "disabled by CpuOptions.kernels=False (KVJAX_CPU_KERNEL=0)"
+    opts = options_mod.CpuOptions(compiler=compiler, march=march, cache_dir=cache_dir)
     try:
-        path = library_path()
+        path = library_path(opts)
         if not path.exists():
-            _build_once(path)
-        lib = ctypes.CDLL(str(path))
-        for symbol, target in TARGETS.items():
-            jax.ffi.register_ffi_target(
-                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            _build_once(path, opts)
+        cdll = ctypes.CDLL(str(path))
+        cdll.KvjaxIsa.restype = ctypes.c_int64
+        cdll.KvjaxConfigure.restype = None
+        bits = cdll.KvjaxIsa()
+        lib = Library(path=path, march=march, cdll=cdll,
+                      isa=frozenset(n for b, n in _ISA_BITS.items() if bits >> b & 1))
+        for symbol, op in TARGETS.items():
+            jax.ffi.register_ffi_target(lib.target(op), jax.ffi.pycapsule(getattr(cdll, symbol)),
+                                        platform="cpu")
+        lib.configure(options_mod.get_options())
     except Exception as e:  # any failure means "fall back to XLA", with the reason kept
-        return None, f"{type(e).__name__}: {e}"
+        reason = f"{type(e).__name__}: {e}"
+        warnings.warn(f"kvjax: the C++ CPU kernels are unavailable (-march={march}); every op "
+                      f"takes the XLA path. {reason}", RuntimeWarning, stacklevel=3)
+        return None, reason
+    with _loaded_lock:
+        _loaded[path] = lib
     return lib, ""
 
 
-def load() -> ctypes.CDLL:
-    """The loaded library (building it if needed); raises RuntimeError if unavailable."""
-    lib, reason = _load()
+def _load_for(opts: options_mod.CpuOptions | None) -> tuple[Library | None, str]:
+    opts = opts or options_mod.get_options()
+    return _load(opts.kernels, opts.compiler, opts.march, opts.cache_dir)
+
+
+def library(opts: options_mod.CpuOptions | None = None) -> Library | None:
+    """The loaded library for `opts` (default: the options in force), building it if
+    needed; None when unavailable."""
+    return _load_for(opts)[0]
+
+
+def load(opts: options_mod.CpuOptions | None = None) -> Library:
+    """The loaded library (building it if needed).
+
+    Raises:
+      RuntimeError: the kernels are unavailable (the message says why).
+    """
+    lib, reason = _load_for(opts)
     if lib is None:
         raise RuntimeError(f"kvjax CPU kernels are unavailable: {reason}")
     return lib
 
 
-def available() -> bool:
+def available(opts: options_mod.CpuOptions | None = None) -> bool:
     """Whether the CPU kernels are built and registered (builds them on first call)."""
-    return _load()[0] is not None
+    return _load_for(opts)[0] is not None
 
 
-def unavailable_reason() -> str:
+def unavailable_reason(opts: options_mod.CpuOptions | None = None) -> str:
     """Why `available()` is False ('' when it is True)."""
-    return _load()[1]
+    return _load_for(opts)[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvjax.backends.cpu.build",
+        description="Compile the CPU kernels' sources with a given compiler and -march "
+                    "(without loading them): a cross-compile check.")
+    parser.add_argument("--compiler", required=True,
+                        help="C++ compiler, e.g. aarch64-linux-gnu-g++")
+    parser.add_argument("--march", default="native", help="the -march= value (default native)")
+    parser.add_argument("--no-link", action="store_true", help="compile objects only")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            out = compile_sources(args.compiler, args.march, Path(tmp), link=not args.no_link)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(f"compiled {len(SOURCES)} sources with {args.compiler} -march={args.march}: "
+              f"{out.name} {out.stat().st_size} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -214,21 +214,33 @@ inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int
 
 inline int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 
-// An integer tuning knob from the environment, or `fallback` when it is unset (callers
-// keep the value in a function-local static: read once per process).
-inline int64_t env_int(const char* name, int64_t fallback) {
-  const char* env = std::getenv(name);
-  return env ? std::atoll(env) : fallback;
+// Process-wide thread settings, set by the one configuration call `KvjaxConfigure`
+// (config.cc; the Python options push them at load and on every change). The C++ code
+// reads no environment variable: per-call settings come as custom-call attributes.
+struct ThreadConfig {
+  std::atomic<int64_t> threads{0};    // workers per call, the caller included (0: one per core)
+  std::atomic<int64_t> pool{0};       // 0: own helper pool, 1: XLA's intra-op pool, 2: std::thread
+  std::atomic<int64_t> spin_us{200};  // idle spin before parking (0: park at once)
+};
+inline ThreadConfig& thread_config() {
+  static ThreadConfig config;
+  return config;
 }
 
 // How long (microseconds) an idle helper thread, and a caller waiting for the last items,
-// spin before parking on a condition variable (KVJAX_CPU_SPIN_US overrides; 0: park at
-// once). A decode step makes dozens of short calls (a layer's matmuls take 0.05-0.2 ms
-// each at batch 1): waking a parked thread cost ~30 us a call on this VM (NOTES v12).
-inline int64_t spin_us() {
-  static const int64_t n = env_int("KVJAX_CPU_SPIN_US", 200);
-  return n;
-}
+// spin before parking on a condition variable. A decode step makes dozens of short calls
+// (a layer's matmuls take 0.05-0.2 ms each at batch 1): waking a parked thread cost ~30 us
+// a call on a 2-core VM.
+inline int64_t spin_us() { return thread_config().spin_us.load(std::memory_order_relaxed); }
+
+// Per-call settings of the attention kernels (custom-call attributes; CpuOptions.tuning).
+struct Tuning {
+  int64_t prefetch = 1;  // 16-token chunks prefetched ahead (0: none)
+  int64_t touch = 4;     // chunks ahead whose pages are touched early (0: none)
+  bool rows = true;      // rows / codes read in place by attend_rows (false: staged)
+  bool int_logits = true;
+  bool int_values = true;
+};
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -253,13 +265,14 @@ inline bool spin_until(Pred&& pred) {
 }
 
 // Runs fn(i, worker) for i in [0, total) on the caller and helper threads that draw
-// items from one atomic counter. Helpers come from, per KVJAX_CPU_THREADS:
-//   "own" (default): a persistent pool of hardware_concurrency - 1 threads owned by this
+// items from one atomic counter. Helpers come from, per the configured pool:
+//   0 "own" (default): a persistent pool of hardware_concurrency - 1 threads owned by this
 //     library (started on first use, parked on a condition variable between calls);
-//   "pool": XLA's intra-op thread pool (the FFI ThreadPool context). Measured: XLA often
+//   1 "xla": XLA's intra-op thread pool (the FFI ThreadPool context). Measured: XLA often
 //     runs the custom call itself on that pool's thread, and the helper task then queues
 //     behind it, so the call ran single-threaded in about half of the calls;
-//   "std": fresh std::threads per call;  "1": the caller alone.
+//   2 "std": fresh std::threads per call.
+// The configured thread count (0: one per core) caps the workers, the caller included.
 // The caller waits for items, not for helpers: a helper that starts after the last item
 // finds none and touches only the shared state, which it co-owns.
 struct WorkState {
@@ -331,19 +344,20 @@ class HelperPool {
 inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
                          std::function<void(int64_t, int)> fn) {
   if (total <= 0) return;
-  const char* env = std::getenv("KVJAX_CPU_THREADS");
-  std::string mode = env ? env : "own";
+  const int64_t mode = thread_config().pool.load(std::memory_order_relaxed);
+  const int64_t cap = thread_config().threads.load(std::memory_order_relaxed);
   int64_t hw = std::thread::hardware_concurrency();
   hw = hw > 0 ? hw : 1;
   int64_t workers = 1;
-  if (mode == "own") {
+  if (mode == 0) {
     workers = HelperPool::get().size() + 1;
-  } else if (mode == "pool") {
+  } else if (mode == 1) {
     int64_t p = pool ? pool->num_threads() : 0;
     workers = p > 0 ? std::min(p + 1, hw) : 1;
-  } else if (mode == "std") {
+  } else {
     workers = hw;
   }
+  if (cap > 0) workers = std::min(workers, cap);
   workers = std::min(workers, total);
   if (workers <= 1) {
     for (int64_t i = 0; i < total; ++i) fn(i, 0);
@@ -354,9 +368,9 @@ inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
   state->fn = std::move(fn);
   std::vector<std::thread> threads;
   for (int w = 1; w < workers; ++w) {
-    if (mode == "std") {
+    if (mode == 2) {
       threads.emplace_back([state, w] { state->run(w); });
-    } else if (mode == "pool") {
+    } else if (mode == 1) {
       pool->Schedule([state, w] { state->run(w); });
     } else {
       HelperPool::get().schedule([state, w] { state->run(w); });

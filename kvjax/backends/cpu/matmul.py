@@ -6,12 +6,12 @@ third of the read bandwidth for 8 rows (benchmarks/NOTES.md); the kernel reads e
 weight byte once, on all cores, with float32 accumulation, and widens bfloat16
 weights in registers (no converted copy of the weights).
 
-`use_kernel(x, w_shape, w_dtype)` says whether `kvjax.models.layers.linear` takes
-the kernel: on the CPU backend with one device (the call has no partitioning rule:
-GSPMD would gather sharded weights around it), kernel built, `KVJAX_CPU_MATMUL` not
-"0" ("1": also with several devices), 2-D float32 / bfloat16 weights, float32 /
-bfloat16 activations and at most `MAX_ROWS` rows (the product of x's leading dims,
-static under jit); all read when `linear` is traced. Larger row counts (prefill,
+`use_kernel(x, w_shape, w_dtype)` says whether `kvjax.backends.linear.linear` takes
+the kernel: `choose("matmul", rows=...)` on the CPU backend (the options, the build's
+instruction sets, the row count: the product of x's leading dims, static under jit;
+with several devices only when `CpuOptions.matmul` is "on", since the call has no
+partitioning rule and GSPMD would gather sharded weights around it) and 2-D float32 /
+bfloat16 weights with float32 / bfloat16 activations. Larger row counts (prefill,
 training) run XLA's dot, which is compute-bound there and faster.
 
 `matmul` is differentiable (`jax.custom_vjp`; the backward pass is the einsum's
@@ -20,20 +20,20 @@ gradients) and `jax.vmap` runs the kernel once per mapped element.
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax.backends.cpu.build import available, load
+from kvjax.backends.cpu import options as options_mod
+from kvjax.backends.cpu.build import load
+from kvjax.backends.cpu.policy import MATMUL_MAX_ROWS, choose
 
 __all__ = ["MAX_ROWS", "matmul", "use_kernel"]
 
-# Rows up to which the kernel beats XLA's dot (benchmarks/matmul.py, see the report in
-# the commit that set it); above, XLA's dot.
-MAX_ROWS = 32
+# Rows up to which the kernel serves at most (per ISA class: `policy.MATMUL_MAX_ROWS`).
+MAX_ROWS = max(MATMUL_MAX_ROWS.values())
 # Kernel tuning (benchmarks/matmul.py --sweep): tile width in 16-float vectors (float32
 # weights; bf16 tiles are 32 columns), column-block width (at most; smaller N get about
 # 4 blocks per core; 0: always that), rows per panel (0: all K), rows prefetched ahead.
@@ -45,32 +45,22 @@ AHEAD = 32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype) -> bool:
+def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype,
+               options: options_mod.CpuOptions | None = None) -> bool:
     """Whether `linear` runs the kernel for x and a [d_in, d_out] weight of this dtype
-    (static: shapes, dtypes, backend, the `KVJAX_CPU_MATMUL` switch)."""
-    switch = os.environ.get("KVJAX_CPU_MATMUL", "auto")
-    if switch == "0":
-        return False
+    (static: shapes, dtypes, backend, the options and the build's rules)."""
     if len(w_shape) != 2 or x.ndim < 1 or x.shape[-1] != w_shape[0]:
         return False
     if jnp.dtype(x.dtype) not in _DTYPES or jnp.dtype(w_dtype) not in _DTYPES:
         return False
-    if math.prod(x.shape[:-1]) > MAX_ROWS:
-        return False
     if jax.default_backend() != "cpu":
         return False
-    # The custom call has no partitioning rule: under GSPMD, tensor-parallel weights
-    # would be all-gathered around it every call. With one device there is nothing to
-    # partition; "1" forces the kernel anyway (tests on 8 simulated devices).
-    if switch != "1" and jax.device_count() != 1:
-        return False
-    return available()
+    return choose("matmul", rows=math.prod(x.shape[:-1]), options=options).use_kernel
 
 
-def _kernel(x2, w, layer, tile_vectors, block, panel, ahead):
-    load()
+def _kernel(x2, w, layer, target, tile_vectors, block, panel, ahead):
     call = jax.ffi.ffi_call(
-        "kvjax_matmul",
+        target,
         jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
         vmap_method="sequential",
     )
@@ -78,21 +68,21 @@ def _kernel(x2, w, layer, tile_vectors, block, panel, ahead):
                 block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _matmul(x, w, layer, tile_vectors, block, panel, ahead):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _matmul(x, w, layer, target, tile_vectors, block, panel, ahead):
     lead = x.shape[:-1]
-    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, tile_vectors, block, panel, ahead)
+    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, target, tile_vectors, block, panel, ahead)
     return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
 
 
-def _fwd(x, w, layer, tile_vectors, block, panel, ahead):
-    return _matmul(x, w, layer, tile_vectors, block, panel, ahead), (x, w, layer)
+def _fwd(x, w, layer, target, tile_vectors, block, panel, ahead):
+    return _matmul(x, w, layer, target, tile_vectors, block, panel, ahead), (x, w, layer)
 
 
-def _bwd(tile_vectors, block, panel, ahead, res, g):
+def _bwd(target, tile_vectors, block, panel, ahead, res, g):
     # The gradients of einsum("...i,io->...o", x, w_l.astype(x.dtype)), each in its
     # primal's dtype; stacked weights get theirs in layer `layer`'s slot.
-    del tile_vectors, block, panel, ahead
+    del target, tile_vectors, block, panel, ahead
     x, w, layer = res
     w_l = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     dx = jnp.einsum("...o,io->...i", g, w_l.astype(g.dtype))
@@ -155,5 +145,6 @@ def matmul(
     if min(block, panel, ahead) < 0:
         raise ValueError(
             f"matmul: block, panel and ahead must be >= 0, got {block}, {panel}, {ahead}.")
+    target = load().target("matmul")
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    return _matmul(x, w, layer, tile_vectors, block, panel, ahead)
+    return _matmul(x, w, layer, target, tile_vectors, block, panel, ahead)

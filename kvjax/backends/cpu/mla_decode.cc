@@ -22,6 +22,7 @@ struct MlaArgs {
   const int32_t* tables;   // [batch, max_pages]
   int64_t max_pages;
   float scale;
+  Tuning tuning;
   float* out;  // [batch, q_heads, d_c]
   float* lse;  // [batch, q_heads]
 };
@@ -72,13 +73,13 @@ void mla_item(const MlaArgs& a, int64_t b) {
       prefetch_bytes(rop + r * Dr, Dr * sizeof(T));
     }
   };
-  attend<0, 0>(qs, G, Dp, Dvp, Dc, 0, hi, 0.0f, load, prefetch, acc, probs, out, lse);
+  attend<0, 0>(a.tuning, qs, G, Dp, Dvp, Dc, 0, hi, 0.0f, load, prefetch, acc, probs, out, lse);
 }
 
 ffi::Error MlaDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer latent,
                          ffi::AnyBuffer rope, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> tables,
-                         float scale, ffi::ResultBuffer<ffi::F32> out,
+                         float scale, int64_t prefetch, ffi::ResultBuffer<ffi::F32> out,
                          ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions(), ld = latent.dimensions(), rd = rope.dimensions();
   auto td = tables.dimensions();
@@ -108,6 +109,7 @@ ffi::Error MlaDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   a.tables = tables.typed_data();
   a.max_pages = td[1];
   a.scale = scale;
+  a.tuning.prefetch = prefetch;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
   parallel_for(&pool, batch, [&](int64_t i, int) {
@@ -135,5 +137,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMlaDecode, kvjax::MlaDecodeImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lengths
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block tables
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("prefetch")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // lse

@@ -33,6 +33,7 @@ struct DecodeArgs {
   int64_t max_pages;
   float scale, soft_cap;   // soft_cap <= 0: none
   int64_t window;          // <= 0: none
+  Tuning tuning;
   float* out;              // [batch, q_heads, v_head_dim]
   float* lse;              // [batch, q_heads]
 };
@@ -92,8 +93,8 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
   };
 
   if constexpr (!std::is_same_v<T, _Float16>) {
-    // KVJAX_CPU_ROWS=0 runs these through the staging path below (for comparisons).
-    if (rows_kernel() && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0) {
+    // tuning.rows false runs these through the staging path below (for comparisons).
+    if (a.tuning.rows && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0) {
       // Rows are read in place (bf16 widened in registers); a chunk that is not 16
       // contiguous visible rows has its rows copied into a small stage buffer first.
       // qs holds the scaled queries (Dp = D here).
@@ -125,7 +126,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
         }
         return {nullptr, 0, nullptr, 0};
       };
-      attend_rows<RowChunk<E>, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate,
+      attend_rows<RowChunk<E>, DT, DVT>(a.tuning, qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate,
                                         out, lse);
       return;
     }
@@ -152,7 +153,8 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
     }
     return {kbuf, Dp, vbuf, Dvp};
   };
-  attend<DT, DVT>(qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, load, prefetch, acc, probs, out, lse);
+  attend<DT, DVT>(a.tuning, qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, load, prefetch, acc, probs,
+                  out, lse);
 }
 
 template <typename T>
@@ -167,8 +169,9 @@ void decode_dispatch(const DecodeArgs& a, int64_t b, int64_t h) {
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> tables,
-                           float scale, float soft_cap, int64_t window,
-                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                           float scale, float soft_cap, int64_t window, int64_t prefetch,
+                           int64_t touch, int64_t rows, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument(
@@ -202,6 +205,9 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   a.scale = scale;
   a.soft_cap = soft_cap;
   a.window = window;
+  a.tuning.prefetch = prefetch;
+  a.tuning.touch = touch;
+  a.tuning.rows = rows != 0;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
   const int64_t kvh = a.kv_heads;
@@ -232,5 +238,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecode, kvjax::PagedDecodeImpl,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window")
+                                  .Attr<int64_t>("prefetch")
+                                  .Attr<int64_t>("touch")
+                                  .Attr<int64_t>("rows")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // lse

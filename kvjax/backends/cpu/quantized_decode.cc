@@ -40,8 +40,7 @@ struct QuantArgs {
   int64_t max_pages;
   float scale, soft_cap;
   int64_t window;
-  bool int_logits;  // KVJAX_CPU_INT_LOGITS (default 1), read per call: tests switch it
-  bool int_values;  // KVJAX_CPU_INT_VALUES (default 1), likewise
+  Tuning tuning;    // per call: prefetch, touch, rows path, integer logits / values
   float* out;
   float* lse;
 };
@@ -783,15 +782,15 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
       vec_group[i] = static_cast<int32_t>(i * kLanes / v_group);
   // Whole chunks read in place by attend_rows (below).
   const bool in_place = fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 &&
-                        a.v_groups <= kMaxValueGroups && rows_kernel();
+                        a.v_groups <= kMaxValueGroups && a.tuning.rows;
   // Their logits in 16-bit integers (int_query_row) where each field is whole 32-byte
   // blocks and the int32 sums cannot overflow: 32767 * (2^bits - 1) * D < 2^31.
-  const bool int_logits = kIntLogits && a.int_logits && in_place &&
+  const bool int_logits = kIntLogits && a.tuning.int_logits && in_place &&
                           (D / (8 / a.k_bits)) % (2 * kLanes) == 0 &&
                           32767.0 * ((1 << a.k_bits) - 1) * D < 2147483648.0;
   // Their values in 16-bit integers (int_value_weights) where the groups per row are a
   // power of two up to 8 (a token pair's weights one dword after one in-block permute).
-  const bool int_values = kIntValues && a.int_values && in_place &&
+  const bool int_values = kIntValues && a.tuning.int_values && in_place &&
                           a.v_groups <= kMaxIntGroups && (a.v_groups & (a.v_groups - 1)) == 0;
   // Whole chunks of pages (16 rows of one page): the table looked up once, scales folded.
   auto fast_chunk = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= qhi; };
@@ -968,7 +967,7 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         return ch;
       };
       auto locate = [&](int64_t c0) { return fast_chunk(c0) ? in_place(c0) : Codes{}; };
-      attend_rows<Codes, DT, DVT>(qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate, out,
+      attend_rows<Codes, DT, DVT>(a.tuning, qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate, out,
                                   lse);
     };
     if (a.k_bits == 8) {
@@ -980,7 +979,8 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
     }
     return;
   }
-  attend<DT, DVT>(qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, stage, prefetch, acc, probs, out, lse);
+  attend<DT, DVT>(a.tuning, qs, G, Dp, Dvp, Dv, lo, hi, a.soft_cap, stage, prefetch, acc, probs,
+                  out, lse);
 }
 
 template <typename S>
@@ -999,7 +999,9 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> q_pos,
                                ffi::Buffer<ffi::S32> tables,
                                float scale, float soft_cap, int64_t window, int64_t k_bits,
-                               int64_t v_bits, ffi::ResultBuffer<ffi::F32> out,
+                               int64_t v_bits, int64_t prefetch, int64_t touch, int64_t rows,
+                               int64_t int_logits, int64_t int_values,
+                               ffi::ResultBuffer<ffi::F32> out,
                                ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions(), kd = k_codes.dimensions(), vd = v_codes.dimensions();
   auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions(), td = tables.dimensions();
@@ -1068,8 +1070,11 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.scale = scale;
   a.soft_cap = soft_cap;
   a.window = window;
-  a.int_logits = env_int("KVJAX_CPU_INT_LOGITS", 1) != 0;
-  a.int_values = env_int("KVJAX_CPU_INT_VALUES", 1) != 0;
+  a.tuning.prefetch = prefetch;
+  a.tuning.touch = touch;
+  a.tuning.rows = rows != 0;
+  a.tuning.int_logits = int_logits != 0;
+  a.tuning.int_values = int_values != 0;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
   const int64_t kvh = a.kv_heads;
@@ -1110,5 +1115,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxQuantizedDecode, kvjax::QuantizedDecodeImpl,
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("k_bits")
                                   .Attr<int64_t>("v_bits")
+                                  .Attr<int64_t>("prefetch")
+                                  .Attr<int64_t>("touch")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("int_logits")
+                                  .Attr<int64_t>("int_values")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // lse

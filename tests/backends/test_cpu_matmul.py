@@ -9,7 +9,7 @@ import pytest
 
 from kvjax.backends import cpu as cpu_kernels
 from kvjax.backends.cpu import matmul as cpu_matmul
-from kvjax.models.layers import LayerSlice, linear
+from kvjax.backends.linear import LayerSlice, linear
 
 needs_kernel = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -101,13 +101,13 @@ def _hlo(x, w, b):
 
 
 @needs_kernel
-def test_linear_dispatch(rng, monkeypatch):
-    # Tests run on 8 simulated CPU devices, where "auto" keeps XLA's dot; "1" forces.
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "auto")
+def test_linear_dispatch(rng, cpu_options):
+    # Tests run on 8 simulated CPU devices, where "auto" keeps XLA's dot; "on" forces.
+    cpu_options(matmul="auto")
     jax.clear_caches()
     assert jax.device_count() == 1 or "kvjax_matmul" not in _hlo(
         jnp.ones((2, 32), F32), jnp.ones((32, 48), F32), None)
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    cpu_options(matmul="on")
     jax.clear_caches()
     w = jnp.asarray(rng.standard_normal((32, 48)), F32)
     b = jnp.asarray(rng.standard_normal((48,)), F32)
@@ -116,10 +116,10 @@ def test_linear_dispatch(rng, monkeypatch):
     assert "kvjax_matmul" in _hlo(small, w, b)
     assert "kvjax_matmul" in _hlo(small.astype(BF16), w.astype(BF16), b)
     assert "kvjax_matmul" not in _hlo(large, w, b)
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")
+    cpu_options(matmul="off")
     jax.clear_caches()  # the switch is read at trace time; earlier traces are cached
     assert "kvjax_matmul" not in _hlo(small, w, b)
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    cpu_options(matmul="on")
     jax.clear_caches()
     # The kernel path and the einsum agree (float32 sums in both).
     got = jax.jit(linear)(small, w, b)
@@ -129,8 +129,8 @@ def test_linear_dispatch(rng, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_linear_grad_matches_einsum(rng, dtype, monkeypatch):
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+def test_linear_grad_matches_einsum(rng, dtype, cpu_options):
+    cpu_options(matmul="on")
     jax.clear_caches()
     x = jnp.asarray(rng.standard_normal((3, 24)), dtype)
     w = jnp.asarray(rng.standard_normal((24, 40)), dtype)
@@ -157,14 +157,14 @@ def test_linear_grad_matches_einsum(rng, dtype, monkeypatch):
 
 
 @needs_kernel
-def test_linear_layer_slice_reads_the_stack(rng, monkeypatch):
+def test_linear_layer_slice_reads_the_stack(rng, cpu_options):
     # A LayerSlice reaches the kernel as the whole stack (no dynamic-slice feeds the call),
     # and value and gradients match the einsum on the sliced weight.
     x = jnp.asarray(rng.standard_normal((2, 1, 32)), F32)
     stack = jnp.asarray(rng.standard_normal((4, 32, 48)), F32)
     b = jnp.asarray(rng.standard_normal((48,)), F32)
     r = jnp.asarray(rng.standard_normal((2, 1, 48)), F32)
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    cpu_options(matmul="on")
     jax.clear_caches()
 
     def loss(x, stack, b, i):
@@ -183,7 +183,7 @@ def test_linear_layer_slice_reads_the_stack(rng, monkeypatch):
 
 
 @needs_kernel
-def test_llama_decode_with_kernel_matches_xla(rng, monkeypatch, dtype="float32"):
+def test_llama_decode_with_kernel_matches_xla(rng, cpu_options, dtype="float32"):
     # One decode step and a 5-token prefill of a tiny Llama (LM head untied, biases):
     # the kernel path (layers as LayerSlices) gives XLA's logits.
     from kvjax.cache import init_cache, reserve
@@ -213,10 +213,10 @@ def test_llama_decode_with_kernel_matches_xla(rng, monkeypatch, dtype="float32")
                         q_lengths=jnp.ones((2,), jnp.int32)).as_text()
         return np.asarray(prefill), np.asarray(step), hlo
 
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    cpu_options(matmul="on")
     pre_k, step_k, hlo = run()
     assert hlo.count("kvjax_matmul") >= 2  # the layer scan's projections and the LM head
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")
+    cpu_options(matmul="off")
     pre_x, step_x, _ = run()
     # float32: the same sums in another order (bf16 weights: the op-level tests above).
     tol = dict(rtol=1e-4, atol=1e-4)
@@ -245,8 +245,9 @@ print("ok")
 @needs_kernel
 @pytest.mark.parametrize("spin_us", ["0", "1000000"])
 def test_helpers_park_or_spin(spin_us, rng):
-    """The helper threads and the waiting caller park at once (KVJAX_CPU_SPIN_US=0) or
-    spin a second before parking: the same products either way, and no call hangs."""
+    """The helper threads and the waiting caller park at once (spin_us 0, here set through
+    its environment variable) or spin a second before parking: the same products either
+    way, and no call hangs."""
     import os
     import subprocess
     import sys

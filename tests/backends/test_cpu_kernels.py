@@ -15,11 +15,9 @@ from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
 from kernels_pallas.quantized_attention import reference as qref
 from kvjax import attention
-from kvjax.attention import cpu_impls, ops, paged_decode_attention
-from kvjax.attention import quantized as qattn
-from kvjax.attention import xla_quantized as xq
+from kvjax.attention import cpu_impls, paged_decode_attention
 from kvjax.backends import cpu as cpu_kernels
-from kvjax.backends.cpu import build
+from kvjax.backends.cpu import build, policy
 from kvjax.cache import quantized as qz
 
 needs_kernel = pytest.mark.skipif(
@@ -146,22 +144,49 @@ def test_vmap_runs_per_element(rng):
 
 
 @needs_kernel
-def test_auto_is_cpu_kernel_for_decode():
-    assert ops._auto_impl("paged_decode_attention") == "cpu"
-    # Ops without a CPU kernel stay on the XLA path, and their "cpu" entry is that path
-    # (a model given impl="cpu" prefills too).
-    for op in ("paged_prefill_attention", "mla_prefill_attention"):
-        assert ops._auto_impl(op) == "xla"
-        assert ops._select(op, "cpu") is ops._IMPLS[op]["xla"]
-    assert qattn._select("quantized_mla_attention", "cpu") is xq.quantized_mla_attention
+def test_choose_decides_each_op():
+    """`choose` (what "auto" asks): the kernel for the decode ops on a build where it was
+    measured faster, the XLA path for ops without a kernel, for float32 pools (XLA writes
+    those in place), for a matmul of more rows than the kernel serves or over several
+    devices; the options switch each decision."""
+    lib = cpu_kernels.library()
+    measured = lib.isa_class in ("avx512", "avx2")
+    for op in ("paged_decode", "quantized_decode", "mla_decode", "paged_decode_attention",
+               "quantized_attention", "mla_decode_attention"):
+        choice = cpu_kernels.choose(op)
+        assert choice.use_kernel == measured and lib.isa_class in choice.reason, choice
+    for op in ("paged_prefill_attention", "mla_prefill_attention", "quantized_mla_attention"):
+        assert not cpu_kernels.choose(op).use_kernel
+    with pytest.raises(ValueError, match="unknown op"):
+        cpu_kernels.choose("no_such_op")
+    assert cpu_kernels.choose("write_rows", dtype=jnp.bfloat16).use_kernel
+    assert cpu_kernels.choose("copy_pages", dtype=jnp.float16).use_kernel
+    assert not cpu_kernels.choose("write_rows", dtype=jnp.float32).use_kernel
+    limit = policy.MATMUL_MAX_ROWS.get(lib.isa_class, 0)
+    assert cpu_kernels.choose("matmul", rows=1, devices=1).use_kernel == (limit > 0)
+    assert not cpu_kernels.choose("matmul", rows=limit + 1, devices=1).use_kernel
+    assert not cpu_kernels.choose("matmul", rows=1, devices=2).use_kernel
+    with cpu_kernels.override(matmul="on"):
+        assert cpu_kernels.choose("matmul", rows=1, devices=2).use_kernel
+    with cpu_kernels.override(matmul="off"):
+        assert not cpu_kernels.choose("matmul", rows=1, devices=1).use_kernel
+    with cpu_kernels.override(kernels=False):
+        for op in policy.OPS:
+            choice = cpu_kernels.choose(op, rows=1, devices=1, dtype=jnp.bfloat16)
+            assert not choice.use_kernel and "kernels off" in choice.reason
 
 
-def test_auto_falls_back_to_xla_when_unavailable(rng, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    assert ops._auto_impl("paged_decode_attention") == "xla"
+def test_kernels_off_is_the_xla_path(rng, cpu_options):
+    """With the kernels off, "auto" decode attention is the XLA path: no custom call in
+    the program, and the reference's result."""
+    cpu_options(kernels=False)
     args = _case(rng, batch=2, q_heads=2, kv_heads=1, head_dim=16, page_size=4, max_pages=2,
                  dtype=jnp.float32)
-    _close(paged_decode_attention(*args), reference(*args), jnp.float32)
+    fn = jax.jit(paged_decode_attention)
+    assert "kvjax_" not in fn.lower(*args).as_text()
+    _close(fn(*args), reference(*args), jnp.float32)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_kernels.paged_decode_attention(*args)
 
 
 def _qdecode(view, q, impl, **kw):
@@ -169,17 +194,33 @@ def _qdecode(view, q, impl, **kw):
         q, view)
 
 
-def test_unavailable_reasons(monkeypatch, tmp_path):
+def test_unavailable_reasons(tmp_path):
     """Disabled or unbuildable kernels report why instead of raising at import."""
-    monkeypatch.setenv("KVJAX_CPU_KERNEL", "0")
-    lib, reason = build._load.__wrapped__()
-    assert lib is None and "KVJAX_CPU_KERNEL=0" in reason
-    monkeypatch.setenv("KVJAX_CPU_KERNEL", "1")
-    monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", "no-such-compiler-kvjax")
-    lib, reason = build._load.__wrapped__()
+    lib, reason = build._load.__wrapped__(False, "g++", "native", None)
+    assert lib is None and "kernels=False" in reason
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        lib, reason = build._load.__wrapped__(True, "no-such-compiler-kvjax", "native",
+                                              str(tmp_path))
     assert lib is None and "no C++ compiler" in reason
     assert not list(tmp_path.iterdir())
+
+
+def test_failed_build_warns_once_with_the_compiler_message_and_auto_falls_back(tmp_path):
+    """A compiler that fails: one warning carrying its message (not an exception), the
+    reason kept for `kvjax info`, and every op's choice is the XLA path."""
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\necho 'fake-cxx: error: kvjax-test-message' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    opts = cpu_kernels.CpuOptions(compiler=str(fake), cache_dir=str(tmp_path / "cache"),
+                                  march="x86-64-v2")
+    with pytest.warns(RuntimeWarning, match="kvjax-test-message") as record:
+        assert not cpu_kernels.available(opts)
+        assert not cpu_kernels.available(opts)  # cached: no second build, no second warning
+    assert len(record) == 1
+    assert "kvjax-test-message" in cpu_kernels.unavailable_reason(opts)
+    for op in policy.OPS:
+        choice = cpu_kernels.choose(op, dtype=jnp.bfloat16, options=opts)
+        assert not choice.use_kernel and "unavailable" in choice.reason
 
 
 # ----------------------------------------------------------------------------- quantized pages
@@ -224,10 +265,7 @@ def test_quantized_traced_layer_in_a_scan(rng):
     q_close(run("cpu", True), run("reference", False), 2e-5)
 
 
-@needs_kernel
-def test_quantized_auto_and_prefill_fallback(monkeypatch):
-    assert qattn._select("quantized_attention", "auto") is cpu_impls.quantized_attention
-    assert qattn._select("quantized_mla_attention", "auto") is xq.quantized_mla_attention
+def test_quantized_prefill_falls_back_to_xla(monkeypatch):
     # Chunked prefill (q_len > 1) goes to the XLA path with every argument.
     seen = {}
     monkeypatch.setattr(cpu_impls.xla_quantized, "quantized_attention",
@@ -238,11 +276,8 @@ def test_quantized_auto_and_prefill_fallback(monkeypatch):
     args = (0, *scales, 3, *scales, *tails, 9, 10, 11, 12)
     got = cpu_impls.quantized_attention(q, *args, k_bits=4, v_bits=2, scale=0.5, layer=1)
     assert got == "xla" and seen["args"][0] is q and seen["args"][1:] == args
-    assert seen["kw"] == dict(k_bits=4, v_bits=2, scale=0.5, soft_cap=None,
-                              sliding_window=None, layer=1)
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    assert qattn._select("quantized_attention", "auto") is qattn._IMPLS[
-        "quantized_attention"]["xla"]
+    assert {k: v for k, v in seen["kw"].items() if v is not None} == dict(
+        k_bits=4, v_bits=2, scale=0.5, layer=1)
 
 
 def _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads):
@@ -279,20 +314,19 @@ def _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads):
     (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
     (4, 64, 32, jnp.float16, 8), (2, 128, 16, jnp.bfloat16, 4), (4, 32, 32, jnp.float32, 4),
     (8, 96, 32, jnp.float16, 2)])
-def test_quantized_vectorised_rows(rng, monkeypatch, bits, head_dim, group, scale_dtype,
+def test_quantized_vectorised_rows(rng, cpu_options, bits, head_dim, group, scale_dtype,
                                    q_heads):
     """Widths whose packed fields hold whole 16-channel vectors take the vectorised
     dequantizer (random_cache's head_dim 32 / group 8 take the scalar one) and, for whole
     chunks, the codes read in place by the register-blocked core (query rows in blocks of
     8, 4 and 1: GQA 8, 4, 1; 1, 2, 4 and 8 value groups per row through the vector
     weights, 3 through the scalar ones); f16, bf16 and f32 scales. With float32 logits and
-    values (KVJAX_CPU_INT_LOGITS=0, KVJAX_CPU_INT_VALUES=0) the kernel is float32-exact:
+    values (int_logits and int_values off) the kernel is float32-exact:
     equal to the reference to 2e-6."""
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
     want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
     q_close(cpu_kernels.quantized_attention(*args, **kw), want, 2e-5)
-    monkeypatch.setenv("KVJAX_CPU_INT_LOGITS", "0")
-    monkeypatch.setenv("KVJAX_CPU_INT_VALUES", "0")
+    cpu_options(int_logits=False, int_values=False)
     got = cpu_kernels.quantized_attention(*args, **kw)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
@@ -301,14 +335,14 @@ def test_quantized_vectorised_rows(rng, monkeypatch, bits, head_dim, group, scal
 @needs_kernel
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
     (4, 128, 32, jnp.float16, 4), (2, 128, 16, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2)])
-def test_quantized_int_logits_within_their_bound(rng, monkeypatch, bits, head_dim, group,
+def test_quantized_int_logits_within_their_bound(rng, cpu_options, bits, head_dim, group,
                                                  scale_dtype, q_heads):
     """The integer logits (AVX512-VNNI; the float32 path elsewhere, which meets the bound
     too): each folded query row q s rounded to int16 with its largest entry m at 32767
     moves a logit by at most eps = m / 65534 * D * (2^bits - 1), so lse by at most eps and
     an output by at most (e^(2 eps) - 1) * the values' range; here m is bounded by the
     largest |q| * scale * key scale of the case (values in float32 here)."""
-    monkeypatch.setenv("KVJAX_CPU_INT_VALUES", "0")
+    cpu_options(int_values=False)
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
     q, _, k_scale, _, _, v_scale, v_zero, _, tail_v = args[:9]
     want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
@@ -329,7 +363,7 @@ def test_quantized_int_logits_within_their_bound(rng, monkeypatch, bits, head_di
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
     (4, 128, 32, jnp.float16, 4), (2, 128, 16, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
     (4, 32, 32, jnp.bfloat16, 16), (2, 64, 32, jnp.float16, 2)])
-def test_quantized_int_values_within_their_bound(rng, monkeypatch, bits, head_dim, group,
+def test_quantized_int_values_within_their_bound(rng, cpu_options, bits, head_dim, group,
                                                  scale_dtype, q_heads):
     """The integer values (AVX512-VNNI and VBMI; the float32 path elsewhere, which meets
     the bound too): a chunk's weights p s, rounded to int16 per query row and value group
@@ -338,7 +372,7 @@ def test_quantized_int_values_within_their_bound(rng, monkeypatch, bits, head_di
     sum, so an output moves by at most 16 (2^bits - 1) s_max / 65534 (s_max: the case's
     largest value scale). The logits are float32 here, so lse is float32-exact. 1, 2, 4 and
     8 value groups per row; query rows in blocks of 8, 4 and 1 (GQA 8, 4, 2, 1)."""
-    monkeypatch.setenv("KVJAX_CPU_INT_LOGITS", "0")
+    cpu_options(int_logits=False)
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
     v_scale = args[5]
     want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
@@ -379,7 +413,6 @@ def test_mla_decode_matches_reference(rng, dtype):
         got = jax.jit(lambda i: attention.mla_decode_attention(
             ql, qr, lat, rope, lengths, tables, scale=0.1, impl="cpu", layer=i))(layer)
         _close(got, want, dtype)
-    assert ops._auto_impl("mla_decode_attention") == "cpu"
 
 
 @needs_kernel

@@ -1,0 +1,139 @@
+"""`python -m kvjax info`: the environment kvjax runs in, and what it would run.
+
+Prints the jax / jaxlib versions, the default backend and its devices with their
+memory kinds, the CPU backend's options (and which came from the environment), whether
+the C++ CPU kernels built (or the compiler's reason why not), for each CPU op which
+implementation "auto" takes and why, the Pallas backend and the kernel cache directory.
+"""
+
+import argparse
+import json
+import platform
+
+__all__ = ["add_parser", "collect", "main"]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "info", help="versions, devices, CPU kernels and which implementation each op uses",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of the text report")
+    p.add_argument("--no-build", action="store_true",
+                   help="do not build the CPU kernels if they are not cached yet (report "
+                        "them as not built)")
+    p.set_defaults(func=main)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def collect(build: bool = True) -> dict:
+    """The report as a dict (what `python -m kvjax info --json` prints).
+
+    Args:
+      build: build the CPU kernels if they are not cached (False: report them as not built).
+    """
+    import dataclasses
+    import os
+
+    import jax
+    import jaxlib
+
+    from kvjax.backends import cpu
+    from kvjax.backends.cpu import build as cpu_build
+    from kvjax.backends.cpu import options as cpu_options
+    from kvjax.backends.cpu import policy
+
+    backend = jax.default_backend()
+    devices = []
+    for d in jax.devices():
+        try:
+            kinds = sorted(m.kind for m in d.addressable_memories())
+        except Exception:  # a backend without memory-kind support
+            kinds = []
+        devices.append(dict(id=d.id, kind=d.device_kind, platform=d.platform,
+                            memory_kinds=kinds))
+    opts = cpu.get_options()
+    from_env = sorted(f for f, (var, _) in cpu_options.ENV.items() if os.environ.get(var))
+    path = cpu_build.library_path(opts)
+    if not build and opts.kernels and not path.exists():
+        lib, reason = None, "not built yet (run without --no-build to build)"
+    else:
+        lib, reason = cpu_build._load_for(opts)
+    ops = {}
+    for op in policy.OPS:
+        if lib is None and reason.startswith("not built"):
+            ops[op] = dict(impl="xla", reason="kernels not built yet")
+            continue
+        kw = dict(dtype="bfloat16") if op in ("write_rows", "copy_pages") else {}
+        choice = cpu.choose(op, options=opts, **kw)
+        ops[op] = dict(impl="cpu" if choice.use_kernel else "xla", reason=choice.reason)
+    if backend == "tpu":
+        pallas = "TPU (Mosaic) kernels"
+    elif backend == "gpu":
+        pallas = "GPU kernels (Triton / Mosaic GPU)"
+    else:
+        pallas = f"interpret mode only on {backend} (the kernels run compiled on TPU / GPU)"
+    return dict(
+        jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(),
+        machine=platform.machine(), cpu_model=_cpu_model(), backend=backend, devices=devices,
+        cpu_options=dataclasses.asdict(opts), cpu_options_from_environment=from_env,
+        cpu_kernels=dict(built=lib is not None, reason=reason, library=str(path),
+                         march=opts.march,
+                         isa=sorted(lib.isa) if lib else [],
+                         isa_class=lib.isa_class if lib else None),
+        cpu_ops=ops, note_cpu_ops=(
+            "the CPU backend's choice per op ('auto' on the CPU backend; other backends run "
+            "their Pallas kernels or the XLA path)"),
+        pallas=pallas, cache_dir=str(opts.cache_path))
+
+
+def main(args) -> int:
+    report = collect(build=not args.no_build)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"jax {report['jax']}, jaxlib {report['jaxlib']}, Python {report['python']}, "
+          f"{report['machine']} ({report['cpu_model']})")
+    print(f"backend: {report['backend']}; {len(report['devices'])} device(s)")
+    kinds = {}
+    for d in report["devices"]:
+        kinds.setdefault((d["kind"], tuple(d["memory_kinds"])), []).append(d["id"])
+    for (kind, mems), ids in kinds.items():
+        print(f"  {kind} x{len(ids)} (ids {ids[0]}..{ids[-1]}): memory kinds "
+              f"{', '.join(mems) or 'n/a'}")
+    k = report["cpu_kernels"]
+    if k["built"]:
+        print(f"CPU kernels: built for -march={k['march']} ({k['isa_class']}: "
+              f"{' '.join(k['isa'])})")
+        print(f"  library: {k['library']}")
+    else:
+        print(f"CPU kernels: not available: {k['reason']}")
+    env = report["cpu_options_from_environment"]
+    changed = {f: v for f, v in report["cpu_options"].items()
+               if v != _default(f)}
+    print(f"CPU options: {', '.join(f'{f}={v!r}' for f, v in changed.items()) or 'defaults'}"
+          f"{' (from the environment: ' + ', '.join(env) + ')' if env else ''}")
+    print("CPU ops (\"auto\" on the CPU backend):")
+    width = max(len(op) for op in report["cpu_ops"])
+    for op, c in report["cpu_ops"].items():
+        print(f"  {op:<{width}}  {c['impl']:<4} {c['reason']}")
+    print(f"Pallas: {report['pallas']}")
+    print(f"kernel cache directory: {report['cache_dir']}")
+    return 0
+
+
+def _default(field: str):
+    from kvjax.backends.cpu.options import CpuOptions
+
+    return getattr(CpuOptions(), field)
