@@ -1,10 +1,14 @@
 """Small-M matmul on CPU: kvjax's kernel (kvjax/backends/cpu/matmul.cc) against `x @ w`.
 
 For the weight shapes of the end-to-end decode model (hidden 512, intermediate 1408,
-vocab 32000) and a few row counts, times one `y = x @ w` with the kernel and with
-XLA's dot (jitted; warm-up, block_until_ready, median of repeats), checks the
-kernel's result against XLA's in the same run, and reports the weight-read rate
-(weight bytes / time) next to the streaming read bandwidth measured in the run.
+vocab 32000) and a few row counts, times one `y = x @ w` with XLA's dot and with the
+kernel of each build (`--marches`, default the native build and the AVX2 build
+`-march=haswell`), the calls interleaved round-robin so that all see the same machine
+load (warm-up, block_until_ready; medians and the interquartile spread), checks each
+kernel's result against XLA's in the same run, and reports the weight-read rate (weight
+bytes / time) next to the streaming read bandwidth measured in the run. For each build
+it prints what "auto" picks (`kvjax.backends.cpu.choose("matmul", rows=M)`) and whether
+that is the faster of the two.
 
     python benchmarks/matmul.py --quick          # seconds: M 1 and 8, f32 and bf16
     python benchmarks/matmul.py                  # M 1, 8, 16, 32, 64
@@ -13,7 +17,7 @@ kernel's result against XLA's in the same run, and reports the weight-read rate
 
 `--decode` times one decode step (reserve + forward, cache donated) of the
 decode_e2e.py model (random weights, batch 8, 1K tokens in the cache) compiled
-with the kernel and with XLA's dot (KVJAX_CPU_MATMUL is read at trace time),
+with the kernel and with XLA's dot (the matmul option is read at trace time),
 calling the two alternately so that both see the same machine load, and checks
 that their logits agree.
 """
@@ -32,11 +36,29 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvjax.backends import cpu  # noqa: E402
 from kvjax.backends.cpu import matmul as cpu_matmul  # noqa: E402
 from kvjax.backends.cpu.build import available, unavailable_reason  # noqa: E402
 
 # (K, N): the LM head, q/k/v fused width and single projections, gate+up, down.
 SHAPES = ((512, 32000), (512, 1536), (512, 512), (512, 2816), (1408, 512))
+
+
+def machine():
+    """The CPU model and flags (the figures depend on both)."""
+    import platform
+
+    info = dict(machine=platform.machine(), cpu=platform.processor(), flags="")
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")) and not info["flags"]:
+                info["flags"] = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    info["cpus"] = os.cpu_count()
+    return info
 
 
 def read_bandwidth(nbytes=256 << 20, repeats=5):
@@ -54,6 +76,25 @@ def median_time(fn, repeats, *args):
         fn(*args).block_until_ready()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def interleaved(fns, args, repeats):
+    """Seconds per call of each function, called round-robin (after one warm-up call each)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def stats(ts):
+    """(median, interquartile spread as a fraction of the median)."""
+    q1, med, q3 = np.percentile(ts, [25, 50, 75])
+    return float(med), float((q3 - q1) / med)
 
 
 def decode_ab(dtype, repeats, batch=8, context=1024):
@@ -80,11 +121,10 @@ def decode_ab(dtype, repeats, batch=8, context=1024):
                              q_lengths=jnp.ones((batch,), jnp.int32))
 
     fns = {}
-    for name, switch in (("kernel", "1"), ("xla", "0")):
-        os.environ["KVJAX_CPU_MATMUL"] = switch
-        jax.clear_caches()
-        fns[name] = jax.jit(step, donate_argnums=1).lower(params, cache, tokens).compile()
-    os.environ.pop("KVJAX_CPU_MATMUL")
+    for name, switch in (("kernel", "on"), ("xla", "off")):
+        with cpu.override(matmul=switch):
+            fns[name] = jax.jit(lambda *a: step(*a), donate_argnums=1).lower(
+                params, cache, tokens).compile()
     # Same state, both programs: the logits must agree (float32 sums in another order;
     # bf16 activations round after each projection in both, at different points).
     got = {name: np.asarray(fn(params, jax.tree.map(jnp.copy, cache), tokens)[0], np.float32)
@@ -135,6 +175,9 @@ def main(argv=None):
                         help="--sweep: comma-separated column-block widths")
     parser.add_argument("--sweep-panels", default="8,16,32",
                         help="--sweep: comma-separated panel heights in rows (0: all K)")
+    parser.add_argument("--marches", default="native,haswell",
+                        help="comma-separated -march builds whose kernels are timed (default "
+                             "native,haswell: this CPU's and the AVX2 code)")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/matmul-<time>.json)")
     args = parser.parse_args(argv)
@@ -144,7 +187,10 @@ def main(argv=None):
     repeats = args.repeats or (10 if args.quick else 30)
     dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
     bw = read_bandwidth()
-    print(f"streaming read {bw:.1f} GB/s; load average {os.getloadavg()[0]:.1f}")
+    mach = machine()
+    simd = [f for f in mach["flags"].split() if f.startswith(("avx", "fma", "f16c", "amx"))]
+    print(f"{mach['cpu']} ({mach['cpus']} cpus; {' '.join(simd)}); streaming read {bw:.1f} GB/s;"
+          f" load average {os.getloadavg()[0]:.1f}")
     rng = np.random.default_rng(0)
     results = []
 
@@ -170,25 +216,48 @@ def main(argv=None):
             print(f"{dt.name:9s} tile_vectors {tv} ahead {ahead:3d} block {block:4d} "
                   f"panel {panel:3d}: {t * 1e3:7.3f} ms {gbps:5.1f} GB/s")
     else:
+        marches = args.marches.split(",")
+        kernels = {}
+        for march in marches:
+            with cpu.override(march=march):
+                if not available():
+                    print(f"-march={march}: {unavailable_reason()}")
+                    continue
+                lib = cpu.library()
+                print(f"-march={march}: {lib.isa_class} ({' '.join(sorted(lib.isa))})")
+                kernels[march] = (jax.jit(lambda x, w: cpu_matmul.matmul(x, w)),
+                                  cpu.get_options())
         print(f"{'dtype':9s} {'M':>3s} {'K':>5s} {'N':>6s} | {'x@w ms':>8s} {'GB/s':>5s} | "
-              f"{'kernel ms':>9s} {'GB/s':>5s} | speedup  max rel err")
+              + " | ".join(f"{m + ' ms':>12s} {'GB/s':>5s} {'vs x@w':>6s} auto" for m in kernels))
         xla = jax.jit(lambda x, w: x @ w.astype(x.dtype))
-        ker = jax.jit(cpu_matmul.matmul)
         for dt, (k, n), m in itertools.product(dtypes, SHAPES, rows):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dt)
-            t_xla = median_time(xla, repeats, x, w)
-            t_ker = median_time(ker, repeats, x, w)
-            want, got = np.asarray(xla(x, w)), np.asarray(ker(x, w))
-            err = float(np.abs(got - want).max() / np.abs(want).max())
-            if err > 1e-4:
-                raise AssertionError(f"kernel disagrees with x @ w: max rel err {err:.2e}")
-            results.append(dict(dtype=dt.name, M=m, K=k, N=n, xla_s=t_xla, kernel_s=t_ker,
-                                xla_GBps=w.nbytes / t_xla / 1e9,
-                                kernel_GBps=w.nbytes / t_ker / 1e9, max_rel_err=err))
-            print(f"{dt.name:9s} {m:3d} {k:5d} {n:6d} | {t_xla * 1e3:8.3f} "
-                  f"{w.nbytes / t_xla / 1e9:5.1f} | {t_ker * 1e3:9.3f} "
-                  f"{w.nbytes / t_ker / 1e9:5.1f} | {t_xla / t_ker:6.2f}x  {err:.1e}")
+            fns = {"xla": xla, **{march: f for march, (f, _) in kernels.items()}}
+            times = interleaved(fns, (x, w), repeats)
+            want = np.asarray(xla(x, w))
+            row = dict(dtype=dt.name, M=m, K=k, N=n, weight_bytes=w.nbytes)
+            t_xla, spread = stats(times["xla"])
+            row["xla"] = dict(median_s=t_xla, iqr_fraction=spread, GBps=w.nbytes / t_xla / 1e9)
+            line = (f"{dt.name:9s} {m:3d} {k:5d} {n:6d} | {t_xla * 1e3:8.3f} "
+                    f"{w.nbytes / t_xla / 1e9:5.1f} |")
+            for march, (f, opts) in kernels.items():
+                got = np.asarray(f(x, w))
+                err = float(np.abs(got - want).max() / np.abs(want).max())
+                if err > 1e-4:
+                    raise AssertionError(f"{march} kernel disagrees with x @ w: {err:.2e}")
+                t, spread = stats(times[march])
+                pick = cpu.choose("matmul", rows=m, devices=1, options=opts).use_kernel
+                fastest = t < t_xla
+                row[march] = dict(median_s=t, iqr_fraction=spread, GBps=w.nbytes / t / 1e9,
+                                  speedup=t_xla / t, max_rel_err=err,
+                                  auto="kernel" if pick else "xla",
+                                  auto_is_fastest=pick == fastest)
+                line += (f" {t * 1e3:12.3f} {w.nbytes / t / 1e9:5.1f} {t_xla / t:5.2f}x "
+                         f"{'kernel' if pick else 'xla'}{'' if pick == fastest else ' (SLOWER)'}"
+                         f" |")
+            results.append(row)
+            print(line)
 
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results",
@@ -196,8 +265,8 @@ def main(argv=None):
         f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(read_GBps=bw, load_average=os.getloadavg(), repeats=repeats,
-                       results=results), f, indent=1)
+        json.dump(dict(machine=machine(), read_GBps=bw, load_average=os.getloadavg(),
+                       repeats=repeats, results=results), f, indent=1)
     print(f"wrote {out}")
 
 

@@ -16,7 +16,7 @@ build fails or `CpuOptions.kernels` is False, `available()` is False,
 `unavailable_reason()` says why, a failed build warns once with the compiler's message,
 and the kernel choices (`kvjax.backends.cpu.choose`) fall back to the XLA path.
 
-`python -m kvjax.backends.cpu.build --compiler aarch64-linux-gnu-g++ --march armv8-a`
+`python -m kvjax.backends.cpu --compiler aarch64-linux-gnu-g++ --march armv8-a`
 compiles the sources with another compiler without loading them (CI's cross-compile
 check of the portable path).
 """
@@ -279,7 +279,7 @@ def unavailable_reason(opts: options_mod.CpuOptions | None = None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvjax.backends.cpu.build",
+        prog="python -m kvjax.backends.cpu",
         description="Compile the CPU kernels' sources with a given compiler and -march "
                     "(without loading them): a cross-compile check.")
     parser.add_argument("--compiler", required=True,
@@ -297,6 +297,3 @@ def main(argv=None) -> int:
               f"{out.name} {out.stat().st_size} bytes")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,6 +32,15 @@ namespace kvjax {
 
 namespace ffi = xla::ffi;
 
+// IEEE half precision as a C++ type: GCC's C++ front end has _Float16 on x86 (SSE2 and
+// later); on ARM its half type is __fp16 (storage and conversions, which is all the
+// kernels use).
+#if defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 constexpr int kLanes = 16;
 constexpr int64_t kMaxGroup = 256;  // query rows per work item (per-row state on the stack)
 typedef float v16 __attribute__((vector_size(64)));
@@ -196,7 +205,7 @@ inline void widen_bf16(const uint16_t* __restrict src, float* __restrict dst, in
 }
 
 // float16 to float32 (vcvtph2ps where the CPU has it).
-inline void widen_f16(const _Float16* __restrict src, float* __restrict dst, int64_t n) {
+inline void widen_f16(const Half* __restrict src, float* __restrict dst, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
   for (; i + kLanes <= n; i += kLanes)

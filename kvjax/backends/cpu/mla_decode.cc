@@ -116,7 +116,7 @@ ffi::Error MlaDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
     if (dt == ffi::BF16) {
       mla_item<Bf16>(a, i);
     } else if (dt == ffi::F16) {
-      mla_item<_Float16>(a, i);
+      mla_item<Half>(a, i);
     } else {
       mla_item<float>(a, i);
     }

@@ -92,7 +92,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
     }
   };
 
-  if constexpr (!std::is_same_v<T, _Float16>) {
+  if constexpr (!std::is_same_v<T, Half>) {
     // tuning.rows false runs these through the staging path below (for comparisons).
     if (a.tuning.rows && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0) {
       // Rows are read in place (bf16 widened in registers); a chunk that is not 16
@@ -215,7 +215,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     if (dt == ffi::BF16) {
       decode_dispatch<Bf16>(a, i / kvh, i % kvh);
     } else if (dt == ffi::F16) {
-      decode_dispatch<_Float16>(a, i / kvh, i % kvh);
+      decode_dispatch<Half>(a, i / kvh, i % kvh);
     } else {
       decode_dispatch<float>(a, i / kvh, i % kvh);
     }

@@ -808,8 +808,8 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
         to_f32(static_cast<const Bf16*>(a.tv) + r * Dv, Dv, Dvp, vd);
         break;
       default:
-        to_f32(static_cast<const _Float16*>(a.tk) + r * D, D, Dp, kd);
-        to_f32(static_cast<const _Float16*>(a.tv) + r * Dv, Dv, Dvp, vd);
+        to_f32(static_cast<const Half*>(a.tk) + r * D, D, Dp, kd);
+        to_f32(static_cast<const Half*>(a.tv) + r * Dv, Dv, Dvp, vd);
     }
   };
   // Folds the key scale row srow (a group's scales and zeros) into the query rows.
@@ -1080,7 +1080,7 @@ ffi::Error QuantizedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t kvh = a.kv_heads;
   parallel_for(&pool, batch * kvh, [&](int64_t i, int) {
     if (st == ffi::F16) {
-      quant_dispatch<_Float16>(a, i / kvh, i % kvh);
+      quant_dispatch<Half>(a, i / kvh, i % kvh);
     } else if (st == ffi::BF16) {
       quant_dispatch<Bf16>(a, i / kvh, i % kvh);
     } else {
