@@ -1,6 +1,15 @@
-"""Test setup: 8 simulated CPU devices, strict dtype promotion, full-precision f32 matmuls."""
+"""Test setup: 8 simulated CPU devices, strict dtype promotion, full-precision f32 matmuls.
 
+Sweeps: a test marked `slow` is one point of a product of parametrize axes. By
+default a daily sample of each sweep runs: every value of every axis at least
+once, drawn with a seed that is the UTC date, so the sample changes from day to
+day and a failure replays with `--sweep-seed`. `--slow` (or `KVJAX_SLOW=1`)
+runs the full product. The header of the run states which.
+"""
+
+import datetime
 import os
+import random
 
 # Must happen before any JAX backend starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,3 +41,78 @@ def rng(request):
     seed = int(os.environ.get("KVJAX_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
     print(f"test seed: KVJAX_TEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("kvjax sweeps")
+    group.addoption("--slow", action="store_true", default=False,
+                    help="run the full product of every `slow` sweep (also KVJAX_SLOW=1); "
+                         "default: a daily sample covering every value of every axis")
+    group.addoption("--sweep-seed", type=int, default=None,
+                    help="seed of the sweep sample (default: today's UTC date as YYYYMMDD)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: one point of a sweep; a daily covering sample runs unless --slow")
+
+
+def _full_sweeps(config) -> bool:
+    return config.getoption("--slow") or os.environ.get("KVJAX_SLOW") == "1"
+
+
+def _sweep_seed(config) -> int:
+    seed = config.getoption("--sweep-seed")
+    return seed if seed is not None else int(datetime.datetime.now(datetime.UTC)
+                                             .strftime("%Y%m%d"))
+
+
+def covering_sample(points: list[dict], seed: int) -> list[int]:
+    """Indices of a small random subset of `points` holding every (axis, value) pair.
+
+    Greedy set cover: repeatedly take the point that adds the most pairs not yet
+    covered, ties broken by a seeded shuffle. A sweep of axes with n_1..n_k
+    values needs at least max(n_i) points; this gets close to that.
+    """
+    order = list(range(len(points)))
+    random.Random(seed).shuffle(order)
+    pairs = [{(k, repr(v)) for k, v in p.items()} for p in points]
+    todo = set().union(*pairs) if pairs else set()
+    chosen = []
+    while todo or not chosen:
+        best = max(order, key=lambda i: len(pairs[i] & todo))
+        chosen.append(best)
+        order.remove(best)
+        todo -= pairs[best]
+        if not order:
+            break
+    return sorted(chosen)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _full_sweeps(config):
+        return
+    seed = _sweep_seed(config)
+    sweeps: dict[str, list] = {}
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            sweeps.setdefault(item.nodeid.split("[")[0], []).append(item)
+    dropped = []
+    for name, group in sweeps.items():
+        params = [dict(getattr(getattr(it, "callspec", None), "params", {})) for it in group]
+        keep = set(covering_sample(params, seed + sum(map(ord, name))))
+        dropped += [it for i, it in enumerate(group) if i not in keep]
+    if dropped:
+        gone = {id(it) for it in dropped}
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [it for it in items if id(it) not in gone]
+
+
+def pytest_report_header(config):
+    if _full_sweeps(config):
+        return "sweeps: full product (--slow)"
+    return (f"sweeps: daily covering sample, --sweep-seed {_sweep_seed(config)} "
+            "(--slow for the full product)")

@@ -39,17 +39,6 @@ def _mla_args(dtype, page_size, q_heads=128, d_c=512, d_rope=64):  # DeepSeek-V3
             S((BATCH,), jnp.int32), S((BATCH, MAX_PAGES), jnp.int32))
 
 
-@pytest.fixture
-def pretend_tpu_v5e(monkeypatch):
-    from jax._src.pallas.mosaic import tpu_info
-
-    if not hasattr(tpu_info, "get_device_kind") or not hasattr(tpu_info,
-                                                               "get_num_device_cores"):
-        pytest.skip("this jax has no tpu_info device hooks to patch")
-    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
-    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("op", ["gqa", "mla"])
 def test_tpu_kernels_lower_to_mosaic(pretend_tpu_v5e, op, dtype):

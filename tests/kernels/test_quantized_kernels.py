@@ -290,17 +290,6 @@ def _fn(mod, mla, bits):
     return functools.partial(mod.quantized_pages_attention, k_bits=bits, v_bits=bits, scale=0.1)
 
 
-@pytest.fixture
-def pretend_tpu_v5e(monkeypatch):
-    from jax._src.pallas.mosaic import tpu_info
-
-    if not hasattr(tpu_info, "get_device_kind") or not hasattr(tpu_info,
-                                                               "get_num_device_cores"):
-        pytest.skip("this jax has no tpu_info device hooks to patch")
-    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
-    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
-
-
 LOWER_CASES = [(False, 2), (True, 4)] + [
     pytest.param(mla, bits, marks=pytest.mark.slow)
     for mla, bits in [(False, 4), (False, 8), (True, 2), (True, 8)]]
