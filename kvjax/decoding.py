@@ -129,16 +129,16 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
     dt = cache.spec.dtype
     queries = []
     if is_mla:
-        from kvjax.models import deepseek as ds
+        from kvjax.models.deepseek import mla, moe
         from kvjax.models.layers import rms_norm
 
-        cos, sin = ds._rope_tables(config, rope_pos)
-        x = params["embed"][tokens]
+        cos, sin = mla.rope_tables(config, rope_pos)
+        x = params.embed[tokens]
         for layer in range(config.num_layers):
-            p = _slice_layer(params["dense_layers"], layer)
-            h = rms_norm(x, p["input_norm"], config.rms_norm_eps)
-            q_nope, q_rope, c_kv, k_rope = ds._mla_inputs(p, config, h, cos, sin)
-            q_lat = ds._absorb_query(p, q_nope)
+            p = _slice_layer(params.dense_layers, layer)
+            h = rms_norm(x, p.input_norm, config.rms_norm_eps)
+            q_nope, q_rope, c_kv, k_rope = mla.mla_inputs(p, config, h, cos, sin)
+            q_lat = mla.absorb_query(p, q_nope)
             scale = config.softmax_scale
             if is_quant:
                 cache = quantized.write_layer(cache, layer, c_kv.astype(dt), k_rope.astype(dt))
@@ -152,10 +152,10 @@ def _run(params, cache, state, tokens, q_lengths, text_pos, *, model, policy):
                 out, _ = kattn.mla_prefill_attention(q_lat, q_rope, view.k, view.v,
                                                      view.lengths, view.block_tables, q_lengths,
                                                      scale=scale)
-            x = x + ds._output(p, config, out.astype(x.dtype))
-            x = x + ds._swiglu(rms_norm(x, p["post_norm"], config.rms_norm_eps), p["mlp"])
-        x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-        head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+            x = x + mla.output(p, config, out.astype(x.dtype))
+            x = x + moe.swiglu(rms_norm(x, p.post_norm, config.rms_norm_eps), p.mlp)
+        x = rms_norm(x, params.final_norm, config.rms_norm_eps)
+        head = params.embed.T if config.tie_word_embeddings else params.lm_head
     else:
         from kvjax.models.layers import rms_norm, rope_cos_sin
 

@@ -74,7 +74,7 @@ config = deepseek.DeepseekConfig(
     v_head_dim=32,
 )
 params = deepseek.init_params(config, jax.random.key(0), std=0.1)
-p = jax.tree.map(lambda x: x[0], params["dense_layers"])  # layer 0's attention weights
+p = jax.tree.map(lambda x: x[0], params.dense_layers)  # layer 0's attention weights
 print("cache per token per layer: c_KV", config.kv_lora_rank, "+ k_rope",
       config.qk_rope_head_dim, "values")
 
@@ -99,14 +99,14 @@ view = kvx.cache.layer_view(cache, 0)
 print("latent pages", view.k.shape, "rope pages", view.v.shape)
 
 HI = jax.lax.Precision.HIGHEST  # full f32 matmuls on TPU too, so the comparison is fair
-q_latent = jnp.einsum("bhn,hnc->bhc", q_nope[:, 0], p["w_uk"], precision=HI)  # absorb W_UK
+q_latent = jnp.einsum("bhn,hnc->bhc", q_nope[:, 0], p.w_uk, precision=HI)  # absorb W_UK
 out_latent, _ = kvx.attention.mla_decode_attention(
     q_latent, jnp.asarray(q_rope[:, 0]), view.k, view.v, cache.lengths, cache.block_tables,
     scale=config.softmax_scale, impl="auto",
 )
 # W_UV per head on the latent output, then the output projection.
-v_heads = jnp.einsum("bhc,hcv->bhv", out_latent.astype(jnp.float32), p["w_uv"], precision=HI)
-absorbed = jnp.matmul(v_heads.reshape(b, -1), p["o_proj"], precision=HI)
+v_heads = jnp.einsum("bhc,hcv->bhv", out_latent.astype(jnp.float32), p.w_uv, precision=HI)
+absorbed = jnp.matmul(v_heads.reshape(b, -1), p.o_proj, precision=HI)
 naive = deepseek.mla_attention_naive(p, config, c_kv, k_rope, q_nope, q_rope,
                                      (lengths - 1)[:, None], cache.lengths)[:, 0]
 err = float(jnp.max(jnp.abs(absorbed - naive)) / jnp.max(jnp.abs(naive)))

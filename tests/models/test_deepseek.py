@@ -25,6 +25,7 @@ from kvjax import cache as kcache  # noqa: E402
 from kvjax.attention import mla_decode_attention, mla_prefill_attention  # noqa: E402
 from kvjax.models import deepseek as ds  # noqa: E402
 from kvjax.models import yarn as kyarn  # noqa: E402
+from kvjax.models.deepseek import mla, moe  # noqa: E402
 
 PAGE_SIZE = 8
 PROMPT_LENS = (13, 21)  # both cross page boundaries; different lengths in one batch
@@ -272,7 +273,7 @@ def test_bfloat16_params_and_cache(tmp_root, rng):
     model, hf_config, path = _hf_case("v2_qlora", tmp_root)
     config16 = ds.DeepseekConfig.from_hf(hf_config, dtype="bfloat16")
     params16 = ds.params_from_hf(config16, _getter(path))
-    assert params16["embed"].dtype == jnp.bfloat16
+    assert params16.embed.dtype == jnp.bfloat16
     spec = ds.cache_spec(config16, page_size=PAGE_SIZE, num_pages=24, max_seqs=3,
                          max_pages_per_seq=8, dtype="bfloat16")
     prompts = _prompts(rng, config16.vocab_size)
@@ -341,34 +342,35 @@ def test_moe_dispatch_impls_agree(scoring, rng):
         routed_scaling_factor=1.7,
     )
     params = ds.init_params(base, jax.random.key(int(rng.integers(2**31))), std=0.3)
-    p = jax.tree.map(lambda x: x[0], params["moe_layers"]["moe"])
-    if "bias" in p:
-        p["bias"] = jnp.asarray(rng.standard_normal(p["bias"].shape), jnp.float32)
+    p = jax.tree.map(lambda x: x[0], params.moe_layers.moe)
+    if p.bias is not None:
+        p = dataclasses.replace(p, bias=jnp.asarray(rng.standard_normal(p.bias.shape),
+                                                     jnp.float32))
     x = jnp.asarray(rng.standard_normal((3, 5, base.hidden_size)), jnp.float32)
     impls = ("dense", "gather", "ragged")
 
     @jax.jit
     def all_impls(p, x):  # one compile for the three dispatches
-        return {i: ds._moe(p, dataclasses.replace(base, moe_impl=i, dtype=x.dtype.name), x)
+        return {i: moe.moe(p, dataclasses.replace(base, moe_impl=i, dtype=x.dtype.name), x)
                 for i in impls}
 
     outs = jax.tree.map(np.asarray, all_impls(p, x))
     # A per-token loop over the chosen experts in float64 as the reference.
     xf = np.asarray(x, np.float64).reshape(-1, base.hidden_size)
-    logits = xf @ np.asarray(p["router"], np.float64).T
-    w, idx = jax.jit(ds._route, static_argnums=0)(base, jnp.asarray(logits, jnp.float32),
-                                                  p.get("bias"))
+    logits = xf @ np.asarray(p.router, np.float64).T
+    w, idx = jax.jit(moe.route, static_argnums=0)(base, jnp.asarray(logits, jnp.float32),
+                                                  p.bias)
     w, idx = np.asarray(w, np.float64), np.asarray(idx)
-    ex = jax.tree.map(lambda a: np.asarray(a, np.float64), p["experts"])
-    sh = jax.tree.map(lambda a: np.asarray(a, np.float64), p["shared"])
+    ex = jax.tree.map(lambda a: np.asarray(a, np.float64), p.experts)
+    sh = jax.tree.map(lambda a: np.asarray(a, np.float64), p.shared)
 
     def swiglu(v, g, u, d):
         a = v @ g
         return (a / (1 + np.exp(-a)) * (v @ u)) @ d
 
     want = np.stack([
-        sum(w[n, j] * swiglu(xf[n], ex["gate"][e], ex["up"][e], ex["down"][e])
-            for j, e in enumerate(idx[n])) + swiglu(xf[n], sh["gate"], sh["up"], sh["down"])
+        sum(w[n, j] * swiglu(xf[n], ex.gate[e], ex.up[e], ex.down[e])
+            for j, e in enumerate(idx[n])) + swiglu(xf[n], sh.gate, sh.up, sh.down)
         for n in range(xf.shape[0])]).reshape(x.shape)
     assert len(np.unique(idx)) > 2  # routing actually spreads over experts
     for impl, got in outs.items():
@@ -379,8 +381,8 @@ def test_moe_dispatch_impls_agree(scoring, rng):
         return
     # bf16 experts (router still float32): inputs and weights rounded to bf16 route exactly as
     # their float32 copies, so only bf16 rounding of the expert math separates the two.
-    p16 = {**jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), "router": p["router"],
-           "bias": p["bias"]}
+    p16 = dataclasses.replace(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p),
+                              router=p.router, bias=p.bias)
     x16 = x.astype(jnp.bfloat16)
     ref16 = all_impls(jax.tree.map(lambda a: a.astype(jnp.float32), p16),
                       x16.astype(jnp.float32))["dense"]
@@ -424,7 +426,7 @@ def test_absorbed_attention_equals_decompressed(q_len, rng):
                                mscale_all_dim=0.8),
     )
     params = ds.init_params(config, jax.random.key(int(rng.integers(2**31))), std=0.3)
-    p = jax.tree.map(lambda x: x[0], params["dense_layers"])
+    p = jax.tree.map(lambda x: x[0], params.dense_layers)
     lengths = np.array([11, 19], np.int32)
     b, s = len(lengths), int(lengths.max())
     spec = ds.cache_spec(config, page_size=4, num_pages=16, max_seqs=2, max_pages_per_seq=6)
@@ -450,7 +452,7 @@ def test_absorbed_attention_equals_decompressed(q_len, rng):
         slots = kcache.token_slots(cache, jnp.asarray(pos), jnp.asarray(valid))
         cache = kcache.write_layer(cache, 0, slots, c_kv, k_rope)
         view = kcache.layer_view(cache, 0)
-        q_lat = ds._absorb_query(p, q_nope)
+        q_lat = mla.absorb_query(p, q_nope)
         if q_len == 1:
             out, _ = mla_decode_attention(q_lat[:, 0], q_rope[:, 0], view.k, view.v,
                                           cache.lengths, cache.block_tables,
@@ -460,7 +462,7 @@ def test_absorbed_attention_equals_decompressed(q_len, rng):
             out, _ = mla_prefill_attention(q_lat, q_rope, view.k, view.v, cache.lengths,
                                            cache.block_tables, q_lengths,
                                            scale=config.softmax_scale)
-        got = ds._output(p, config, out)
+        got = mla.output(p, config, out)
         want = ds.mla_attention_naive(p, config, c_kv, k_rope, q_nope, q_rope, q_pos,
                                       cache.lengths)
         return got, want

@@ -153,6 +153,6 @@ def test_param_shardings_split_heads_mlp_and_vocab():
     assert sh8.layers.wk.spec == P() and sh8.layers.wq.spec == col
     mla_model, _, mla_params, _, _ = _setup("mla")
     sh = kvs.param_shardings(plan, mla_params)
-    layers = sh["dense_layers"] if "dense_layers" in sh else sh["moe_layers"]
-    assert layers["w_uk"].spec == P(None, "model", None, None)
-    assert layers["o_proj"].spec == row and layers["kv_a_proj"].spec == P()
+    layers = sh.dense_layers if sh.dense_layers is not None else sh.moe_layers
+    assert layers.w_uk.spec == P(None, "model", None, None)
+    assert layers.o_proj.spec == row and layers.kv_a_proj.spec == P()

@@ -1,0 +1,208 @@
+"""The DeepSeek model on the paged latent cache: `cache_spec`, `forward`, `forward_dense`.
+
+`forward` follows the model contract: the caller has already reserved the new
+tokens in the cache; each layer writes its latents with
+`kvjax.cache.write_layer` and attends in absorbed form with
+`kvjax.attention.mla_decode_attention` (q_len == 1) or `mla_prefill_attention`
+(`_attention`, the one place that talks to the cache). The dense and MoE layer
+groups each run as one `lax.scan`, so compile time does not grow with depth.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kvjax import attention as kattn
+from kvjax import cache as kcache
+from kvjax.cache import PagedKVCache
+from kvjax.models import layers
+from kvjax.models.deepseek import mla, moe
+from kvjax.models.deepseek.config import DeepseekConfig
+from kvjax.models.deepseek.params import DeepseekLayerParams, DeepseekParams
+from kvjax.specs import CacheSpec, canonical_dtype
+
+__all__ = ["cache_spec", "forward", "forward_dense"]
+
+
+def cache_spec(
+    config: DeepseekConfig, *, page_size: int, num_pages: int, max_seqs: int,
+    max_pages_per_seq: int, dtype: object = "float32",
+) -> CacheSpec:
+    """The latent-cache `CacheSpec` for this model (`LatentPages`: c_KV and k_rope per token)."""
+    return CacheSpec(
+        attention=config.attention, num_layers=config.num_layers, page_size=page_size,
+        num_pages=num_pages, max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq,
+        dtype=canonical_dtype(dtype),
+    )
+
+
+def _attention(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin, cache: PagedKVCache,
+               layer, ctx, impl):
+    """One MLA layer: write the new latents, attend in absorbed form. Returns (out, cache)."""
+    slots, lengths, block_tables, q_lengths = ctx
+    q_nope, q_rope, c_kv, k_rope = mla.mla_inputs(p, config, x, cos, sin)
+    dt = cache.spec.dtype
+    cache = kcache.write_layer(cache, layer, slots, c_kv.astype(dt), k_rope.astype(dt))
+    # The whole latent pools plus layer=: the XLA path reads this layer's pages in its
+    # gathers instead of XLA copying the layer's pool out of the scan's carry.
+    pools = (cache.pages.c_kv, cache.pages.k_rope)
+    q_latent = mla.absorb_query(p, q_nope)
+    scale = config.softmax_scale
+    if x.shape[1] == 1:
+        out, _ = kattn.mla_decode_attention(
+            q_latent[:, 0], q_rope[:, 0], *pools, lengths, block_tables,
+            scale=scale, impl=impl, layer=layer,
+        )
+        out = out[:, None]
+    else:
+        out, _ = kattn.mla_prefill_attention(
+            q_latent, q_rope, *pools, lengths, block_tables, q_lengths,
+            scale=scale, impl=impl, layer=layer,
+        )
+    return mla.output(p, config, out.astype(x.dtype)), cache
+
+
+def _check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids):
+    if tokens.ndim != 2 or positions.shape != tokens.shape:
+        raise ValueError(f"forward: tokens and positions must both be [batch, q_len]; got "
+                         f"{tokens.shape} and {positions.shape}.")
+    for name, x in (("tokens", tokens), ("positions", positions), ("q_lengths", q_lengths)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"forward: {name} must be integer, got {x.dtype}.")
+    if q_lengths.shape != (tokens.shape[0],):
+        raise ValueError(f"forward: q_lengths must be [batch={tokens.shape[0]}], got "
+                         f"{q_lengths.shape}.")
+    spec = cache.spec
+    if spec.attention != config.attention or spec.num_layers != config.num_layers:
+        raise ValueError(
+            f"forward: the cache was built for {spec.attention} x {spec.num_layers} layers, but "
+            f"the model needs {config.attention} x {config.num_layers} layers; build it with "
+            f"deepseek.cache_spec(config, ...)."
+        )
+    if seq_ids is None and tokens.shape[0] != spec.max_seqs:
+        raise ValueError(f"forward: without seq_ids the batch must cover all max_seqs="
+                         f"{spec.max_seqs} slots, got batch {tokens.shape[0]}.")
+    if seq_ids is not None and seq_ids.shape != (tokens.shape[0],):
+        raise ValueError(f"forward: seq_ids must be [batch={tokens.shape[0]}], got "
+                         f"{seq_ids.shape}.")
+
+
+def forward(
+    params: DeepseekParams,
+    config: DeepseekConfig,
+    tokens: Int[Array, "batch q_len"],
+    positions: Int[Array, "batch q_len"],
+    cache: PagedKVCache,
+    *,
+    q_lengths: Int[Array, " batch"],
+    seq_ids: Int[Array, " batch"] | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "batch q_len vocab"], PagedKVCache]:
+    """Runs the model on new tokens, writing their latents into the cache.
+
+    The caller has already called `kvjax.cache.reserve` for these tokens: token
+    t of row b goes to cache position `lengths[seq_b] - q_lengths[b] + t`.
+    Pure; jit it with `config` static and the cache donated.
+
+    Args:
+      params: from `init_params` / `params_from_hf`.
+      config: the architecture (static).
+      tokens: int32[batch, q_len]; positions t >= q_lengths[b] are padding.
+      positions: int32[batch, q_len] RoPE positions.
+      cache: a latent cache from `cache_spec(config, ...)` (donate it under jit).
+      q_lengths: int32[batch] real tokens per row.
+      seq_ids: int32[batch] cache slots of the rows (None: all slots in order).
+      impl: attention implementation, one of `kvjax.attention.IMPLS`.
+
+    Returns:
+      (float32 logits [batch, q_len, vocab], updated cache).
+    """
+    _check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids)
+    b, t = tokens.shape
+    q_lengths = q_lengths.astype(jnp.int32)
+    lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
+    block_tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
+    steps = jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = steps < q_lengths[:, None]
+    cache_pos = lengths[:, None] - q_lengths[:, None] + steps
+    slots = kcache.token_slots(cache, cache_pos, valid, seq_ids)
+    ctx = (slots, lengths, block_tables, q_lengths)
+    cos, sin = mla.rope_tables(config, positions)
+
+    x = params.embed[tokens]
+    eps = config.rms_norm_eps
+
+    def block(mlp_fn, offset):
+        def body(carry, xs):
+            x, cache = carry
+            p, i = xs
+            attn, cache = _attention(p, config, layers.rms_norm(x, p.input_norm, eps), cos, sin,
+                                     cache, offset + i, ctx, impl)
+            x = x + attn
+            x = x + mlp_fn(p, layers.rms_norm(x, p.post_norm, eps))
+            return (x, cache), None
+        return body
+
+    if config.num_dense_layers:
+        n = config.num_dense_layers
+        body = block(lambda p, h: moe.swiglu(h, p.mlp), 0)
+        (x, cache), _ = jax.lax.scan(body, (x, cache),
+                                     (params.dense_layers, jnp.arange(n, dtype=jnp.int32)))
+    if config.num_moe_layers:
+        n = config.num_moe_layers
+        body = block(lambda p, h: moe.moe(p.moe, config, h), config.num_dense_layers)
+        (x, cache), _ = jax.lax.scan(body, (x, cache),
+                                     (params.moe_layers, jnp.arange(n, dtype=jnp.int32)))
+
+    x = layers.rms_norm(x, params.final_norm, eps)
+    head = params.embed.T if config.tie_word_embeddings else params.lm_head
+    logits = layers.linear(x, head, None).astype(jnp.float32)
+    return logits, cache
+
+
+def forward_dense(
+    params: DeepseekParams,
+    config: DeepseekConfig,
+    tokens: Int[Array, "batch seq"],
+) -> Float[Array, "batch seq vocab"]:
+    """Cache-free causal forward over whole sequences (training and reference scoring).
+
+    The same params as `forward` (token t at position t); attention decompresses
+    K and V from the latents per head (`mla_attention_naive`), the cheaper form
+    when every token is a query.
+
+    Args:
+      params: from `init_params` / `params_from_hf`.
+      config: the architecture (static).
+      tokens: int32[batch, seq].
+
+    Returns:
+      float32 logits [batch, seq, vocab].
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"forward_dense: tokens must be [batch, seq], got {tokens.shape}.")
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    lengths = jnp.full((b,), t, jnp.int32)
+    cos, sin = mla.rope_tables(config, positions)
+    eps = config.rms_norm_eps
+    x = params.embed[tokens]
+
+    def block(mlp_fn):
+        def body(x, p):
+            h = layers.rms_norm(x, p.input_norm, eps)
+            q_nope, q_rope, c_kv, k_rope = mla.mla_inputs(p, config, h, cos, sin)
+            attn = mla.mla_attention_naive(p, config, c_kv, k_rope, q_nope, q_rope, positions,
+                                       lengths)
+            x = x + attn.astype(x.dtype)
+            return x + mlp_fn(p, layers.rms_norm(x, p.post_norm, eps)), None
+        return body
+
+    if config.num_dense_layers:
+        x, _ = jax.lax.scan(block(lambda p, h: moe.swiglu(h, p.mlp)), x, params.dense_layers)
+    if config.num_moe_layers:
+        x, _ = jax.lax.scan(block(lambda p, h: moe.moe(p.moe, config, h)), x,
+                            params.moe_layers)
+    x = layers.rms_norm(x, params.final_norm, eps)
+    head = params.embed.T if config.tie_word_embeddings else params.lm_head
+    return layers.linear(x, head, None).astype(jnp.float32)
