@@ -27,6 +27,7 @@ on every host: in SPMD every process passes identical host inputs).
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 
@@ -56,33 +57,90 @@ def _parse(argv=None):
     ap.add_argument("--launch-local", type=int, default=0, metavar="N",
                     help="spawn N local CPU processes (4 devices each) running this script, "
                          "coordinated on localhost, and exit with their status")
+    ap.add_argument("--port", type=int, default=0,
+                    help="with --launch-local: the coordinator's localhost port (default: a "
+                         "free one)")
     return ap.parse_args(argv)
 
 
-def _launch_local(n: int, argv: list[str]) -> int:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch_local(n: int, port: int, argv: list[str]) -> int:
     rest = []
     skip = False
-    for a in argv:  # drop --launch-local and its value
+    for a in argv:  # drop --launch-local / --port and their values
         if skip:
             skip = False
             continue
-        if a == "--launch-local":
+        if a in ("--launch-local", "--port"):
             skip = True
             continue
-        if a.startswith("--launch-local="):
+        if a.startswith(("--launch-local=", "--port=")):
             continue
         rest.append(a)
     env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_CPU_DEVICES="4")
-    procs = [subprocess.Popen([sys.executable, __file__, "--coordinator", "localhost:12765",
+    env.pop("XLA_FLAGS", None)  # a device count forced there would override the 4 per process
+    coordinator = f"localhost:{port or _free_port()}"
+    procs = [subprocess.Popen([sys.executable, __file__, "--coordinator", coordinator,
                                "--num-processes", str(n), "--process-id", str(i), *rest],
                               env=env) for i in range(n)]
     return max(p.wait() for p in procs)
 
 
+def tiny_model():
+    """The tiny random Llama used without --model (the same weights in every process)."""
+    import jax
+
+    from kvjax.models import llama
+    from kvjax.models.base import get_family
+    from kvjax.models.layers import RopeConfig
+
+    config = llama.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                               num_layers=2, q_heads=8, kv_heads=4, head_dim=8,
+                               rope=RopeConfig(theta=10000.0, dim=8))
+    return (get_family("llama").model(config),
+            get_family("llama").init_params(config, jax.random.key(0)))
+
+
+def parse_prompts(text: str) -> list[list[int]]:
+    return [[int(t) for t in p.split(",")] for p in text.split(";")]
+
+
+def cache_spec(model, prompts, *, max_new_tokens, page_size, num_pages, max_seqs):
+    pages_per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // page_size)
+    return model.make_cache_spec(page_size=page_size, num_pages=num_pages, max_seqs=max_seqs,
+                                 max_pages_per_seq=pages_per_seq, dtype="float32")
+
+
+def greedy_tokens(model, params, cache, prompts, *, max_new_tokens, impl):
+    """Prefill + the jitted decode loop, greedy: the state (its tokens int32[batch, new])."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax import generate as kvg
+
+    tokens, lengths, chunk = kvg.pad_prompts(prompts, 16)
+    seq_ids = jnp.arange(len(prompts), dtype=jnp.int32)
+    cache, last, status = kvg.prefill(model, params, cache, jnp.asarray(tokens),
+                                      jnp.asarray(lengths), seq_ids, chunk_size=chunk,
+                                      impl=impl)[:3]
+    max_new = np.full(len(prompts), max_new_tokens, np.int32)
+    state = kvg.start(cache, seq_ids, last, jnp.asarray(lengths), kvg.as_keys(
+        jax.random.key(0), len(prompts)), jnp.asarray(max_new), status,
+        sampling=kvg.GREEDY, eos_ids=(), max_len=max_new_tokens, free_finished=True)
+    return kvg.decode_loop(model, params, state, sampling=kvg.GREEDY, impl=impl)
+
+
 def main(argv=None):
     args = _parse(argv)
     if args.launch_local:
-        sys.exit(_launch_local(args.launch_local, sys.argv[1:] if argv is None else argv))
+        sys.exit(_launch_local(args.launch_local, args.port,
+                               sys.argv[1:] if argv is None else argv))
 
     import jax
 
@@ -93,14 +151,13 @@ def main(argv=None):
     jax.distributed.initialize(coordinator_address=args.coordinator,
                                num_processes=args.num_processes, process_id=args.process_id)
 
-    import jax.numpy as jnp
+    import json
+
     import numpy as np
     from jax.experimental import multihost_utils
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from kvjax import generate as kvg
+    import kvjax as kvx
     from kvjax import sharding as kvs
-    from kvjax.models.base import get_family
 
     hosts = jax.process_count()
     local = jax.local_device_count()
@@ -110,69 +167,49 @@ def main(argv=None):
     shape = (hosts, local // args.context, args.context)
     mesh = kvs.make_mesh(shape, ("data", "model", "context"))
     strategies = ("sequences", "heads") + (("context",) if args.context > 1 else ())
+    plan = kvs.ShardingPlan(mesh=mesh, strategies=strategies)
 
     if args.model:
         from kvjax.models import load
         model, params = load(args.model)
     else:
-        from kvjax.models import llama
-        from kvjax.models.layers import RopeConfig
-        config = llama.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_layers=2, q_heads=8, kv_heads=4, head_dim=8,
-                                   rope=RopeConfig(theta=10000.0, dim=8))
-        model = get_family("llama").model(config)
-        params = get_family("llama").init_params(config, jax.random.key(0))
-    spec0 = model.make_cache_spec(page_size=16, num_pages=16, max_seqs=1, max_pages_per_seq=1,
-                                  dtype="float32")
-    kv_heads = getattr(spec0.attention, "kv_heads", None)
-    plan = kvs.ShardingPlan(mesh=mesh, strategies=strategies)
-
-    prompts = [[int(t) for t in p.split(",")] for p in args.prompts.split(";")]
-    max_seqs = -(-len(prompts) // hosts) * hosts
-    max_tokens = max(map(len, prompts)) + args.max_new_tokens
-    pages_per_seq = -(-max_tokens // args.page_size)
-    num_pages = args.pages_per_device * hosts * args.context
-    spec = model.make_cache_spec(page_size=args.page_size, num_pages=num_pages,
-                                 max_seqs=max_seqs, max_pages_per_seq=pages_per_seq,
-                                 dtype="float32")
+        model, params = tiny_model()
+    prompts = parse_prompts(args.prompts)
+    sizes = dict(max_new_tokens=args.max_new_tokens, page_size=args.page_size)
+    spec = cache_spec(model, prompts, **sizes,
+                      num_pages=args.pages_per_device * hosts * args.context,
+                      max_seqs=-(-len(prompts) // hosts) * hosts)
     # Params and cache are created/placed sharded: no host holds a full copy of the pools.
-    params0 = params
-    params = kvs.shard_params(params, plan, kv_heads=kv_heads)
-    cache = kvs.init_sharded_cache(spec, plan)
-    impl = kvs.ShardedAttention(plan)
-
-    tokens, lengths, chunk = kvg.pad_prompts(prompts, 16)
-    seq_ids = jnp.arange(len(prompts), dtype=jnp.int32)
-    cache, last, status, _ = kvg.prefill(model, params, cache, jnp.asarray(tokens),
-                                         jnp.asarray(lengths), seq_ids, chunk_size=chunk,
-                                         impl=impl)
-    max_new = np.full(len(prompts), args.max_new_tokens, np.int32)
-    state = kvg.start(cache, seq_ids, last, jnp.asarray(lengths), kvg.as_keys(
-        jax.random.key(0), len(prompts)), jnp.asarray(max_new), status,
-        sampling=kvg.GREEDY, eos_ids=(), max_len=args.max_new_tokens, free_finished=True)
-    state = kvg.decode_loop(model, params, state, sampling=kvg.GREEDY, impl=impl)
+    sharded = kvs.shard_params(params, plan, kv_heads=getattr(spec.attention, "kv_heads", None))
+    state = greedy_tokens(model, sharded, kvs.init_sharded_cache(spec, plan), prompts,
+                          max_new_tokens=args.max_new_tokens, impl=kvs.ShardedAttention(plan))
     out = np.asarray(multihost_utils.process_allgather(state.tokens, tiled=True))
     code = int(np.asarray(multihost_utils.process_allgather(state.status.code, tiled=True)))
-    failed = False
+    failed = code != 0
     if jax.process_index() == 0:
         print(f"{hosts} processes x {local} devices, mesh {dict(mesh.shape)}, "
               f"strategies {strategies}, status {code}")
         for p, t in zip(prompts, out, strict=True):
             print(f"prompt {p} -> {t.tolist()}")
+        print("tokens:", json.dumps(out[:len(prompts)].tolist()))
         if args.check:
             # The same generation on one local device, unsharded: the sharded run must agree.
+            # `params` is this process's own (identical) copy, not a global array.
             dev = jax.local_devices()[0]
             with jax.default_device(dev):
-                # params0 is this process's own (identical) copy, not a global array.
-                single = jax.tree.map(lambda x: jax.device_put(np.asarray(x), dev), params0)
-                res = kvg.generate(model, single, prompts, key=jax.random.key(0),
-                                   max_new_tokens=args.max_new_tokens, page_size=args.page_size)
-            failed = not np.array_equal(res.tokens, out)
-            print("single-device check:", "MISMATCH" if failed else "same greedy tokens")
+                single = jax.tree.map(lambda x: jax.device_put(np.asarray(x), dev), params)
+                spec1 = cache_spec(model, prompts, **sizes, num_pages=args.pages_per_device,
+                                   max_seqs=len(prompts))
+                ref = greedy_tokens(model, single, kvx.init_cache(spec1), prompts,
+                                    max_new_tokens=args.max_new_tokens, impl="auto")
+            same = np.array_equal(np.asarray(ref.tokens), out[:len(prompts)])
+            failed = failed or not same
+            print("single-device check:", "same greedy tokens" if same else "MISMATCH")
     jax.distributed.shutdown()
     if failed:
         sys.exit(1)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     main()
