@@ -30,7 +30,14 @@ shared machine the CPU time is the steadier figure (XLA:CPU runs these ops on
 one thread). Writes JSON to benchmarks/results/.
 
     python benchmarks/attention.py --quick      # small sizes, a few seconds of work
-    python benchmarks/attention.py              # issue 11's sizes (B=8, 8 KV heads, 4K)
+    python benchmarks/attention.py              # B=8, 8 KV heads, 4K tokens
+    python benchmarks/attention.py --cpu-choice # each CPU op: XLA vs each kernel build
+
+`--cpu-choice` times, for every CPU op with a C++ kernel (paged decode f32 / bf16, KIVI
+int4 decode, MLA decode, bf16 row writes), the XLA path and the kernel of each build
+(`--marches`, default the native build and the AVX2 build `-march=haswell`), all
+interleaved in one run, checks each result against the XLA path's, and prints for each
+build what "auto" picks (`kvjax.backends.cpu.choose`) next to the faster of the two.
 """
 
 import argparse
@@ -394,6 +401,142 @@ def run_quant(cfg, repeats, ref_repeats, block_tokens, key):
     return nbytes, rows
 
 
+def _cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cpu_simd_flags():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith(("flags", "Features")):
+                return [f for f in line.split(":", 1)[1].split()
+                        if f.startswith(("avx", "fma", "f16c", "amx", "asimd", "sve"))]
+    except OSError:
+        pass
+    return []
+
+
+def _choice_cases(quick):
+    """(op, name, make) for the --cpu-choice table: make(build_opts) -> (kernel fn, xla fn,
+    args, dtype); the kernel fn is traced under that build's options."""
+    b, h, kvh, d, seq, ps = (4, 8, 4, 64, 256, 16) if quick else (8, 8, 8, 64, 1024, 16)
+    rng = np.random.default_rng(0)
+    max_pages = seq // ps
+    num_pages = b * max_pages
+    tables = _tables(rng, b, max_pages, num_pages)
+    lengths = jnp.asarray(rng.integers(seq // 2, seq + 1, size=b), jnp.int32)
+    cases = []
+    for dt in (F32, jnp.bfloat16):
+        def paged(dt=dt):
+            q = jnp.asarray(rng.standard_normal((b, h, d)), dt)
+            k = jnp.asarray(rng.standard_normal((kvh, num_pages, ps, d)), dt)
+            v = jnp.asarray(rng.standard_normal((kvh, num_pages, ps, d)), dt)
+            return ((lambda *a: cpu_kernels.paged_decode_attention(*a)[0]),
+                    (lambda *a: xla.paged_decode_attention(*a)[0]),
+                    (q, k, v, lengths, tables), dt)
+        cases.append(("paged_decode", f"gqa {jnp.dtype(dt).name} b{b} h{h}/{kvh} d{d} "
+                                      f"s{seq}", paged))
+
+    def quant():
+        group, residual, bits = 32, 64, 4
+        qps = 32
+        qmax = seq // qps
+        qnum = b * qmax
+        qtables = _tables(rng, b, qmax, qnum)
+        pools = _quant_pools(rng, kvh, qnum, qps, d, bits, group)
+        q_tokens = qps * (max(seq - residual, 0) // qps)
+        ring = residual + qps
+        tail = [jnp.asarray(rng.standard_normal((kvh, b, ring, d)), jnp.bfloat16)
+                for _ in range(2)]
+        full = jnp.full((b,), seq, jnp.int32)
+        args = (jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.bfloat16), *pools, *tail,
+                jnp.full((b,), q_tokens, jnp.int32), full, qtables, (full - 1)[:, None])
+        kw = dict(k_bits=bits, v_bits=bits, scale=d**-0.5)
+        return ((lambda *a: cpu_kernels.quantized_attention(*a, **kw)[0]),
+                (lambda *a: xla_quantized.quantized_attention(*a, **kw)[0]), args, jnp.bfloat16)
+    cases.append(("quantized_decode", f"kivi int4 b{b} h{h}/{kvh} d{d} s{seq}", quant))
+    for dt in (F32, jnp.bfloat16):
+        def mla(dt=dt):
+            dc, dr, mh = (128, 32, 8) if quick else (512, 64, 16)
+            args = (jnp.asarray(rng.standard_normal((b, mh, dc)), dt),
+                    jnp.asarray(rng.standard_normal((b, mh, dr)), dt),
+                    jnp.asarray(rng.standard_normal((num_pages, ps, dc)), dt),
+                    jnp.asarray(rng.standard_normal((num_pages, ps, dr)), dt), lengths, tables)
+            sc = (dc // 4 + dr) ** -0.5
+            return ((lambda *a: cpu_kernels.mla_decode_attention(*a, scale=sc)[0]),
+                    (lambda *a: xla.mla_decode_attention(*a, scale=sc)[0]), args, dt)
+        cases.append(("mla_decode", f"mla {jnp.dtype(dt).name} b{b} d_c 512 s{seq}", mla))
+
+    def rows():
+        layers, heads, pages, width = 8, kvh, num_pages, d
+        pool = jnp.asarray(rng.standard_normal((layers, heads, pages, ps, width)),
+                           jnp.bfloat16)
+        i1 = jnp.asarray(rng.integers(0, pages, b), jnp.int32)
+        i2 = jnp.asarray(rng.integers(0, ps, b), jnp.int32)
+        x = jnp.asarray(rng.standard_normal((b, heads, width)), jnp.bfloat16)
+        layer = jnp.int32(3)
+        # Not donated (the timing loop reuses the pool): both paths copy it once per call
+        # on top of the write; the kernel's own in-place advantage shows under donation.
+        return ((lambda p, lyr, a, c, v: cpu_kernels.write_rows(p, lyr, a, c, v)),
+                (lambda p, lyr, a, c, v: p.at[lyr, :, a, c, :].set(v, mode="drop")),
+                (pool, layer, i1, i2, x), jnp.bfloat16)
+    cases.append(("write_rows", f"bf16 rows into [8, {kvh}, {num_pages}, {ps}, {d}]", rows))
+    return cases
+
+
+def run_cpu_choice(marches, repeats, quick):
+    """The --cpu-choice table: for each op, XLA and each build's kernel, interleaved."""
+    builds = {}
+    for march in marches:
+        with cpu_kernels.override(march=march):
+            if not cpu_kernels.available():
+                print(f"-march={march}: unavailable: {cpu_kernels.unavailable_reason()}")
+                continue
+            lib = cpu_kernels.library()
+            builds[march] = (cpu_kernels.get_options(), lib.isa_class)
+            print(f"-march={march}: {lib.isa_class} ({' '.join(sorted(lib.isa))})")
+    print(f"{'op':17s} {'case':34s} {'xla ms':>8s} | " + " | ".join(
+        f"{m + ' ms':>11s} {'vs xla':>6s} {'auto':>6s} {'ok':>4s}" for m in builds))
+    rows, all_ok = [], True
+    for op, name, make in _choice_cases(quick):
+        ker, xla_fn, args, dt = make()
+        calls = {"xla": (jax.jit(xla_fn), args)}
+        for march in builds:
+            with cpu_kernels.override(march=march):
+                calls[march] = (jax.jit(lambda *a, f=ker: f(*a)), args)
+                jax.block_until_ready(calls[march][0](*args))  # traced under this build
+        stats, outs = _time_interleaved(calls, repeats)
+        want = np.asarray(outs["xla"], np.float32)
+        row = dict(op=op, case=name, xla=stats["xla"])
+        line = f"{op:17s} {name:34s} {stats['xla']['wall_median_s'] * 1e3:8.3f} |"
+        for march, (opts, isa) in builds.items():
+            got = np.asarray(outs[march], np.float32)
+            tol = 2e-2 if dt == jnp.bfloat16 else 2e-4
+            err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+            if err > tol:
+                raise AssertionError(f"{op} {name} -march={march}: kernel differs from XLA "
+                                     f"by {err:.2e}")
+            t, tx = stats[march]["wall_median_s"], stats["xla"]["wall_median_s"]
+            pick = cpu_kernels.choose(op, dtype=dt, options=opts).use_kernel
+            ok = pick == (t < tx)
+            all_ok &= ok
+            row[march] = dict(**stats[march], isa_class=isa, speedup=tx / t, max_rel_err=err,
+                              auto="kernel" if pick else "xla", auto_is_fastest=ok)
+            line += (f" {t * 1e3:11.3f} {tx / t:5.2f}x {'kernel' if pick else 'xla':>6s} "
+                     f"{'yes' if ok else 'NO':>4s} |")
+        rows.append(row)
+        print(line)
+    print("auto picks the faster implementation in every row" if all_ok else
+          "auto does NOT pick the faster implementation in some rows (NO)")
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 
 FULL = [
@@ -450,9 +593,29 @@ def main(argv=None):
     parser.add_argument("--quant", default="on", choices=("on", "off", "only"),
                         help="the quantized-pages comparison (int8/int4/int2 vs bf16/f32 "
                              "pages): run it, skip it, or run only it")
+    parser.add_argument("--cpu-choice", action="store_true",
+                        help="only the table of each CPU op: XLA path vs each kernel build, "
+                             "and whether 'auto' picks the faster")
+    parser.add_argument("--marches", default="native,haswell",
+                        help="--cpu-choice: comma-separated -march builds (default "
+                             "native,haswell)")
     parser.add_argument("--out", default=None,
                         help="JSON output path (default benchmarks/results/attention-<time>.json)")
     args = parser.parse_args(argv)
+    if args.cpu_choice:
+        print(f"{_cpu_model()} ({os.cpu_count()} cpus; {' '.join(_cpu_simd_flags())}); "
+              f"load average {os.getloadavg()[0]:.1f}")
+        rows = run_cpu_choice(args.marches.split(","), args.repeats or 15, args.quick)
+        out = args.out or os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results",
+            f"attention-cpu-choice-{'quick-' if args.quick else ''}"
+            f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(dict(cpu=_cpu_model(), simd_flags=_cpu_simd_flags(),
+                           cpus=os.cpu_count(), jax=jax.__version__, rows=rows), f, indent=1)
+        print(f"wrote {out}")
+        return
 
     repeats = args.repeats or (5 if args.quick else 7)
     ref_repeats = args.ref_repeats or 3

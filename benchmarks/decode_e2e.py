@@ -11,11 +11,19 @@ into kvjax, and for each batch size runs greedy generation in both:
   LM head is) and every row's live K/V once, at the streaming read bandwidth
   measured in the same run, between the timed repeats of that decode (the first
   probe's figure is reported too);
+* end to end, prefill included: the time for the prompts and N new tokens, and its
+  ratio to transformers' (`e2e_speedup`);
 * whether both produce the same tokens (greedy, float32: they should, except
   where two logits tie within rounding).
 
+kvjax and transformers are timed in turn within each repeat (the machine's load drifts
+by the minute on a shared VM). `--march haswell` runs kvjax's CPU kernels built for
+AVX2 (measures the AVX2 code on an AVX-512 machine); the CPU model and flags are printed
+and written with the results.
+
     python benchmarks/decode_e2e.py --quick       # tiny model, seconds
-    python benchmarks/decode_e2e.py               # issue 11: batch 1 and batch 8 x 1K prompts
+    python benchmarks/decode_e2e.py               # batch 1 and batch 8 x 1K prompts
+    python benchmarks/decode_e2e.py --march haswell
 """
 
 import argparse
@@ -35,6 +43,8 @@ import transformers as T
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvjax.generate as gen  # noqa: E402
+from kvjax.backends import cpu  # noqa: E402
+from kvjax.generate.setup import CacheConfig  # noqa: E402
 from kvjax.models.loading import load  # noqa: E402
 
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -78,29 +88,56 @@ def hf_generate(model, prompts, new_tokens):
 
 def kvjax_generate(model, params, prompts, new_tokens, cache_dtype, impl):
     res = gen.generate(model, params, [list(p) for p in prompts], key=jax.random.key(0),
-                       max_new_tokens=new_tokens, cache_dtype=cache_dtype, impl=impl)
+                       max_new_tokens=new_tokens, cache=CacheConfig(dtype=cache_dtype),
+                       impl=impl)
     return np.asarray(res.tokens)[:, :new_tokens]
 
 
-def decode_rate(run, new_tokens, repeats, probe=None):
-    """Seconds per decode step: (t(N) - t(1)) / (N - 1), medians over repeats; with a
-    `probe`, also the median read bandwidth it measures before each repeat (the roofline
-    then sees the memory speed of the decode it is compared to: on a shared VM it drifts
-    by minutes)."""
-    run(1)
-    run(new_tokens)  # warm-up: compiles / allocates
-    t1, tn, bws = [], [], []
+def machine():
+    """The CPU model and its SIMD flags (the figures depend on both)."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")) and not flags:
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "asimd", "sve"))]
+    return dict(cpu=model, cpus=os.cpu_count(), simd_flags=simd)
+
+
+def decode_rates(runs, new_tokens, repeats, probe=None):
+    """Per run (name -> fn(n) returning tokens): seconds per decode step, (t(N) - t(1)) /
+    (N - 1) from medians over repeats, and the median t(N) (prefill included); the runs
+    are timed in turn within each repeat. With a `probe`, also the median read bandwidth
+    it measures before each repeat (the roofline then sees the memory speed of the
+    decode it is compared to: on a shared VM it drifts by minutes)."""
+    for run in runs.values():
+        run(1)
+        run(new_tokens)  # warm-up: compiles / allocates
+    t1 = {name: [] for name in runs}
+    tn = {name: [] for name in runs}
+    out, bws = {}, []
     for _ in range(repeats):
         if probe is not None:
             bws.append(probe())
-        t0 = time.perf_counter()
-        run(1)
-        t1.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        out = run(new_tokens)
-        tn.append(time.perf_counter() - t0)
-    step = (float(np.median(tn)) - float(np.median(t1))) / (new_tokens - 1)
-    return step, out, (float(np.median(bws)) if bws else None)
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run(1)
+            t1[name].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            out[name] = run(new_tokens)
+            tn[name].append(time.perf_counter() - t0)
+    res = {}
+    for name in runs:
+        step = (float(np.median(tn[name])) - float(np.median(t1[name]))) / (new_tokens - 1)
+        res[name] = dict(step=step, total=float(np.median(tn[name])), tokens=out[name],
+                         total_spread=(float(np.min(tn[name])), float(np.max(tn[name]))))
+    return res, (float(np.median(bws)) if bws else None)
 
 
 def main(argv=None):
@@ -117,9 +154,20 @@ def main(argv=None):
     parser.add_argument("--impl", default="auto", help="kvjax attention implementation")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement")
     parser.add_argument("--skip-hf", action="store_true", help="time kvjax only")
+    parser.add_argument("--march", default=None,
+                        help="-march of kvjax's CPU kernel build (default: the options in "
+                             "force, normally native; e.g. haswell for the AVX2 code)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     args = parser.parse_args(argv)
 
+    if args.march:
+        cpu.set_options(march=args.march)
+    lib = cpu.library()
+    build = (f"-march={lib.march} ({lib.isa_class}: {' '.join(sorted(lib.isa))})" if lib
+             else f"none ({cpu.unavailable_reason().splitlines()[0]})")
+    mach = machine()
+    print(f"{mach['cpu']}, {mach['cpus']} cpus ({' '.join(mach['simd_flags'])}); "
+          f"kvjax CPU kernels: {build}")
     cfg = QUICK if args.quick else FULL
     prompt_len = args.prompt_len or (32 if args.quick else 1024)
     new_tokens = args.new_tokens or (8 if args.quick else 64)
@@ -144,23 +192,30 @@ def main(argv=None):
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = rng.integers(3, cfg["vocab_size"], size=(batch, prompt_len))
-        step, toks, step_bw = decode_rate(
-            lambda n, p=prompts: kvjax_generate(model, params, p, n, args.dtype, args.impl),
-            new_tokens, args.repeats, probe)
+        runs = {"kvjax": lambda n, p=prompts: kvjax_generate(model, params, p, n, args.dtype,
+                                                              args.impl)}
+        if not args.skip_hf:
+            runs["hf"] = lambda n, p=prompts: hf_generate(hf, p, n)
+        rates, step_bw = decode_rates(runs, new_tokens, args.repeats, probe)
+        step, toks = rates["kvjax"]["step"], rates["kvjax"]["tokens"]
         ctx = prompt_len + new_tokens / 2
         read_bytes = weight_bytes + batch * ctx * kv_per_token
         roof_step = read_bytes / (step_bw * 1e9)
         row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    kvjax_step_s=step, kvjax_tokens_per_s=batch / step, read_GBps=step_bw,
                    roofline_step_s=roof_step, roofline_fraction=roof_step / step,
-                   # against the one probe at the start (the figure before 2026-11-30)
-                   roofline_fraction_first_probe=read_bytes / (bw * 1e9) / step)
+                   # against the one probe at the start
+                   roofline_fraction_first_probe=read_bytes / (bw * 1e9) / step,
+                   kvjax_e2e_s=rates["kvjax"]["total"],
+                   kvjax_e2e_min_max_s=rates["kvjax"]["total_spread"])
         if not args.skip_hf:
-            hf_step, hf_toks, _ = decode_rate(lambda n, p=prompts: hf_generate(hf, p, n),
-                                              new_tokens, args.repeats)
+            hf_step, hf_toks = rates["hf"]["step"], rates["hf"]["tokens"]
             row.update(hf_step_s=hf_step, hf_tokens_per_s=batch / hf_step,
                        speedup=hf_step / step,
-                       same_tokens_fraction=float(np.mean(hf_toks == toks)))
+                       same_tokens_fraction=float(np.mean(hf_toks == toks)),
+                       hf_e2e_s=rates["hf"]["total"],
+                       hf_e2e_min_max_s=rates["hf"]["total_spread"],
+                       e2e_speedup=rates["hf"]["total"] / rates["kvjax"]["total"])
         results.append(row)
         msg = (f"batch {batch}: kvjax {batch / step:8.1f} tok/s ({step * 1e3:.1f} ms/step, "
                f"{100 * roof_step / step:.0f}% of roofline {roof_step * 1e3:.1f} ms at "
@@ -168,17 +223,20 @@ def main(argv=None):
                f"{100 * row['roofline_fraction_first_probe']:.0f}% at the first probe's {bw:.1f})")
         if not args.skip_hf:
             msg += (f"; HF {row['hf_tokens_per_s']:8.1f} tok/s; speedup {row['speedup']:.2f}x; "
-                    f"same tokens {100 * row['same_tokens_fraction']:.0f}%")
+                    f"same tokens {100 * row['same_tokens_fraction']:.0f}%; end to end "
+                    f"(prefill + {new_tokens} tokens) kvjax {row['kvjax_e2e_s']:.2f} s, HF "
+                    f"{row['hf_e2e_s']:.2f} s: {row['e2e_speedup']:.2f}x")
         print(msg)
 
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results",
-        f"decode_e2e-{'quick-' if args.quick else ''}"
+        f"decode_e2e-{'quick-' if args.quick else ''}{lib.isa_class + '-' if lib else ''}"
         f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(config=cfg, params=n_params, dtype=args.dtype, impl=args.impl,
-                       read_GBps=bw, load_average=os.getloadavg(), results=results), f, indent=1)
+        json.dump(dict(machine=mach, kernels_build=build, config=cfg, params=n_params,
+                       dtype=args.dtype, impl=args.impl, read_GBps=bw,
+                       load_average=os.getloadavg(), results=results), f, indent=1)
     print(f"wrote {out}")
 
 

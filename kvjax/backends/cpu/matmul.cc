@@ -2,33 +2,56 @@
 //
 // Decode multiplies a few activation rows (batch x new tokens) by every weight matrix
 // once per step, so the op is bound by reading w; XLA:CPU's dot streams those weights
-// at a third of the memory bandwidth for M = 8 (benchmarks/NOTES.md). Here each
-// weight byte is read once: the N columns are cut into blocks (work items, spread
-// over the caller and the helper threads); a block is walked panel by panel (`panel`
-// rows of the block), and within a panel tile by tile (32-48 columns), a tile's
-// M x width sums in registers while its rows stream in, carried between panels in y.
-// Short panels keep the rows in flight few and read each as a contiguous piece of the
-// block's width; a walk of one narrow tile over all K (a new 4 KiB page every row)
-// ran at 60-70% of the panel walk's speed with prefetching and a third of it without
-// (benchmarks/matmul.py --sweep). The hardware prefetcher does not follow the walk, so
-// each tile row prefetches (into L2) the row `ahead` rows below it. Rows beyond 8 run in groups of 8 over the same tile, then in L1 / L2.
+// at a third of the memory bandwidth for M = 8. Here each weight byte is read once: the
+// N columns are cut into blocks (work items, spread over the caller and the helper
+// threads); a block is walked panel by panel (`panel` rows of the block), and within a
+// panel tile by tile (`tile_vectors` vectors of the target's width), a tile's M x width
+// sums in registers while its rows stream in, carried between panels in y. Short panels
+// keep the rows in flight few and read each as a contiguous piece of the block's width;
+// a walk of one narrow tile over all K (a new 4 KiB page every row) ran at 60-70% of the
+// panel walk's speed with prefetching and a third of it without (benchmarks/matmul.py
+// --sweep). The hardware prefetcher does not follow the walk, so each tile row
+// prefetches (into L2) the row `ahead` rows below it. Rows beyond one register block
+// (kMaxRows) run in further blocks over the same tile, then in L1 / L2.
 // Stacked weights [layers, K, N] are read in place at the `layer` operand's offset.
 //
 // Weights are float32 or bfloat16 ([K, N], row-major, as kvjax stores them). bfloat16
-// is widened in registers: a 64-byte load holds 32 columns; shifting each 32-bit lane
+// is widened in registers: a vector load holds 2 kNat columns; shifting each 32-bit lane
 // left by 16 gives the even columns as float32, masking the low half the odd ones; the
 // two accumulators are interleaved back at the store. x and y are float32 (the Python
-// wrapper casts). Columns past the last whole 16 (float32) or 32 (bf16) run a scalar
-// loop.
+// wrapper casts). Columns past the last whole vector (float32) or two (bf16) run a
+// scalar loop.
 
 #include "common.h"
 
 namespace kvjax {
 namespace {
 
-typedef int32_t v16iu __attribute__((vector_size(64), aligned(2), may_alias));
+// The register blocks use the target's own vector width (kNat floats: 16 with AVX-512, 8
+// with AVX/AVX2, 4 elsewhere): GCC lowers the 64-byte vectors of common.h on a 32-byte
+// target through the stack (most FMAs of an AVX2 build read a spilled operand), which
+// made this kernel slower than XLA's dot on AVX2-only CPUs. Rows per register block:
+// MR accumulators of NV vectors, NV weight vectors and a broadcast fit the register file
+// (32 zmm: 8 rows x 2-3 vectors; 16 ymm: 6 rows x 2 vectors).
+#if defined(__AVX512F__)
+#define KVJAX_NAT 16
+constexpr int kMaxRows = 8;
+#elif defined(__AVX__)
+#define KVJAX_NAT 8
+constexpr int kMaxRows = 6;
+#else
+#define KVJAX_NAT 4
+constexpr int kMaxRows = 4;
+#endif
+constexpr int kNat = KVJAX_NAT;
+typedef float vn __attribute__((vector_size(4 * kNat)));
+typedef int32_t vni __attribute__((vector_size(4 * kNat)));
+typedef float vnu __attribute__((vector_size(4 * kNat), aligned(4), may_alias));
+typedef int32_t vniu __attribute__((vector_size(4 * kNat), aligned(2), may_alias));
 
-constexpr int kMaxRows = 8;  // rows per register block
+inline vn loadn(const float* p) { return *reinterpret_cast<const vnu*>(p); }
+inline void storen(float* p, vn x) { *reinterpret_cast<vnu*>(p) = x; }
+
 constexpr int64_t kMinParallelBytes = 256 << 10;  // smaller weights: caller thread only
 
 struct MatmulArgs {
@@ -39,11 +62,17 @@ struct MatmulArgs {
   int64_t ahead;   // rows prefetched ahead (0: none)
 };
 
-// x[0] in all 16 lanes, loaded as a broadcast (`splat` adds 0.0f first, an extra
+// x[0] in all lanes, loaded as a broadcast (`vn{} + v` would add 0.0f first, an extra
 // instruction per row and step that the compiler must keep for -0.0f).
-inline v16 broadcast(const float* p) {
+inline vn broadcast(const float* p) {
   const float v = *p;
-  return v16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
+#if KVJAX_NAT == 16
+  return vn{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
+#elif KVJAX_NAT == 8
+  return vn{v, v, v, v, v, v, v, v};
+#else
+  return vn{v, v, v, v};
+#endif
 }
 
 inline void prefetch_l2(const void* p) { prefetch_line<1>(p); }
@@ -55,85 +84,115 @@ inline void prefetch_piece(const char* p, int lines) {
   prefetch_l2(p + 64 * lines - 1);
 }
 
-// Calls step(k) for the rows [k0, k1) of one tile; when `ahead` > 0 it first prefetches
-// the same tile's row k + ahead (if there is one).
-template <typename Step>
-inline void walk(int64_t k0, int64_t k1, int64_t K, int64_t stride, const char* tile, int lines,
-                 int64_t ahead, Step&& step) {
-  int64_t k = k0;
-  if (ahead > 0) {
-    const int64_t split = std::min(k1, K - ahead);
-    for (; k < split; ++k) {
-      prefetch_piece(tile + (k + ahead) * stride, lines);
-      step(k);
-    }
-  }
-  for (; k < k1; ++k) step(k);
-}
-
-// Rows [k0, k1) of one tile of NV x 16 float32 columns for MR rows of x, added to the
+// Rows [k0, k1) of one tile of NV x kNat float32 columns for MR rows of x, added to the
 // partial sums in y (first: y starts at 0).
 template <int MR, int NV>
 void tile_f32(const MatmulArgs& a, const float* x, const float* w, float* y, int64_t k0,
               int64_t k1, bool first, int64_t ahead) {
   const int64_t K = a.K, N = a.N;
-  v16 acc[MR][NV];
+  vn acc[MR][NV];
+#pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = first ? v16{} : load16(y + m * N + kLanes * v);
-  walk(k0, k1, K, N * 4, reinterpret_cast<const char*>(w), NV, ahead,
-       [&](int64_t k) __attribute__((always_inline)) {
-         const float* row = w + k * N;
-         v16 wv[NV];
-         for (int v = 0; v < NV; ++v) wv[v] = load16(row + kLanes * v);
-         for (int m = 0; m < MR; ++m) {
-           const v16 xb = broadcast(x + m * K + k);
-           for (int v = 0; v < NV; ++v) acc[m][v] += xb * wv[v];
-         }
-       });
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[m][v] = first ? vn{} : loadn(y + m * N + kNat * v);
+  // A plain loop, not walk()'s lambda: accumulators captured by reference are stored
+  // back to the stack every row (GCC keeps the escaped array in memory).
+  const int lines = (NV * kNat + 15) / 16;
+  const int64_t split = ahead > 0 ? std::min(k1, K - ahead) : k0;
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k < split) prefetch_piece(reinterpret_cast<const char*>(w + (k + ahead) * N), lines);
+    const float* row = w + k * N;
+    vn wv[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) wv[v] = loadn(row + kNat * v);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const vn xb = broadcast(x + m * K + k);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[m][v] += xb * wv[v];
+    }
+  }
+#pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) store16(y + m * N + kLanes * v, acc[m][v]);
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) storen(y + m * N + kNat * v, acc[m][v]);
 }
 
-inline v16 interleave_lo(v16 e, v16 o) {
-  return __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+// Even / odd columns (e, o) back to column order: the first and second halves.
+inline vn interleave_lo(vn e, vn o) {
+#if KVJAX_NAT == 16
+    return __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+#elif KVJAX_NAT == 8
+    return __builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11);
+#else
+    return __builtin_shufflevector(e, o, 0, 4, 1, 5);
+#endif
 }
-inline v16 interleave_hi(v16 e, v16 o) {
-  return __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
-                                 15, 31);
+inline vn interleave_hi(vn e, vn o) {
+#if KVJAX_NAT == 16
+    return __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                   15, 31);
+#elif KVJAX_NAT == 8
+    return __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15);
+#else
+    return __builtin_shufflevector(e, o, 2, 6, 3, 7);
+#endif
+}
+// Column order (lo: the first kNat columns, hi: the next) to even / odd columns.
+inline vn even_of(vn lo, vn hi) {
+#if KVJAX_NAT == 16
+    return __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                   30);
+#elif KVJAX_NAT == 8
+    return __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14);
+#else
+    return __builtin_shufflevector(lo, hi, 0, 2, 4, 6);
+#endif
+}
+inline vn odd_of(vn lo, vn hi) {
+#if KVJAX_NAT == 16
+    return __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                   31);
+#elif KVJAX_NAT == 8
+    return __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    return __builtin_shufflevector(lo, hi, 1, 3, 5, 7);
+#endif
 }
 
-// The same for one tile of 32 bfloat16 columns (even / odd columns in two accumulators;
-// the partial sums in y are in column order).
+// The same for one tile of 2 kNat bfloat16 columns (even / odd columns in two
+// accumulators; the partial sums in y are in column order).
 template <int MR>
 void tile_bf16(const MatmulArgs& a, const float* x, const uint16_t* w, float* y, int64_t k0,
                int64_t k1, bool first, int64_t ahead) {
   const int64_t K = a.K, N = a.N;
-  v16 even[MR], odd[MR];
+  vn even[MR], odd[MR];
   for (int m = 0; m < MR; ++m) {
     if (first) {
-      even[m] = odd[m] = v16{};
+      even[m] = odd[m] = vn{};
     } else {
-      const v16 lo = load16(y + m * N), hi = load16(y + m * N + kLanes);
-      even[m] = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                        26, 28, 30);
-      odd[m] = __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
-                                       27, 29, 31);
+      const vn lo = loadn(y + m * N), hi = loadn(y + m * N + kNat);
+      even[m] = even_of(lo, hi);
+      odd[m] = odd_of(lo, hi);
     }
   }
-  walk(k0, k1, K, N * 2, reinterpret_cast<const char*>(w), 1, ahead,
-       [&](int64_t k) __attribute__((always_inline)) {
-         const v16i raw = *reinterpret_cast<const v16iu*>(w + k * N);
-         const v16i e = raw << 16, o = raw & static_cast<int32_t>(0xFFFF0000u);
-         const v16 we = reinterpret_cast<const v16&>(e), wo = reinterpret_cast<const v16&>(o);
-         for (int m = 0; m < MR; ++m) {
-           const v16 xb = broadcast(x + m * K + k);
-           even[m] += xb * we;
-           odd[m] += xb * wo;
-         }
-       });
+  const int64_t split = ahead > 0 ? std::min(k1, K - ahead) : k0;
+  const int lines = (2 * kNat * 2 + 63) / 64;
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k < split) prefetch_piece(reinterpret_cast<const char*>(w + (k + ahead) * N), lines);
+    const vni raw = *reinterpret_cast<const vniu*>(w + k * N);
+    const vni e = raw << 16, o = raw & static_cast<int32_t>(0xFFFF0000u);
+    const vn we = reinterpret_cast<const vn&>(e), wo = reinterpret_cast<const vn&>(o);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const vn xb = broadcast(x + m * K + k);
+      even[m] += xb * we;
+      odd[m] += xb * wo;
+    }
+  }
   for (int m = 0; m < MR; ++m) {
-    store16(y + m * N, interleave_lo(even[m], odd[m]));
-    store16(y + m * N + kLanes, interleave_hi(even[m], odd[m]));
+    storen(y + m * N, interleave_lo(even[m], odd[m]));
+    storen(y + m * N + kNat, interleave_hi(even[m], odd[m]));
   }
 }
 
@@ -193,7 +252,7 @@ void column_block(const MatmulArgs& a, int64_t c0, int64_t c1, int64_t width, in
         float* y = a.y + m0 * a.N + c;
         const float* x = a.x + m0 * a.K;
         if constexpr (std::is_same_v<T, float>) {
-          tile_f32_any(a, mr, static_cast<int>(cols / kLanes), x, w + c, y, k0, k1, k0 == 0,
+          tile_f32_any(a, mr, static_cast<int>(cols / kNat), x, w + c, y, k0, k1, k0 == 0,
                        ahead);
         } else {
           tile_bf16_any(a, mr, x, reinterpret_cast<const uint16_t*>(w + c), y, k0, k1, k0 == 0,
@@ -226,8 +285,8 @@ template <typename T>
 void run(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t tile_vectors, int64_t block,
          int64_t panel) {
   // Vector granule and tile width in columns.
-  const int64_t granule = std::is_same_v<T, float> ? kLanes : 2 * kLanes;
-  const int64_t width = std::is_same_v<T, float> ? kLanes * tile_vectors : granule;
+  const int64_t granule = std::is_same_v<T, float> ? kNat : 2 * kNat;
+  const int64_t width = std::is_same_v<T, float> ? kNat * tile_vectors : granule;
   const int64_t covered = a.N / granule * granule;
   // Column blocks of whole tiles, at most `block` columns (<= 0: 16 tiles) and about 4
   // per worker when N is small, so both cores get work for every N the models have.

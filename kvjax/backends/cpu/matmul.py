@@ -34,9 +34,11 @@ __all__ = ["MAX_ROWS", "matmul", "use_kernel"]
 
 # Rows up to which the kernel serves at most (per ISA class: `policy.MATMUL_MAX_ROWS`).
 MAX_ROWS = max(MATMUL_MAX_ROWS.values())
-# Kernel tuning (benchmarks/matmul.py --sweep): tile width in 16-float vectors (float32
-# weights; bf16 tiles are 32 columns), column-block width (at most; smaller N get about
-# 4 blocks per core; 0: always that), rows per panel (0: all K), rows prefetched ahead.
+# Kernel tuning (benchmarks/matmul.py --sweep): tile width in vectors of the build's
+# width (16 floats with AVX-512, 8 with AVX2; float32 weights: the register block is
+# kMaxRows rows x this many vectors; bf16 tiles are two vectors), column-block width
+# (at most; smaller N get about 4 blocks per core; 0: always that), rows per panel (0:
+# all K), rows prefetched ahead.
 TILE_VECTORS = 2
 BLOCK = 512
 PANEL = 32
@@ -115,7 +117,8 @@ def matmul(
       layer: None, or an int / traced int32 scalar indexing w's first axis (a traced
         index outside [0, layers) is clamped by the kernel; a Python int is checked).
       tile_vectors, block, panel, ahead: kernel tuning (default: the module constants);
-        tile_vectors in 1..3 (float32 tile width / 16), block the column-block width
+        tile_vectors in 1..3 (float32 tile width in vectors of the build's width: 16
+        floats with AVX-512, 8 with AVX2, 4 elsewhere), block the column-block width
         (0: automatic), panel the rows walked per tile before the next tile (0: all),
         ahead the rows prefetched ahead (0: none).
 

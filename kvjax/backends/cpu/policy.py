@@ -34,7 +34,7 @@ NO_KERNEL = ("paged_prefill_attention", "mla_prefill_attention", "quantized_mla_
 # Rows (the product of the activation's leading dims) up to which the matmul kernel beat
 # XLA's dot in benchmarks/matmul.py, per ISA class; above, XLA's dot (compute-bound
 # there, and blocked for many rows).
-MATMUL_MAX_ROWS = {"avx512": 32, "avx2": 32}
+MATMUL_MAX_ROWS = {"avx512": 16, "avx2": 32}
 # ISA classes on which each attention kernel measured faster than the XLA path.
 _MEASURED = {
     "paged_decode": ("avx512", "avx2"),
