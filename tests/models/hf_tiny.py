@@ -25,6 +25,12 @@ VARIANTS = {
                                       use_sliding_window=True, sliding_window=6,
                                       max_window_layers=1)),
     "qwen3": (T.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    # YaRN context extension (Qwen2.5's long-context setting): scaled frequencies and
+    # cos / sin multiplied by the attention factor 0.1 ln(4) + 1.
+    "qwen2_yarn": (T.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=64))),
 }
 
 

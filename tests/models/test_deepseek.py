@@ -24,8 +24,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from kvjax import cache as kcache  # noqa: E402
 from kvjax.attention import mla_decode_attention, mla_prefill_attention  # noqa: E402
 from kvjax.models import deepseek as ds  # noqa: E402
-from kvjax.models import yarn as kyarn  # noqa: E402
 from kvjax.models.deepseek import mla, moe  # noqa: E402
+from kvjax.rope import RopeConfig, attention_factor, rope_inv_freq  # noqa: E402
 
 PAGE_SIZE = 8
 PROMPT_LENS = (13, 21)  # both cross page boundaries; different lengths in one batch
@@ -318,7 +318,7 @@ def test_decode_with_pallas_kernel_matches_xla(rng):
 def test_prefill_matches_transformers_rotate_half(tmp_root, rng):
     model, hf_config, path = _hf_case("v3_no_interleave", tmp_root)
     config, params = _load(path, hf_config)
-    assert not config.rope_interleaved
+    assert not config.rope.interleaved
     prompts = _prompts(rng, config.vocab_size)
     logits, _ = _prefill(params, config, _new_cache(config), prompts, np.array([2, 0]))
     for i, p in enumerate(prompts):
@@ -422,8 +422,9 @@ def test_absorbed_attention_equals_decompressed(q_len, rng):
     config = ds.DeepseekConfig(
         vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=3,
         kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
-        yarn=kyarn.YarnScaling(factor=8.0, original_max_position_embeddings=16, mscale=1.0,
-                               mscale_all_dim=0.8),
+        rope=RopeConfig(theta=10000.0, dim=8, rope_type="yarn", factor=8.0,
+                        original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.8,
+                        interleaved=True),
     )
     params = ds.init_params(config, jax.random.key(int(rng.integers(2**31))), std=0.3)
     p = jax.tree.map(lambda x: x[0], params.dense_layers)
@@ -483,10 +484,10 @@ def test_yarn_matches_transformers():
     cfg = transformers.DeepseekV2Config(**{**_BASE, **CASES["v2_moe_group_yarn"][1],
                                            "rope_parameters": dict(_YARN)})
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
-    yarn = ds.DeepseekConfig.from_hf(cfg.to_dict()).yarn
-    np.testing.assert_allclose(kyarn.rope_inv_freq(16, 10000.0, yarn), inv_freq.numpy(),
-                               rtol=1e-6)
-    assert kyarn.attention_factor(yarn) == pytest.approx(factor, rel=1e-12)
+    rope = ds.DeepseekConfig.from_hf(cfg.to_dict()).rope
+    assert rope.rope_type == "yarn" and rope.dim == 16 and rope.theta == 10000.0
+    np.testing.assert_allclose(rope_inv_freq(rope), inv_freq.numpy(), rtol=1e-6)
+    assert attention_factor(rope) == pytest.approx(factor, rel=1e-12)
     attn = transformers.DeepseekV2ForCausalLM(cfg).model.layers[0].self_attn
     assert ds.DeepseekConfig.from_hf(cfg.to_dict()).softmax_scale == pytest.approx(
         attn.scaling, rel=1e-12)
@@ -578,7 +579,8 @@ def test_original_checkpoint_config_format():
     config = ds.DeepseekConfig.from_hf({**lite, "torch_dtype": "bfloat16"})
     assert config.dtype == np.dtype(jnp.bfloat16)
     assert config.q_lora_rank is None and config.num_moe_layers == 26
-    assert config.yarn.factor == 40 and kyarn.attention_factor(config.yarn) == 1.0
+    assert config.rope.rope_type == "yarn" and config.rope.factor == 40
+    assert attention_factor(config.rope) == 1.0
     m = 0.1 * 0.707 * np.log(40) + 1
     assert config.softmax_scale == pytest.approx(192 ** -0.5 * m * m)
     assert config.attention.cache_widths == (512, 64)

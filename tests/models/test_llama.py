@@ -20,7 +20,7 @@ import kvjax.generate.loop as gen_loop
 import kvjax.models as models
 from kvjax.backends import cpu as cpu_kernels
 from kvjax.models import llama
-from kvjax.models.layers import RopeConfig, rope_inv_freq
+from kvjax.rope import RopeConfig, attention_factor, rope_inv_freq
 from tests.models import hf_tiny
 
 PAGE = 8
@@ -108,7 +108,7 @@ def test_variant_switches_are_read(hf_dirs):
     """The configs really exercise what the variants differ in."""
     cfg = {n: llama.LlamaConfig.from_hf(models.read_hf_config(hf_dirs(n)[1]))
            for n in ("llama_gqa", "llama_mqa", "llama31", "mistral", "qwen2", "qwen2_swa",
-                     "qwen3")}
+                     "qwen3", "qwen2_yarn")}
     assert cfg["llama_gqa"].attention.group_size == 4 and cfg["llama_gqa"].tie_word_embeddings
     assert cfg["llama_mqa"].attention.kind == "MQA"
     assert cfg["mistral"].sliding_windows == (8, 8)
@@ -122,6 +122,9 @@ def test_variant_switches_are_read(hf_dirs):
     # Long wavelengths divided by the factor, the shortest one smoothed in between.
     assert np.isclose(scaled, base / 8).any()
     assert ((scaled > base / 8 * 1.01) & (scaled < base)).any()
+    y = cfg["qwen2_yarn"].rope
+    assert y.rope_type == "yarn" and y.factor == 4 and y.original_max_position_embeddings == 64
+    assert attention_factor(y) == pytest.approx(0.1 * np.log(4) + 1)
 
 
 def test_chunked_prefill_equals_one_shot(hf_dirs, rng):
@@ -250,8 +253,8 @@ def test_config_validation():
         llama.LlamaConfig(**{**base, "kv_heads": 3})
     with pytest.raises(ValueError, match="sliding_windows"):
         llama.LlamaConfig(**base, sliding_windows=(4,))
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
-        RopeConfig(theta=1e4, dim=16, rope_type="yarn")
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        RopeConfig(theta=1e4, dim=16, rope_type="dynamic")
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         llama.LlamaConfig.from_hf(dict(hidden_act="gelu", hidden_size=64))
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.models import yarn as kyarn
+from kvjax.rope import RopeConfig, softmax_scale_multiplier
 from kvjax.specs import MLASpec, canonical_dtype
 
 __all__ = ["DeepseekConfig", "ARCHITECTURES"]
@@ -35,9 +35,10 @@ class DeepseekConfig:
     MoE fields are ignored when `n_routed_experts == 0` or every layer is dense.
 
     Attributes:
-      rope_interleaved: DeepSeek's interleaved-pair rotary layout (V2; V3's
-        `rope_interleave`), else rotate-half.
-      yarn: YaRN scaling, or None for plain RoPE.
+      rope: the rotary embedding of the `qk_rope_head_dim` channels (`kvjax.rope`):
+        its base, scaling (YaRN for the published checkpoints) and pair layout,
+        interleaved for V2 and V3's `rope_interleave`, else rotate-half. Default:
+        plain RoPE, theta 10000, interleaved.
       scoring_func: "softmax" (V2) or "sigmoid" (V3).
       topk_method: "greedy" / "group_limited_greedy" (softmax) or "noaux_tc" (sigmoid).
       moe_impl: expert dispatch, one of "auto", "dense", "gather", "ragged" (module docstring).
@@ -57,9 +58,7 @@ class DeepseekConfig:
     v_head_dim: int
     q_lora_rank: int | None = None
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_interleaved: bool = True
-    yarn: kyarn.YarnScaling | None = None
+    rope: RopeConfig | None = None
     first_k_dense_replace: int = 0
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
@@ -86,13 +85,18 @@ class DeepseekConfig:
             raise ValueError(
                 f"DeepseekConfig.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}."
             )
-        for name in ("rms_norm_eps", "rope_theta"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"DeepseekConfig.{name} must be positive, got "
-                                 f"{getattr(self, name)}.")
-        if self.yarn is not None and not isinstance(self.yarn, kyarn.YarnScaling):
-            raise ValueError(f"DeepseekConfig.yarn must be a YarnScaling or None, got "
-                             f"{type(self.yarn).__name__}.")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"DeepseekConfig.rms_norm_eps must be positive, got "
+                             f"{self.rms_norm_eps}.")
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeConfig(theta=10000.0, dim=self.qk_rope_head_dim,
+                                                        interleaved=True))
+        if not isinstance(self.rope, RopeConfig):
+            raise ValueError(f"DeepseekConfig.rope must be a kvjax.rope.RopeConfig or None, got "
+                             f"{type(self.rope).__name__}.")
+        if self.rope.dim != self.qk_rope_head_dim:
+            raise ValueError(f"DeepseekConfig: rope.dim={self.rope.dim} must equal "
+                             f"qk_rope_head_dim={self.qk_rope_head_dim}.")
         _pos_int("first_k_dense_replace", self.first_k_dense_replace, zero_ok=True)
         _pos_int("n_routed_experts", self.n_routed_experts, zero_ok=True)
         if self.num_moe_layers:
@@ -159,7 +163,7 @@ class DeepseekConfig:
     @property
     def softmax_scale(self) -> float:
         """qk_head_dim**-0.5 times DeepSeek's YaRN mscale**2."""
-        return self.qk_head_dim ** -0.5 * kyarn.softmax_scale_multiplier(self.yarn)
+        return self.qk_head_dim ** -0.5 * softmax_scale_multiplier(self.rope)
 
     @property
     def attention(self) -> MLASpec:
@@ -207,7 +211,8 @@ class DeepseekConfig:
         if v3 and c.get("topk_method") not in (None, "noaux_tc"):
             raise ValueError(f"DeepseekConfig.from_hf: topk_method={c['topk_method']!r} is not "
                              f"supported for deepseek_v3 (only 'noaux_tc').")
-        theta, yarn = _rope_from_hf(c)
+        rope = RopeConfig.from_hf(c, c["qk_rope_head_dim"],
+                                  interleaved=bool(c.get("rope_interleave", True)) if v3 else True)
         fp8_block = (128, 128)
         quant = c.get("quantization_config")
         if quant:
@@ -226,8 +231,7 @@ class DeepseekConfig:
             num_heads=heads, kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
             qk_rope_head_dim=c["qk_rope_head_dim"], qk_nope_head_dim=c["qk_nope_head_dim"],
             v_head_dim=c["v_head_dim"], rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
-            rope_theta=theta, yarn=yarn,
-            rope_interleaved=bool(c.get("rope_interleave", True)) if v3 else True,
+            rope=rope,
             first_k_dense_replace=(3 if v3 else 0) if first_dense is None else first_dense,
             n_routed_experts=n_experts,
             num_experts_per_tok=c.get("num_experts_per_tok") or 0,
@@ -243,27 +247,3 @@ class DeepseekConfig:
         )
         fields.update(overrides)
         return cls(**fields)
-
-
-def _rope_from_hf(c: dict) -> tuple[float, kyarn.YarnScaling | None]:
-    rp = c.get("rope_parameters") or {}
-    if not rp:
-        rp = dict(c.get("rope_scaling") or {})
-        rp.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-    theta = float(rp.get("rope_theta") or c.get("rope_theta") or 10000.0)
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "yarn":
-        raise ValueError(f"DeepseekConfig.from_hf: rope type {rope_type!r} is not supported "
-                         f"(supported: 'default', 'yarn').")
-    orig = rp.get("original_max_position_embeddings") or c.get("max_position_embeddings")
-    factor = rp.get("factor")
-    if factor is None:
-        factor = c["max_position_embeddings"] / orig
-    return theta, kyarn.YarnScaling(
-        factor=float(factor), original_max_position_embeddings=int(orig),
-        beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
-        mscale=float(rp.get("mscale") or 0), mscale_all_dim=float(rp.get("mscale_all_dim") or 0),
-        attention_factor=rp.get("attention_factor"), truncate=bool(rp.get("truncate", True)),
-    )

@@ -11,11 +11,11 @@ absorbed into the query and W_UV applied to the output in latent space,
 `mla_attention_naive` is the textbook decompressing form, for tests and for the
 cache-free `forward_dense`.
 
-RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... (V2 always; V3
-when `rope_interleave`, else the rotate-half layout); cos and sin carry YaRN's
-`attention_factor`. The rotated pairs are stored interleaved; transformers' V3
-stores them de-interleaved, a fixed permutation applied to queries and keys
-alike, so scores are identical.
+RoPE (`kvjax.rope`): DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...
+(V2 always; V3 when `rope_interleave`, else the rotate-half layout); cos and sin
+carry YaRN's `attention_factor`. The rotated pairs are stored interleaved;
+transformers' V3 stores them de-interleaved, a fixed permutation applied to
+queries and keys alike, so scores are identical.
 """
 
 import jax
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax.models import layers
-from kvjax.models import yarn as kyarn
 from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.params import DeepseekLayerParams
+from kvjax.rope import apply_rope, rope_cos_sin
 
 __all__ = ["rope_tables", "mla_inputs", "absorb_query", "output", "mla_attention_naive",
            "LATENT_NORM_EPS"]
@@ -35,27 +35,8 @@ LATENT_NORM_EPS = 1e-6
 
 
 def rope_tables(config: DeepseekConfig, positions: Int[Array, "batch q_len"]):
-    """cos, sin float32[batch, q_len, rope/2] including YaRN's attention_factor."""
-    inv_freq = jnp.asarray(kyarn.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta,
-                                               config.yarn))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    af = jnp.float32(kyarn.attention_factor(config.yarn))
-    return jnp.cos(angles) * af, jnp.sin(angles) * af
-
-
-def _apply_rope(x: Float[Array, "batch q_len heads rope"], cos, sin, interleaved: bool):
-    """Rotates x by per-position angles; cos/sin [batch, q_len, rope/2] broadcast over heads."""
-    xf = x.astype(jnp.float32)
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        out = out.reshape(xf.shape)
-    else:
-        half = xf.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    """cos, sin float32[batch, q_len, rope/2] of `config.rope` (with YaRN's attention factor)."""
+    return rope_cos_sin(positions, config.rope, jnp.float32)
 
 
 def mla_inputs(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin):
@@ -76,8 +57,9 @@ def mla_inputs(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin):
     kv = layers.linear(x, p.kv_a_proj, None)
     c_kv = layers.rms_norm(kv[..., :c.kv_lora_rank], p.kv_a_norm, LATENT_NORM_EPS)
     k_rope = kv[..., c.kv_lora_rank:]
-    q_rope = _apply_rope(q_rope, cos, sin, c.rope_interleaved)
-    k_rope = _apply_rope(k_rope[:, :, None], cos, sin, c.rope_interleaved)[:, :, 0]
+    # float32 rotation (cos, sin are float32), as transformers' DeepSeek computes it.
+    q_rope = apply_rope(q_rope, cos, sin, interleaved=c.rope.interleaved)
+    k_rope = apply_rope(k_rope[:, :, None], cos, sin, interleaved=c.rope.interleaved)[:, :, 0]
     return q_nope, q_rope, c_kv, k_rope
 
 
