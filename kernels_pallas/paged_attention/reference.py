@@ -21,15 +21,20 @@ Scale, soft cap and sliding window:
   given; a query at position p sees key positions k with p - k < sliding_window.
 The log-sum-exp (natural log) is of the final logits over visible keys; a query
 that sees nothing returns output 0 and lse -inf.
+
+Keys a query must not see are removed by selection (`jnp.where`), in the logits
+and in the values, never by a zero weight: NaN or inf in a page or row a
+sequence cannot see leaves its output bit-identical.
 """
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kernels_pallas.merge import NEG_INF
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "gather_pages"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "gather_pages",
+           "select_seen_values"]
 
 
 def gather_pages(
@@ -41,7 +46,8 @@ def gather_pages(
 
     Table entries past a sequence's length are replaced by page 0 before the
     gather so that untrusted entries are never used as indices; the tokens
-    they would hold are masked by length afterwards.
+    they would hold (page 0 may be anyone's) must be selected away by the
+    caller, in the logits and in the values (`select_seen_values`).
     """
     heads, num_pages, page_size, width = pages.shape
     batch, max_pages = block_tables.shape
@@ -50,6 +56,21 @@ def gather_pages(
     g = pages[:, safe]  # [heads, batch, max_pages, page_size, width]
     g = g.reshape(heads, batch, max_pages * page_size, width)
     return jnp.swapaxes(g, 0, 1)
+
+
+def select_seen_values(
+    v: Float[Array, "batch kv_heads keys width"],
+    visible: Bool[Array, "batch 1 1 q_len keys"],
+) -> Float[Array, "batch kv_heads keys width"]:
+    """float32 values with every key no query of its row sees set to 0 by selection.
+
+    The probabilities of such keys are 0, but 0 * NaN and 0 * inf are NaN: a
+    non-finite value in a page or row a sequence cannot see (the unused rows of
+    its last page; page 0, gathered for every dead table entry of every
+    sequence) would otherwise reach its output.
+    """
+    seen = jnp.any(visible, axis=(1, 2, 3))  # [batch, keys]
+    return jnp.where(seen[:, None, :, None], v.astype(jnp.float32), 0.0)
 
 
 def _attend(qs, ks, v, visible, scale, soft_cap):
@@ -73,7 +94,8 @@ def _attend(qs, ks, v, visible, scale, soft_cap):
     p = jnp.where(visible, jnp.exp(logits - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum(
-        "bhgts,bhsd->bhgtd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        "bhgts,bhsd->bhgtd", p, select_seen_values(v, visible),
+        precision=jax.lax.Precision.HIGHEST,
     )
     out = out / jnp.where(denom == 0.0, 1.0, denom)
     lse = jnp.where(denom[..., 0] == 0.0, NEG_INF, m[..., 0] + jnp.log(denom[..., 0]))

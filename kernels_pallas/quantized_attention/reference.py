@@ -8,7 +8,9 @@ results are combined by log-sum-exp (`merge_attention_states`).
 
 The quantized part gathers, per sequence, only the packed codes, scales and
 zeros of the pages its block table names (entries past Q are replaced by page
-0 and masked), dequantizes those in float32 and attends; it never forms a
+0 and selected away: logits and values of keys a query may not see are removed
+with `jnp.where`, so NaN/inf in them, or in the tail ring's unused slots,
+cannot reach it), dequantizes those in float32 and attends; it never forms a
 dequantized copy of the pool. A kernel replaces `quantized_pages_attention`
 (and `quantized_mla_pages_attention`) with the same signature, reading the
 same bytes (layout in `layout.py`).
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas.merge import NEG_INF, merge_attention_states
+from kernels_pallas.paged_attention.reference import select_seen_values
 from kernels_pallas.quantized_attention.layout import dequantize
 
 __all__ = [
@@ -90,7 +93,7 @@ def _attend(qs, ks, v, visible, scale, soft_cap):
     m = jnp.where(m == NEG_INF, 0.0, m)
     p = jnp.where(visible, jnp.exp(logits - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgts,bhsd->bhgtd", p, v.astype(jnp.float32), precision=hi)
+    out = jnp.einsum("bhgts,bhsd->bhgtd", p, select_seen_values(v, visible), precision=hi)
     out = out / jnp.where(denom == 0.0, 1.0, denom)
     lse = jnp.where(denom[..., 0] == 0.0, NEG_INF, m[..., 0] + jnp.log(denom[..., 0]))
     return out, lse

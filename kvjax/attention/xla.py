@@ -184,7 +184,8 @@ def paged_attention_core(
         q_pos < 0 are padding and see nothing.
       lengths: int32[batch], cached tokens per sequence.
       block_tables: int32[batch, max_pages]; entries past a sequence's length
-        are never used as indices (they become page 0, whose tokens are masked).
+        are never used as indices (they become page 0, whose tokens are selected
+        away in the logits and the values, so NaN/inf there cannot leak).
       page_size: tokens per page.
       scale, soft_cap, sliding_window: as in the reference.
       block_tokens: tokens per sequence per loop step (rounded down to whole
@@ -257,6 +258,10 @@ def paged_attention_core(
         alpha = jnp.exp(m - m_safe)  # exp(-inf) = 0 when nothing was seen before
         p = jnp.exp(s - m_safe[:, :, None, :])  # masked logits are -inf -> 0
         denom = denom * alpha + jnp.sum(p, axis=2)
+        # p is 0 for keys no row sees, but 0 * NaN/inf is NaN: such keys (rows past the
+        # length, page 0 read for dead entries) may hold anything, so select them away.
+        seen = jnp.any(vis, axis=2)[None, :, :, None]  # [1, batch, tokens, 1]
+        vs = tuple(jnp.where(seen, v, 0.0) for v in vs)
         acc = tuple(a * alpha[..., None] + _dot(p, v, 2, 2)  # [heads, batch, rows, dv_i]
                     for a, v in zip(acc, vs, strict=True))
         return i + 1, m_new, denom, acc
