@@ -1,4 +1,8 @@
-"""Notebooks: each `.ipynb` matches its jupytext `.py` source, and each `.py` runs end to end."""
+"""Notebooks: each `.ipynb` matches its jupytext `.py` source, and each `.py` runs end to end.
+
+Each notebook ends with assertions of what it shows (a failed one fails its
+cell, and so this test); figures go to a temporary folder.
+"""
 
 import os
 import pathlib
@@ -16,10 +20,6 @@ def _cells(nb):
     return [(c.cell_type, c.source.strip()) for c in nb.cells]
 
 
-def test_there_are_notebooks():
-    assert SOURCES, "no notebooks/NN_*.py found"
-
-
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
 def test_ipynb_in_sync_with_py(src):
     ipynb = src.with_suffix(".ipynb")
@@ -32,6 +32,8 @@ def test_ipynb_in_sync_with_py(src):
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
 def test_notebook_runs(src, tmp_path, monkeypatch):
     nb = jupytext.read(src)
+    last = [c.source for c in nb.cells if c.cell_type == "code"][-1]
+    assert "assert" in last, f"{src.name} must end with assertions of what it shows"
     figures = tmp_path / "figures"
     env = {
         "KVJAX_FIGURES": str(figures),
@@ -45,7 +47,3 @@ def test_notebook_runs(src, tmp_path, monkeypatch):
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()  # ipykernel's built-in "python3" kernel runs this interpreter
-    pngs = list(figures.glob("*.png"))
-    assert pngs, f"{src.name} saved no figure"
-    for png in pngs:
-        assert png.stat().st_size > 1000, f"{png.name} is empty"
