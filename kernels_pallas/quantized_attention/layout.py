@@ -31,7 +31,10 @@ Groups and scale/zero layout (per page of `page_size` tokens and width D)
   values ("channels" grouping, KIVI per-token): codes [page_size, D/k];
          scale, zero [page_size, D / G]: one pair per token per G channels.
   MLA's latent c_KV uses the "channels" grouping.
-  Scales and zeros are float16 by default (see `kvjax.specs.QuantSpec`).
+  Scales and zeros are float16 by default (see `kvjax.specs.QuantSpec`). The
+  quantizer (`kvjax.cache.quant`) keeps them finite and `code * scale + zero`
+  finite in float32 for every finite input; only a group that held a NaN or
+  an inf has NaN scale and zero (so exactly its elements dequantize to NaN).
 
 Reading it in a kernel
   Because field i of the packed bytes is the contiguous channel slice
