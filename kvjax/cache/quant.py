@@ -24,9 +24,12 @@ range is saturated to the end of its group's grid (the group's other elements
 keep the s/2 bound). A group holding a NaN or an inf is stored with NaN scale
 and zero, so all of its elements dequantize to NaN and nothing else does: for
 values ("channels", one token's G channels) that is the token's own group; for
-keys ("tokens", one channel over G tokens) it spans G tokens. Either case is
-reported: `quantize` raises `ValueError` when its input is concrete, and
-`unrepresentable_groups` gives the flags to fold into a status under jit.
+keys ("tokens", one channel over G tokens) it spans G tokens. `quantize`
+itself never raises on values (it behaves the same eagerly and under jit, and
+callers quantize padding lanes they then drop); either case is reported by
+`unrepresentable_groups` (traceable flags to fold into a status) and
+`check_quantizable` (a `ValueError` naming the element, for concrete inputs at
+a host-side boundary).
 
 Grouping ("tokens" or "channels") and the packed bit layout are defined in
 `kernels_pallas.quantized_attention.layout`, re-exported here.
@@ -49,6 +52,7 @@ from kernels_pallas.quantized_attention.layout import (
 __all__ = [
     "BITS",
     "GROUPINGS",
+    "check_quantizable",
     "codes_per_byte",
     "dequantize",
     "pack_codes",
@@ -121,8 +125,27 @@ def unrepresentable_groups(
     return jnp.any(bad, axis=red)
 
 
-def _check_concrete(x, group_size, grouping, scale_dtype):
-    """Raises ValueError naming the first element `quantize` cannot represent (concrete x)."""
+def check_quantizable(
+    x: Float[Array, "... rows width"],
+    *,
+    group_size: int,
+    grouping: str,
+    scale_dtype=jnp.float16,
+) -> None:
+    """Raises ValueError naming the first element of a concrete `x` that `quantize` would
+    saturate (beyond `representable_range(scale_dtype)`) or turn into a NaN group.
+
+    For a host-side boundary, before the values go into a jitted write; under jit
+    use `unrepresentable_groups`.
+
+    Raises:
+      TypeError: if `x` is traced.
+      ValueError: on such an element.
+    """
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError("check_quantizable needs a concrete array; under jit fold "
+                        "unrepresentable_groups(...) into a status instead.")
+    _grouped(x, group_size, grouping, "check_quantizable")
     xs = np.asarray(jnp.asarray(x).astype(jnp.float32))
     lim = representable_range(scale_dtype)
     bad = ~(np.abs(xs) <= lim)
@@ -134,13 +157,13 @@ def _check_concrete(x, group_size, grouping, scale_dtype):
             else f"{group_size} channels of one token")
     if np.isfinite(val):
         raise ValueError(
-            f"quantize: x{list(idx)} = {val:.6g} lies outside +-{lim:.6g}, the range that "
+            f"check_quantizable: x{list(idx)} = {val:.6g} lies outside +-{lim:.6g}, the range that "
             f"{jnp.dtype(scale_dtype).name} scales represent; it would be saturated. Store "
             f"scales in bfloat16 (QuantSpec(scale_dtype='bfloat16')) or keep such values out "
             f"of the cache."
         )
     raise ValueError(
-        f"quantize: x{list(idx)} = {val} is not finite; its group ({grouping!r} grouping: "
+        f"check_quantizable: x{list(idx)} = {val} is not finite; its group ({grouping!r} grouping: "
         f"{span}) would dequantize to NaN. Only finite values can be quantized."
     )
 
@@ -168,16 +191,11 @@ def quantize(
       (codes, scale, zero): uint8 codes `[..., rows, width]` in [0, 2^bits - 1]
       (unpacked); scale and zero in `scale_dtype`, `[..., rows / G, width]` or
       `[..., rows, width / G]`. See the module docstring for inputs outside the
-      representable range (saturated) and non-finite inputs (their group is NaN).
-
-    Raises:
-      ValueError: on bad arguments; and, when `x` is concrete (not traced), if it
-        holds a NaN, an inf or a value beyond `representable_range(scale_dtype)`.
+      representable range (saturated) and non-finite inputs (their group is NaN);
+      `unrepresentable_groups` and `check_quantizable` report them.
     """
     codes_per_byte(bits)  # validates bits
     xg, red = _grouped(x, group_size, grouping, "quantize")
-    if not isinstance(x, jax.core.Tracer):
-        _check_concrete(x, group_size, grouping, scale_dtype)
     rows, width = x.shape[-2:]
     lead = x.shape[:-2]
     lo = jnp.min(xg, axis=red, keepdims=True)

@@ -3,8 +3,8 @@
 Finite inputs never give NaN or inf, whatever their magnitude: groups inside
 +-representable_range(scale_dtype) keep the s/2 bound with the stored scale,
 elements beyond it saturate to their group's grid and are flagged. A NaN or
-inf makes its own group (and nothing else) NaN and is flagged; a concrete
-input that cannot be represented raises a ValueError naming it.
+inf makes its own group (and nothing else) NaN and is flagged; for a concrete
+input, `check_quantizable` raises a ValueError naming the element.
 """
 
 import functools
@@ -141,21 +141,22 @@ def test_non_finite_input_stays_in_its_group(rng, grouping, scale_dtype, bad_val
                         r"over 8 tokens\) would dequantize to NaN"),
     ("bfloat16", -np.inf, r"= -inf is not finite"),
 ])
-def test_concrete_input_that_cannot_be_represented_raises(rng, scale_dtype, value, match):
+def test_check_quantizable_names_the_element(rng, scale_dtype, value, match):
     x = rng.standard_normal(SHAPE).astype(np.float32)
     idx = tuple(int(rng.integers(0, n)) for n in SHAPE)
     x[idx] = value
+    kw = dict(group_size=G, grouping="tokens", scale_dtype=scale_dtype)
     with pytest.raises(ValueError, match=match) as err:
-        quant.quantize_packed(jnp.asarray(x), bits=4, group_size=G, grouping="tokens",
-                              scale_dtype=scale_dtype)
+        quant.check_quantizable(jnp.asarray(x), **kw)
     assert f"x{list(idx)}" in str(err.value)
-    # A representable concrete input quantizes (no error) to the traced result.
-    x[idx] = 1.0
-    got = quant.quantize(jnp.asarray(x), bits=4, group_size=G, grouping="tokens",
-                         scale_dtype=scale_dtype)
-    want = _jitted(4, "tokens", scale_dtype)(x)[:3]
-    for a, b in zip(got, want, strict=True):
+    # quantize itself does not raise: eager and traced results are the same.
+    eager = quant.quantize(jnp.asarray(x), bits=4, **kw)
+    for a, b in zip(eager, _jitted(4, "tokens", scale_dtype)(x)[:3], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x[idx] = 1.0
+    quant.check_quantizable(jnp.asarray(x), **kw)
+    with pytest.raises(TypeError, match="needs a concrete array"):
+        jax.jit(lambda x: quant.check_quantizable(x, **kw))(x)
 
 
 def test_representable_range():
