@@ -76,3 +76,17 @@ def test_matmul(rng, march, w_dtype, rows):
     xf, wf = np.asarray(x, np.float64), np.asarray(w.astype(jnp.float32), np.float64)
     tol = 1e-5 * (np.abs(xf) @ np.abs(wf))
     assert np.all(np.abs(got - xf @ wf) <= tol)
+
+
+def test_choices_follow_the_build(march):
+    """The AVX2 build's choices are its own: the KIVI kernel and MLA over float32 pages,
+    measured slower than XLA there, are not picked; paged decode is."""
+    lib = cpu.library()
+    assert cpu.choose("paged_decode").use_kernel
+    if lib.isa_class == "avx2":
+        assert not cpu.choose("quantized_decode").use_kernel
+        assert not cpu.choose("mla_decode", dtype=jnp.float32).use_kernel
+        assert cpu.choose("mla_decode", dtype=jnp.bfloat16).use_kernel
+    elif lib.isa_class == "avx512":
+        assert cpu.choose("quantized_decode").use_kernel
+        assert cpu.choose("mla_decode", dtype=jnp.float32).use_kernel

@@ -150,11 +150,13 @@ def test_choose_decides_each_op():
     those in place), for a matmul of more rows than the kernel serves or over several
     devices; the options switch each decision."""
     lib = cpu_kernels.library()
-    measured = lib.isa_class in ("avx512", "avx2")
     for op in ("paged_decode", "quantized_decode", "mla_decode", "paged_decode_attention",
                "quantized_attention", "mla_decode_attention"):
-        choice = cpu_kernels.choose(op)
-        assert choice.use_kernel == measured and lib.isa_class in choice.reason, choice
+        rule = policy._MEASURED[policy.ALIASES.get(op, op)].get(lib.isa_class)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            choice = cpu_kernels.choose(op, dtype=dtype)
+            want = rule == "all" or (rule == "16-bit" and dtype == jnp.bfloat16)
+            assert choice.use_kernel == want and lib.isa_class in choice.reason, choice
     for op in ("paged_prefill_attention", "mla_prefill_attention", "quantized_mla_attention"):
         assert not cpu_kernels.choose(op).use_kernel
     with pytest.raises(ValueError, match="unknown op"):

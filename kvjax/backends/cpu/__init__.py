@@ -2,7 +2,7 @@
 
 On CPU the XLA path (`kvjax/attention/xla.py`) is bound by per-element work, not by
 memory: each block of pages is gathered (a copy), bf16 is converted, and XLA:CPU's
-batched matmuls with a few query rows run far below bandwidth (benchmarks/NOTES.md).
+batched matmuls with a few query rows run far below bandwidth.
 These kernels (C++ in this folder, built on first use by `build.py`) read each live
 page of each sequence once, in place in the pool (bf16 widened and KIVI codes converted
 in registers; rows that are not 16 whole rows of one page staged in a small float32

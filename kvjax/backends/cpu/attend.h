@@ -33,7 +33,7 @@ using Chunk = RowChunk<float>;
 // the chunk's probabilities (to `probs`). Masked lanes (not `visible`) get probability 0;
 // a chunk has at least one visible lane. The max moves only when a logit exceeds it (for
 // most chunks after the first few it does not): only then the horizontal max, the exp
-// and the rescale; else alpha = 1 and the chunk costs one compare (NOTES v11: a scalar
+// and the rescale; else alpha = 1 and the chunk costs one compare (measured: a scalar
 // exp, a horizontal max and sum per row and chunk were a quarter of the cached step).
 // Always inlined: GCC otherwise calls it, and the call costs ~4% of the cached step.
 __attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, float soft_cap,
@@ -159,7 +159,7 @@ inline void from_split(const float* src, float* dst, int64_t n, float scale) {
 
 
 // Prefetches the n elements of one row into L2 (with the early touch below, the L2 hint
-// measured 0.93-0.96x of the L1 hint on scattered bf16 pages; NOTES v11).
+// measured 0.93-0.96x of the L1 hint on scattered bf16 pages).
 template <typename E>
 inline void prefetch_row(const E* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -168,10 +168,10 @@ inline void prefetch_row(const E* p, int64_t n) {
 
 // The first lines of n bytes at p, and the first line of each later 4 KiB page they
 // span, into L2: a chunk's pages touched a few chunks before the spread prefetch asks for
-// all of their lines (NOTES v11: 0.83-0.96x on scattered bf16 pages, f32 0.95-0.97x; the
+// all of their lines (measured: 0.83-0.96x on scattered bf16 pages, f32 0.95-0.97x; the
 // same with huge pages, so not the page walk: the touch starts the pages' memory streams
 // early). Whole chunks prefetched that far ahead were slower (a burst of prefetches fills
-// the core's miss buffers, NOTES v9).
+// the core's miss buffers).
 inline void touch_bytes(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < std::min<int64_t>(n, 512); o += 64) prefetch_line<1>(c + o);
@@ -192,7 +192,7 @@ inline void touch_early(const RowChunk<E>& ch) {
 // parts[r * 16 + j] = lane partial sums of row g0 + r and token j. With `pf`, row j of
 // that later chunk's keys and values is prefetched in step j: spread over the chunk's
 // arithmetic, a few lines are in flight at a time (a burst of a whole chunk's prefetches
-// fills the core's miss buffers and stalls the arithmetic behind it; NOTES v9).
+// fills the core's miss buffers and stalls the arithmetic behind it).
 template <int NB, int DT, typename E>
 inline void chunk_logits(const float* qsplit, int64_t D_rt, const RowChunk<E>& ch, v16* parts,
                          const RowChunk<E>* pf = nullptr) {
@@ -302,7 +302,7 @@ void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt,
   v16* lsum = reinterpret_cast<v16*>(probs + G * kLanes);
   constexpr bool split = std::is_same_v<C, RowChunk<uint16_t>>;  // bf16: split order
   // Rows in place are touched early (touch_early); the KIVI kernel's code chunks are not:
-  // that measured 1.05-1.11x slower (its chunks are compute-bound; NOTES v11).
+  // that measured 1.05-1.11x slower (its chunks are compute-bound).
   constexpr bool is_rows = split || std::is_same_v<C, RowChunk<float>>;
   for (int64_t g = 0; g < G; ++g) {
     if (split) {

@@ -58,7 +58,7 @@ inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x,
 // below (Level 1). Inline asm, not __builtin_prefetch: GCC treats the builtin as free of
 // side effects, so a helper made of nothing but prefetches is "const" to its IPA passes
 // and its calls are deleted (every prefetch of quantized_decode.cc and mla_decode.cc was
-// gone at -O3; NOTES v10).
+// gone at -O3).
 template <int Level = 0>
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -2,7 +2,7 @@
 
 Decode multiplies batch x new-token rows (a handful) by every weight matrix once
 per step: the work is reading the weights. XLA:CPU's dot streams them at about a
-third of the read bandwidth for 8 rows (benchmarks/NOTES.md); the kernel reads each
+third of the read bandwidth for 8 rows; the kernel reads each
 weight byte once, on all cores, with float32 accumulation, and widens bfloat16
 weights in registers (no converted copy of the weights).
 

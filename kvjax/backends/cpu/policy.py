@@ -35,11 +35,15 @@ NO_KERNEL = ("paged_prefill_attention", "mla_prefill_attention", "quantized_mla_
 # XLA's dot in benchmarks/matmul.py, per ISA class; above, XLA's dot (compute-bound
 # there, and blocked for many rows).
 MATMUL_MAX_ROWS = {"avx512": 16, "avx2": 32}
-# ISA classes on which each attention kernel measured faster than the XLA path.
+# Per attention kernel, the ISA classes on which it measured faster than the XLA path
+# (`python benchmarks/attention.py --cpu-choice`) and for which page dtypes ("all", or
+# the 16-bit float pools only: "16-bit"). On AVX2 builds the KIVI kernel ran at 0.7x of
+# XLA and MLA over float32 pages at 0.5x (their 16-wide vectors spill on 16 ymm
+# registers), MLA over bf16 pages at 1.3x.
 _MEASURED = {
-    "paged_decode": ("avx512", "avx2"),
-    "quantized_decode": ("avx512", "avx2"),
-    "mla_decode": ("avx512", "avx2"),
+    "paged_decode": {"avx512": "all", "avx2": "all"},
+    "quantized_decode": {"avx512": "all"},
+    "mla_decode": {"avx512": "all", "avx2": "16-bit"},
 }
 # Stacked layer weights of at least this many bytes are worth unstacking for the decode
 # loop where the matmul kernel does not read them in place (XLA:CPU copies a layer's
@@ -74,8 +78,10 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         "mla_prefill_attention", "quantized_mla_attention", answer the XLA path).
       rows: for "matmul", the activation rows of the call (the product of x's leading
         dims); None: the question is whether the kernel serves decode at all.
-      dtype: for "write_rows" / "copy_pages", the pool's dtype (the kernel serves 16-bit
-        float pools: XLA:CPU widens or copies those whole on every write).
+      dtype: the pages' (pool's) dtype. For "write_rows" / "copy_pages" the kernel serves
+        16-bit float pools (XLA:CPU widens or copies those whole on every write); for
+        "mla_decode" on an AVX2 build the kernel is faster on 16-bit pages only (without
+        a dtype the answer there is the XLA path).
       devices: for "matmul", the devices the computation spans (default: all CPU
         devices); the custom call has no partitioning rule, so with several devices
         "auto" keeps XLA's dot (`CpuOptions.matmul="on"` forces the kernel).
@@ -127,8 +133,13 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         shown = f"{rows} rows" if rows is not None else "decode"
         return Choice(True, f"kernel: {shown} <= {limit} rows, faster than XLA's dot on "
                             f"{build_name} (measured)")
-    if isa not in _MEASURED[op]:
+    rule = _MEASURED[op].get(isa)
+    if rule is None:
         return Choice(False, f"XLA: the kernel is not measured faster on {build_name}")
+    if rule == "16-bit" and (dtype is None or not _is_16bit_float(dtype)):
+        shown = "float32 (or unknown) pages" if dtype is None else f"{jnp.dtype(dtype).name} pages"
+        return Choice(False, f"XLA: {shown} measured faster on the XLA path on {build_name} "
+                             f"(the kernel wins on 16-bit pages there)")
     return Choice(True, f"kernel: measured faster than the XLA path on {build_name}")
 
 

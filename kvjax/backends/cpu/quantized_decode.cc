@@ -188,7 +188,7 @@ inline void value_row16(const uint8_t* vcodes, const S* vs, const S* vz,
 //
 // Unpacking a chunk into float32 rows and reading them again cost more than the attention
 // itself (a store and a reload per value besides the unpacking: the kernel was 1.4-1.6x
-// slower than bf16 pages, NOTES v10). Here the logits and value loops take the packed codes
+// slower than bf16 pages). Here the logits and value loops take the packed codes
 // directly: a key code is multiplied by the query row with the group's scales folded in
 // (q . (s c + z) = (q s) . c + q . z, the q . z a logit bias), and a value code by its
 // token's probability times its group's scale, p s c, with sum_j p_j z_j added once per
@@ -209,7 +209,7 @@ inline v16 code_field(v16i x, int f) {
     if constexpr (BITS == 4) {
       const v16 codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       // Field 1 (x >> 4: x is a zero-extended byte) converts on another port than the
-      // lookup, which shares one with the widening (NOTES v12: 0.97x).
+      // lookup, which shares one with the widening (measured: 0.97x).
       if (f) return __builtin_convertvector(x >> 4, v16);
       return (v16)_mm512_permutexvar_ps((__m512i)x, (__m512)codes);
     } else {
@@ -352,7 +352,7 @@ inline bool located(const CodeChunk<BITS, S>& ch) { return ch.k != nullptr; }
 // and of its value scales and zeros and the key group's scale and zero rows (these serve
 // 16+ tokens). One line per array and step, spread over the chunk's arithmetic: 0.96x
 // of a loop over each row's bytes (at 2 bits that prefetched every line twice); the L2
-// hint for the codes a further 0.92-0.99x (NOTES v12).
+// hint for the codes a further 0.92-0.99x.
 template <int BITS, typename S>
 __attribute__((always_inline)) inline void prefetch_codes(const CodeChunk<BITS, S>& ch, int j) {
   const CodeRows<S>& g = *ch.geo;

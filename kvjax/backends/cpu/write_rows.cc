@@ -3,7 +3,7 @@
 //
 // XLA:CPU has no 16-bit float scatter or in-place dynamic-update-slice: a bf16 pool
 // written with either is widened to float32 (or copied) whole, on every write of a few
-// rows (benchmarks/NOTES.md v8). This custom call aliases the pool to its result and
+// rows. This custom call aliases the pool to its result and
 // copies only the rows. Semantics are `pool.at[layer, :, page, off, :].set(x,
 // mode="drop")`: a row whose page or offset is out of range (the cache's sink entry) is
 // skipped, as is every row when the layer is out of range.
