@@ -151,7 +151,22 @@ def _format_bytes(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `generate` for parsed `args`; returns the exit status."""
+    """Runs `generate` for parsed `args`; returns the exit status.
+
+    Errors the user can act on (bad arguments, an unreadable checkpoint, a pool too
+    small) print one `error:` line and return non-zero, without a traceback.
+    """
+    from kvjax.cache import CacheFullError
+
+    try:
+        return _run(args)
+    except CacheFullError as e:
+        print(f"error: {e} Here: pass a larger --num-pages (now {args.num_pages}), or leave it "
+              f"unset for enough pages for every sequence's full length.", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.page_size & (args.page_size - 1):
         print(f"error: --page-size must be a power of two, got {args.page_size}",
               file=sys.stderr)
@@ -179,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         model, params = models.load(args.model, dtype=args.dtype)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, KeyError, OSError) as e:  # config, weights, files: each names its file
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     vocab = model.vocab_size
     bad = [t for p in prompts for t in p if t >= vocab]
@@ -198,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     key = jax.random.key(args.seed)
     common = dict(page_size=args.page_size, num_pages=args.num_pages, cache_dtype=kv_dtype,
                   chunk_size=args.chunk_size, impl=args.impl)
-    print(f"loaded {model.config.architecture} ({model.family}, {model.config.attention}) "
+    print(f"loaded {hf['architectures'][0]} ({model.family}, {model.config.attention}) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ of the weights.
 
 import dataclasses
 import json
+import math
 import mmap
 import os
 import struct
@@ -46,15 +47,40 @@ _DTYPES = {
 
 
 class SafetensorsFile:
-    """A memory-mapped `.safetensors` file; `get(name)` returns a read-only zero-copy view."""
+    """A memory-mapped `.safetensors` file; `get(name)` returns a read-only zero-copy view.
+
+    The header is checked when the file is opened: its length against the file size
+    (before anything is read), its JSON, and every tensor's entry (dtype, shape and
+    byte range inside the file). A malformed file raises ValueError naming the file
+    and the problem.
+    """
 
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise ValueError(
+                    f"{path} is not a safetensors file: it has {size} bytes, fewer than the "
+                    f"8-byte header length that starts every safetensors file.")
             (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+            if header_len > size - 8:
+                raise ValueError(
+                    f"{path} is truncated or not a safetensors file: its header length field "
+                    f"says {header_len} bytes, but only {size - 8} bytes follow it.")
+            raw = f.read(header_len)
+            try:
+                header = json.loads(raw)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise ValueError(f"{path} is corrupt: its {header_len}-byte safetensors header "
+                                 f"is not valid JSON ({e}).") from e
+            if not isinstance(header, dict):
+                raise ValueError(f"{path} is corrupt: its safetensors header is a JSON "
+                                 f"{type(header).__name__}, not an object of tensor entries.")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         header.pop("__metadata__", None)
+        for name, info in header.items():
+            _check_entry(path, name, info, size - 8 - header_len)
         self._header = header
         self._offset = 8 + header_len
 
@@ -77,6 +103,30 @@ class SafetensorsFile:
         return x.reshape(info["shape"])
 
 
+def _check_entry(path: str, name: str, info, data_size: int) -> None:
+    """ValueError naming `path` and tensor `name` unless its header entry is well formed."""
+    def bad(problem: str):
+        return ValueError(f"{path} is corrupt: the header entry of tensor {name!r} {problem}.")
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise bad(f"must hold dtype, shape and data_offsets, got {info!r}")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(info["dtype"], str):
+        raise bad(f"has dtype {info['dtype']!r}, not a name like 'F32'")
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise bad(f"has shape {shape!r}, not a list of non-negative ints")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size):
+        raise bad(f"has data_offsets {offsets!r}, outside the {data_size} data bytes of the file "
+                  f"(truncated file?)")
+    dtype = _DTYPES.get(info["dtype"])
+    if dtype is not None and offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise bad(f"spans {offsets[1] - offsets[0]} bytes, but shape {shape} of "
+                  f"{info['dtype']} needs {math.prod(shape) * dtype.itemsize}")
+
+
 class CheckpointReader:
     """All tensors of a HF directory, single-file or sharded; callable as `get_tensor(name)`."""
 
@@ -86,8 +136,7 @@ class CheckpointReader:
         single = os.path.join(path, "model.safetensors")
         self._files: dict[str, SafetensorsFile] = {}
         if os.path.exists(index):
-            with open(index) as f:
-                self._where = dict(json.load(f)["weight_map"])
+            self._where = _read_index(index)
         elif os.path.exists(single):
             self._where = dict.fromkeys(self._open("model.safetensors").keys(),
                                         "model.safetensors")
@@ -110,13 +159,38 @@ class CheckpointReader:
         return self._open(self._where[name]).get(name)
 
 
+def _read_json(file: str, what: str):
+    with open(file, "rb") as f:
+        try:
+            return json.loads(f.read())
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise ValueError(f"{file} is not valid JSON ({e}); {what}.") from e
+
+
+def _read_index(file: str) -> dict[str, str]:
+    """tensor name -> shard file name, from a `model.safetensors.index.json`."""
+    index = _read_json(file, "it should map tensor names to shards under 'weight_map'")
+    where = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(where, dict) or not all(isinstance(v, str) for v in where.values()):
+        raise ValueError(f"{file} has no 'weight_map' object mapping tensor names to shard "
+                         f"files; got {type(where).__name__}.")
+    return dict(where)
+
+
 def read_hf_config(path: str) -> dict:
-    """The parsed `config.json` of a HF model directory."""
+    """The parsed `config.json` of a HF model directory.
+
+    Raises:
+      FileNotFoundError: there is no config.json. ValueError: it is not a JSON object.
+    """
     cfg = os.path.join(path, "config.json")
     if not os.path.exists(cfg):
         raise FileNotFoundError(f"{path} has no config.json; is it a HuggingFace model directory?")
-    with open(cfg) as f:
-        return json.load(f)
+    hf = _read_json(cfg, "a HuggingFace config.json is one JSON object")
+    if not isinstance(hf, dict):
+        raise ValueError(f"{cfg} holds a JSON {type(hf).__name__}, not the object of a "
+                         f"HuggingFace config.json.")
+    return hf
 
 
 def load(path: str, *, dtype: str | None = None,
@@ -129,15 +203,28 @@ def load(path: str, *, dtype: str | None = None,
       get_tensor: override the tensor source (tests); default reads the directory.
 
     Raises:
-      ValueError: the `architectures` entry is not supported (named, with the supported list).
+      ValueError: naming config.json and the field for a missing, malformed or unsupported
+        setting (`architectures` names the supported list); naming the weight file and
+        the problem for a malformed safetensors file.
       KeyError: a tensor the model needs is missing (named).
     """
     hf = read_hf_config(path)
-    archs = hf.get("architectures") or []
+    cfg_file = os.path.join(path, "config.json")
+    archs = hf.get("architectures")
     if not archs:
-        raise ValueError(f"{path}/config.json has no 'architectures' entry; cannot pick a family.")
+        raise ValueError(f"{cfg_file} has no 'architectures' entry; cannot pick a family. "
+                         f"Expected a list like [\"LlamaForCausalLM\"].")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{cfg_file}: 'architectures' must be a list of architecture names "
+                         f"like [\"LlamaForCausalLM\"], got {archs!r}.")
     family = family_for_architecture(archs[0])
-    config = family.config_cls.from_hf(hf)
+    try:
+        config = family.config_cls.from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"{cfg_file} lacks the field {e.args[0]!r}, which a {archs[0]} "
+                         f"config needs.") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_file}: {e}") from e
     if dtype is not None:
         if not any(f.name == "dtype" for f in dataclasses.fields(config)):
             raise ValueError(f"{family.config_cls.__name__} has no dtype field; cannot load "

@@ -1,9 +1,11 @@
 """`python -m kvjax generate` end to end on a saved tiny checkpoint with a tokenizer.json."""
 
 import json
+import shutil
 
 import pytest
 import torch
+import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvjax.__main__ import main
@@ -68,3 +70,55 @@ def test_cli_errors_name_the_problem(model_dir, tmp_path, capsys):
         main(["generate", "--help"])
     assert e.value.code == 0
     assert "--max-new-tokens" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=2,
+        max_position_embeddings=128, initializer_range=0.2, eos_token_id=None,
+        bos_token_id=None, pad_token_id=0)
+    m = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("deepseek-cli")
+    m.save_pretrained(d)
+    return m, d
+
+
+def test_generate_deepseek_checkpoint(deepseek_dir, capsys):
+    """An MLA checkpoint runs through the CLI (its config has no `architecture` field)."""
+    m, d = deepseek_dir
+    prompt = [5, 9, 17, 33, 60, 7, 12]
+    assert main(["generate", "--model", str(d), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "6", "--page-size", "4", "--eos-id", "none"]) == 0
+    out = capsys.readouterr()
+    with torch.no_grad():
+        ref = m.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0].tolist()
+    assert out.out.strip() == ",".join(map(str, ref))
+    assert "loaded DeepseekV2ForCausalLM (deepseek, MLA" in out.err
+
+
+def test_cache_full_is_one_error_line(model_dir, capsys):
+    _, d = model_dir
+    # 10 prompt tokens need 2 pages of 8; the pool has 1.
+    assert main(["generate", "--model", str(d), "--prompt-ids", "1,2,3,4,5,6,7,8,9,10",
+                 "--max-new-tokens", "4", "--page-size", "8", "--num-pages", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: KV cache is full") and "--num-pages (now 1)" in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_malformed_weights_are_one_error_line(damage, model_dir, tmp_path, capsys):
+    _, d = model_dir
+    bad = tmp_path / "model"
+    shutil.copytree(d, bad)
+    weights = bad / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    assert main(["generate", "--model", str(bad), "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {weights}")

@@ -18,6 +18,10 @@ _SCORING = ("softmax", "sigmoid")
 _TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 _MOE_IMPLS = ("auto", "dense", "gather", "ragged")
 _PARAM_DTYPES = ("float32", "bfloat16", "float16")
+# config.json fields without a default.
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+             "v_head_dim")
 
 
 def _pos_int(name: str, v: object, *, zero_ok: bool = False) -> None:
@@ -184,7 +188,11 @@ class DeepseekConfig:
         Raises ValueError naming any setting this implementation does not support.
         """
         c = dict(hf_config)
-        arch = (c.get("architectures") or [None])[0]
+        archs = c.get("architectures") or [None]
+        if not isinstance(archs, list):
+            raise ValueError(f"DeepseekConfig.from_hf: 'architectures' must be a list like "
+                             f"[\"DeepseekV2ForCausalLM\"], got {archs!r}.")
+        arch = archs[0]
         model_type = c.get("model_type")
         if model_type is None and arch is not None:
             model_type = {"DeepseekV2ForCausalLM": "deepseek_v2",
@@ -200,6 +208,10 @@ class DeepseekConfig:
             if key in c and c[key] not in (want, None):
                 raise ValueError(f"DeepseekConfig.from_hf: {key}={c[key]!r} is not supported "
                                  f"(only {want!r}).")
+        missing = [k for k in _REQUIRED if c.get(k) is None]
+        if missing:
+            raise ValueError(f"DeepseekConfig.from_hf: config.json lacks {missing}; a "
+                             f"{model_type} config needs every one of {list(_REQUIRED)}.")
         # num_key_value_heads is meaningless for MLA (kv_b_proj expands every head from the
         # latent), so it is not read.
         heads = c["num_attention_heads"]
