@@ -259,3 +259,22 @@ def test_helpers_park_or_spin(spin_us, rng):
     proc = subprocess.run([sys.executable, "-c", _SPIN_SCRIPT, str(rng.integers(1 << 30))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_unstack_layers_for(cpu_options):
+    """The decode loop's unstacking decision: only where the matmul kernel does not read
+    the stack in place (matmul off, more rows than it serves), for stacks of 32 MiB or
+    more, and never with unstack_layers off."""
+    big = {"w_qkv": jax.ShapeDtypeStruct((8, 512, 1536), F32),
+           "w_down": jax.ShapeDtypeStruct((8, 1408, 1024), F32),
+           "norm": jax.ShapeDtypeStruct((8, 512), F32)}
+    small = {"w": jax.ShapeDtypeStruct((2, 16, 16), F32)}
+    cpu_options(matmul="off")
+    assert cpu_kernels.unstack_layers_for(big, 8)
+    assert not cpu_kernels.unstack_layers_for(small, 8)
+    cpu_options(unstack_layers=False)
+    assert not cpu_kernels.unstack_layers_for(big, 8)
+    cpu_options(unstack_layers=True, matmul="on")
+    assert cpu_kernels.unstack_layers_for(big, 64)  # more rows than the kernel serves
+    if cpu_kernels.available():
+        assert not cpu_kernels.unstack_layers_for(big, 8)  # read in place by the kernel
