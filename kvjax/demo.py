@@ -6,9 +6,10 @@ caches and an eviction policy (StreamingLLM, GQA only: kvjax's policies act
 on per-head K/V pages, not on MLA's latent), and prints each completion, the
 KV bytes the sequence holds, decode tokens/s and agreement with the bf16 output.
 
-The prompt is fed through the compiled decode step one byte at a time, so each
-cache compiles one program (compilation is most of the run on a small CPU);
-`--chunked-prefill` prefills it in one chunk instead.
+Each configuration runs through `kvjax.generate.generate`. The prompt is fed
+through the decode step one byte at a time (`prefill="step"`: one decode loop per
+cache, and compilation is most of the run on a small CPU); `--chunked-prefill`
+prefills it in one chunk instead.
 """
 
 import argparse
@@ -49,7 +50,7 @@ def add_parser(subparsers) -> None:
 
 def _configs(model_name: str, context: int, args):
     from kvjax.cache.policies import StreamingLLM
-    from kvjax.decoding import CacheConfig
+    from kvjax.eval import EvalConfig as CacheConfig
 
     out = [CacheConfig(name="bf16"),
            CacheConfig(name="KIVI int4", bits=4, residual=args.residual),
@@ -66,27 +67,32 @@ def _show(text: bytes) -> str:
     return s.replace("\n", "\u23ce").replace("\t", "\\t")
 
 
-def _compile_all(decoders, prompt_len: int) -> None:
-    """Compiles every decoder's prefill and step programs, several at once.
+def _run_config(model, params, cc, tokens, n: int, chunked: bool):
+    """Greedy completion of `tokens` through one cache configuration.
 
-    Compilation is most of the demo's time on a small machine; XLA compiles
-    release the GIL, so a thread per core overlaps them (tracing stays serial).
+    Returns (output bytes, cached tokens at the end, decode tokens/s).
     """
-    import os
-    from concurrent.futures import ThreadPoolExecutor
+    import jax
+    import numpy as np
 
-    lowered = [dec.lower(prompt_len) for dec in decoders]
-    jobs = [(i, t, low) for i, lows in enumerate(lowered) for t, low in lows.items()]
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        done = list(pool.map(lambda job: job[2].compile(), jobs))
-    for (i, t, _), compiled in zip(jobs, done, strict=True):
-        decoders[i].install_compiled({t: compiled})
+    from kvjax import generate
+
+    kw = dict(key=jax.random.key(0), cache=cc.cache_config(), policy=cc.policy,
+              free_finished=False, prefill="chunked" if chunked else "step")
+    generate.generate(model, params, [tokens], max_new_tokens=n, **kw)  # compile
+    t0 = time.perf_counter()
+    res = generate.generate(model, params, [tokens], max_new_tokens=n, **kw)
+    rate = (len(tokens) - 1 + n if not chunked else n) / (time.perf_counter() - t0)
+    return res.tokens[0, : int(res.num_generated[0])], int(np.asarray(res.cache.lengths)[0]), rate
 
 
 def run(args) -> int:
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
-    from kvjax.decoding import CacheDecoder, kv_bytes_per_token
+    from kvjax.eval import kv_bytes_per_token
     from kvjax.models import tiny
 
     if args.max_new_tokens < 1:
@@ -101,56 +107,40 @@ def run(args) -> int:
         if n not in ("gqa", "mla"):
             raise SystemExit(f"--models: unknown model {n!r}; choose from gqa, mla.")
     prompt = (args.prompt if args.prompt is not None else DEFAULT_PROMPT).encode()
-    tokens = np.frombuffer(prompt, np.uint8).astype(np.int32)[None]
+    if not prompt:
+        raise SystemExit("--prompt must not be empty.")
+    tokens = np.frombuffer(prompt, np.uint8).astype(np.int32).tolist()
     n = args.max_new_tokens
-    context = tokens.shape[1] + n
-    print(f"prompt ({tokens.shape[1]} bytes):\n{prompt.decode()}\n")
+    context = len(tokens) + n
+    print(f"prompt ({len(tokens)} bytes):\n{prompt.decode()}\n")
     t_all = time.time()
-    runs = []  # (model name, model, params, cache config, decoder)
+    runs = []  # (model name, model, params, cache config)
     for name in names:
         model, params = tiny.load_tiny(name)
-        for cc in _configs(name, context, args):
-            runs.append((name, model, params, cc,
-                         CacheDecoder(model, params, cc, batch=1, max_len=context)))
-    # Compilation is most of the demo's time on a small machine: by default the prompt goes
-    # through the decode step one token at a time (one program per cache; KIVI pages are
-    # quantized and eviction runs as the prompt streams in, exactly as in decoding).
-    prompt_len = tokens.shape[1] if args.chunked_prefill else 1
-    _compile_all([r[-1] for r in runs], prompt_len)
-    programs = len(runs) * (2 if args.chunked_prefill else 1)
-    print(f"compiled {programs} programs in {time.time() - t_all:.1f}s"
+        runs += [(name, model, params, cc) for cc in _configs(name, context, args)]
+    # Compilation is most of the demo's time on a small machine; XLA compiles release the
+    # GIL, so the configurations run on a thread per core (tracing stays serial).
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(
+            lambda r: _run_config(r[1], r[2], r[3], tokens, n, args.chunked_prefill), runs))
+    print(f"ran {len(runs)} cache configurations in {time.time() - t_all:.1f}s"
           + ("" if args.chunked_prefill else " (prompt fed through the decode step)") + "\n")
     for name in names:
-        mine = [r for r in runs if r[0] == name]
+        mine = [(r, res) for r, res in zip(runs, results, strict=True) if r[0] == name]
         label = {"gqa": "GQA (Llama-style, 4 q / 2 kv heads)",
                  "mla": "MLA (DeepSeek-style latent cache)"}[name]
-        print(f"== {label}: {tiny.param_count(mine[0][2]):,} params")
+        print(f"== {label}: {tiny.param_count(mine[0][0][2]):,} params")
         print(f"{'cache':<22}{'KV bytes':>10}{'B/token':>9}{'tok/s':>8}{'agree':>7}  completion")
         base = None
-        for _, model, _, cc, dec in mine:
-            if args.chunked_prefill:
-                logits = dec.prefill(tokens)
-            else:
-                for tok in tokens[0]:
-                    logits = dec.step(np.asarray([tok]))
-            out, t0 = [], None
-            for i in range(n):
-                out.append(int(np.argmax(np.asarray(logits[0]))))
-                if i + 1 < n:
-                    if i == 1:
-                        t0 = time.perf_counter()  # steps after the first one
-                    logits = dec.step(np.asarray([out[-1]]))
-            logits.block_until_ready()
-            rate = (n - 2) / (time.perf_counter() - t0) if t0 is not None and n > 2 else float(
-                "nan")
-            kept = int(dec.cached_tokens()[0]) + 1  # the last token is not fed back
+        for (_, model, _, cc), (out, cached, rate) in mine:
+            kept = cached + 1  # the last token is not fed back
             per_tok = kv_bytes_per_token(model, cc, context, kept_tokens=kept)["held"]
             total = per_tok * context
             if base is None:
                 base = out
             agree = np.mean(np.asarray(out) == np.asarray(base))
             print(f"{cc.name:<22}{total:>10,.0f}{per_tok:>9.1f}{rate:>8.1f}{agree:>7.0%}  "
-                  f"{_show(bytes(out))}")
+                  f"{_show(bytes(out.astype(np.uint8).tolist()))}")
         print()
     print(f"done in {time.time() - t_all:.1f}s (including compilation)")
     return 0

@@ -21,6 +21,10 @@ same budgets — it measures
 Prints a table, writes `eval.json` and `eval.png` (quality vs. bytes per token)
 to `--out`.
 
+Every configuration runs through `kvjax.generate`'s one decode loop: perplexity by
+`kvjax.generate.score` (teacher forcing through the decode step), retrieval by
+`kvjax.generate.generate` (greedy).
+
 The combinations act on the packed KIVI pages (page size 32 = G). Their
 full-precision tail counts against the budget b (H2O holds quantized pages
 kept x 32 + tail <= b tokens; Quest reads top_k quantized pages + the tail), so
@@ -31,12 +35,112 @@ b >= R + 31 (the largest tail); a smaller budget is reported as not run.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import time
+from typing import Any
 
-__all__ = ["add_parser", "run", "cache_configs"]
+__all__ = ["add_parser", "run", "cache_configs", "EvalConfig", "kv_bytes_per_token"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """One cache configuration of the evaluation: storage, optional KIVI bits, policy.
+
+    Attributes:
+      name: label for tables.
+      dtype: full-precision storage ("bfloat16", "float32"); the quantized tail's dtype.
+      bits: 8, 4 or 2 for a KIVI-quantized cache (None: full precision).
+      group_size: KIVI group G.
+      residual: KIVI full-precision recent tokens R (a multiple of the page size).
+      policy: an eviction / selection policy (`kvjax.cache.policies`), on any cache kind
+        where it is defined (KIVI pages: page-granular).
+      read_budget: tokens a step reads when the policy selects pages (Quest), for accounting.
+    """
+
+    name: str
+    dtype: str = "bfloat16"
+    bits: int | None = None
+    group_size: int = 32
+    residual: int = 128
+    policy: Any = None
+    read_budget: int | None = None
+
+    @property
+    def page_size(self) -> int:
+        return 32 if self.bits is not None else 16
+
+    def cache_config(self):
+        """The `kvjax.generate.CacheConfig` of this configuration."""
+        from kvjax.generate import CacheConfig
+        from kvjax.specs import QuantSpec
+
+        quant = None if self.bits is None else QuantSpec(
+            bits=self.bits, group_size=self.group_size, residual=self.residual)
+        return CacheConfig(dtype=self.dtype, quant=quant, page_size=self.page_size)
+
+    def build_cache(self, model, batch: int, max_len: int):
+        """One cache for every call of this configuration (so each compiles once)."""
+        return self.cache_config().build(model, num_seqs=batch, max_tokens=max_len)
+
+
+def kv_bytes_per_token(model, cc: EvalConfig, context: int, *, page_size: int = 32,
+                       kept_tokens: float | None = None) -> dict:
+    """KV bytes per context token held (and read per decode step) for one configuration.
+
+    Full-precision tokens cost the dtype's bytes per element; KIVI-quantized
+    tokens `bits / 8` plus a float16 scale and zero per group of G elements
+    (MLA: the latent is quantized, the rope key stays full precision). The
+    first `page_size * floor((L - R) / page_size)` of L tokens are quantized,
+    the rest is the full-precision tail. Eviction keeps `kept_tokens` of L;
+    on a KIVI cache (page-granular H2O) it frees whole quantized pages and never
+    the tail, so with a tail of T tokens the whole pages of `kept_tokens` - T stay
+    quantized; as T cycles through [R, R + page_size - 1] while decoding, the
+    held bytes are averaged over those T (steady state once over budget).
+    Quest on a KIVI cache reads its `top_k` quantized pages, the whole tail and
+    the key scales and zeros of every quantized page (its bounds); its
+    `dense_layers` read everything.
+
+    Returns:
+      dict(held=bytes per context token stored, read=bytes per context token a step reads).
+    """
+    import jax.numpy as jnp
+
+    from kvjax.cache.policies import H2O, Quest
+
+    spec = model.make_cache_spec(page_size=page_size, num_pages=1, max_seqs=1,
+                                 max_pages_per_seq=1, dtype=cc.dtype)
+    layers = spec.num_layers
+    fp = jnp.dtype(cc.dtype).itemsize
+    a = spec.attention
+    if spec.is_mla:
+        q_elems, fp_elems = a.kv_lora_rank, a.qk_rope_head_dim
+    else:
+        q_elems, fp_elems = 2 * a.kv_heads * a.head_dim, 0
+    full = layers * (q_elems + fp_elems) * fp
+    kept = context if kept_tokens is None else min(kept_tokens, context)
+    if cc.bits is None:
+        held = kept * full
+        read = held if cc.read_budget is None else min(cc.read_budget, context) * full
+    else:
+        n_q = page_size * (max(context - cc.residual, 0) // page_size)
+        n_t = context - n_q
+        per_q = layers * (q_elems * (cc.bits / 8 + 4 / cc.group_size) + fp_elems * fp)
+        held = n_q * per_q + n_t * full
+        if isinstance(cc.policy, H2O) and context > kept:
+            tails = range(cc.residual, cc.residual + page_size)
+            held = sum(min(n_q, page_size * (max(kept - t, 0) // page_size)) * per_q
+                       + t * full for t in tails) / page_size
+        read = held
+        if isinstance(cc.policy, Quest):
+            bounds = layers * (q_elems // 2) * 4 / cc.group_size  # key scale + zero, f16
+            sparse = (min(cc.policy.top_k * page_size, n_q) * per_q + n_t * full
+                      + n_q * bounds)
+            dense = min(cc.policy.dense_layers, layers) / layers  # these layers read all
+            read = dense * held + (1 - dense) * sparse
+    return dict(held=held / context, read=read / context)
 
 
 def add_parser(subparsers) -> None:
@@ -79,9 +183,9 @@ def add_parser(subparsers) -> None:
 
 def cache_configs(model_name: str, context: int, budgets) -> list:
     """The configurations evaluated for one model at one context length."""
-    from kvjax.cache.policies import H2O, KIVIH2O, KIVIQuest, Quest, SnapKV, StreamingLLM
-    from kvjax.decoding import CacheConfig
+    from kvjax.cache.policies import H2O, Quest, SnapKV, StreamingLLM
 
+    CacheConfig = EvalConfig
     out = [CacheConfig(name="bf16"),
            CacheConfig(name="int8", bits=8, residual=0),
            CacheConfig(name="KIVI-4", bits=4, residual=128),
@@ -101,10 +205,10 @@ def cache_configs(model_name: str, context: int, budgets) -> list:
         ]
         residual, top_k, h2o_ok = combo_settings(b)
         out.append(CacheConfig(name=f"KIVI-4 + Quest {pct}", bits=4, residual=residual,
-                               policy=KIVIQuest(top_k=top_k, dense_layers=0)))
+                               policy=Quest(top_k=top_k, dense_layers=0)))
         if h2o_ok:
             out.append(CacheConfig(name=f"KIVI-2 + H2O {pct}", bits=2, residual=residual,
-                                   policy=KIVIH2O(budget=b)))
+                                   policy=H2O(budget=b)))
     return out
 
 
@@ -141,61 +245,39 @@ def _matches(name: str, pattern: str) -> bool:
     return pattern in name
 
 
-def _page_size(cc) -> int:
-    return 32 if cc.bits is not None else 16
-
-
-def _decoder(model, params, cc, batch, max_len):
-    from kvjax.decoding import CacheDecoder
-
-    return CacheDecoder(model, params, cc, batch=batch, max_len=max_len,
-                        page_size=_page_size(cc))
-
-
-def _pad(rows, width):
+def _perplexity(model, params, cc: EvalConfig, cache, seqs, prompt_len, chunk):
+    """exp(mean NLL) of seqs[:, prompt_len:], each byte fed by a decode step (teacher
+    forcing through `kvjax.generate.score`). Returns (ppl, the cache for the next call)."""
     import numpy as np
 
-    out = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return out, np.asarray([len(r) for r in rows])
+    from kvjax import generate
+
+    res = generate.score(model, params, seqs[:, :prompt_len].tolist(),
+                         seqs[:, prompt_len:].tolist(), cache=cache, policy=cc.policy,
+                         chunk_size=chunk)
+    return float(np.exp(res.nll())), res.cache
 
 
-def _perplexity(model, params, cc, seqs, prompt_len, pad_to, max_len):
-    """exp(mean NLL) of seqs[:, prompt_len:], each byte scored by a decode step."""
+def _retrieval(model, params, cc: EvalConfig, cache, examples, batch, chunk):
+    """Fraction of examples whose 5 value digits are generated exactly (greedy), and the
+    cache for the next call."""
+    import jax
     import numpy as np
 
-    b, total = seqs.shape
-    dec = _decoder(model, params, cc, b, max_len)
-    logits = dec.prefill(*_pad(seqs[:, :prompt_len], pad_to))
-    nll = []
-    for i in range(prompt_len, total):
-        lp = np.asarray(logits, np.float64)
-        lp = lp - lp.max(-1, keepdims=True)
-        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
-        nll.append(-lp[np.arange(b), seqs[:, i]])
-        if i + 1 < total:
-            logits = dec.step(seqs[:, i])
-    return float(np.exp(np.mean(nll)))
-
-
-def _retrieval(model, params, cc, examples, batch, pad_to, max_len):
-    """Fraction of examples whose 5 value digits are generated exactly (greedy)."""
-    import numpy as np
-
-    from kvjax import data
-    from kvjax.decoding import greedy_generate
+    from kvjax import data, generate
 
     hits = []
     for i in range(0, len(examples), batch):
-        chunk = examples[i:i + batch]
-        chunk = chunk + [chunk[-1]] * (batch - len(chunk))  # pad the batch, scored once
-        prompts, lengths = _pad([e.tokens[:e.answer_start] for e in chunk], pad_to)
-        out = greedy_generate(_decoder(model, params, cc, batch, max_len), prompts,
-                              data.VALUE_DIGITS, lengths)
-        want = np.stack([np.frombuffer(e.value, np.uint8) for e in chunk])
-        hits += list(np.all(out == want, axis=1))[:len(examples[i:i + batch])]
-    return float(np.mean(hits))
+        chunk_ex = examples[i:i + batch]
+        chunk_ex = chunk_ex + [chunk_ex[-1]] * (batch - len(chunk_ex))  # pad, scored once
+        prompts = [e.tokens[:e.answer_start].tolist() for e in chunk_ex]
+        res = generate.generate(model, params, prompts, key=jax.random.key(0),
+                                max_new_tokens=data.VALUE_DIGITS, cache=cache,
+                                policy=cc.policy, chunk_size=chunk)
+        cache = res.cache
+        want = np.stack([np.frombuffer(e.value, np.uint8) for e in chunk_ex])
+        hits += list(np.all(res.tokens == want, axis=1))[:len(examples[i:i + batch])]
+    return float(np.mean(hits)), cache
 
 
 def _plot(rows, path):
@@ -233,7 +315,6 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from kvjax import data
-    from kvjax.decoding import kv_bytes_per_token
     from kvjax.models import tiny
 
     if args.merge:
@@ -263,9 +344,9 @@ def run(args) -> int:
     seqs = np.stack([data.code_crop(rng, heldout, total) for _ in range(ppl_seqs)])
     seqs = seqs.astype(np.int32)
     examples = {}  # per query style: each model is asked the way it was trained to answer
-    # One padded prefill length and one cache shape for every call of a configuration, so
-    # each configuration compiles one prefill and one decode step.
-    pad_to = max(prompt_len, max(contexts))
+    # One cache shape for every call of a configuration, and one prefill chunk (every
+    # prompt fits it), so each configuration compiles few programs.
+    chunk = -(-max(prompt_len, max(contexts)) // 8) * 8
     max_len = max(max(contexts), total) + 8
     wanted = [w.strip() for w in args.configs.split(",")] if args.configs else None
     t0 = time.time()
@@ -285,18 +366,20 @@ def run(args) -> int:
             configs = [c for c in configs if any(_matches(c.name, w) for w in wanted)]
         base_ppl = None
         for cc in tqdm(configs, desc=f"eval {name}"):
-            ppl = _perplexity(model, params, cc, seqs, prompt_len, pad_to, max_len)
+            cache = cc.build_cache(model, ppl_seqs, max_len)
+            ppl, cache = _perplexity(model, params, cc, cache, seqs, prompt_len, chunk)
             base_ppl = ppl if base_ppl is None else base_ppl
-            acc = {L: _retrieval(model, params, cc, examples[query][L], ppl_seqs, pad_to,
-                                 max_len)
-                   for L in contexts}
+            acc = {}
+            for L in contexts:
+                acc[L], cache = _retrieval(model, params, cc, cache, examples[query][L],
+                                           ppl_seqs, chunk)
             pol = cc.policy
             kept = getattr(pol, "budget", None)
             if hasattr(pol, "n_sink"):
                 kept = pol.n_sink + pol.window
             if type(pol).__name__ == "SnapKV":  # compresses the prompt only; decoding appends
                 kept = pol.budget + score_len
-            acct = kv_bytes_per_token(model, cc, total, page_size=_page_size(cc),
+            acct = kv_bytes_per_token(model, cc, total, page_size=cc.page_size,
                                       kept_tokens=kept)
             rows.append(dict(model=name, config=cc.name, ppl=ppl,
                              ppl_change_pct=100 * (ppl / base_ppl - 1),

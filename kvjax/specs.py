@@ -75,6 +75,11 @@ class AttentionSpec:
         return self.kv_heads
 
     @property
+    def softmax_scale(self) -> float:
+        """The attention logit scale, 1/sqrt(head_dim)."""
+        return self.head_dim ** -0.5
+
+    @property
     def cache_widths(self) -> tuple[int, int]:
         """Per-head widths of the two cached tensors, K and V."""
         return (self.head_dim, self.head_dim)
@@ -87,6 +92,8 @@ class MLASpec:
     The cache holds one latent "head" per token: the normalised `c_KV`
     (`kv_lora_rank` wide) and the shared rotary key (`qk_rope_head_dim` wide).
     `q_lora_rank=None` means the query uses a plain projection (V2-Lite).
+    `scale` is the attention logit scale when it is not 1/sqrt(qk_nope + qk_rope)
+    (YaRN's mscale multiplies it).
     """
 
     q_heads: int
@@ -95,6 +102,7 @@ class MLASpec:
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+    scale: float | None = None
 
     def __post_init__(self):
         for name in ("q_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
@@ -102,6 +110,9 @@ class MLASpec:
             _positive_int("MLASpec", name, getattr(self, name))
         if self.q_lora_rank is not None:
             _positive_int("MLASpec", "q_lora_rank", self.q_lora_rank)
+        if self.scale is not None and not (isinstance(self.scale, float | int) and self.scale > 0):
+            raise ValueError(f"MLASpec.scale must be a positive float or None, got "
+                             f"{self.scale!r}.")
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 f"MLASpec.qk_rope_head_dim must be even (rotary pairs), got "
@@ -118,6 +129,11 @@ class MLASpec:
     @property
     def cache_heads(self) -> int:
         return 1
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention logit scale (absorbed form: q_latent . c_KV + q_rope . k_rope)."""
+        return self.qk_head_dim ** -0.5 if self.scale is None else float(self.scale)
 
     @property
     def cache_widths(self) -> tuple[int, int]:

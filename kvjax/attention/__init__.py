@@ -1,4 +1,9 @@
-"""Attention over a paged cache: decode, chunked prefill, MLA, and the LSE merge."""
+"""Attention over paged pages: decode, chunked prefill, MLA, KIVI, selections, the LSE merge.
+
+The ops take pages (arrays, `QuantizedLayerView`s) and block tables, never cache
+objects: `kvjax.cache` sits above this layer and builds their inputs. One registry
+(`registry.py`) maps every op and `impl` to the function that runs it.
+"""
 
 from kvjax.attention.ops import (
     IMPLS,
@@ -8,22 +13,36 @@ from kvjax.attention.ops import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from kvjax.attention.pages import QuantizedLayerView, QuantLayer, Selection
 from kvjax.attention.quantized import (
     quantized_decode_attention,
     quantized_mla_decode_attention,
     quantized_mla_prefill_attention,
     quantized_prefill_attention,
 )
+from kvjax.attention.selected import (
+    mla_selected_decode_attention,
+    quantized_mla_selected_decode_attention,
+    quantized_selected_decode_attention,
+    selected_decode_attention,
+)
 
 __all__ = [
     "IMPLS",
+    "QuantLayer",
+    "QuantizedLayerView",
+    "Selection",
     "merge_attention_states",
     "mla_decode_attention",
     "mla_prefill_attention",
+    "mla_selected_decode_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantized_decode_attention",
     "quantized_mla_decode_attention",
     "quantized_mla_prefill_attention",
+    "quantized_mla_selected_decode_attention",
     "quantized_prefill_attention",
+    "quantized_selected_decode_attention",
+    "selected_decode_attention",
 ]

@@ -6,24 +6,9 @@ tracers, also their values: a block-table entry a sequence uses that points
 outside the pool, or a length past `max_pages * page_size`, raises
 `ValueError` here instead of being clamped inside the computation.
 
-`impl` chooses the implementation:
-  "reference": the plain-jnp oracle in `kernels_pallas/*/reference.py`
-    (gathers each sequence's pages, then attends);
-  "xla": the XLA path used on CPU (`kvjax/attention/xla.py`: an online-softmax
-    loop over blocks of pages that never gathers a sequence's whole K/V);
-  "pallas": the Pallas kernels of `kernels_pallas/*/{tpu,gpu}.py`: the GPU
-    kernel on a GPU backend, the TPU kernel otherwise (natively on TPU, in
-    Pallas' interpret mode on CPU). `interpret=None` means interpret on CPU
-    only. The prefill ops have no kernel yet: their "pallas" entry runs the
-    "xla" path;
-  "cpu": the C++ CPU kernels of `kvjax/backends/cpu/` (XLA FFI custom calls,
-    built on first use, that stream each live page once): GQA and MLA decode; the
-    prefill ops have no kernel, their "cpu" entry runs the "xla" path;
-  "auto": the best one for the default backend: "pallas" on TPU and GPU for
-    the ops that have a kernel; on CPU "cpu" for the ops that have one when the
-    kernels are available (`kvjax.backends.cpu.available()`: a C++ compiler
-    built them and `KVJAX_CPU_KERNEL=0` is not set), "xla" otherwise.
-Each op looks its implementation up in `_IMPLS[op][impl]`.
+`impl` chooses the implementation from the one registry (`registry.py`, which
+also says what "auto" picks): "reference", "xla", "pallas", "cpu", "auto", or an
+object that resolves ops itself (`kvjax.sharding.ShardedAttention`).
 """
 
 import functools
@@ -34,12 +19,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas.merge import merge_attention_states
-from kernels_pallas.mla_decode import reference as mla_ref
-from kernels_pallas.paged_attention import reference as paged_ref
-from kvjax.attention import cpu_impls as cpu_kernels
-from kvjax.attention import pallas_impls
-from kvjax.attention import xla as xla_path
-from kvjax.backends import cpu as cpu_backend
+from kvjax.attention import registry
+from kvjax.attention.registry import IMPLS
 
 __all__ = [
     "paged_decode_attention",
@@ -50,78 +31,12 @@ __all__ = [
     "IMPLS",
 ]
 
-IMPLS = ("auto", "reference", "xla", "pallas", "cpu")
-
-# op name -> impl name -> function with the reference's signature.
-_IMPLS = {
-    "paged_decode_attention": {
-        "reference": paged_ref.paged_decode_attention,
-        "xla": xla_path.paged_decode_attention,
-        "pallas": pallas_impls.paged_decode_attention,
-        "cpu": cpu_kernels.paged_decode_attention,
-    },
-    "paged_prefill_attention": {
-        "reference": paged_ref.paged_prefill_attention,
-        "xla": xla_path.paged_prefill_attention,
-        "pallas": functools.partial(pallas_impls.prefill_via_xla, "paged_prefill_attention"),
-        "cpu": xla_path.paged_prefill_attention,  # no prefill kernel: the XLA path
-    },
-    "mla_decode_attention": {
-        "reference": mla_ref.mla_decode_attention,
-        "xla": xla_path.mla_decode_attention,
-        "pallas": pallas_impls.mla_decode_attention,
-        "cpu": cpu_kernels.mla_decode_attention,
-    },
-    "mla_prefill_attention": {
-        "reference": mla_ref.mla_prefill_attention,
-        "xla": xla_path.mla_prefill_attention,
-        "pallas": functools.partial(pallas_impls.prefill_via_xla, "mla_prefill_attention"),
-        "cpu": xla_path.mla_prefill_attention,  # no prefill kernel: the XLA path
-    },
-}
-
-
-# Ops with a C++ CPU kernel ("auto" picks "cpu" for them on CPU); the other ops' "cpu"
-# entries run the XLA path, so that a model given impl="cpu" can also prefill.
-CPU_KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
-
-
-def _auto_impl(op: str) -> str:
-    """The implementation "auto" resolves to on the default backend."""
-    if pallas_impls.platform() in ("tpu", "gpu") and op in pallas_impls.KERNEL_OPS:
-        return "pallas"
-    # CPU has no compiled Pallas. The C++ kernels are the fast path where an op has one
-    # and they built; the blocked XLA path otherwise.
-    if pallas_impls.platform() == "cpu" and op in CPU_KERNEL_OPS and cpu_backend.available():
-        return "cpu"
-    return "xla"
-
-
-def _select(op: str, impl, interpret: bool | None = None):
-    # A non-string impl that resolves ops itself (kvjax.sharding.ShardedAttention) runs
-    # the op its own way, e.g. per device inside shard_map; models pass `impl` through.
-    resolve = getattr(impl, "resolve_attention", None)
-    if resolve is not None:
-        return resolve(op, interpret=interpret)
-    if impl not in IMPLS:
-        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
-    name = _auto_impl(op) if impl == "auto" else impl
-    fn = _IMPLS[op].get(name)
-    if fn is None:
-        raise NotImplementedError(
-            f"{op}: impl={name!r} is not available; choose one of {sorted(_IMPLS[op])}."
-        )
-    if name == "pallas":
-        # Prefill's pallas entry looks the xla path up at call time.
-        return functools.partial(fn, interpret=interpret, impls=_IMPLS)
-    return fn
-
 
 def _layer_views(op, pools, layer, *, mla):
     """One layer of a cache's pools (for validation and for impls that take one layer).
 
-    Under jit an unused slice costs nothing (XLA drops it); the "xla" and "cpu" impls
-    are handed the whole pools and the layer instead (see `_with_layer`).
+    Under jit an unused slice costs nothing (XLA drops it); the impls that read whole
+    pools are handed the whole pools and the layer instead (see `_with_layer`).
     """
     if layer is None:
         return pools
@@ -138,10 +53,9 @@ def _layer_views(op, pools, layer, *, mla):
 
 def _with_layer(op, impl, interpret, layer, views, pools):
     """The implementation and the pools to pass it: the whole pools plus `layer` for
-    the "xla" and "cpu" paths, which read the layer in place; one layer otherwise."""
-    fn = _select(op, impl, interpret)
-    name = _auto_impl(op) if impl == "auto" else impl
-    if layer is not None and name in ("xla", "cpu"):
+    the impls that read the layer in place; one layer otherwise."""
+    fn, takes_layer = registry.resolve(op, impl, interpret)
+    if layer is not None and takes_layer:
         return functools.partial(fn, layer=layer), pools
     return fn, views
 

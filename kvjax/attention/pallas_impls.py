@@ -1,7 +1,6 @@
 """The "pallas" implementations behind `kvjax.attention`'s ops.
 
-Each function has its op's reference signature plus `interpret` and `impls`
-(the registry, so prefill can defer to whatever "xla" is at call time). The
+Each function has its op's reference signature plus `interpret`. The
 backend decides the kernel: the Triton (GPU) kernel on a GPU backend, the TPU
 kernel otherwise — natively on TPU, in Pallas' plain interpret mode on CPU,
 where it is fastest to interpret (its pools stay in "HBM" and only the pages a
@@ -19,7 +18,7 @@ from kernels_pallas.quantized_attention import tpu as quant_tpu
 
 __all__ = [
     "KERNEL_OPS", "platform", "paged_decode_attention", "mla_decode_attention",
-    "prefill_via_xla", "quantized_attention", "quantized_mla_attention",
+    "quantized_attention", "quantized_mla_attention",
 ]
 
 # Ops that have a kernel of their own ("auto" picks "pallas" for them on TPU/GPU).
@@ -44,7 +43,7 @@ def _backend_and_interpret(interpret: bool | None) -> tuple[str, bool]:
 
 
 def paged_decode_attention(q, k_pages, v_pages, lengths, block_tables, *, scale=None,
-                           soft_cap=None, sliding_window=None, interpret=None, impls=None):
+                           soft_cap=None, sliding_window=None, interpret=None):
     """Paged GQA decode through the backend's kernel (see the module docstring)."""
     backend, interpret = _backend_and_interpret(interpret)
     kernel = paged_gpu if backend == "gpu" else paged_tpu
@@ -55,7 +54,7 @@ def paged_decode_attention(q, k_pages, v_pages, lengths, block_tables, *, scale=
 
 
 def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, *,
-                         scale, interpret=None, impls=None):
+                         scale, interpret=None):
     """Absorbed-MLA decode through the backend's kernel (see the module docstring)."""
     backend, interpret = _backend_and_interpret(interpret)
     kernel = mla_gpu if backend == "gpu" else mla_tpu
@@ -63,12 +62,6 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, bl
         q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale,
         interpret=interpret,
     )
-
-
-def prefill_via_xla(op, *args, interpret=None, impls, **kwargs):
-    """Prefill has no kernel yet: "pallas" runs the op's current "xla" implementation."""
-    del interpret
-    return impls[op]["xla"](*args, **kwargs)
 
 
 def quantized_attention(*args, interpret=None, **kwargs):

@@ -8,7 +8,8 @@ step, pass `layer_view(cache, layer, whole_pools=True)`: the "xla" path then
 reads the layer's pages straight from the cache's pools (other impls get the
 layer's slice).
 
-`impl` chooses the implementation, as in `kvjax.attention.ops`:
+`impl` chooses the implementation from the one registry (`registry.py`), as for
+the full-precision ops:
   "reference": `kernels_pallas/quantized_attention/reference.py` (gather the
     used pages' codes and scales, dequantize them all in float32, attend): the oracle;
   "xla": `kvjax/attention/xla_quantized.py` (online softmax over blocks of pages,
@@ -21,10 +22,13 @@ layer's slice).
   "cpu": the C++ CPU kernel (`kvjax/backends/cpu/quantized_decode.cc`: the pages
     streamed once, their packed codes multiplied in registers with the scales folded
     into queries and probabilities, then the tail ring in the same online softmax) for
-    GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu" entry run the "xla" path;
-  "auto": the best one for the default backend: "cpu" on the CPU backend for the
-    ops that have it when the kernels are available
-    (`kvjax.backends.cpu.available()`), "xla" otherwise.
+    GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu" entry run the "xla" path.
+
+`quantized_selected_decode_attention` reads a `Selection` of quantized pages (one
+table per sequence or per KV head, e.g. Quest's) plus the whole tail: the selected
+pages through the registered op (per-KV-head tables as batch rows over the pools
+viewed as one head of `kv_heads * pages` pages, a free reshape), the tail by the
+reference's dense tail attention, merged by log-sum-exp.
 """
 
 import functools
@@ -32,11 +36,8 @@ import functools
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kernels_pallas.quantized_attention import reference as qref
-from kvjax.attention import cpu_impls as cpu_kernels
-from kvjax.attention import pallas_impls, xla_quantized
-from kvjax.backends import cpu as cpu_backend
-from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
+from kvjax.attention import registry
+from kvjax.attention.pages import QuantizedLayerView, QuantLayer
 
 __all__ = [
     "quantized_decode_attention",
@@ -45,56 +46,16 @@ __all__ = [
     "quantized_mla_prefill_attention",
 ]
 
-IMPLS = ("auto", "reference", "xla", "pallas", "cpu")
 
-_IMPLS = {
-    "quantized_attention": {
-        "reference": qref.quantized_attention,
-        "xla": xla_quantized.quantized_attention,
-        "pallas": pallas_impls.quantized_attention,
-        "cpu": cpu_kernels.quantized_attention,
-    },
-    "quantized_mla_attention": {
-        "reference": qref.quantized_mla_attention,
-        "xla": xla_quantized.quantized_mla_attention,
-        "pallas": pallas_impls.quantized_mla_attention,
-        "cpu": xla_quantized.quantized_mla_attention,  # no MLA kernel: the XLA path
-    },
-}
-
-
-def _auto_impl(op: str) -> str:
-    """The implementation "auto" resolves to on the default backend."""
-    if (pallas_impls.platform() == "cpu" and op == "quantized_attention"
-            and cpu_backend.available()):
-        return "cpu"
-    return "xla"
-
-
-def _select(op: str, impl: str, interpret: bool | None = None):
-    if impl not in IMPLS:
-        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}.")
-    name = _auto_impl(op) if impl == "auto" else impl
-    fn = _IMPLS[op].get(name)
-    if fn is None:
-        raise NotImplementedError(
-            f"{op}: impl={name!r} is not available; choose one of {sorted(_IMPLS[op])}."
-        )
-    if name == "pallas":
-        return functools.partial(fn, interpret=interpret)
-    return fn
-
-
-def _with_layer(op: str, impl: str, interpret, view: QuantizedLayerView):
-    """The implementation and the view to pass it: for the "xla" and "cpu" paths a
-    whole-pool view stays whole (they read the layer in place), other impls get one
-    layer."""
-    fn = _select(op, impl, interpret)
+def _with_layer(op: str, impl, interpret, view: QuantizedLayerView):
+    """The implementation and the view to pass it: for impls that read whole pools a
+    whole-pool view stays whole (they read the layer in place), others get one layer."""
+    fn, takes_layer = registry.resolve(op, impl, interpret)
     if view.layer is None:
         return fn, view
-    if fn is _IMPLS[op]["xla"] or fn is _IMPLS[op].get("cpu"):
+    if takes_layer:
         kw = dict(layer=view.k.layer)
-        if not isinstance(view.v, QuantLayer):  # MLA's k_rope pool holds every layer
+        if view.is_mla:  # MLA's k_rope pool holds every layer
             kw["rope_layer"] = view.layer
         return functools.partial(fn, **kw), view
     return fn, view.one_layer()

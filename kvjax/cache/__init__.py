@@ -1,56 +1,63 @@
-"""The paged KV cache pytree, its page allocator, and operations on both."""
+"""The paged KV cache pytree (every page kind), its page allocator, and operations on both.
 
-from kvjax.cache import quant, quantized
-from kvjax.cache.page_table import (
-    AllocStatus,
-    CacheFullError,
-    PageTable,
+One `PagedKVCache` type holds full-precision K/V, MLA latents, or KIVI-quantized
+pages with their full-precision tail (`state.py`); `init_cache(spec)` builds the kind
+the spec asks for, and the generic operations (`ops.py`) serve every kind. The kinds'
+implementations live in `paged.py` (full precision) and `quantized.py` (KIVI).
+"""
+
+from kvjax.attention.pages import QuantizedLayerView, QuantLayer, Selection
+from kvjax.cache import paged, quant, quantized
+from kvjax.cache.ops import (
+    attend,
+    attention_probs,
     check_invariants,
-)
-from kvjax.cache.paged import (
-    KVPages,
-    LatentPages,
-    LayerView,
-    PagedKVCache,
-    Slots,
     fork,
     free,
     init_cache,
     layer_view,
     reserve,
-    token_slots,
-    write_layer,
-    write_layer_jit,
+    write,
 )
-from kvjax.cache.quantized import (
-    QuantizedKVCache,
+from kvjax.cache.page_table import AllocStatus, CacheFullError, PageTable
+from kvjax.cache.state import (
+    KIVITail,
+    KVPages,
+    LatentPages,
+    LayerView,
+    PagedKVCache,
     QuantizedKVPages,
     QuantizedLatentPages,
-    init_quantized_cache,
+    QuantPool,
+    Slots,
 )
 
 __all__ = [
     "AllocStatus",
     "CacheFullError",
+    "KIVITail",
     "KVPages",
     "LatentPages",
     "LayerView",
     "PageTable",
     "PagedKVCache",
+    "QuantLayer",
+    "QuantPool",
+    "QuantizedKVPages",
+    "QuantizedLatentPages",
+    "QuantizedLayerView",
+    "Selection",
     "Slots",
+    "attend",
+    "attention_probs",
     "check_invariants",
     "fork",
     "free",
     "init_cache",
     "layer_view",
-    "reserve",
-    "token_slots",
-    "write_layer",
-    "write_layer_jit",
+    "paged",
     "quant",
     "quantized",
-    "QuantizedKVCache",
-    "QuantizedKVPages",
-    "QuantizedLatentPages",
-    "init_quantized_cache",
+    "reserve",
+    "write",
 ]

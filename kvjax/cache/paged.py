@@ -1,21 +1,14 @@
-"""The paged KV cache pytree and the pure functions that grow, write, fork and free it.
+"""Full-precision pages (`KVPages`, `LatentPages`): allocation, token writes, layer views.
 
-Every page pool, for every cache kind, has the layout
-
-    [layers, heads, pages, page_size, width]
-
-(`heads` = kv_heads for MHA/GQA/MQA, 1 for MLA's latent "head"), so that paging
-operations (copy-on-write, scrubbing) and sharding treat all pools alike: the
-page axis is always axis 2 and the head axis axis 1.
-
-The functions exported as jitted entry points donate the cache: the pools are
-updated in place, and the caller must use the returned cache. Their cost does
-not grow with unused pool capacity: writes and copies scatter only the pages
-they touch.
+The functions here are the full-precision kind's implementation of the generic
+cache operations; use them through `kvjax.cache` (`reserve`, `fork`, `free`,
+`write`, `attend`, `layer_view`), which dispatches on the page kind. They are pure:
+the jitted entry points of `kvjax.cache` donate the cache, so the pools are updated
+in place, and their cost does not grow with unused pool capacity: writes and copies
+scatter only the pages they touch.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +17,10 @@ from jaxtyping import Array, Bool, Float, Int
 from kvjax.backends import cpu
 from kvjax.cache import page_table as pt
 from kvjax.cache import sharded_table as st
+from kvjax.cache.state import KVPages, LatentPages, LayerView, PagedKVCache, Slots
 from kvjax.specs import CacheSpec
 
 __all__ = [
-    "KVPages",
-    "LatentPages",
-    "PagedKVCache",
-    "LayerView",
-    "Slots",
     "init_cache",
     "reserve",
     "fork",
@@ -39,86 +28,14 @@ __all__ = [
     "token_slots",
     "write_layer",
     "layer_view",
+    "set_drop",
+    "set_rows",
+    "copy_pages",
 ]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVPages:
-    """Key and value page pools of an MHA/GQA/MQA cache, all layers."""
-
-    k: Float[Array, "layers kv_heads pages page_size head_dim"]
-    v: Float[Array, "layers kv_heads pages page_size head_dim"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LatentPages:
-    """MLA latent pools, all layers: normalised c_KV and the shared rotary key."""
-
-    c_kv: Float[Array, "layers 1 pages page_size d_c"]
-    k_rope: Float[Array, "layers 1 pages page_size d_rope"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PagedKVCache:
-    """A paged KV cache: page pools for every layer and the page table they share.
-
-    Attributes:
-      pages: `KVPages` (MHA/GQA/MQA) or `LatentPages` (MLA).
-      table: block tables, lengths, reference counts and the free stack.
-      spec: the static `CacheSpec` the cache was built from.
-    """
-
-    pages: KVPages | LatentPages
-    table: pt.PageTable
-    spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def lengths(self) -> Int[Array, " max_seqs"]:
-        return self.table.lengths
-
-    @property
-    def block_tables(self) -> Int[Array, "max_seqs max_pages"]:
-        return self.table.block_tables
-
-    @property
-    def num_free_pages(self) -> Int[Array, ""]:
-        return self.table.num_free
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerView:
-    """One layer's pools with the page table, in the layout `kvjax.attention` takes.
-
-    For MLA, `k` is the latent pool and `v` the rotary-key pool, both with the
-    latent head axis squeezed away ([pages, page_size, width]).
-    """
-
-    k: Float[Array, "..."]
-    v: Float[Array, "..."]
-    block_tables: Int[Array, "max_seqs max_pages"]
-    lengths: Int[Array, " max_seqs"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Slots:
-    """Where tokens go in the pools: page id and offset per token; page == num_pages drops it."""
-
-    page: Int[Array, "batch q_len"]
-    offset: Int[Array, "batch q_len"]
-
-
 def init_cache(spec: CacheSpec) -> PagedKVCache:
-    """An empty cache for `spec`: zeroed pools, no sequence, every page free."""
-    if spec.quant is not None:
-        raise ValueError(
-            "init_cache: spec.quant is set; build a quantized cache with "
-            "kvjax.cache.init_quantized_cache(spec)."
-        )
+    """An empty full-precision cache for `spec`: zeroed pools, no sequence, every page free."""
     shape_a, shape_b = spec.pool_shapes
     a = jnp.zeros(shape_a, spec.dtype)
     b = jnp.zeros(shape_b, spec.dtype)
@@ -172,7 +89,7 @@ def _in_place_kernels(x: Array):
     return cpu if cpu.available() else None
 
 
-def _copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
+def copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
     """pages[:, :, dst] = pages[:, :, src] for every pool; dst == num_pages is skipped.
 
     Runs in every `reserve` (copy-on-write of shared last pages): 16-bit pools on CPU take
@@ -191,30 +108,18 @@ def _zero_pages(pages, ids: Int[Array, " n"]):
     return jax.tree.map(lambda x: set_drop(x, (slice(None), slice(None), ids), 0), pages)
 
 
-def _allocator(table: pt.PageTable):
+def allocator(table: pt.PageTable):
     """The allocator module for `table`: per-shard free stacks when the pool is sharded."""
     return st if isinstance(table, st.ShardedPageTable) else pt
 
 
-def _check_seq_vector(name: str, x, spec: CacheSpec, dtype_kind: str = "i") -> None:
-    shape = getattr(x, "shape", None)
-    if shape != (spec.max_seqs,):
-        raise ValueError(
-            f"{name} must have shape (max_seqs,) = ({spec.max_seqs},), got {shape}."
-        )
-    if jnp.dtype(x.dtype).kind not in dtype_kind:
-        raise TypeError(f"{name} must be {'bool' if dtype_kind == 'b' else 'integer'}, "
-                        f"got {x.dtype}.")
-
-
-@functools.partial(jax.jit, donate_argnames="cache")
 def reserve(
     cache: PagedKVCache, num_new: Int[Array, " max_seqs"]
 ) -> tuple[PagedKVCache, pt.AllocStatus]:
     """Grows sequences by `num_new[s]` tokens: allocates pages, copies shared pages first.
 
     Args:
-      cache: the cache (donated).
+      cache: the cache.
       num_new: int32[max_seqs], tokens each sequence is about to receive (0 for idle slots).
 
     Returns:
@@ -223,13 +128,11 @@ def reserve(
       failure (out of pages, too long) nothing changes, and
       `status.raise_if_error()` raises `CacheFullError` on the host.
     """
-    _check_seq_vector("reserve: num_new", num_new, cache.spec, "iu")
-    table, copy, status = _allocator(cache.table).reserve(cache.table, num_new)
-    pages = _copy_pages(cache.pages, copy.src, copy.dst)
+    table, copy, status = allocator(cache.table).reserve(cache.table, num_new)
+    pages = copy_pages(cache.pages, copy.src, copy.dst)
     return dataclasses.replace(cache, pages=pages, table=table), status
 
 
-@functools.partial(jax.jit, donate_argnames="cache")
 def fork(
     cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]
 ) -> tuple[PagedKVCache, pt.AllocStatus]:
@@ -242,11 +145,10 @@ def fork(
     Returns:
       (cache, status): status code BAD_FORK (nothing changed) if a target is unusable.
     """
-    table, status = _allocator(cache.table).fork(cache.table, src, dst)
+    table, status = allocator(cache.table).fork(cache.table, src, dst)
     return dataclasses.replace(cache, table=table), status
 
 
-@functools.partial(jax.jit, donate_argnames="cache", static_argnames="scrub")
 def free(
     cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
 ) -> PagedKVCache:
@@ -257,8 +159,7 @@ def free(
       seqs: bool[max_seqs], the sequences to free.
       scrub: zero the released pages in every pool (static).
     """
-    _check_seq_vector("free: seqs", seqs, cache.spec, "b")
-    table, released = _allocator(cache.table).free(cache.table, seqs)
+    table, released = allocator(cache.table).free(cache.table, seqs)
     pages = _zero_pages(cache.pages, released) if scrub else cache.pages
     return dataclasses.replace(cache, pages=pages, table=table)
 
@@ -287,7 +188,13 @@ def token_slots(
             f"token_slots: positions and valid must both be [batch, q_len]; got "
             f"{positions.shape} and {valid.shape}."
         )
-    bt = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
+    if seq_ids is None:
+        bt = cache.block_tables
+    else:
+        seq_ids = jnp.asarray(seq_ids, jnp.int32)
+        ok = (seq_ids >= 0) & (seq_ids < spec.max_seqs)
+        bt = jnp.where(ok[:, None], cache.block_tables[jnp.clip(seq_ids, 0, spec.max_seqs - 1)],
+                       -1)
     if bt.shape[0] != positions.shape[0]:
         raise ValueError(
             f"token_slots: positions has batch {positions.shape[0]} but there are "
@@ -295,7 +202,10 @@ def token_slots(
         )
     col = jnp.clip(positions // spec.page_size, 0, spec.max_pages_per_seq - 1)
     page = jnp.take_along_axis(bt, col, axis=1)
-    page = jnp.where(valid, page, spec.num_pages)
+    # A position no page was reserved for (entry -1), or a slot outside the table, is
+    # dropped: a negative index would wrap to the pool's last page.
+    inside = (positions >= 0) & (positions < spec.max_tokens_per_seq) & (page >= 0)
+    page = jnp.where(valid & inside, page, spec.num_pages)
     return Slots(page=page.astype(jnp.int32), offset=(positions % spec.page_size).astype(jnp.int32))
 
 
@@ -326,6 +236,7 @@ def write_layer(
         axis of 1 may be present or not). Must have the cache's dtype.
     """
     spec = cache.spec
+    check_layer(spec, layer)
     if spec.is_mla:
         a = a[:, :, None] if a.ndim == 3 else a
         b = b[:, :, None] if b.ndim == 3 else b
@@ -354,13 +265,20 @@ def _pools(pages) -> tuple[jax.Array, jax.Array]:
 
 def layer_view(cache: PagedKVCache, layer: int | Int[Array, ""]) -> LayerView:
     """One layer's pools plus the block tables and lengths, ready for `kvjax.attention`."""
+    check_layer(cache.spec, layer)
     a, b = (p[layer] for p in _pools(cache.pages))
     if cache.spec.is_mla:
         a, b = a[0], b[0]
     return LayerView(k=a, v=b, block_tables=cache.block_tables, lengths=cache.lengths)
 
 
-@functools.partial(jax.jit, donate_argnames="cache")
-def write_layer_jit(cache, layer, slots, a, b):
-    """`write_layer` as a jitted entry point that donates the cache (updates in place)."""
-    return write_layer(cache, layer, slots, a, b)
+def check_layer(spec: CacheSpec, layer) -> None:
+    """ValueError for a static layer index outside [0, num_layers) (traced ones pass)."""
+    if isinstance(layer, jax.core.Tracer):
+        return
+    if not hasattr(layer, "__index__") and not (hasattr(layer, "ndim") and layer.ndim == 0):
+        raise TypeError(f"layer must be an int or an int32 scalar, got {layer!r}.")
+    value = int(layer)
+    if not 0 <= value < spec.num_layers:
+        raise ValueError(f"layer {value} is outside the cache's {spec.num_layers} layers "
+                         f"(allowed: 0 .. {spec.num_layers - 1}).")

@@ -1,13 +1,13 @@
 """A paged KV cache of low-bit codes with a full-precision tail (KIVI, arXiv 2402.02750).
 
 State
-  `QuantizedKVCache` = a `PagedKVCache` whose `pages` are `QuantizedKVPages`
+  A quantized cache is a `PagedKVCache` whose `pages` are `QuantizedKVPages`
   (GQA: packed K and V codes with their scales and zeros) or
   `QuantizedLatentPages` (MLA: packed c_KV codes, scales, zeros and the
-  full-precision k_rope), plus a full-precision `KVTail` per sequence slot.
-  Every pool of the pages has the layout `[layers, heads, pages, rows, cols]`
-  (page axis 2), so the generic copy-on-write and scrub of
-  `kvjax.cache.paged` apply to them unchanged.
+  full-precision k_rope), and whose `tail` is a `KIVITail` (the full-precision
+  ring of every sequence slot, and the token counts). Every pool of the pages has
+  the layout `[layers, heads, pages, rows, cols]` (page axis 2), so the generic
+  copy-on-write and scrub of `kvjax.cache.paged` apply to them unchanged.
 
 Which tokens are quantized
   A sequence of L tokens keeps its first
@@ -22,7 +22,7 @@ Which tokens are quantized
   page but the tail at once.
 
 Page table and allocator
-  The page table (`cache.paged.table`) describes only the quantized pages:
+  The page table (`cache.table`) describes only the quantized pages:
   its `lengths` are Q, a multiple of the page size, and its pages are
   ordinary refcounted pages allocated by `page_table.reserve` when a flush
   needs them (so running out of pages is an `AllocStatus`/`CacheFullError`
@@ -40,44 +40,34 @@ Per-layer bits
   all layers the `layer` argument may be traced (scan over layers); with
   mixed widths it must be a Python int.
 
-Example (one decode step of a model with `num_layers` layers)::
-
-    cache, status = reserve(cache, num_new)          # jitted, cache donated
-    for layer in range(num_layers):                  # inside the model's jit
-        k, v = ...                                   # [max_seqs, 1, kv_heads, head_dim]
-        cache = write_layer(cache, layer, k, v)      # flushes completed pages
-        out, lse = kvjax.attention.quantized_decode_attention(q, layer_view(cache, layer))
-
-Entry points mirror `kvjax.cache.paged`: `init_quantized_cache`, `reserve`,
-`fork`, `free` (jitted, cache donated), and the pure `write_layer` and
-`layer_view` for the model's forward pass: after `reserve`, write the new
-tokens of every layer with `write_layer`, then attend with
-`kvjax.attention.quantized_*_attention(q, layer_view(cache, layer), ...)`.
+The functions here are the quantized kinds' implementation of the generic
+operations of `kvjax.cache` (`init_cache`, `reserve`, `fork`, `free`, `write`,
+`attend`, `layer_view`), which dispatch on the page kind; use them through it.
 """
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, UInt8
+from jaxtyping import Array, Bool, Float, Int
 
+from kvjax.attention.pages import QuantizedLayerView, QuantLayer
 from kvjax.cache import page_table as pt
 from kvjax.cache import paged
 from kvjax.cache.quant import quantize_packed
+from kvjax.cache.state import (
+    KIVITail,
+    PagedKVCache,
+    QuantizedKVPages,
+    QuantizedLatentPages,
+    QuantPool,
+)
 from kvjax.specs import CacheSpec
 
 __all__ = [
-    "QuantPool",
-    "QuantizedKVPages",
-    "QuantizedLatentPages",
-    "KVTail",
-    "QuantizedKVCache",
-    "QuantLayer",
-    "QuantizedLayerView",
-    "init_quantized_cache",
+    "init_cache",
     "quantized_tokens",
     "tail_capacity",
     "layer_groups",
@@ -85,185 +75,10 @@ __all__ = [
     "fork",
     "free",
     "write_layer",
-    "write_layer_jit",
     "layer_view",
+    "drop_pages",
     "dequantized_sequence",
 ]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantPool:
-    """Packed codes with their scales and zeros for the layers of one bit width.
-
-    Attributes:
-      codes: uint8[layers_g, heads, pages, page_size, width * bits / 8] (layout.py order).
-      scale, zero: scale dtype, `[layers_g, heads, pages, page_size / G, width]`
-        for grouping "tokens" (keys) or `[..., page_size, width / G]` for "channels".
-      bits: code width (static).
-      grouping: "tokens" or "channels" (static).
-    """
-
-    codes: UInt8[Array, "layers heads pages page_size packed"]
-    scale: Float[Array, "layers heads pages srows scols"]
-    zero: Float[Array, "layers heads pages srows scols"]
-    bits: int = dataclasses.field(metadata=dict(static=True))
-    grouping: str = dataclasses.field(metadata=dict(static=True))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedKVPages:
-    """Quantized K and V pools of an MHA/GQA/MQA cache, one `QuantPool` per bit width."""
-
-    k: tuple[QuantPool, ...]
-    v: tuple[QuantPool, ...]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedLatentPages:
-    """MLA: quantized c_KV pools (per token, channel groups) and the full-precision k_rope."""
-
-    c_kv: tuple[QuantPool, ...]
-    k_rope: Float[Array, "layers 1 pages page_size d_rope"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVTail:
-    """Full-precision ring buffers of the most recent tokens of every sequence slot.
-
-    Token at position p of slot s lives at `[:, :, s, p % ring]`. `a` holds K
-    (MLA: c_KV), `b` holds V (MLA: k_rope), in the cache dtype.
-    """
-
-    a: Float[Array, "layers heads max_seqs ring width_a"]
-    b: Float[Array, "layers heads max_seqs ring width_b"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedKVCache:
-    """A quantized paged cache with a full-precision tail.
-
-    Attributes:
-      paged: `PagedKVCache` with `QuantizedKVPages`/`QuantizedLatentPages`
-        pages; its page table counts the quantized tokens only.
-      tail: the full-precision ring buffers.
-      lengths: int32[max_seqs], all tokens of each sequence (quantized + tail).
-      pending: int32[2, max_seqs], what the last `reserve` added: row 0 the new
-        tokens (`write_layer` writes positions [start, lengths), start =
-        lengths - pending[0]), row 1 the newly quantized tokens (`write_layer`
-        quantizes positions [quant_start, quant_lengths)). One array rather
-        than two fields, so that no jitted step can return one buffer for two
-        leaves (XLA merges identical outputs), which donation would reject.
-    """
-
-    paged: paged.PagedKVCache
-    tail: KVTail
-    lengths: Int[Array, " max_seqs"]
-    pending: Int[Array, "2 max_seqs"]
-
-    @property
-    def spec(self) -> CacheSpec:
-        return self.paged.spec
-
-    @property
-    def table(self) -> pt.PageTable:
-        return self.paged.table
-
-    @property
-    def start(self) -> Int[Array, " max_seqs"]:
-        """Length of each sequence before the last `reserve`."""
-        return self.lengths - self.pending[0]
-
-    @property
-    def quant_start(self) -> Int[Array, " max_seqs"]:
-        """Quantized tokens of each sequence before the last `reserve`."""
-        return self.paged.table.lengths - self.pending[1]
-
-    @property
-    def quant_lengths(self) -> Int[Array, " max_seqs"]:
-        """Tokens of each sequence held in quantized pages (a multiple of page_size)."""
-        return self.paged.table.lengths
-
-    @property
-    def tail_lengths(self) -> Int[Array, " max_seqs"]:
-        """Tokens of each sequence held in the full-precision tail."""
-        return self.lengths - self.paged.table.lengths
-
-    @property
-    def block_tables(self) -> Int[Array, "max_seqs max_pages"]:
-        return self.paged.table.block_tables
-
-    @property
-    def num_free_pages(self) -> Int[Array, ""]:
-        return self.paged.table.num_free
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantLayer:
-    """One layer's quantized pool: codes `[heads, pages, page_size, packed]`, scales, zeros.
-
-    With `layer` set (`layer_view(..., whole_pools=True)`), codes, scale and
-    zero are the whole pool of the layer's bit width, with a leading layers
-    axis, and `layer` is the layer's index in it.
-    """
-
-    codes: UInt8[Array, "*layers heads pages page_size packed"]
-    scale: Float[Array, "*layers heads pages srows scols"]
-    zero: Float[Array, "*layers heads pages srows scols"]
-    bits: int = dataclasses.field(metadata=dict(static=True))
-    grouping: str = dataclasses.field(metadata=dict(static=True))
-    layer: int | Int[Array, ""] | None = None
-
-    def one_layer(self) -> "QuantLayer":
-        """This layer's slice of whole pools (itself if it already holds one layer)."""
-        if self.layer is None:
-            return self
-        i = self.layer
-        return QuantLayer(codes=self.codes[i], scale=self.scale[i], zero=self.zero[i],
-                          bits=self.bits, grouping=self.grouping)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedLayerView:
-    """What attention needs from one layer of a `QuantizedKVCache`.
-
-    Attributes:
-      k: quantized keys (MLA: quantized c_KV, heads = 1).
-      v: quantized values, or for MLA the k_rope pool `[1, pages, page_size, d_rope]`.
-      tail_k, tail_v: `[heads, max_seqs, ring, width]` full-precision rings (MLA:
-        c_KV and k_rope).
-      block_tables: int32[max_seqs, max_pages] of the quantized pages.
-      quant_lengths: int32[max_seqs], tokens in quantized pages (positions [0, Q)).
-      lengths: int32[max_seqs], all tokens; the tail holds positions [Q, L).
-      layer: None, or (`layer_view(..., whole_pools=True)`) the layer's index:
-        then `k` and `v` hold whole pools (their own `layer` indexes them) and
-        MLA's `v` is the whole k_rope pool `[layers, 1, pages, page_size,
-        d_rope]`; `one_layer()` slices them. Attention's "xla" path reads the
-        layer inside its gathers; slicing first makes XLA copy the layer's
-        pools when the slice feeds a loop (benchmarks/NOTES.md, v3).
-    """
-
-    k: QuantLayer
-    v: QuantLayer | Float[Array, "*layers 1 pages page_size d_rope"]
-    tail_k: Float[Array, "heads max_seqs ring width_a"]
-    tail_v: Float[Array, "heads max_seqs ring width_b"]
-    block_tables: Int[Array, "max_seqs max_pages"]
-    quant_lengths: Int[Array, " max_seqs"]
-    lengths: Int[Array, " max_seqs"]
-    layer: int | Int[Array, ""] | None = None
-
-    def one_layer(self) -> "QuantizedLayerView":
-        """The same view with one layer's pools (itself if it already holds one layer)."""
-        if self.layer is None:
-            return self
-        v = self.v.one_layer() if isinstance(self.v, QuantLayer) else self.v[self.layer]
-        return dataclasses.replace(self, k=self.k.one_layer(), v=v, layer=None)
 
 
 def _require_quant(spec: CacheSpec, op: str) -> None:
@@ -314,9 +129,9 @@ def _pool(spec: CacheSpec, n_layers: int, heads: int, width: int, bits: int,
     )
 
 
-def init_quantized_cache(spec: CacheSpec) -> QuantizedKVCache:
+def init_cache(spec: CacheSpec) -> PagedKVCache:
     """An empty quantized cache for `spec` (which must have `quant` set); every page free."""
-    _require_quant(spec, "init_quantized_cache")
+    _require_quant(spec, "init_cache")
     widths, where = layer_groups(spec)
     n_in = [sum(1 for gi, _ in where if gi == i) for i in range(len(widths))]
     heads = spec.attention.cache_heads
@@ -336,29 +151,36 @@ def init_quantized_cache(spec: CacheSpec) -> QuantizedKVCache:
                     for b, n in zip(widths, n_in, strict=True)),
         )
     ring = tail_capacity(spec)
-    tail = KVTail(
+    tail = KIVITail(
         a=jnp.zeros((spec.num_layers, heads, spec.max_seqs, ring, wa), spec.dtype),
         b=jnp.zeros((spec.num_layers, heads, spec.max_seqs, ring, wb), spec.dtype),
+        lengths=jnp.zeros((spec.max_seqs,), jnp.int32),
+        pending=jnp.zeros((2, spec.max_seqs), jnp.int32),
     )
     table = pt.init_page_table(
         num_pages=spec.num_pages, max_seqs=spec.max_seqs,
         max_pages_per_seq=spec.max_pages_per_seq, page_size=spec.page_size,
     )
-    return QuantizedKVCache(
-        paged=paged.PagedKVCache(pages=pages, table=table, spec=spec), tail=tail,
-        lengths=jnp.zeros((spec.max_seqs,), jnp.int32),
-        pending=jnp.zeros((2, spec.max_seqs), jnp.int32),
-    )
+    return PagedKVCache(pages=pages, table=table, spec=spec, tail=tail)
 
 
-@functools.partial(jax.jit, donate_argnames="cache")
+def _start(cache: PagedKVCache):
+    """Length of each sequence before the last `reserve`."""
+    return cache.tail.lengths - cache.tail.pending[0]
+
+
+def _quant_start(cache: PagedKVCache):
+    """Quantized tokens of each sequence before the last `reserve`."""
+    return cache.table.lengths - cache.tail.pending[1]
+
+
 def reserve(
-    cache: QuantizedKVCache, num_new: Int[Array, " max_seqs"]
-) -> tuple[QuantizedKVCache, pt.AllocStatus]:
+    cache: PagedKVCache, num_new: Int[Array, " max_seqs"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
     """Grows sequences by `num_new[s]` tokens and allocates the quantized pages a flush needs.
 
     Args:
-      cache: the cache (donated).
+      cache: the cache.
       num_new: int32[max_seqs], tokens each sequence is about to receive.
 
     Returns:
@@ -369,38 +191,34 @@ def reserve(
       writes nothing, and `status.raise_if_error()` raises on the host.
     """
     spec = cache.spec
-    paged._check_seq_vector("reserve: num_new", num_new, spec, "iu")
     num_new = num_new.astype(jnp.int32)
     old_len = cache.lengths
     new_len = old_len + num_new
     old_q = cache.quant_lengths
     new_q = jnp.maximum(quantized_tokens(spec, new_len), old_q)
-    table, copy, status = pt.reserve(cache.table, new_q - old_q)
+    table, copy, status = paged.allocator(cache.table).reserve(cache.table, new_q - old_q)
     too_long = jnp.any(new_len > spec.max_tokens_per_seq)
     ok = status.ok & ~too_long
     table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
     # Quantized pages are complete when allocated, so no copy-on-write is ever
     # planned; the generic copy keeps this correct should that change.
     copy_dst = jnp.where(ok, copy.dst, spec.num_pages)
-    pages = paged._copy_pages(cache.paged.pages, copy.src, copy_dst)
+    pages = paged.copy_pages(cache.pages, copy.src, copy_dst)
     code = jnp.where(too_long, pt.TOO_LONG, status.code).astype(jnp.int32)
     status = dataclasses.replace(status, code=code)
-    return dataclasses.replace(
-        cache,
-        paged=dataclasses.replace(cache.paged, pages=pages, table=table),
-        lengths=jnp.where(ok, new_len, old_len),
-        pending=jnp.where(ok, jnp.stack([num_new, new_q - old_q]), 0),
-    ), status
+    tail = dataclasses.replace(
+        cache.tail, lengths=jnp.where(ok, new_len, old_len),
+        pending=jnp.where(ok, jnp.stack([num_new, new_q - old_q]), 0))
+    return dataclasses.replace(cache, pages=pages, table=table, tail=tail), status
 
 
-@functools.partial(jax.jit, donate_argnames="cache")
 def fork(
-    cache: QuantizedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]
-) -> tuple[QuantizedKVCache, pt.AllocStatus]:
+    cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
     """Makes each `dst[i]` share every quantized page of `src[i]` and copies its tail.
 
     Args:
-      cache: the cache (donated).
+      cache: the cache.
       src, dst: int32[n] slot ids; each dst must be empty, distinct, and not a src.
 
     Returns:
@@ -408,7 +226,7 @@ def fork(
     """
     src = jnp.atleast_1d(jnp.asarray(src, jnp.int32))
     dst = jnp.atleast_1d(jnp.asarray(dst, jnp.int32))
-    table, status = pt.fork(cache.table, src, dst)
+    table, status = paged.allocator(cache.table).fork(cache.table, src, dst)
     spec = cache.spec
     tgt = jnp.where(status.ok, dst, spec.max_seqs)
     # An occupied target has length 0 in the quantized table but a tail; check both.
@@ -417,49 +235,42 @@ def fork(
     tgt = jnp.where(ok, tgt, spec.max_seqs)
     table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
     s = jnp.clip(src, 0, spec.max_seqs - 1)
-    tail = jax.tree.map(
-        lambda x: paged.set_drop(x, (slice(None), slice(None), tgt), x[:, :, s]), cache.tail)
+    def copy_ring(x):
+        return paged.set_drop(x, (slice(None), slice(None), tgt), x[:, :, s])
 
-    def copy_row(x):
-        return x.at[tgt].set(x[s], mode="drop")
-
+    t = cache.tail
     status = dataclasses.replace(
         status, code=jnp.where(ok, pt.OK, pt.BAD_FORK).astype(jnp.int32))
-    return dataclasses.replace(
-        cache, paged=dataclasses.replace(cache.paged, table=table), tail=tail,
-        lengths=copy_row(cache.lengths),
-        pending=cache.pending.at[:, tgt].set(0, mode="drop"),
-    ), status
+    tail = KIVITail(a=copy_ring(t.a), b=copy_ring(t.b),
+                    lengths=t.lengths.at[tgt].set(t.lengths[s], mode="drop"),
+                    pending=t.pending.at[:, tgt].set(0, mode="drop"))
+    return dataclasses.replace(cache, table=table, tail=tail), status
 
 
-@functools.partial(jax.jit, donate_argnames="cache", static_argnames="scrub")
 def free(
-    cache: QuantizedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
-) -> QuantizedKVCache:
+    cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
+) -> PagedKVCache:
     """Frees the flagged sequences; quantized pages nobody else holds return to the pool.
 
     Args:
-      cache: the cache (donated).
+      cache: the cache.
       seqs: bool[max_seqs], the sequences to free.
       scrub: zero the released pages in every pool and the freed tails (static).
     """
-    pc = paged.free(cache.paged, seqs, scrub=scrub)
-    tail = cache.tail
+    cache = paged.free(cache, seqs, scrub=scrub)
+    t = cache.tail
+    a, b = t.a, t.b
     if scrub:
-        tail = jax.tree.map(lambda x: jnp.where(seqs[None, None, :, None, None], 0, x), tail)
-    zero = jnp.zeros_like(cache.lengths)
-    return dataclasses.replace(
-        cache, paged=pc, tail=tail,
-        lengths=jnp.where(seqs, zero, cache.lengths),
-        pending=jnp.where(seqs[None, :], 0, cache.pending),
-    )
+        a, b = (jnp.where(seqs[None, None, :, None, None], 0, x) for x in (a, b))
+    tail = KIVITail(a=a, b=b, lengths=jnp.where(seqs, 0, t.lengths),
+                    pending=jnp.where(seqs[None, :], 0, t.pending))
+    return dataclasses.replace(cache, tail=tail)
 
 
 def _locate(spec: CacheSpec, layer):
     widths, where = layer_groups(spec)
+    paged.check_layer(spec, layer)
     if isinstance(layer, int | np.integer):
-        if not 0 <= layer < spec.num_layers:
-            raise ValueError(f"layer must lie in [0, {spec.num_layers}), got {layer}.")
         return where[int(layer)]
     if len(widths) > 1:
         raise TypeError(
@@ -475,17 +286,18 @@ def _to_heads_first(x):
 
 
 def write_layer(
-    cache: QuantizedKVCache,
+    cache: PagedKVCache,
     layer: int | Int[Array, ""],
     a: Float[Array, "batch q_len heads width_a"],
     b: Float[Array, "batch q_len heads width_b"],
     seq_ids: Int[Array, " batch"] | None = None,
-) -> QuantizedKVCache:
+) -> PagedKVCache:
     """Writes one layer's tokens reserved by the last `reserve`, flushing completed pages.
 
     Row r of the batch is sequence `seq_ids[r]` (default: every slot in
-    order); its token t sits at position `cache.start[s] + t` and is written
-    if that is below `cache.lengths[s]` (later rows are padding). Pages that
+    order); its token t sits at position `lengths[s] - pending[0, s] + t` (as
+    the last `reserve` left them) and is written if that is below
+    `cache.lengths[s]` (later rows are padding). Pages that
     became quantized in the last `reserve` ([quant_start, quant_lengths)) are
     assembled from the old tail and the new tokens, quantized and scattered
     into the pool; new tokens past the quantized region go to the tail.
@@ -532,18 +344,19 @@ def write_layer(
     gi, li = _locate(spec, layer)
     ps, ring = spec.page_size, tail_capacity(spec)
     quant = spec.quant
-    if not any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, cache.start, seq_ids)):
+    start_all = _start(cache)
+    if not any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, start_all, seq_ids)):
         pending = np.asarray(cache.lengths)[np.asarray(seq_ids)] - np.asarray(
-            cache.start)[np.asarray(seq_ids)]
+            start_all)[np.asarray(seq_ids)]
         if pending.max(initial=0) > q_len:
             raise ValueError(
                 f"write_layer: the last reserve added up to {pending.max()} tokens to a row, "
                 f"but a and b hold only q_len={q_len}; write all reserved tokens in one call."
             )
 
-    start = cache.start[seq_ids]
+    start = start_all[seq_ids]
     end = cache.lengths[seq_ids]
-    q0 = cache.quant_start[seq_ids]
+    q0 = _quant_start(cache)[seq_ids]
     q1 = cache.quant_lengths[seq_ids]
 
     # ---- flush: pages [q0, q1) from the old tail (positions < start) and the new tokens.
@@ -579,7 +392,7 @@ def write_layer(
 
     full_a = assemble(cache.tail.a, a)
     full_b = assemble(cache.tail.b, b)
-    pages = cache.paged.pages
+    pages = cache.pages
     if spec.is_mla:
         c_kv = list(pages.c_kv)
         c_kv[gi] = flush(c_kv[gi], full_a)
@@ -598,22 +411,16 @@ def write_layer(
     tslot = jnp.where(keep, new_pos % ring, ring)  # ring is out of range: dropped
     sid = seq_ids[:, None]
     rows = (jnp.broadcast_to(sid, tslot.shape).reshape(-1), tslot.reshape(-1))
-    tail = KVTail(
+    tail = dataclasses.replace(
+        cache.tail,
         a=paged.set_rows(cache.tail.a, layer, *rows, a.reshape(-1, *a.shape[2:])),
         b=paged.set_rows(cache.tail.b, layer, *rows, b.reshape(-1, *b.shape[2:])),
     )
-    return dataclasses.replace(cache, paged=dataclasses.replace(cache.paged, pages=pages),
-                               tail=tail)
-
-
-@functools.partial(jax.jit, donate_argnames="cache", static_argnames="layer")
-def write_layer_jit(cache, layer, a, b, seq_ids=None):
-    """`write_layer` as a jitted entry point that donates the cache; `layer` is static."""
-    return write_layer(cache, layer, a, b, seq_ids)
+    return dataclasses.replace(cache, pages=pages, tail=tail)
 
 
 def layer_view(
-    cache: QuantizedKVCache, layer: int | Int[Array, ""], *, whole_pools: bool = False
+    cache: PagedKVCache, layer: int | Int[Array, ""], *, whole_pools: bool = False
 ) -> QuantizedLayerView:
     """One layer's quantized pools, tail rings and page table, for `kvjax.attention`.
 
@@ -627,7 +434,7 @@ def layer_view(
     """
     spec = cache.spec
     gi, li = _locate(spec, layer)
-    pages = cache.paged.pages
+    pages = cache.pages
 
     def one(pool: QuantPool) -> QuantLayer:
         if whole_pools:
@@ -647,8 +454,76 @@ def layer_view(
     )
 
 
+def drop_pages(
+    cache: PagedKVCache, drop: Bool[Array, "max_seqs max_pages"]
+) -> tuple[PagedKVCache, Int[Array, "max_seqs max_tokens"], pt.AllocStatus]:
+    """Evicts whole quantized pages: the KIVI cache's eviction, for every policy that evicts.
+
+    The tokens of a quantized page share their key scales and zeros (per channel over G
+    tokens), so single tokens cannot leave without requantizing the rest of their group
+    from already-quantized values. Eviction on a KIVI cache therefore frees whole
+    quantized pages, for all layers and heads at once (one block-table row serves them
+    all), and never touches the full-precision tail:
+
+      * the kept quantized pages move to the front of the block-table row (bookkeeping
+        only, no data moves) and `truncate` drops the evicted references (refcounts down,
+        pages at zero back on the free stack; a page a fork still holds stays);
+      * the sequence's positions shift down by page_size per evicted page, and the tail
+        ring is rotated by as much, so position p still lives in slot p mod ring and
+        `Q(L) = page_size * floor((L - R) / page_size)` still holds. Keys are cached after
+        RoPE at their text positions, so attention does not care about cache positions.
+
+    Args:
+      cache: a quantized cache.
+      drop: bool[max_seqs, max_pages], block-table columns to evict; only columns of
+        quantized pages (below quant_lengths / page_size) count.
+
+    Returns:
+      (cache, src, status): `src[s, j]` is the old position of the token now at position j
+      (for moving per-token state such as scores), -1 past the new length; status is
+      BAD_TRUNCATE (nothing changed) only if the allocator refuses.
+    """
+    spec = cache.spec
+    ps, max_pages = spec.page_size, spec.max_pages_per_seq
+    lengths, ql = cache.lengths, cache.quant_lengths
+    n_q = ql // ps
+    cols = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
+    drop = drop & (cols < n_q[:, None])
+    k = jnp.sum(drop, axis=1, dtype=jnp.int32)
+    # Kept quantized pages first, then the evicted ones, then unused entries, each in
+    # page order: truncating to the kept count then drops exactly the evicted ones.
+    group = jnp.where(cols < n_q[:, None], drop.astype(jnp.int32), 2)
+    perm = jnp.argsort(group * max_pages + cols, axis=1).astype(jnp.int32)
+    table = dataclasses.replace(
+        cache.table, block_tables=jnp.take_along_axis(cache.table.block_tables, perm, axis=1))
+    new_q = ql - k * ps
+    table, _, status = paged.allocator(table).truncate(table, new_q)
+    ok = status.ok
+    new_len = lengths - k * ps
+    j = jnp.arange(spec.max_tokens_per_seq, dtype=jnp.int32)[None, :]
+    src_page = jnp.take_along_axis(perm, jnp.broadcast_to(j // ps, (spec.max_seqs, j.shape[1])),
+                                   axis=1)
+    src = jnp.where(j < new_q[:, None], src_page * ps + j % ps, j + (k * ps)[:, None])
+    src = jnp.where(j < new_len[:, None], src, -1)
+    shift = jnp.where(ok, k * ps, 0)
+
+    def rotate(x):  # position p must stay in slot p mod ring after the shift
+        ring = x.shape[3]
+        idx = (jnp.arange(ring)[None, :] + shift[:, None]) % ring  # [max_seqs, ring]
+        return jnp.take_along_axis(x, idx[None, None, :, :, None], axis=3)
+
+    t = cache.tail
+    a, b = jax.lax.cond(jnp.any(shift > 0), lambda: (rotate(t.a), rotate(t.b)),
+                        lambda: (t.a, t.b))
+    tail = KIVITail(a=a, b=b, lengths=jnp.where(ok, new_len, lengths).astype(jnp.int32),
+                    pending=jnp.where((shift > 0)[None, :], 0, t.pending))
+    table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
+    src = jnp.where(ok, src, jnp.where(j < lengths[:, None], j, -1))
+    return dataclasses.replace(cache, table=table, tail=tail), src, status
+
+
 def dequantized_sequence(
-    cache: QuantizedKVCache, layer: int, seq: int
+    cache: PagedKVCache, layer: int, seq: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Host-side read-back of one sequence of one layer, for debugging and tests.
 

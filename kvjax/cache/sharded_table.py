@@ -304,3 +304,58 @@ def check_invariants(table: pt.PageTable) -> None:
             f"sequence {s} page {j} is page {bt[s, j]} of shard {bt[s, j] // n}, but that slot "
             f"belongs to shard {owner[s, j]}"
         )
+
+
+def truncate(
+    table: ShardedPageTable, new_lengths: Int[Array, " max_seqs"]
+) -> tuple[ShardedPageTable, Int[Array, " entries"], pt.AllocStatus]:
+    """`page_table.truncate` per shard: released pages go back onto their own shard's stack.
+
+    All or nothing: a negative new length or one past the current length changes
+    nothing (BAD_TRUNCATE).
+    """
+    D, C = table.data_shards, table.context_shards
+    S, n, R = table.num_shards, table.pages_per_shard, table.seqs_per_shard
+    new_lengths = jnp.asarray(new_lengths, jnp.int32)
+    ok = jnp.all((new_lengths >= 0) & (new_lengths <= table.lengths))
+    virtual, cols = _virtual(table)
+    c = jnp.arange(C)[None, :, None]
+    new_v = tokens_on_shard(jnp.where(ok, new_lengths, table.lengths).reshape(D, 1, R), c,
+                            table.page_size, C).reshape(S, R)
+    virtual, released, _ = jax.vmap(pt.truncate)(virtual, new_v)
+    new = _from_virtual(table, virtual, cols)
+    new = dataclasses.replace(new, lengths=jnp.where(ok, new_lengths, table.lengths))
+    offset = (jnp.arange(S, dtype=jnp.int32) * n)[:, None]
+    released = jnp.where(released < n, released + offset, table.num_pages).reshape(-1)
+    status = pt.AllocStatus(code=jnp.where(ok, pt.OK, pt.BAD_TRUNCATE).astype(jnp.int32),
+                            pages_needed=jnp.int32(0),
+                            pages_free=jnp.sum(new.num_free, dtype=jnp.int32))
+    return new, released.astype(jnp.int32), status
+
+
+def unshare(
+    table: ShardedPageTable, entries: Bool[Array, "max_seqs max_pages"]
+) -> tuple[ShardedPageTable, pt.CopyPlan, pt.AllocStatus]:
+    """`page_table.unshare` per shard: each copy comes from the shard owning its entry.
+
+    All or nothing over all shards (OUT_OF_PAGES names the first shard that ran out).
+    """
+    D = table.data_shards
+    S, n, R = table.num_shards, table.pages_per_shard, table.seqs_per_shard
+    M = table.max_pages_per_seq
+    virtual, cols = _virtual(table)
+    e = entries.reshape(D, R, M)
+    e = jnp.take(e, jnp.minimum(cols, M - 1), axis=2)  # [D, R, C, Mc]
+    e = (e & (cols[None, None] < M)).transpose(0, 2, 1, 3).reshape(S, R, -1)
+    new_virtual, copy, statuses = jax.vmap(pt.unshare)(virtual, e)
+    status = _status(statuses)
+    ok = status.code == pt.OK
+    new = _from_virtual(table, new_virtual, cols)
+    table = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, table)
+    offset = (jnp.arange(S, dtype=jnp.int32) * n)[:, None]
+    do = ok & (copy.dst < n)
+    copy = pt.CopyPlan(
+        src=jnp.where(do, copy.src + offset, 0).reshape(-1).astype(jnp.int32),
+        dst=jnp.where(do, copy.dst + offset, table.num_pages).reshape(-1).astype(jnp.int32),
+    )
+    return table, copy, status

@@ -1,5 +1,7 @@
-"""Generation on the paged cache: chunked prefill, the jitted decode loop, sampling,
-streaming, parallel sampling (forked prompt pages) and beam search (copy-on-write).
+"""Generation on the paged cache — kvjax's one decode engine: chunked prefill, the jitted
+decode loop, sampling, streaming, teacher-forced scoring, parallel sampling (forked
+prompt pages) and beam search (copy-on-write), for every cache kind, policy and
+sharding plan.
 
 Names load on first use, so `kvjax.generate.cli` (the `python -m kvjax generate`
 parser) imports without JAX.
@@ -10,10 +12,9 @@ import importlib
 # public name -> module that defines it
 _EXPORTS = {
     **dict.fromkeys(
-        ("CachePolicy", "DecodeState", "GenerateResult", "StreamEvent", "GREEDY", "decode_loop",
-         "decode_params",
-         "decode_step", "decode_step_jit", "default_cache_spec", "generate", "pad_prompts",
-         "prefill", "start", "stream"),
+        ("CacheConfig", "CachePolicy", "DecodeState", "GenerateResult", "ScoreResult",
+         "StreamEvent", "GREEDY", "decode_loop", "decode_params", "decode_step",
+         "decode_step_jit", "generate", "pad_prompts", "prefill", "score", "start", "stream"),
         "kvjax.generate.loop"),
     **dict.fromkeys(("BeamResult", "beam_search", "fork_samples", "sample_keys", "sample_n"),
                     "kvjax.generate.parallel"),

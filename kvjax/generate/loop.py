@@ -1,33 +1,40 @@
 """Pure-functional generation on the paged cache: chunked prefill, one decode step, the loop.
 
     result = generate(model, params, [[1, 5, 9], [1, 7]], key=jax.random.key(0),
-                      max_new_tokens=32, sampling=SamplingConfig(temperature=0.8, top_p=0.9))
+                      max_new_tokens=32, sampling=SamplingConfig(temperature=0.8, top_p=0.9),
+                      cache=CacheConfig(dtype="bfloat16", quant=QuantSpec(bits=2)),
+                      policy=H2O(budget=512))
+
+This is kvjax's one decode engine: every page kind (full-precision K/V, MLA latents,
+KIVI-quantized pages with their tail), every cache policy and every sharding plan go
+through the same step function, for every model family.
 
 Pieces, each usable alone:
   * `prefill`: runs prompts through the model chunk by chunk (a `lax.scan`
     over chunks, so a long prompt never needs one giant activation), reserving
-    pages as it goes; returns each row's last-token logits.
+    pages as it goes and calling the policy's `after_prefill` after each chunk;
+    returns each row's last-token logits.
   * `start`: samples the first new token from those logits into a `DecodeState`.
   * `decode_step`: one token for every unfinished row: reserve one slot per
-    row (pages are allocated as sequences grow), run the model, hand the cache
-    to an optional cache `policy` (eviction/selection hooks in here), sample,
-    apply the per-row EOS and length stops, and free the pages of rows that
-    just finished.
+    row (pages are allocated as sequences grow), run the model (the policy picks
+    the pages each layer reads), hand the cache to the policy (eviction), sample
+    (or take the forced token: teacher forcing), apply the per-row EOS and length
+    stops, and free the pages of rows that just finished.
   * `decode_loop`: `decode_step` in a `lax.while_loop`: one compiled program,
     the state (and the cache in it) donated.
-  * `stream`: a Python generator around the jitted `decode_step` - the same
-    step function as the loop.
+  * `generate` / `stream` / `score`: host drivers over the same step function
+    (`stream` yields each step's tokens; `score` feeds given continuations and
+    returns their log-probabilities, all in one compiled loop).
 
 Running out of pages is not an exception inside jit: `DecodeState.status`
-keeps the first failed `AllocStatus`, every row stops, and the host wrappers
-raise `CacheFullError` (unless `check=False`).
+keeps the first failed `AllocStatus`, every row stops, and the host drivers
+raise `CacheFullError` (unless `check=False`) with the final cache attached as
+`err.cache`, so no sequence is lost.
 """
 
 import dataclasses
 import functools
-import math
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -35,17 +42,22 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax import backends
 from kvjax import cache as kv_cache
-from kvjax.cache.page_table import AllocStatus
+from kvjax.cache.page_table import AllocStatus, CacheFullError
 from kvjax.cache.policies.base import CachePolicy, to_slots
+from kvjax.generate import setup
 from kvjax.generate.sampling import SamplingConfig, as_keys, sample
+from kvjax.generate.setup import CacheConfig
 from kvjax.models.base import Model
 
 __all__ = [
+    "CacheConfig",
     "CachePolicy",
     "GREEDY",
     "DecodeState",
     "GenerateResult",
+    "ScoreResult",
     "StreamEvent",
     "prefill",
     "start",
@@ -54,14 +66,9 @@ __all__ = [
     "decode_loop",
     "generate",
     "stream",
+    "score",
     "pad_prompts",
-    "default_cache_spec",
 ]
-
-
-# Cache policies (eviction / page selection) are `kvjax.cache.policies.CachePolicy`
-# objects: hashable, static here. Their state rides in `DecodeState.policy_state`; the
-# loop calls the same hooks for all of them (see kvjax/cache/policies/base.py).
 
 
 @jax.tree_util.register_dataclass
@@ -70,18 +77,22 @@ class DecodeState:
     """Everything the decode loop carries (a pytree; the jitted entry points donate it).
 
     Attributes:
-      cache: the paged cache.
+      cache: the paged cache (any page kind).
       seq_ids: int32[batch], cache slot of each row.
-      last: int32[batch], the last sampled token of each row (not yet in the cache).
+      last: int32[batch], the last token of each row (not yet in the cache).
       position: int32[batch], RoPE position of `last`.
-      tokens: int32[batch, max_new], sampled tokens; entries past `num_generated` are -1.
-      num_generated: int32[batch], tokens sampled so far (an EOS counts).
-      max_new: int32[batch], per-row limit on sampled tokens.
+      tokens: int32[batch, max_new], the rows' tokens; entries past `num_generated` are -1.
+      num_generated: int32[batch], tokens produced so far (an EOS counts).
+      max_new: int32[batch], per-row limit on produced tokens.
       done: bool[batch], row finished (EOS, its limit, or an allocation failure).
       keys: typed PRNG keys [batch]; step i of a row samples with fold_in(key, i).
       status: the first failed allocation, or OK.
       step: int32[], decode steps run.
       policy_state: the cache policy's state (None without a policy).
+      forced: int32[batch, max_new] or None: token i of a row is `forced[:, i]` where it
+        is >= 0 instead of a sample (teacher forcing; an EOS there does not stop the row).
+      logprobs: float32[batch, max_new] or None: log-probability of each row's token i
+        under the model (filled when `forced` is set).
     """
 
     cache: kv_cache.PagedKVCache
@@ -96,6 +107,8 @@ class DecodeState:
     status: AllocStatus
     step: Int[Array, ""]
     policy_state: Any = None
+    forced: Int[Array, "batch max_new"] | None = None
+    logprobs: Float[Array, "batch max_new"] | None = None
 
 
 def _ok_status(cache) -> AllocStatus:
@@ -114,6 +127,26 @@ def _slot_vector(cache, seq_ids, values):
     return jnp.zeros((cache.spec.max_seqs,), values.dtype).at[seq_ids].set(values)
 
 
+def _selector(policy: CachePolicy | None, pstate, seq_ids) -> Callable | None:
+    """The models' `select` hook: the policy's page selection, queries given in slot order."""
+    if policy is None:
+        return None
+
+    def select(cache, layer, q):
+        return policy.before_attention(cache, pstate, layer, to_slots(cache, seq_ids, q))
+
+    return select
+
+
+def run_model(model: Model, params, cache, tokens, positions, *, q_lengths, seq_ids, impl,
+              policy, pstate):
+    """One forward with the policy's selection; returns (logits, cache, queries or None)."""
+    out = model.apply(params, tokens, positions, cache, q_lengths=q_lengths, seq_ids=seq_ids,
+                      impl=impl, select=_selector(policy, pstate, seq_ids),
+                      observe=policy is not None)
+    return out if policy is not None else (*out, None)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "chunk_size", "impl", "return_logits",
                                              "policy"),
                    donate_argnames="cache")
@@ -126,7 +159,7 @@ def prefill(
     seq_ids: Int[Array, " batch"],
     *,
     chunk_size: int,
-    impl: str = "auto",
+    impl="auto",
     return_logits: bool = False,
     policy: CachePolicy | None = None,
     policy_state=None,
@@ -139,13 +172,13 @@ def prefill(
     Args:
       model: the model bundle (static).
       params: its params.
-      cache: the paged cache (donated).
+      cache: the paged cache, any page kind (donated).
       tokens: int32[batch, prompt_len], prompts padded on the right; prompt_len
         must be a multiple of chunk_size.
       prompt_lengths: int32[batch], real tokens per row (>= 1).
       seq_ids: int32[batch], distinct cache slots of the rows.
       chunk_size: tokens per chunk (static).
-      impl: attention implementation.
+      impl: attention implementation (static).
       return_logits: also return the logits at every prompt position (static).
       policy: optional cache policy (static); its `after_prefill` runs after
         each chunk, so prompt compressors (SnapKV, PyramidKV) see the whole
@@ -153,11 +186,10 @@ def prefill(
       policy_state: the policy's state (from `policy.init_state(cache)`).
 
     Returns:
-      (cache, last_logits float32[batch, vocab], status, all_logits or None),
-      plus the new policy state as a fifth element when a policy is given:
+      (cache, last_logits float32[batch, vocab], status, all_logits or None, policy_state):
       `last_logits[b]` predicts the token after row b's prompt; `all_logits` is
-      float32[batch, prompt_len, vocab] when asked for. On an allocation
-      failure the remaining chunks are skipped and `status` says why.
+      float32[batch, prompt_len, vocab] when asked for. On an allocation failure the
+      remaining chunks are skipped and `status` says why.
     """
     batch, prompt_len = tokens.shape
     if prompt_len % chunk_size:
@@ -183,13 +215,10 @@ def prefill(
         cache, st = kv_cache.reserve(cache, _slot_vector(cache, seq_ids, q_lengths))
         status = _first_error(status, st)
         q_lengths = jnp.where(st.ok, q_lengths, 0)
-        if policy is None:
-            logits, cache = model.apply(params, chunk, positions, cache, q_lengths=q_lengths,
-                                        seq_ids=seq_ids, impl=impl)
-        else:
-            logits, cache, queries = model.apply(
-                params, chunk, positions, cache, q_lengths=q_lengths, seq_ids=seq_ids,
-                impl=impl, policy=policy, policy_state=pstate)
+        logits, cache, queries = run_model(model, params, cache, chunk, positions,
+                                           q_lengths=q_lengths, seq_ids=seq_ids, impl=impl,
+                                           policy=policy, pstate=pstate)
+        if policy is not None:
             cache, pstate, pst = policy.after_prefill(
                 cache, pstate, to_slots(cache, seq_ids, queries, axis=1),
                 _slot_vector(cache, seq_ids, q_lengths))
@@ -207,9 +236,7 @@ def prefill(
         body, init, (jnp.arange(n_chunks, dtype=jnp.int32), chunks))
     if return_logits:
         all_logits = all_logits.transpose(1, 0, 2, 3).reshape(batch, prompt_len, -1)
-    if policy is not None:
-        return cache, last_logits, status, all_logits, policy_state
-    return cache, last_logits, status, all_logits
+    return cache, last_logits, status, all_logits, policy_state
 
 
 def _is_eos(tok, eos_ids: tuple[int, ...]):
@@ -221,6 +248,20 @@ def _is_eos(tok, eos_ids: tuple[int, ...]):
 def _free_rows(cache, seq_ids, rows_mask):
     mask = _slot_vector(cache, seq_ids, rows_mask)
     return jax.lax.cond(jnp.any(rows_mask), lambda c: kv_cache.free(c, mask), lambda c: c, cache)
+
+
+def _pick(logits, keys, count, sampling, forced, logprobs):
+    """The next token of each row: sampled, or forced (teacher forcing, with its log-prob)."""
+    step_keys = jax.vmap(jax.random.fold_in)(keys, count)
+    tok = sample(logits, step_keys, sampling)
+    if forced is None:
+        return tok, jnp.zeros(tok.shape, bool), logprobs
+    col = jnp.clip(count, 0, forced.shape[1] - 1)
+    f = forced[jnp.arange(tok.shape[0]), col]
+    is_forced = f >= 0
+    tok = jnp.where(is_forced, f, tok)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=1)[:, 0]
+    return tok, is_forced, lp
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "eos_ids", "max_len", "free_finished"),
@@ -239,8 +280,9 @@ def start(
     max_len: int,
     free_finished: bool = True,
     policy_state=None,
+    forced: Int[Array, "batch max_len"] | None = None,
 ) -> DecodeState:
-    """Samples each row's first new token from its prompt logits; returns the loop state.
+    """Takes each row's first new token from its prompt logits; returns the loop state.
 
     Args:
       cache: the cache after `prefill` (donated).
@@ -255,21 +297,26 @@ def start(
       max_len: width of the token buffer (static).
       free_finished: free a row's pages as soon as it finishes (static).
       policy_state: the cache policy's state after prefill (None without a policy).
+      forced: int32[batch, max_len] tokens to feed instead of samples where >= 0
+        (teacher forcing); their log-probabilities are recorded in `logprobs`.
     """
     batch = seq_ids.shape[0]
     ok = status.code == 0
-    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((batch,), jnp.int32))
-    tok = sample(last_logits, step_keys, sampling)
+    zero = jnp.zeros((batch,), jnp.int32)
+    logprobs = None if forced is None else jnp.zeros((batch, max_len), jnp.float32)
+    tok, is_forced, lp = _pick(last_logits, keys, zero, sampling, forced, logprobs)
     tokens = jnp.full((batch, max_len), -1, jnp.int32).at[:, 0].set(jnp.where(ok, tok, -1))
+    if forced is not None:
+        logprobs = logprobs.at[:, 0].set(lp)
     num = jnp.where(ok, 1, 0).astype(jnp.int32) * jnp.ones((batch,), jnp.int32)
-    finished = ok & (_is_eos(tok, eos_ids) | (num >= max_new))
+    finished = ok & ((_is_eos(tok, eos_ids) & ~is_forced) | (num >= max_new))
     if free_finished:
         cache = _free_rows(cache, seq_ids, finished)
     return DecodeState(
         cache=cache, seq_ids=jnp.asarray(seq_ids, jnp.int32), last=tok,
         position=jnp.asarray(positions, jnp.int32), tokens=tokens, num_generated=num,
         max_new=jnp.asarray(max_new, jnp.int32), done=finished | ~ok, keys=keys, status=status,
-        step=jnp.int32(0), policy_state=policy_state,
+        step=jnp.int32(0), policy_state=policy_state, forced=forced, logprobs=logprobs,
     )
 
 
@@ -281,15 +328,16 @@ def decode_step(
     sampling: SamplingConfig,
     eos_ids: tuple[int, ...] = (),
     free_finished: bool = True,
-    impl: str = "auto",
+    impl="auto",
     policy: CachePolicy | None = None,
 ) -> DecodeState:
     """One new token for every unfinished row (pure; see `decode_loop` for the jitted loop).
 
     Reserves one cache slot per active row (a failed reservation stops every
     row and is kept in `state.status`), feeds each row's `last` token, lets
-    `policy` (if any) act on the cache, samples, appends, applies the EOS and
-    per-row length stops and frees the pages of rows that finished.
+    `policy` (if any) pick the pages each layer reads and then act on the cache,
+    samples (or takes the forced token), appends, applies the EOS and per-row
+    length stops and frees the pages of rows that finished.
     """
     cache = state.cache
     batch = state.seq_ids.shape[0]
@@ -302,33 +350,33 @@ def decode_step(
     cache, st = kv_cache.reserve(
         cache, _slot_vector(cache, state.seq_ids, active.astype(jnp.int32)))
     run = active & st.ok
-    if policy is None:
-        logits, cache = model.apply(
-            params, state.last[:, None], positions, cache,
-            q_lengths=run.astype(jnp.int32), seq_ids=state.seq_ids, impl=impl)
-    else:
-        logits, cache, queries = model.apply(
-            params, state.last[:, None], positions, cache, q_lengths=run.astype(jnp.int32),
-            seq_ids=state.seq_ids, impl=impl, policy=policy, policy_state=pstate)
+    logits, cache, queries = run_model(model, params, cache, state.last[:, None], positions,
+                                       q_lengths=run.astype(jnp.int32), seq_ids=state.seq_ids,
+                                       impl=impl, policy=policy, pstate=pstate)
+    if policy is not None:
         cache, pstate, pst = policy.after_step(
             cache, pstate, to_slots(cache, state.seq_ids, queries[:, :, 0], axis=1),
             _slot_vector(cache, state.seq_ids, run))
         st = _first_error(st, pst)
         run = run & pst.ok
-    step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
-    tok = sample(logits[:, 0], step_keys, sampling)
+    tok, is_forced, lp = _pick(logits[:, 0], state.keys, state.num_generated, sampling,
+                               state.forced, state.logprobs)
     max_len = state.tokens.shape[1]
     col = jnp.where(run, state.num_generated, max_len)  # out of range: dropped
-    tokens = state.tokens.at[jnp.arange(batch), col].set(tok, mode="drop")
+    rows = jnp.arange(batch)
+    tokens = state.tokens.at[rows, col].set(tok, mode="drop")
+    logprobs = state.logprobs
+    if logprobs is not None:
+        logprobs = logprobs.at[rows, col].set(lp, mode="drop")
     num = state.num_generated + run.astype(jnp.int32)
-    finished = run & (_is_eos(tok, eos_ids) | (num >= state.max_new))
+    finished = run & ((_is_eos(tok, eos_ids) & ~is_forced) | (num >= state.max_new))
     if free_finished:
         cache = _free_rows(cache, state.seq_ids, finished)
     return dataclasses.replace(
         state, cache=cache, last=jnp.where(run, tok, state.last),
         position=state.position + run.astype(jnp.int32), tokens=tokens, num_generated=num,
         done=state.done | finished | ~st.ok, status=_first_error(state.status, st),
-        step=state.step + 1, policy_state=pstate,
+        step=state.step + 1, policy_state=pstate, logprobs=logprobs,
     )
 
 
@@ -339,7 +387,7 @@ _STEP_STATIC = ("model", "sampling", "eos_ids", "free_finished", "impl", "policy
 
 @functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames="state")
 def decode_loop(model: Model, params, state: DecodeState, *, sampling: SamplingConfig,
-                eos_ids: tuple[int, ...] = (), free_finished: bool = True, impl: str = "auto",
+                eos_ids: tuple[int, ...] = (), free_finished: bool = True, impl="auto",
                 policy: CachePolicy | None = None) -> DecodeState:
     """Runs `decode_step` until every row is done, as one compiled `lax.while_loop`.
 
@@ -359,7 +407,7 @@ def decode_loop(model: Model, params, state: DecodeState, *, sampling: SamplingC
 decode_step_jit = jax.jit(decode_step, static_argnames=_STEP_STATIC, donate_argnames="state")
 
 
-# ----------------------------------------------------------------------------- host wrappers
+# ----------------------------------------------------------------------------- host drivers
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int) -> tuple[np.ndarray, np.ndarray,
@@ -370,8 +418,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int) -> tuple[np.n
     prompts (the longest prompt rounded up to a multiple of 8), so tiny
     prompts do not pay for a full chunk.
     """
-    if not prompts:
+    if len(prompts) == 0:
         raise ValueError("prompts must hold at least one prompt.")
+    chunk_size = setup.check_chunk(chunk_size)
     lengths = np.array([len(p) for p in prompts], np.int32)
     if (lengths < 1).any():
         raise ValueError(f"every prompt needs at least one token; lengths are {lengths.tolist()}.")
@@ -384,13 +433,23 @@ def pad_prompts(prompts: Sequence[Sequence[int]], chunk_size: int) -> tuple[np.n
     return tokens, lengths, chunk
 
 
-def default_cache_spec(model: Model, *, num_seqs: int, max_tokens: int, page_size: int = 16,
-                       num_pages: int | None = None, dtype="float32"):
-    """A cache with room for `num_seqs` sequences of up to `max_tokens` tokens each."""
-    max_pages = math.ceil(max_tokens / page_size)
-    return model.make_cache_spec(
-        page_size=page_size, num_pages=num_pages or num_seqs * max_pages, max_seqs=num_seqs,
-        max_pages_per_seq=max_pages, dtype=dtype)
+def decode_params(model: Model, params, rows: int = 1):
+    """The params the decode loop runs with, for `rows` sequences per step.
+
+    A family's stacked layer weights become one array per layer
+    (`Model.unstack_layers`) when the backend's matmul reads per-layer weights faster
+    than slices of a stack for this many rows (`kvjax.backends.prefers_unstacked`:
+    on CPU, XLA copies each layer's slice out of the stack inside a `lax.scan`);
+    otherwise the params are returned as they are.
+    """
+    if model.unstack_layers is None:
+        return params
+    layers = getattr(params, "layers", None)
+    if layers is None or isinstance(layers, tuple):
+        return params
+    if not backends.prefers_unstacked(layers, rows):
+        return params
+    return model.unstack_layers(params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,81 +474,112 @@ class GenerateResult:
         return [self.tokens[i, : n].tolist() for i, n in enumerate(self.num_generated)]
 
 
-def _max_new_vector(max_new_tokens, batch: int) -> np.ndarray:
-    m = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,)).copy()
-    if (m < 1).any():
-        raise ValueError(f"max_new_tokens must be >= 1 per row, got {m.tolist()}.")
-    return m
+def raise_if_error(state: DecodeState) -> None:
+    """`CacheFullError` for a failed allocation, with the final cache as `err.cache`."""
+    try:
+        state.status.raise_if_error()
+    except CacheFullError as err:
+        err.cache, err.state = state.cache, state
+        raise
 
 
-# Stacked layer weights of at least this many bytes run the CPU decode loop per layer.
-_UNSTACK_MIN_BYTES = 32 << 20
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A checked request, ready for prefill (host-side)."""
+
+    cache: kv_cache.PagedKVCache
+    impl: Any
+    params: Any
+    seq_ids: jax.Array
+    tokens: np.ndarray
+    lengths: np.ndarray
+    chunk: int
+    max_new: np.ndarray
+    forced: np.ndarray | None
+    policy_state: Any
 
 
-def decode_params(model: Model, params, rows: int = 1):
-    """The params the decode loop runs with, for `rows` sequences per step.
-
-    Inside the decode's `lax.scan` over stacked layer weights, XLA:CPU copies each
-    layer's slice out of the stack every step (a read and a write of all layer weights
-    per token; benchmarks/NOTES.md v8). On CPU the small-M matmul kernel reads the
-    stacked weights in place (`kvjax.models.layers.LayerSlice`) and nothing changes.
-    Where it does not run (no compiler, several devices, more than its 32 rows, or
-    `KVJAX_CPU_MATMUL=0`), a family's stacked layer weights of 32 MiB or more become one
-    array per layer (`Model.unstack_layers`: a copy of the layer weights for the call).
-    Small models keep the scan (their copies are cheap, the unrolled layers compile
-    slower); other backends read the slices in place. `KVJAX_UNSTACK_LAYERS=0` turns the
-    unstacking off.
-    """
-    if (model.unstack_layers is None or jax.default_backend() != "cpu"
-            or os.environ.get("KVJAX_UNSTACK_LAYERS", "1") == "0"):
-        return params
-    layers = getattr(params, "layers", None)
-    if layers is None or isinstance(layers, tuple):
-        return params
-    leaves = jax.tree.leaves(layers)
-    if sum(x.nbytes for x in leaves) < _UNSTACK_MIN_BYTES:
-        return params
-    from kvjax.backends.cpu import matmul as cpu_matmul
-
-    w = max(leaves, key=lambda x: x.size)  # a projection [layers, d_in, d_out]
-    if w.ndim == 3 and cpu_matmul.use_kernel(jax.ShapeDtypeStruct((rows, w.shape[1]), w.dtype),
-                                             w.shape[1:], w.dtype):
-        return params
-    return model.unstack_layers(params)
-
-
-def _prepare(model, params, prompts, *, key, max_new_tokens, cache, seq_ids, page_size,
-             num_pages, cache_dtype, chunk_size, impl, policy, check):
-    """Shared front half of generate/stream: prefill, then the starting state's inputs."""
-    tokens, lengths, chunk = pad_prompts(prompts, chunk_size)
-    batch = tokens.shape[0]
-    max_new = _max_new_vector(max_new_tokens, batch)
-    if cache is None:
-        spec = default_cache_spec(model, num_seqs=batch, max_tokens=int(lengths.max() +
-                                  max_new.max()), page_size=page_size, num_pages=num_pages,
-                                  dtype=cache_dtype)
-        cache = kv_cache.init_cache(spec)
-    if seq_ids is None:
-        if batch > cache.spec.max_seqs:
-            raise ValueError(f"{batch} prompts but the cache has only {cache.spec.max_seqs} "
-                             f"sequence slots (max_seqs).")
-        seq_ids = np.arange(batch, dtype=np.int32)
-    seq_ids = jnp.asarray(seq_ids, jnp.int32)
-    base = cache.lengths[seq_ids]
-    policy_state = None
-    if policy is None:
-        cache, last_logits, status, _ = prefill(
-            model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
-            chunk_size=chunk, impl=impl)
+def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_size, impl,
+             policy, prefill_mode="chunked", continuations=None, num_seqs=None,
+             extra_tokens=0) -> _Request:
+    """Checks a request and builds its cache; nothing is donated yet."""
+    setup.check_policy(policy)
+    if prefill_mode not in ("chunked", "step"):
+        raise ValueError(f"prefill must be 'chunked' or 'step', got {prefill_mode!r}.")
+    prompts = setup.check_prompts(prompts, model.vocab_size)
+    batch = len(prompts)
+    if continuations is not None:
+        conts = setup.check_prompts(continuations, model.vocab_size)
+        if len(conts) != batch:
+            raise ValueError(f"{batch} prompts but {len(conts)} continuations.")
+        max_new = np.array([len(c) for c in conts], np.int32)
     else:
-        cache, last_logits, status, _, policy_state = prefill(
-            model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
-            chunk_size=chunk, impl=impl, policy=policy, policy_state=policy.init_state(cache))
+        conts = None
+        max_new = setup.max_new_vector(max_new_tokens, batch)
+    forced_prompt = [p[1:] for p in prompts] if prefill_mode == "step" else [p[:0] for p in
+                                                                             prompts]
+    fed = [p[:1] for p in prompts] if prefill_mode == "step" else prompts
+    tokens, lengths, chunk = pad_prompts(fed, chunk_size)
+    n_forced = np.array([len(f) for f in forced_prompt], np.int32)
+    total = lengths + n_forced + max_new
+    cache, impl, plan = setup.prepare_cache(model, cache, impl, num_seqs=num_seqs or batch,
+                                            max_tokens=int(total.max()) + extra_tokens)
+    seq_ids = setup.check_slots(seq_ids, batch, cache.spec)
+    if policy is None:
+        setup.check_room(cache, seq_ids, lengths, n_forced + max_new)
+    forced = None
+    if prefill_mode == "step" or conts is not None:
+        width = int((n_forced + max_new).max())
+        forced = np.full((batch, width), -1, np.int32)
+        for i in range(batch):
+            forced[i, : n_forced[i]] = forced_prompt[i]
+            if conts is not None:
+                forced[i, n_forced[i]: n_forced[i] + max_new[i]] = conts[i]
+    policy_state = None if policy is None else policy.init_state(cache)
+    params = setup.shard_for_plan(model, params, plan)
+    return _Request(cache=cache, impl=impl, params=params, seq_ids=jnp.asarray(seq_ids),
+                    tokens=tokens, lengths=lengths, chunk=chunk, max_new=n_forced + max_new,
+                    forced=forced, policy_state=policy_state)
+
+
+def _prefill(model, req: _Request, *, policy, check):
+    """The request's prompts through `prefill` (its cache donated).
+
+    Returns (cache, last_logits, status, policy_state, positions of the next tokens).
+    """
+    base = req.cache.lengths[req.seq_ids]
+    cache, last_logits, status, _, pstate = prefill(
+        model, req.params, req.cache, jnp.asarray(req.tokens), jnp.asarray(req.lengths),
+        req.seq_ids, chunk_size=req.chunk, impl=req.impl, policy=policy,
+        policy_state=req.policy_state)
     if check:
-        status.raise_if_error()
-    keys = as_keys(key, batch)
-    positions = base + jnp.asarray(lengths)
-    return cache, seq_ids, last_logits, positions, keys, max_new, status, policy_state
+        try:
+            status.raise_if_error()
+        except CacheFullError as err:
+            err.cache = cache
+            raise
+    return cache, last_logits, status, pstate, base + jnp.asarray(req.lengths)
+
+
+def _start(model, req: _Request, *, key, sampling, eos_ids, free_finished, policy, check):
+    """Prefill and the starting state of the decode loop (the request's cache donated)."""
+    cache, last_logits, status, pstate, positions = _prefill(model, req, policy=policy,
+                                                             check=check)
+    batch = req.tokens.shape[0]
+    forced = None if req.forced is None else jnp.asarray(req.forced)
+    return start(cache, req.seq_ids, last_logits, positions, as_keys(key, batch),
+                 jnp.asarray(req.max_new), status, sampling=sampling, eos_ids=eos_ids,
+                 max_len=int(req.max_new.max()), free_finished=free_finished,
+                 policy_state=pstate, forced=forced)
+
+
+def _strip_forced(tokens: np.ndarray, num: np.ndarray, n_forced: np.ndarray, width: int):
+    """The rows' own tokens, past the forced prompt tokens (prefill='step')."""
+    out = np.full((tokens.shape[0], width), -1, np.int32)
+    for i in range(tokens.shape[0]):
+        own = tokens[i, n_forced[i]: num[i]]
+        out[i, : own.size] = own
+    return out, np.maximum(num - n_forced, 0)
 
 
 def generate(
@@ -501,14 +591,12 @@ def generate(
     max_new_tokens: int | Sequence[int],
     sampling: SamplingConfig = GREEDY,
     eos_ids: Sequence[int] = (),
-    cache: kv_cache.PagedKVCache | None = None,
+    cache: kv_cache.PagedKVCache | CacheConfig | None = None,
     seq_ids: Sequence[int] | None = None,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    cache_dtype="float32",
     chunk_size: int = 256,
+    prefill: str = "chunked",
     free_finished: bool = True,
-    impl: str = "auto",
+    impl="auto",
     policy: CachePolicy | None = None,
     check: bool = True,
 ) -> GenerateResult:
@@ -516,39 +604,114 @@ def generate(
 
     Args:
       model, params: from `kvjax.models.load` (or a family's init_params).
-      prompts: token-id lists, one per row (lengths may differ).
+      prompts: token-id lists, one per row (lengths may differ); ids in [0, vocab).
       key: one PRNG key (split per row) or typed keys [batch], one per row; row
         i's step s samples with `fold_in(keys[i], s)`, so a row's tokens do not
         depend on the rest of the batch.
       max_new_tokens: token limit, one for all rows or one per row.
       sampling: greedy by default.
       eos_ids: tokens that end a row (the EOS is kept in the output).
-      cache: an existing cache (donated; rows continue the sequences in
-        `seq_ids`); default a fresh one sized for the request.
-      seq_ids: cache slots of the rows; default 0..batch-1.
-      page_size, num_pages, cache_dtype: for the fresh cache.
+      cache: an existing cache of any page kind (donated; rows continue the sequences in
+        `seq_ids`), or a `CacheConfig` (dtype, KIVI quantization, page size, pool size,
+        sharding plan) for a fresh one sized for the request (default: float32).
+      seq_ids: distinct cache slots of the rows; default 0..batch-1.
       chunk_size: prefill chunk length.
+      prefill: "chunked" (the prompts through `prefill`, `chunk_size` tokens at a time)
+        or "step" (only their first tokens; the rest is fed through the decode step,
+        forced: one compiled program, slower for long prompts).
       free_finished: free each row's pages when it finishes.
-      impl: attention implementation.
-      policy: optional cache policy (eviction/selection) run after every forward.
-      check: raise `CacheFullError` if the cache ran out of pages.
+      impl: attention implementation (`kvjax.attention.IMPLS`, or a `ShardedAttention`).
+      policy: optional cache policy (eviction / page selection), on any page kind where it
+        is defined (`kvjax.cache.policies.UndefinedCombination` otherwise, raised before
+        any work).
+      check: raise `CacheFullError` if the cache ran out of pages (the final cache is on
+        the error as `err.cache`).
+
+    Raises:
+      ValueError / TypeError: a bad request (token ids outside the vocabulary, repeated or
+        out-of-range slots, a sequence longer than the cache can hold, ...), before the
+        cache is touched.
     """
-    cache, seq_ids, last_logits, positions, keys, max_new, status, policy_state = _prepare(
-        model, params, prompts, key=key, max_new_tokens=max_new_tokens, cache=cache,
-        seq_ids=seq_ids, page_size=page_size, num_pages=num_pages, cache_dtype=cache_dtype,
-        chunk_size=chunk_size, impl=impl, policy=policy, check=check)
+    req = _request(model, params, prompts, max_new_tokens=max_new_tokens, cache=cache,
+                   seq_ids=seq_ids, chunk_size=chunk_size, impl=impl, policy=policy,
+                   prefill_mode=prefill)
     eos_ids = tuple(int(e) for e in eos_ids)
-    state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
-                  sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
-                  free_finished=free_finished, policy_state=policy_state)
-    state = decode_loop(model, decode_params(model, params, len(prompts)), state,
+    state = _start(model, req, key=key, sampling=sampling, eos_ids=eos_ids,
+                   free_finished=free_finished, policy=policy, check=check)
+    state = decode_loop(model, decode_params(model, req.params, len(req.lengths)), state,
                         sampling=sampling, eos_ids=eos_ids, free_finished=free_finished,
-                        impl=impl, policy=policy)
+                        impl=req.impl, policy=policy)
     if check:
-        state.status.raise_if_error()
-    return GenerateResult(tokens=np.asarray(state.tokens),
-                          num_generated=np.asarray(state.num_generated), cache=state.cache,
+        raise_if_error(state)
+    tokens, num = np.asarray(state.tokens), np.asarray(state.num_generated)
+    if prefill == "step":
+        n_forced = req.max_new - setup.max_new_vector(max_new_tokens, len(req.lengths))
+        tokens, num = _strip_forced(tokens, num, n_forced,
+                                    int(np.max(setup.max_new_vector(max_new_tokens,
+                                                                    len(req.lengths)))))
+    return GenerateResult(tokens=tokens, num_generated=num, cache=state.cache,
                           status=state.status, state=state)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    """What `score` returns.
+
+    Attributes:
+      logprobs: float32[batch, max_len] (NumPy): log p(continuation token i | everything
+        before it) for each row; entries past a row's continuation are 0.
+      lengths: int32[batch] continuation tokens per row.
+      cache: the final cache; state: the final `DecodeState`.
+    """
+
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    cache: kv_cache.PagedKVCache
+    state: DecodeState
+
+    def nll(self) -> float:
+        """Mean negative log-likelihood per continuation token."""
+        return float(-self.logprobs.sum() / max(int(self.lengths.sum()), 1))
+
+
+def score(
+    model: Model,
+    params,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    cache: kv_cache.PagedKVCache | CacheConfig | None = None,
+    seq_ids: Sequence[int] | None = None,
+    chunk_size: int = 256,
+    free_finished: bool = True,
+    impl="auto",
+    policy: CachePolicy | None = None,
+    check: bool = True,
+) -> ScoreResult:
+    """Teacher forcing through the decode loop: log-probabilities of given continuations.
+
+    Each prompt is prefilled, then its continuation is fed one token per decode step
+    (the true token, not a sample) through the same step function `generate` runs —
+    cache kind, policy and sharding included, so quantization error and eviction show
+    after the prompt as they would while generating. One compiled loop, no host
+    round trip per step.
+
+    Args: as in `generate`, plus `continuations` (token-id lists, one per prompt).
+    """
+    req = _request(model, params, prompts, max_new_tokens=None, cache=cache, seq_ids=seq_ids,
+                   chunk_size=chunk_size, impl=impl, policy=policy,
+                   continuations=continuations)
+    state = _start(model, req, key=jax.random.key(0), sampling=GREEDY, eos_ids=(),
+                   free_finished=free_finished, policy=policy, check=check)
+    state = decode_loop(model, decode_params(model, req.params, len(req.lengths)), state,
+                        sampling=GREEDY, eos_ids=(), free_finished=free_finished, impl=req.impl,
+                        policy=policy)
+    if check:
+        raise_if_error(state)
+    n = req.max_new
+    lp = np.where(np.arange(state.logprobs.shape[1])[None, :] < n[:, None],
+                  np.asarray(state.logprobs), 0.0)
+    return ScoreResult(logprobs=lp, lengths=n, cache=state.cache, state=state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,14 +732,11 @@ def stream(
     max_new_tokens: int | Sequence[int],
     sampling: SamplingConfig = GREEDY,
     eos_ids: Sequence[int] = (),
-    cache: kv_cache.PagedKVCache | None = None,
+    cache: kv_cache.PagedKVCache | CacheConfig | None = None,
     seq_ids: Sequence[int] | None = None,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    cache_dtype="float32",
     chunk_size: int = 256,
     free_finished: bool = True,
-    impl: str = "auto",
+    impl="auto",
     policy: CachePolicy | None = None,
     check: bool = True,
 ) -> Iterator[StreamEvent]:
@@ -586,16 +746,13 @@ def stream(
     the prompts; each later one comes from one jitted `decode_step`. The last
     event's `state` holds the final cache.
     """
-    cache, seq_ids, last_logits, positions, keys, max_new, status, policy_state = _prepare(
-        model, params, prompts, key=key, max_new_tokens=max_new_tokens, cache=cache,
-        seq_ids=seq_ids, page_size=page_size, num_pages=num_pages, cache_dtype=cache_dtype,
-        chunk_size=chunk_size, impl=impl, policy=policy, check=check)
+    req = _request(model, params, prompts, max_new_tokens=max_new_tokens, cache=cache,
+                   seq_ids=seq_ids, chunk_size=chunk_size, impl=impl, policy=policy)
     eos_ids = tuple(int(e) for e in eos_ids)
-    state = start(cache, seq_ids, last_logits, positions, keys, jnp.asarray(max_new), status,
-                  sampling=sampling, eos_ids=eos_ids, max_len=int(max_new.max()),
-                  free_finished=free_finished, policy_state=policy_state)
-    prev = np.zeros(seq_ids.shape, np.int32)
-    params = decode_params(model, params, len(prompts))
+    state = _start(model, req, key=key, sampling=sampling, eos_ids=eos_ids,
+                   free_finished=free_finished, policy=policy, check=check)
+    prev = np.zeros(req.lengths.shape, np.int32)
+    params = decode_params(model, req.params, len(req.lengths))
     while True:
         num = np.asarray(state.num_generated)
         emitted = num > prev
@@ -605,6 +762,6 @@ def stream(
         if bool(np.all(np.asarray(state.done))):
             break
         state = decode_step_jit(model, params, state, sampling=sampling, eos_ids=eos_ids,
-                                free_finished=free_finished, impl=impl, policy=policy)
+                                free_finished=free_finished, impl=req.impl, policy=policy)
     if check:
-        state.status.raise_if_error()
+        raise_if_error(state)

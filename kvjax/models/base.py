@@ -1,17 +1,28 @@
 """The `Model` bundle that `kvjax.generate` drives, and the registry of model families.
 
-A family is a module in `kvjax/models/` exposing (see /work/notes/MODELS.md):
-a frozen `XxxConfig` with `from_hf(dict)` and an `attention` property,
-`init_params(config, key)`, `params_from_hf(config, get_tensor)`,
-`cache_spec(config, *, page_size, num_pages, max_seqs, max_pages_per_seq, dtype)`
-and `forward(params, config, tokens, positions, cache, *, q_lengths, seq_ids, impl)`.
+A family is a module (or package) in `kvjax/models/` exposing: a frozen
+`XxxConfig` with `from_hf(dict)` and an `attention` property (the cache geometry,
+an `AttentionSpec` or `MLASpec`), `init_params(config, key)`,
+`params_from_hf(config, get_tensor)`, `cache_spec(config, *, page_size, num_pages,
+max_seqs, max_pages_per_seq, dtype)` and
+
+    forward(params, config, tokens, positions, cache, *, q_lengths, seq_ids=None,
+            impl="auto", select=None, observe=False)
+
+The forward contract: the caller has reserved the new tokens in the cache; each
+layer writes its new keys with `kvjax.cache.write` and attends with
+`kvjax.cache.attend` — the only cache operations a model calls, so a family knows
+no page kind, policy or backend. `select(cache, layer, q)` (optional) returns the
+`Selection` a layer's decode attention reads (a cache policy's page selection, `q`
+the layer's queries, MLA: the absorbed `[q_latent, q_rope]`), and `observe=True`
+also returns those queries of every layer, stacked, for the policy's hooks.
+
 The registry maps HuggingFace `architectures` names to those modules; modules
 are imported lazily, on first use.
 """
 
 import dataclasses
 import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -50,8 +61,8 @@ class Model:
     Attributes:
       family: the family name ("llama", "deepseek", ...).
       config: the family's frozen config.
-      forward: the family's `forward(params, config, tokens, positions, cache, *,
-        q_lengths, seq_ids=None, impl="auto") -> (logits, cache)`.
+      forward: the family's `forward` (see the module docstring) -> (logits, cache), or
+        (logits, cache, queries) with `observe=True`.
       cache_spec: the family's `cache_spec(config, *, page_size, num_pages, max_seqs,
         max_pages_per_seq, dtype) -> CacheSpec`.
       unstack_layers: the family's `unstack_layers(params) -> params` (per-layer
@@ -66,20 +77,10 @@ class Model:
     unstack_layers: Callable | None = None
 
     def apply(self, params, tokens, positions, cache, *, q_lengths, seq_ids=None,
-              impl: str = "auto", policy=None, policy_state=None):
-        """`forward` with this model's config bound.
-
-        With a cache `policy` (`kvjax.cache.policies`) it also returns the
-        queries of every layer; families whose forward takes no policy raise.
-        """
-        if policy is None:
-            return self.forward(params, self.config, tokens, positions, cache,
-                                q_lengths=q_lengths, seq_ids=seq_ids, impl=impl)
-        if "policy" not in inspect.signature(self.forward).parameters:
-            raise ValueError(f"The {self.family} family does not support cache policies yet.")
-        return self.forward(params, self.config, tokens, positions, cache,
-                            q_lengths=q_lengths, seq_ids=seq_ids, impl=impl, policy=policy,
-                            policy_state=policy_state)
+              impl="auto", select=None, observe: bool = False):
+        """`forward` with this model's config bound (see the module docstring)."""
+        return self.forward(params, self.config, tokens, positions, cache, q_lengths=q_lengths,
+                            seq_ids=seq_ids, impl=impl, select=select, observe=observe)
 
     def make_cache_spec(self, *, page_size: int, num_pages: int, max_seqs: int,
                         max_pages_per_seq: int, dtype="float32") -> CacheSpec:

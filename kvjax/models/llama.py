@@ -10,9 +10,10 @@ stacked along a leading `layers` axis, so the layers run as one `lax.scan`
 `forward` runs as an unrolled loop: on CPU the decode loop uses it for big
 models, since XLA:CPU copies a scan's slice of the stacked weights every step.
 
-`forward` follows the model contract (/work/notes/MODELS.md): the caller has
+`forward` follows the model contract (`kvjax.models.base`): the caller has
 already reserved the new tokens in the cache; each layer writes its K/V with
-`kvjax.cache.write_layer` and attends with `kvjax.attention`.
+`kvjax.cache.write` and attends with `kvjax.cache.attend` — the only two cache
+operations a model calls, whatever the page kind, policy or backend.
 """
 
 import dataclasses
@@ -23,9 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention as kv_attention
 from kvjax import cache as kv_cache
-from kvjax.cache.policies.base import CachePolicy, rows_selection, selected_decode_attention
 from kvjax.models.layers import (
     RopeConfig,
     apply_rope,
@@ -367,8 +366,8 @@ def cache_spec(config: LlamaConfig, *, page_size: int, num_pages: int, max_seqs:
                      max_pages_per_seq=max_pages_per_seq, dtype=dtype)
 
 
-def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
-           window, impl, policy=None, policy_state=None):
+def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, seq_ids, q_lengths, window,
+           impl, select=None):
     """One decoder layer: attention over the paged cache, then the MLP. Returns (x, cache, q)."""
     c = config
     batch, q_len, _ = x.shape
@@ -381,30 +380,12 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, slots, seq_i
         k = rms_norm(k, lp.k_norm, c.rms_norm_eps)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
-    dt = cache.spec.dtype
-    cache = kv_cache.write_layer(cache, layer, slots, k.astype(dt), v.astype(dt))
-    view = kv_cache.layer_view(cache, layer)
-    lengths, tables = view.lengths, view.block_tables
-    if seq_ids is not None:
-        lengths, tables = lengths[seq_ids], tables[seq_ids]
-    scale = c.head_dim ** -0.5
-    if q_len == 1 and policy is not None:
-        # The policy picks what decode attention reads (Quest pages, PyramidKV layer budgets).
-        sel = rows_selection(policy, cache, policy_state, layer, q[:, 0], seq_ids)
-        out, _ = selected_decode_attention(q[:, 0], view.k, view.v, sel, scale=scale,
-                                           sliding_window=window, impl=impl)
-        out = out[:, None]
-    elif q_len == 1:
-        # The whole pools plus layer=: the XLA path then reads this layer's pages in its
-        # gathers instead of XLA copying the layer's pool out of the scan's carry.
-        out, _ = kv_attention.paged_decode_attention(
-            q[:, 0], cache.pages.k, cache.pages.v, lengths, tables, scale=scale,
-            sliding_window=window, impl=impl, layer=layer)
-        out = out[:, None]
-    else:
-        out, _ = kv_attention.paged_prefill_attention(
-            q, cache.pages.k, cache.pages.v, lengths, tables, q_lengths, scale=scale,
-            sliding_window=window, impl=impl, layer=layer)
+    rows = dict(q_lengths=q_lengths, seq_ids=seq_ids)
+    cache = kv_cache.write(cache, layer, k, v, **rows)
+    # A policy's page selection (Quest, PyramidKV's layer budgets) applies to decode.
+    selection = select(cache, layer, q[:, 0]) if select is not None and q_len == 1 else None
+    out, _ = kv_cache.attend(cache, layer, q, selection=selection, scale=c.head_dim ** -0.5,
+                             sliding_window=window, impl=impl, **rows)
     x = x + linear(out.astype(x.dtype).reshape(batch, q_len, -1), lp.wo, lp.bo)
     h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
     x = x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down, lp.b_gate, lp.b_up, lp.b_down)
@@ -432,9 +413,9 @@ def forward(
     *,
     q_lengths: Int[Array, " batch"],
     seq_ids: Int[Array, " batch"] | None = None,
-    impl: str = "auto",
-    policy: CachePolicy | None = None,
-    policy_state=None,
+    impl="auto",
+    select: Callable | None = None,
+    observe: bool = False,
 ):
     """Runs the model on new tokens whose cache slots are already reserved.
 
@@ -443,20 +424,21 @@ def forward(
       config: the model config (static under jit).
       tokens: int32[batch, q_len]; entries t >= q_lengths[b] are padding.
       positions: int32[batch, q_len] RoPE positions of the tokens.
-      cache: the paged cache; `cache.lengths[seq]` already counts the new tokens,
-        and token t of row b goes to position `lengths[seq_b] - q_lengths[b] + t`.
-        Pure function: jit it with the cache donated to update the pools in place.
+      cache: a cache of any page kind built for this model's attention geometry;
+        `cache.lengths[seq]` already counts the new tokens, and token t of row b goes to
+        position `lengths[seq_b] - q_lengths[b] + t`. Pure function: jit it with the
+        cache donated to update the pools in place.
       q_lengths: int32[batch], real tokens per row.
       seq_ids: int32[batch] cache slots of the rows; None = every slot in order.
-      impl: attention implementation (see `kvjax.attention`).
-      policy: optional cache policy (`kvjax.cache.policies`); in decode
-        (q_len == 1) its `before_attention` chooses what each layer reads.
-      policy_state: the policy's state.
+      impl: attention implementation (`kvjax.attention.IMPLS` or a `ShardedAttention`).
+      select: optional `select(cache, layer, q [batch, q_heads, head_dim]) -> Selection |
+        None`, the pages each layer's decode attention reads (a cache policy's
+        `before_attention`, wrapped by the decode loop).
+      observe: also return the post-RoPE queries of every layer (for cache policies).
 
     Returns:
-      (float32 logits [batch, q_len, vocab], the cache with the new K/V written),
-      plus, when a policy is given, the post-RoPE queries of every layer
-      [layers, batch, q_len, q_heads, head_dim] for the policy's hooks.
+      (float32 logits [batch, q_len, vocab], the cache with the new K/V written), plus,
+      with `observe`, the queries of every layer [layers, batch, q_len, q_heads, head_dim].
     """
     c = config
     if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -469,25 +451,20 @@ def forward(
             f"forward: the cache was built for {cache.spec.attention} x {cache.spec.num_layers} "
             f"layers, the model needs {c.attention} x {c.num_layers} layers."
         )
-    batch, q_len = tokens.shape
     dtype = jnp.dtype(c.dtype)
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
-    valid = jnp.arange(q_len)[None, :] < q_lengths[:, None]
-    lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
-    cache_pos = lengths[:, None] - q_lengths[:, None] + jnp.arange(q_len)[None, :]
-    slots = kv_cache.token_slots(cache, jnp.maximum(cache_pos, 0), valid, seq_ids)
     cos, sin = rope_cos_sin(positions, c.rope, dtype)
     x = params.embed.astype(dtype)[tokens]
+    args = dict(cos=cos, sin=sin, seq_ids=seq_ids, q_lengths=q_lengths, impl=impl, select=select)
 
     windows = c.sliding_windows or (None,) * c.num_layers
     if isinstance(params.layers, tuple):
         # Per-layer weights (`unstack_layers`): an unrolled loop, no slicing.
         queries = []
         for layer, lp in enumerate(params.layers):
-            x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
-                                 windows[layer], impl, policy, policy_state)
+            x, cache, q = _layer(c, lp, layer, x, cache=cache, window=windows[layer], **args)
             queries.append(q)
-        queries = jnp.stack(queries) if policy is not None else None
+        queries = jnp.stack(queries) if observe else None
     elif len(set(windows)) == 1:
         # One compiled layer body for all layers.
         def body(carry, layer):
@@ -495,9 +472,8 @@ def forward(
             # Matrices stay in the stack (LayerSlice): the CPU matmul kernel reads them
             # in place; a scan over the stacked params would copy each layer's slice.
             lp = layer_params(params.layers, layer)
-            x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
-                                 windows[0], impl, policy, policy_state)
-            return (x, cache), (q if policy is not None else None)
+            x, cache, q = _layer(c, lp, layer, x, cache=cache, window=windows[0], **args)
+            return (x, cache), (q if observe else None)
 
         (x, cache), queries = jax.lax.scan(
             body, (x, cache), jnp.arange(c.num_layers, dtype=jnp.int32))
@@ -505,15 +481,14 @@ def forward(
         queries = []
         for layer in range(c.num_layers):
             lp = layer_params(params.layers, layer)
-            x, cache, q = _layer(c, lp, layer, x, cos, sin, cache, slots, seq_ids, q_lengths,
-                                 windows[layer], impl, policy, policy_state)
+            x, cache, q = _layer(c, lp, layer, x, cache=cache, window=windows[layer], **args)
             queries.append(q)
-        queries = jnp.stack(queries)
+        queries = jnp.stack(queries) if observe else None
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    logits = _lm_head(params, x, dtype)
-    if policy is not None:
-        return logits.astype(jnp.float32), cache, queries
-    return logits.astype(jnp.float32), cache
+    logits = _lm_head(params, x, dtype).astype(jnp.float32)
+    if observe:
+        return logits, cache, queries
+    return logits, cache
 
 
 def forward_dense(

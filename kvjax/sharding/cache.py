@@ -1,6 +1,7 @@
 """Shardings for the paged cache pytree, and building a cache directly on a mesh.
 
-Every pool is `[layers, heads, pages, page_size, width]`; its sharding is
+Every pool of every page kind (full-precision K/V, MLA latents, KIVI codes, scales
+and zeros) is `[layers, heads, pages, rows, cols]`; its sharding is
 
     P(None, heads_axis, page_axes, None, None)
 
@@ -8,6 +9,10 @@ with `heads_axis = "model"` under `"heads"` (None under the replicate
 fallback and for MLA's single latent head) and `page_axes` the data and/or
 context axes (`ShardingPlan.page_axes`, data-major, so pool shard k = d * C + c
 holds page ids [k * n, (k + 1) * n), n = num_pages / (D * C)).
+
+A KIVI cache's tail rings `[layers, heads, max_seqs, ring, width]` split their heads
+like the pools and are replicated over the page axes (a ring is at most residual +
+page_size tokens per slot); its token counts are replicated.
 
 The page table is replicated: it is a few KB of int32 next to pools of GBs,
 and keeping it on every device lets every device run the allocator (the same
@@ -25,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import PagedKVCache, init_cache
 from kvjax.cache import page_table as pt
+from kvjax.cache.state import KIVITail
 from kvjax.cache import sharded_table as st
 from kvjax.sharding.mesh import ShardingPlan
 from kvjax.specs import CacheSpec
@@ -88,12 +94,17 @@ def cache_shardings(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
     `jax.device_put`. Raises ValueError naming the mesh axis and sizes when the
     mesh does not fit the cache (see `kv_heads_sharded` and the page/seq counts).
     """
-    pool = NamedSharding(plan.mesh, pool_spec(plan, spec))
+    pspec = pool_spec(plan, spec)
+    pool = NamedSharding(plan.mesh, pspec)
     rep = NamedSharding(plan.mesh, P())
     abstract = jax.eval_shape(lambda: _build(plan, spec))
     pages = jax.tree.map(lambda _: pool, abstract.pages)
     table = jax.tree.map(lambda _: rep, abstract.table)
-    return dataclasses.replace(abstract, pages=pages, table=table)
+    tail = None
+    if abstract.tail is not None:
+        ring = NamedSharding(plan.mesh, P(None, pspec[1], None, None, None))
+        tail = KIVITail(a=ring, b=ring, lengths=rep, pending=rep)
+    return dataclasses.replace(abstract, pages=pages, table=table, tail=tail)
 
 
 def _build(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import page_table as pt
-from kvjax.cache.paged import PagedKVCache, _copy_pages, _pools, set_drop
+from kvjax.cache.paged import _pools, allocator, copy_pages, set_drop
+from kvjax.cache.state import PagedKVCache
 
 __all__ = ["compact", "keep_heavy_and_recent", "only_rows"]
 
@@ -88,8 +89,8 @@ def compact(
     cols = jnp.arange(spec.max_pages_per_seq)[None, :]
     written = (cols >= (first // ps)[:, None]) & (cols < table.pages_used(new_lengths)[:, None])
     written &= ~grows
-    table, copy, status = pt.unshare(table, written)
-    pages = _copy_pages(cache.pages, copy.src, copy.dst)
+    table, copy, status = allocator(table).unshare(table, written)
+    pages = copy_pages(cache.pages, copy.src, copy.dst)
     ok = status.ok & ~grows
 
     bt = table.block_tables
@@ -109,7 +110,8 @@ def compact(
         new_pools.append(set_drop(pool, (l_idx, h_idx, dst_page, dst_off), vals))
     pages = type(pages)(*new_pools)
 
-    table, released, t_status = pt.truncate(table, jnp.where(ok, new_lengths, table.lengths))
+    table, released, t_status = allocator(table).truncate(
+        table, jnp.where(ok, new_lengths, table.lengths))
     code = jnp.where(grows, pt.BAD_TRUNCATE, jnp.where(status.ok, t_status.code, status.code))
     status = pt.AllocStatus(code=code.astype(jnp.int32), pages_needed=status.pages_needed,
                             pages_free=status.pages_free)

@@ -11,18 +11,28 @@ evicts, greedily, the token whose accumulated score is lowest, never one of
 the most recent tokens. The paper splits the budget evenly between heavy
 hitters and recent tokens (e.g. 10% + 10% of the sequence).
 
-Here, per layer and per KV head (scores summed over the head's query group,
-so every query head of the group keeps the same tokens):
-  * `after_prefill` adds, for every cached token, the attention probability
-    each prompt query of the last chunk gives it; `after_step` adds the new
-    query's probabilities (an extra XLA pass over the keys,
-    `kvjax.attention.scores.paged_attention_probs`);
-  * when a sequence exceeds `budget`, it keeps its last `recent` tokens plus
-    the `budget - recent` older tokens with the largest accumulated score,
-    each (layer, KV head) its own set, all of the same size; kept tokens are
-    compacted and whole pages return to the pool (`compaction.py`);
-    evicting one token per step, as the paper does, keeps the length at most
-    `budget` after every step.
+Scores: `after_prefill` adds, for every cached token, the attention probability
+each prompt query of the chunk gives it; `after_step` adds the new query's
+probabilities (a blocked pass over the keys, `kvjax.cache.attention_probs`: on KIVI
+pages never a dequantized copy of a sequence's keys).
+
+Full-precision pages (MHA/GQA/MQA K/V, MLA latents), per layer and per cache head
+(scores summed over the head's query group, so every query head of the group keeps
+the same tokens; MLA has one latent head): when a sequence exceeds `budget`, it keeps
+its last `recent` tokens plus the `budget - recent` older tokens with the largest
+accumulated score, each (layer, head) its own set, all of the same size; kept tokens
+are compacted and whole pages return to the pool (`compaction.py`). Evicting one
+token per step, as the paper does, keeps the length at most `budget` after every
+step.
+
+KIVI pages (page-granular H2O): the tokens of a quantized page share their scales,
+so the quantized part is evicted a whole page at a time: a page's mass is the sum of
+its tokens' scores (over all layers, heads and queries so far, including the mass
+its tokens collected while still in the tail); when a sequence exceeds `budget`
+tokens (quantized pages kept x page_size + tail), the lowest-mass quantized pages go
+(`kvjax.cache.quantized.drop_pages`), as many as needed. The full-precision tail is
+the recent window and is never evicted, so the budget must hold the largest tail
+(residual + page_size - 1 tokens); `recent` must be left unset there.
 """
 
 import dataclasses
@@ -31,13 +41,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.attention.scores import paged_attention_probs
+from kvjax.cache import ops, quantized
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.paged import PagedKVCache
-from kvjax.cache.policies.base import CachePolicy, active_rows, ok_status
+from kvjax.cache.policies.base import (
+    CachePolicy,
+    UndefinedCombination,
+    active_rows,
+    ok_status,
+    score_scale,
+)
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
+from kvjax.cache.state import PagedKVCache
 
-__all__ = ["H2O", "H2OState"]
+__all__ = ["H2O", "H2OState", "check_budget", "evict_lowest_pages"]
 
 
 @jax.tree_util.register_dataclass
@@ -46,14 +62,16 @@ class H2OState:
     """Accumulated attention per cached slot.
 
     Attributes:
-      scores: float32[layers, max_seqs, kv_heads, max_tokens]; slot j of
-        sequence s in (layer, KV head); moves with its token on compaction.
+      scores: float32; full-precision pages `[layers, max_seqs, cache_heads, max_tokens]`
+        (slot j of sequence s in (layer, head)), KIVI pages `[max_seqs, max_tokens]`
+        (position j of sequence s, summed over layers and heads). Scores move with their
+        tokens on eviction.
     """
 
-    scores: Float[Array, "layers max_seqs kv_heads max_tokens"]
+    scores: Float[Array, "..."]
 
 
-def _check_budget(owner: str, budget, recent):
+def check_budget(owner: str, budget, recent):
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"{owner}.budget must be an int >= 1, got {budget!r}.")
     if isinstance(recent, bool) or not isinstance(recent, int) or not 0 <= recent <= budget:
@@ -61,15 +79,63 @@ def _check_budget(owner: str, budget, recent):
                          f"got {recent!r}.")
 
 
+def kivi_min_budget(cache: PagedKVCache, pinned_pages: int = 0) -> int:
+    """Smallest budget a KIVI cache can hold every sequence to: pinned pages + largest tail."""
+    return pinned_pages * cache.spec.page_size + quantized.tail_capacity(cache.spec) - 1
+
+
+def require_kivi_budget(owner: str, budget: int, cache: PagedKVCache,
+                        pinned_pages: int = 0) -> None:
+    spec = cache.spec
+    need = kivi_min_budget(cache, pinned_pages)
+    if budget < need:
+        raise UndefinedCombination(
+            f"{owner}: budget={budget} cannot be held on a KIVI cache: its full-precision tail "
+            f"alone holds up to R + page_size - 1 = {quantized.tail_capacity(spec) - 1} tokens "
+            f"(R={spec.quant.residual}, page_size={spec.page_size})"
+            + (f" plus {pinned_pages} pinned page(s)" if pinned_pages else "")
+            + f"; use budget >= {need}, a smaller residual R, or a full-precision cache.")
+
+
+def evict_lowest_pages(cache: PagedKVCache, mass, over, rows, pinned_pages: int = 0,
+                       pinned=None):
+    """Evicts, per flagged row, the `ceil(over / page_size)` quantized pages of lowest mass.
+
+    mass: float32[max_seqs, max_pages] (a larger mass is kept first); pages below
+    `pinned_pages` and columns flagged in `pinned` (bool[max_seqs, max_pages]) are never
+    evicted. Returns (cache, src, status) as `quantized.drop_pages`.
+    """
+    spec = cache.spec
+    ps, max_pages = spec.page_size, spec.max_pages_per_seq
+    n_q = cache.quant_lengths // ps
+    cols = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
+    evictable = (cols >= pinned_pages) & (cols < n_q[:, None])
+    if pinned is not None:
+        evictable &= ~pinned
+    k = jnp.where(rows & (over > 0), (over + ps - 1) // ps, 0)
+    k = jnp.minimum(k, jnp.sum(evictable, axis=1)).astype(jnp.int32)
+    order = jnp.argsort(jnp.where(evictable, mass, jnp.inf), axis=1, stable=True)
+    drop = jnp.zeros(mass.shape, bool).at[
+        jnp.arange(spec.max_seqs)[:, None], order].set(cols < k[:, None])
+    return quantized.drop_pages(cache, drop & evictable)
+
+
+def moved_scores(scores, src):
+    """Per-token scores [max_seqs, max_tokens] following their tokens (src from drop_pages)."""
+    moved = jnp.take_along_axis(scores, jnp.clip(src, 0, scores.shape[1] - 1), axis=1)
+    return jnp.where(src >= 0, moved, 0.0)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class H2O(CachePolicy):
     """Heavy hitters + recent window within `budget` tokens per sequence.
 
     Attributes:
-      budget: tokens kept per sequence (per layer and KV head). Default 1024.
-      recent: most recent tokens always kept; None means budget // 2 (the
-        paper's even split between heavy hitters and recent tokens).
-      scale: attention logit scale for scoring, default 1/sqrt(head_dim).
+      budget: tokens kept per sequence (per layer and head). Default 1024.
+      recent: most recent tokens always kept; None means budget // 2 (the paper's even
+        split). On KIVI pages the recent window is the full-precision tail; leave None.
+      scale: attention logit scale for scoring, default the cache geometry's
+        (`softmax_scale`: 1/sqrt(head_dim), MLA's own).
     """
 
     budget: int = 1024
@@ -77,7 +143,7 @@ class H2O(CachePolicy):
     scale: float | None = None
 
     def __post_init__(self):
-        _check_budget("H2O", self.budget, self.n_recent)
+        check_budget("H2O", self.budget, self.n_recent)
 
     @property
     def n_recent(self) -> int:
@@ -85,23 +151,45 @@ class H2O(CachePolicy):
 
     def init_state(self, cache: PagedKVCache) -> H2OState:
         spec = cache.spec
-        if spec.is_mla:
-            raise ValueError("H2O scores MHA/GQA/MQA caches (KVPages), not MLA latent caches.")
-        shape = (spec.num_layers, spec.max_seqs, spec.attention.kv_heads,
+        if cache.is_quantized:
+            if self.recent is not None:
+                raise UndefinedCombination(
+                    "H2O(recent=...) on a KIVI cache: the recent window is the cache's "
+                    "full-precision tail (QuantSpec.residual); leave recent unset.")
+            require_kivi_budget("H2O", self.budget, cache)
+            return H2OState(scores=jnp.zeros((spec.max_seqs, spec.max_tokens_per_seq),
+                                             jnp.float32))
+        shape = (spec.num_layers, spec.max_seqs, spec.attention.cache_heads,
                  spec.max_tokens_per_seq)
         return H2OState(scores=jnp.zeros(shape, jnp.float32))
 
+    def fork_state(self, state: H2OState, src, dst) -> H2OState:
+        axis = 0 if state.scores.ndim == 2 else 1  # KIVI: [seqs, tokens]; else [L, seqs, ...]
+        x = jnp.moveaxis(state.scores, axis, 0)
+        x = x.at[dst].set(x[src], mode="drop")
+        return H2OState(scores=jnp.moveaxis(x, 0, axis))
+
+    def _probs(self, cache, queries, q_lengths):
+        """Per layer: probabilities summed over queries, [layers, max_seqs, q_heads, tokens]."""
+        scale = score_scale(self.scale, cache)
+        return [ops.attention_probs(cache, layer, queries[layer], q_lengths, scale=scale)
+                for layer in range(cache.spec.num_layers)]
+
     def _accumulate(self, cache, scores, queries, q_lengths):
-        kv_heads = cache.spec.attention.kv_heads
-        per_layer = []
-        for layer in range(cache.spec.num_layers):
-            p = paged_attention_probs(queries[layer], cache.pages.k[layer], cache.lengths,
-                                      cache.block_tables, q_lengths, scale=self.scale)
-            b, _, hq, t = p.shape
-            per_layer.append(p.sum(axis=1).reshape(b, kv_heads, hq // kv_heads, t).sum(axis=2))
+        probs = self._probs(cache, queries, q_lengths)
+        if cache.is_quantized:
+            return scores + sum(p.sum(axis=1) for p in probs)
+        heads = cache.spec.attention.cache_heads
+        per_layer = [p.reshape(p.shape[0], heads, -1, p.shape[-1]).sum(axis=2) for p in probs]
         return scores + jnp.stack(per_layer)
 
     def _evict(self, cache, state, rows):
+        if cache.is_quantized:
+            mass = state.scores.reshape(cache.spec.max_seqs, cache.spec.max_pages_per_seq,
+                                        -1).sum(axis=-1)
+            cache, src, status = evict_lowest_pages(cache, mass, cache.lengths - self.budget,
+                                                    rows)
+            return cache, H2OState(scores=moved_scores(state.scores, src)), status
         if self.budget >= cache.spec.max_tokens_per_seq:  # nothing can ever be evicted
             return cache, state, ok_status(cache)
         keep, new_lengths = keep_heavy_and_recent(
@@ -124,7 +212,8 @@ class H2O(CachePolicy):
         q_lengths: Int[Array, " batch"],
     ) -> tuple[PagedKVCache, H2OState, AllocStatus]:
         fresh = (q_lengths > 0) & (cache.lengths == q_lengths)  # a new sequence in this slot
-        scores = jnp.where(fresh[None, :, None, None], 0.0, state.scores)
+        fresh = fresh[:, None] if cache.is_quantized else fresh[None, :, None, None]
+        scores = jnp.where(fresh, 0.0, state.scores)
         scores = self._accumulate(cache, scores, queries, q_lengths)
         return self._evict(cache, H2OState(scores=scores), q_lengths > 0)
 

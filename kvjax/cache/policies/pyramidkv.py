@@ -22,7 +22,16 @@ hands the attention a block table that starts `skip_l` pages later (a
 `Selection`). To make the skipped part whole pages, each layer's budget is
 rounded up to `max_budget - skip_l * page_size`.
 
-A prompt that fits the largest budget is kept whole in every layer.
+A prompt that fits the largest budget is kept whole in every layer. MLA latents
+have one cache head.
+
+KIVI pages (page-granular PyramidKV): quantized pages are shared by all layers, so
+memory returns as in page-granular SnapKV, down to the bottom layer's budget (the
+lowest-voted quantized pages, votes summed over layers and heads; the window's pages
+and the tail always stay). Each layer then reads fewer pages instead: layer l drops,
+from what it reads, its own lowest-voted quantized prompt pages until its reads fit
+its budget (`PyramidState.drop`, per block-table column); pages quantized later
+(generated tokens) and the tail are always read.
 """
 
 import dataclasses
@@ -32,10 +41,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.paged import PagedKVCache
 from kvjax.cache.policies.base import CachePolicy, Selection, ok_status
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
-from kvjax.cache.policies.snapkv import _check_snap, snapkv_scores
+from kvjax.cache.policies.h2o import evict_lowest_pages, require_kivi_budget
+from kvjax.cache.policies.snapkv import _check_snap, kivi_page_votes, snapkv_scores
+from kvjax.cache.state import PagedKVCache
 
 __all__ = ["PyramidKV", "PyramidState"]
 
@@ -43,9 +53,17 @@ __all__ = ["PyramidKV", "PyramidState"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PyramidState:
-    """skip: int32[layers, max_seqs], front pages of the kept region a layer does not read."""
+    """What each layer reads less of.
+
+    Attributes:
+      skip: int32[layers, max_seqs], front pages of the kept region a layer does not
+        read (full-precision pages).
+      drop: bool[layers, max_seqs, max_pages], block-table columns of quantized pages a
+        layer does not read (KIVI pages; all False otherwise).
+    """
 
     skip: Int[Array, "layers max_seqs"]
+    drop: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,9 +105,19 @@ class PyramidKV(CachePolicy):
 
     def init_state(self, cache: PagedKVCache) -> PyramidState:
         spec = cache.spec
-        if spec.is_mla:
-            raise ValueError("PyramidKV scores MHA/GQA/MQA caches (KVPages), not MLA caches.")
-        return PyramidState(skip=jnp.zeros((spec.num_layers, spec.max_seqs), jnp.int32))
+        skip = jnp.zeros((spec.num_layers, spec.max_seqs), jnp.int32)
+        if cache.is_quantized:
+            require_kivi_budget("PyramidKV", self.layer_budgets(spec.num_layers,
+                                                                spec.page_size)[0], cache)
+            return PyramidState(skip=skip, drop=jnp.zeros(
+                (spec.num_layers, spec.max_seqs, spec.max_pages_per_seq), bool))
+        return PyramidState(skip=skip)
+
+    def fork_state(self, state: PyramidState, src, dst) -> PyramidState:
+        skip = state.skip.at[:, dst].set(state.skip[:, src], mode="drop")
+        drop = None if state.drop is None else state.drop.at[:, dst].set(state.drop[:, src],
+                                                                         mode="drop")
+        return PyramidState(skip=skip, drop=drop)
 
     def after_prefill(
         self,
@@ -103,9 +131,12 @@ class PyramidKV(CachePolicy):
         budgets = self.layer_budgets(spec.num_layers, ps)
         b_max = budgets[0]
         if b_max >= spec.max_tokens_per_seq:  # no prompt can exceed the largest budget
-            return cache, PyramidState(skip=jnp.zeros_like(state.skip)), ok_status(cache)
+            return cache, dataclasses.replace(state, skip=jnp.zeros_like(state.skip)), (
+                ok_status(cache))
         scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
                                kernel=self.kernel, pooling=self.pooling, scale=self.scale)
+        if cache.is_quantized:
+            return self._kivi_prefill(cache, state, scores, q_lengths, budgets)
         lengths = cache.lengths
         evict = (q_lengths > 0) & (lengths > b_max)
         keeps, skips = [], []
@@ -124,6 +155,34 @@ class PyramidKV(CachePolicy):
         skip = jnp.where(status.ok, skip, state.skip)
         return cache, PyramidState(skip=skip), status
 
+    def _kivi_prefill(self, cache, state, scores, q_lengths, budgets):
+        spec = cache.spec
+        ps, max_pages = spec.page_size, spec.max_pages_per_seq
+        mass, pinned = kivi_page_votes(cache, scores, q_lengths, self.window)
+        rows = q_lengths > 0
+        cache, src, status = evict_lowest_pages(cache, mass, cache.lengths - budgets[0], rows,
+                                                pinned=pinned)
+        # Per-layer votes follow their pages; each layer drops its lowest-voted prompt pages.
+        page_src = src[:, ::ps] // ps  # [max_seqs, max_pages]: old column of each new one
+        valid = src[:, ::ps] >= 0
+        per_layer = scores.sum(axis=2).reshape(spec.num_layers, spec.max_seqs, max_pages, ps)
+        per_layer = jnp.take_along_axis(per_layer.sum(-1), jnp.clip(page_src, 0)[None], axis=2)
+        pinned = jnp.take_along_axis(pinned, jnp.clip(page_src, 0), axis=1) & valid
+        n_q = cache.quant_lengths // ps
+        cols = jnp.arange(max_pages)[None, :]
+        evictable = (cols < n_q[:, None]) & ~pinned
+        drops = []
+        for layer, b in enumerate(budgets):
+            k = jnp.clip(-(-(cache.lengths - b) // ps), 0, jnp.sum(evictable, axis=1))
+            order = jnp.argsort(jnp.where(evictable, per_layer[layer], jnp.inf), axis=1,
+                                stable=True)
+            d = jnp.zeros((spec.max_seqs, max_pages), bool).at[
+                jnp.arange(spec.max_seqs)[:, None], order].set(cols < k[:, None])
+            drops.append(d & evictable)
+        drop = jnp.where(rows[None, :, None], jnp.stack(drops), state.drop)
+        drop = jnp.where(status.ok, drop, state.drop)
+        return cache, dataclasses.replace(state, drop=drop), status
+
     def before_attention(
         self,
         cache: PagedKVCache,
@@ -131,6 +190,15 @@ class PyramidKV(CachePolicy):
         layer: int | Int[Array, ""],
         q: Float[Array, "batch q_heads head_dim"],
     ) -> Selection:
+        if cache.is_quantized:  # the quantized pages this layer reads, in column order
+            drop = state.drop[layer]
+            spec = cache.spec
+            cols = jnp.arange(spec.max_pages_per_seq)[None, :]
+            read = (cols < (cache.quant_lengths // spec.page_size)[:, None]) & ~drop
+            order = jnp.argsort(jnp.where(read, cols, cols + spec.max_pages_per_seq), axis=1)
+            bt = jnp.take_along_axis(jnp.where(read, cache.block_tables, -1), order, axis=1)
+            n = jnp.sum(read, axis=1) * spec.page_size
+            return Selection(block_tables=bt[:, None].astype(jnp.int32), lengths=n[:, None])
         skip = state.skip[layer]  # [batch]
         bt = cache.block_tables
         cols = jnp.arange(bt.shape[1])[None, :] + skip[:, None]

@@ -25,9 +25,18 @@ Here:
     order, so `selected_decode_attention` reads exactly those pages with the
     unchanged attention ops (XLA path or kernels). A sliding window would
     depend on key positions: do not combine the two.
-  * quantized pages: the summaries must come from the full-precision keys
-    (at flush time); this module reads the cache's own pools and supports
-    full-precision caches only (TODO when quantized pages land).
+  * MLA (absorbed form): the key is `[c_KV, k_rope]` and the query
+    `[q_latent, q_rope]`, one latent head: summaries span both parts.
+
+KIVI pages: the selection names quantized pages (`top_k` of them per head) and the
+full-precision tail is always read besides; `top_k` counts quantized pages. A key
+group with zero z and scale s is reconstructed as code * s + z with codes in
+[0, 2^b - 1] (`kvjax.cache.quant` rounds z down and s up), so every dequantized key
+channel of a page lies in the min / max of [z, z + s (2^b - 1)] over its groups:
+bounds that need no extra state and bound exactly the keys attention reads (keys
+grouped per channel; MLA's c_KV grouped per token, where each token's channel group
+gives its own range). MLA's full-precision k_rope part keeps summaries, refreshed
+when a page is quantized.
 """
 
 import dataclasses
@@ -36,17 +45,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax.cache import quantized
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.paged import PagedKVCache, set_drop
+from kvjax.cache.paged import _pools, set_drop
 from kvjax.cache.policies.base import (
     CachePolicy,
     Selection,
     active_rows,
-    full_selection,
     ok_status,
 )
+from kvjax.cache.state import PagedKVCache
 
-__all__ = ["Quest", "QuestState", "quest_page_bounds"]
+__all__ = ["Quest", "QuestState", "quest_page_bounds", "kivi_key_bounds"]
 
 
 @jax.tree_util.register_dataclass
@@ -55,8 +65,10 @@ class QuestState:
     """Per-page key summaries, indexed by page id (shared pages share summaries).
 
     Attributes:
-      kmin, kmax: [layers, kv_heads, pages, head_dim] in the cache dtype; only
-        pages that hold tokens have meaningful values.
+      kmin, kmax: [layers, heads, pages, width] in the cache dtype; only pages that
+        hold tokens have meaningful values. width: head_dim (K pages), d_c + d_rope
+        (MLA latents), d_rope (KIVI MLA: the rotary part; c_KV bounds come from its
+        scales), 0 (KIVI K/V: bounds from the key scales).
     """
 
     kmin: Float[Array, "layers kv_heads pages head_dim"]
@@ -81,6 +93,39 @@ def quest_page_bounds(
     return jnp.sum(jnp.maximum(hi, lo), axis=-1).reshape(batch, q_heads, -1)
 
 
+def kivi_key_bounds(
+    scale: Float[Array, "... groups head_dim"],
+    zero: Float[Array, "... groups head_dim"],
+    bits: int,
+) -> tuple[Float[Array, "... head_dim"], Float[Array, "... head_dim"]]:
+    """Per-channel (min, max) bounds of the dequantized keys of pages, from scales and zeros.
+
+    Args:
+      scale, zero: a key pool's per-channel scales and zeros, `[..., page_size / G,
+        head_dim]` (one row per group of G tokens).
+      bits: the code width.
+
+    Returns:
+      float32 (kmin, kmax) `[..., head_dim]`: min over groups of min(z, z + s (2^b - 1)) and
+      max over groups of max(z, z + s (2^b - 1)) (the quantizer's s is >= 0; both are taken
+      so that a negative scale would still give a valid bound).
+    """
+    s = scale.astype(jnp.float32)
+    z = zero.astype(jnp.float32)
+    top = s * jnp.float32((1 << bits) - 1) + z  # computed as `dequantize` does: code * s + z
+    return jnp.min(jnp.minimum(z, top), axis=-2), jnp.max(jnp.maximum(z, top), axis=-2)
+
+
+def _latent_bounds(scale, zero, bits: int, width: int):
+    """Per-channel bounds of c_KV pages quantized per token in channel groups.
+
+    scale, zero: `[..., page_size, width / G]`; returns float32 `[..., width]` each.
+    """
+    lo, hi = kivi_key_bounds(scale, zero, bits)  # over the page's tokens: [..., width / G]
+    group = width // lo.shape[-1]
+    return jnp.repeat(lo, group, axis=-1), jnp.repeat(hi, group, axis=-1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Quest(CachePolicy):
     """Attend to the current page plus the top_k - 1 pages with the highest Quest bound.
@@ -103,30 +148,59 @@ class Quest(CachePolicy):
             raise ValueError(f"Quest.dense_layers must be an int >= 0, got "
                              f"{self.dense_layers!r}.")
 
-    def init_state(self, cache: PagedKVCache) -> QuestState:
-        if cache.spec.is_mla:
-            raise ValueError("Quest supports MHA/GQA/MQA caches (KVPages), not MLA latent caches.")
-        k = cache.pages.k
-        shape = (k.shape[0], k.shape[1], k.shape[2], k.shape[4])
-        return QuestState(kmin=jnp.zeros(shape, k.dtype), kmax=jnp.zeros(shape, k.dtype))
+    def _summarised(self, cache: PagedKVCache):
+        """The full-precision key pools whose summaries the state keeps."""
+        if not cache.is_quantized:
+            pools = _pools(cache.pages)
+            return pools if cache.spec.is_mla else pools[:1]
+        return (cache.pages.k_rope,) if cache.spec.is_mla else ()
 
-    def _refresh(self, cache: PagedKVCache, state: QuestState,
-                 entries: Int[Array, "max_seqs max_pages"]) -> QuestState:
-        """Recomputes the summaries of the pages at flagged block-table entries."""
-        ps = cache.spec.page_size
-        num_pages = cache.spec.num_pages
-        lengths = cache.lengths
-        cols = jnp.arange(cache.spec.max_pages_per_seq)[None, :]
-        n_valid = jnp.clip(lengths[:, None] - cols * ps, 0, ps)  # tokens in each entry's page
-        flag = entries & (n_valid > 0)
-        ids = jnp.where(flag, cache.block_tables, num_pages).reshape(-1)
-        k = cache.pages.k[:, :, jnp.clip(ids, 0, num_pages - 1)]  # [L, H, N, ps, D]
+    def init_state(self, cache: PagedKVCache) -> QuestState:
+        spec = cache.spec
+        width = sum(p.shape[4] for p in self._summarised(cache))
+        shape = (spec.num_layers, spec.attention.cache_heads, spec.num_pages, width)
+        return QuestState(kmin=jnp.zeros(shape, spec.dtype), kmax=jnp.zeros(shape, spec.dtype))
+
+    def _refresh(self, cache: PagedKVCache, state: QuestState, first, count,
+                 width: int) -> QuestState:
+        """Recomputes the summaries of block-table columns [first, first + count) of each row.
+
+        `width` (static) bounds `count`: only max_seqs * width pages are read, never the
+        pool.
+        """
+        pools = self._summarised(cache)
+        if not pools:
+            return state
+        spec = cache.spec
+        ps, num_pages, max_pages = spec.page_size, spec.num_pages, spec.max_pages_per_seq
+        lengths = cache.table.lengths  # pages' tokens (quantized ones on a KIVI cache)
+        cols = first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, width]
+        n_valid = jnp.clip(lengths[:, None] - cols * ps, 0, ps)  # tokens in each page
+        flag = (jnp.arange(width)[None, :] < count[:, None]) & (n_valid > 0) & (cols < max_pages)
+        pages = jnp.take_along_axis(cache.block_tables, jnp.clip(cols, 0, max_pages - 1), axis=1)
+        ids = jnp.where(flag, pages, num_pages).reshape(-1)
+        safe = jnp.clip(ids, 0, num_pages - 1)
+        k = jnp.concatenate([p[:, :, safe] for p in pools], axis=-1)  # [L, H, N, ps, W]
         valid = (jnp.arange(ps)[None, :] < n_valid.reshape(-1)[:, None])[None, None, :, :, None]
         big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
         kmin = jnp.min(jnp.where(valid, k, big), axis=3)
         kmax = jnp.max(jnp.where(valid, k, -big), axis=3)
         at = (slice(None), slice(None), ids)
         return QuestState(kmin=set_drop(state.kmin, at, kmin), kmax=set_drop(state.kmax, at, kmax))
+
+    def _refresh_written(self, cache, state, rows, q_lengths, q_len: int):
+        """Refreshes the pages the last write filled (a KIVI cache: the pages it quantized)."""
+        ps = cache.spec.page_size
+        width = -(-q_len // ps) + 1
+        if cache.is_quantized:
+            q = cache.quant_lengths
+            first = (q - cache.tail.pending[1]) // ps
+            count = q // ps - first
+        else:
+            first = (cache.lengths - q_lengths) // ps
+            count = (cache.lengths + ps - 1) // ps - first
+        count = jnp.where(rows, count, 0)
+        return self._refresh(cache, state, first.astype(jnp.int32), count, width)
 
     def after_prefill(
         self,
@@ -135,11 +209,8 @@ class Quest(CachePolicy):
         queries: Float[Array, "layers batch q_len q_heads head_dim"],
         q_lengths: Int[Array, " batch"],
     ) -> tuple[PagedKVCache, QuestState, AllocStatus]:
-        ps = cache.spec.page_size
-        cols = jnp.arange(cache.spec.max_pages_per_seq)[None, :]
-        first = (cache.lengths - q_lengths) // ps
-        entries = (q_lengths[:, None] > 0) & (cols >= first[:, None])
-        return cache, self._refresh(cache, state, entries), ok_status(cache)
+        state = self._refresh_written(cache, state, q_lengths > 0, q_lengths, queries.shape[2])
+        return cache, state, ok_status(cache)
 
     def after_step(
         self,
@@ -148,10 +219,9 @@ class Quest(CachePolicy):
         queries: Float[Array, "layers batch q_heads head_dim"],
         active: Bool[Array, " batch"] | None = None,
     ) -> tuple[PagedKVCache, QuestState, AllocStatus]:
-        cols = jnp.arange(cache.spec.max_pages_per_seq)[None, :]
-        last = cache.table.pages_used() - 1
-        entries = (cols == last[:, None]) & active_rows(cache, active)[:, None]
-        return cache, self._refresh(cache, state, entries), ok_status(cache)
+        rows = active_rows(cache, active)
+        return cache, self._refresh_written(cache, state, rows, rows.astype(jnp.int32), 1), (
+            ok_status(cache))
 
     def before_attention(
         self,
@@ -159,19 +229,65 @@ class Quest(CachePolicy):
         state: QuestState,
         layer: int | Int[Array, ""],
         q: Float[Array, "batch q_heads head_dim"],
-    ) -> Selection:
-        """Per-KV-head selection; a static `layer` below `dense_layers` reads everything.
+    ) -> Selection | None:
+        """Per-head selection; a static `layer` below `dense_layers` reads everything (None).
 
         With a traced `layer` (a scan over layers) the table is max_pages wide
         and dense layers select every page through it.
         """
         max_pages = cache.spec.max_pages_per_seq
+        select = self._select_quantized if cache.is_quantized else self._select
         if isinstance(layer, int):
             if layer < self.dense_layers or self.top_k >= max_pages:
-                return full_selection(cache)
-            return self._select(cache, state, layer, q, self.top_k, self.top_k)
+                return None
+            return select(cache, state, layer, q, self.top_k, self.top_k)
         k_eff = jnp.where(layer < self.dense_layers, max_pages, min(self.top_k, max_pages))
-        return self._select(cache, state, layer, q, k_eff, max_pages)
+        return select(cache, state, layer, q, k_eff, max_pages)
+
+    def _bounds(self, cache, state, layer, safe):
+        """(kmin, kmax) float32 [batch, heads, max_pages, width] of the pages `safe` names."""
+        parts_lo, parts_hi = [], []
+        if cache.is_quantized:
+            view = quantized.layer_view(cache, layer)
+            k = view.k
+            if cache.spec.is_mla:
+                lo, hi = _latent_bounds(k.scale[:, safe], k.zero[:, safe], k.bits,
+                                        view.tail_k.shape[-1])
+            else:
+                lo, hi = kivi_key_bounds(k.scale[:, safe], k.zero[:, safe], k.bits)
+            parts_lo.append(lo)
+            parts_hi.append(hi)
+        if state.kmin.shape[-1]:
+            parts_lo.append(state.kmin[layer][:, safe].astype(jnp.float32))
+            parts_hi.append(state.kmax[layer][:, safe].astype(jnp.float32))
+        lo = jnp.concatenate(parts_lo, axis=-1)  # [H, B, M, W]
+        hi = jnp.concatenate(parts_hi, axis=-1)
+        return jnp.swapaxes(lo, 0, 1), jnp.swapaxes(hi, 0, 1)
+
+    def _select_quantized(self, cache, state, layer, q, k_eff, width: int) -> Selection:
+        """The top quantized pages per head (the tail is read besides)."""
+        spec = cache.spec
+        ps, num_pages = spec.page_size, spec.num_pages
+        bt = cache.block_tables
+        batch, max_pages = bt.shape
+        heads = spec.attention.cache_heads
+        n = cache.quant_lengths // ps  # quantized pages of each sequence
+        kmin, kmax = self._bounds(cache, state, layer, jnp.clip(bt, 0, num_pages - 1))
+        bound = quest_page_bounds(q, kmin, kmax)
+        bound = bound.reshape(batch, heads, -1, max_pages).sum(axis=2)  # [B, H, M]
+        cols = jnp.arange(max_pages, dtype=jnp.int32)
+        bound = jnp.where(cols[None, None, :] < n[:, None, None], bound, -jnp.inf)
+        _, top = jax.lax.top_k(bound, width)  # best first; non-candidates last
+        n_sel = jnp.minimum(k_eff, n)  # [B]
+        chosen = jnp.arange(width)[None, None, :] < n_sel[:, None, None]
+        # Read the chosen pages in page order (attention does not depend on key order;
+        # page order makes "every page selected" read exactly what plain attention reads).
+        top = jnp.sort(jnp.where(chosen, top, max_pages), axis=2)
+        table = jnp.take_along_axis(jnp.broadcast_to(bt[:, None, :], (batch, heads, max_pages)),
+                                    jnp.clip(top, 0, max_pages - 1), axis=2)
+        table = jnp.where(chosen, table, -1).astype(jnp.int32)
+        lengths = jnp.broadcast_to((n_sel * ps)[:, None], (batch, heads)).astype(jnp.int32)
+        return Selection(block_tables=table, lengths=lengths)
 
     def _select(self, cache, state, layer, q, k_eff, width: int) -> Selection:
         ps = cache.spec.page_size
@@ -179,11 +295,9 @@ class Quest(CachePolicy):
         lengths = cache.lengths
         bt = cache.block_tables
         batch = bt.shape[0]
-        kv_heads = cache.spec.attention.kv_heads
+        kv_heads = cache.spec.attention.cache_heads
         n = cache.table.pages_used()
-        safe = jnp.clip(bt, 0, num_pages - 1)
-        kmin = jnp.swapaxes(state.kmin[layer][:, safe], 0, 1)  # [B, H, M, D]
-        kmax = jnp.swapaxes(state.kmax[layer][:, safe], 0, 1)
+        kmin, kmax = self._bounds(cache, state, layer, jnp.clip(bt, 0, num_pages - 1))
         bound = quest_page_bounds(q, kmin, kmax)
         bound = bound.reshape(batch, kv_heads, -1, bound.shape[-1]).sum(axis=2)  # [B, H, M]
         cols = jnp.arange(bt.shape[1])

@@ -14,13 +14,19 @@ max-pooling. With grouped-query attention, the scores of a KV head's query
 group are averaged.
 
 Here it runs once, in `after_prefill`, on the sequences prefilled in that
-call whose cache exceeds `budget`: each (layer, KV head) keeps its own
+call whose cache exceeds `budget`: each (layer, cache head) keeps its own
 `budget - window` best prefix tokens plus the window, all compacted, and the
 whole pages left over return to the pool. Generated tokens are then
 appended and never evicted (the paper compresses the prompt only). The
 observation window comes from the last prefill chunk's queries, so give the
 prompt's last chunk at least `window` tokens (shorter windows are used as
-they are).
+they are). MLA latents have one cache head.
+
+KIVI pages (page-granular SnapKV): a quantized page's vote is the sum of its
+tokens' pooled votes over all layers and heads; the lowest-voted quantized pages
+are evicted (`kvjax.cache.quantized.drop_pages`) until the sequence holds at most
+`budget` tokens. The pages holding the observation window and the full-precision
+tail are never evicted, so the budget must hold the largest tail.
 """
 
 import dataclasses
@@ -28,11 +34,12 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvjax.attention.scores import paged_attention_probs
+from kvjax.cache import ops
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.paged import PagedKVCache
-from kvjax.cache.policies.base import CachePolicy, ok_status
+from kvjax.cache.policies.base import CachePolicy, ok_status, score_scale
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
+from kvjax.cache.policies.h2o import evict_lowest_pages, require_kivi_budget
+from kvjax.cache.state import PagedKVCache
 
 __all__ = ["SnapKV", "snapkv_scores"]
 
@@ -58,26 +65,26 @@ def snapkv_scores(
     head's query group. Window positions and positions past the length get 0.
 
     Returns:
-      float32[layers, batch, kv_heads, max_tokens].
+      float32[layers, batch, cache_heads, max_tokens].
     """
     spec = cache.spec
-    kv_heads = spec.attention.kv_heads
+    heads = spec.attention.cache_heads
     q_len = queries.shape[2]
     w = jnp.minimum(q_lengths, window)
-    t = jnp.arange(window)[None, :]
-    idx = jnp.clip(q_lengths[:, None] - w[:, None] + t, 0, q_len - 1)  # [batch, window]
+    t = jnp.arange(q_len)[None, :]
+    in_window = (t >= q_lengths[:, None] - w[:, None]) & (t < q_lengths[:, None])
     prefix_end = cache.lengths - w  # positions < prefix_end are candidates
     pos = jnp.arange(spec.max_tokens_per_seq)[None, :]
     in_prefix = (pos < prefix_end[:, None])[:, None, :]  # [batch, 1, tokens]
+    scale = score_scale(scale, cache)
     out = []
     for layer in range(spec.num_layers):
-        obs = jnp.take_along_axis(queries[layer], idx[:, :, None, None], axis=1)
-        p = paged_attention_probs(obs, cache.pages.k[layer], cache.lengths,
-                                  cache.block_tables, w, scale=scale)
-        votes = jnp.where(in_prefix, p.sum(axis=1), 0.0)  # [batch, q_heads, tokens]
+        p = ops.attention_probs(cache, layer, queries[layer], q_lengths, scale=scale,
+                                weights=in_window.astype(jnp.float32))
+        votes = jnp.where(in_prefix, p, 0.0)  # [batch, q_heads, tokens]
         votes = _pool(votes, kernel, pooling)
         b, hq, tok = votes.shape
-        votes = votes.reshape(b, kv_heads, hq // kv_heads, tok).mean(axis=2)
+        votes = votes.reshape(b, heads, hq // heads, tok).mean(axis=2)
         out.append(jnp.where(in_prefix, votes, 0.0))
     return jnp.stack(out)
 
@@ -125,8 +132,8 @@ class SnapKV(CachePolicy):
         _check_snap("SnapKV", self.budget, self.window, self.kernel, self.pooling)
 
     def init_state(self, cache: PagedKVCache) -> None:
-        if cache.spec.is_mla:
-            raise ValueError("SnapKV scores MHA/GQA/MQA caches (KVPages), not MLA latent caches.")
+        if cache.is_quantized:
+            require_kivi_budget("SnapKV", self.budget, cache)
         return None
 
     def after_prefill(
@@ -140,9 +147,34 @@ class SnapKV(CachePolicy):
             return cache, state, ok_status(cache)
         scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
                                kernel=self.kernel, pooling=self.pooling, scale=self.scale)
+        if cache.is_quantized:
+            cache, _, status = evict_kivi_pages(cache, scores, q_lengths, self.window,
+                                                self.budget)
+            return cache, state, status
         keep, new_lengths = keep_heavy_and_recent(scores, cache.lengths, self.budget,
                                                   self.window, seq_axis=1)
         keep, new_lengths = only_rows(keep, new_lengths, cache.lengths, q_lengths > 0)
         cache, _, status = compact(cache, keep, new_lengths)
         return cache, state, status
 
+
+
+def kivi_page_votes(cache: PagedKVCache, scores, q_lengths, window: int):
+    """Page votes of a KIVI cache (summed over layers and heads) and the window's pages.
+
+    Returns (mass float32[max_seqs, max_pages], pinned bool[max_seqs, max_pages]).
+    """
+    spec = cache.spec
+    ps, max_pages = spec.page_size, spec.max_pages_per_seq
+    mass = scores.sum(axis=(0, 2)).reshape(spec.max_seqs, max_pages, ps).sum(axis=-1)
+    w = jnp.minimum(q_lengths, window)
+    first_window_page = (cache.lengths - w) // ps
+    pinned = jnp.arange(max_pages)[None, :] >= first_window_page[:, None]
+    return mass, pinned
+
+
+def evict_kivi_pages(cache: PagedKVCache, scores, q_lengths, window: int, budget: int):
+    """Page-granular SnapKV on a KIVI cache (see the module docstring)."""
+    mass, pinned = kivi_page_votes(cache, scores, q_lengths, window)
+    return evict_lowest_pages(cache, mass, cache.lengths - budget, q_lengths > 0,
+                              pinned=pinned)

@@ -30,6 +30,14 @@ Positions, two schemes:
     (`kvjax.generate` does). Re-rotation uses plain RoPE frequencies
     theta^(-2i/d) in the rotate-half layout; models with scaled RoPE
     (Llama 3.1, YaRN) or interleaved pairs need "original".
+
+Page kinds. Full-precision K/V and MLA latents evict token by token as above (MLA:
+"original" positions only). KIVI pages evict whole quantized pages (page-granular
+StreamingLLM): the pages holding the `n_sink` first tokens stay, the full-precision
+tail (the most recent tokens) stays, and the oldest quantized pages after the sinks
+go, as many as it takes to hold `n_sink + window` tokens; so the budget must hold the
+sink pages plus the largest tail (`init_state` checks). "cache" positions would need
+quantized keys re-rotated and are not defined there.
 """
 
 import dataclasses
@@ -39,10 +47,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.paged import PagedKVCache
 from kvjax.cache.policies import rope
-from kvjax.cache.policies.base import CachePolicy, active_rows, ok_status
+from kvjax.cache.policies.base import CachePolicy, UndefinedCombination, active_rows, ok_status
 from kvjax.cache.policies.compaction import compact, only_rows
+from kvjax.cache.policies.h2o import evict_lowest_pages, require_kivi_budget
+from kvjax.cache.state import PagedKVCache
 
 __all__ = ["StreamingLLM"]
 
@@ -83,12 +92,23 @@ class StreamingLLM(CachePolicy):
         """Tokens a sequence holds after every step once it is long enough."""
         return self.n_sink + self.window
 
+    def sink_pages(self, page_size: int) -> int:
+        """Quantized pages holding the sink tokens (KIVI caches)."""
+        return -(-self.n_sink // page_size)
+
     def init_state(self, cache: PagedKVCache) -> None:
         if self.positions == "cache" and cache.spec.is_mla:
-            raise ValueError(
+            raise UndefinedCombination(
                 "StreamingLLM(positions='cache') re-rotates cached keys and supports MHA/GQA/MQA "
                 "caches only; use positions='original' for MLA."
             )
+        if cache.is_quantized:
+            if self.positions == "cache":
+                raise UndefinedCombination(
+                    "StreamingLLM(positions='cache') would re-rotate quantized keys; on a KIVI "
+                    "cache use positions='original' (page-granular eviction).")
+            require_kivi_budget("StreamingLLM", self.budget, cache,
+                                self.sink_pages(cache.spec.page_size))
         return None
 
     def rope_positions(
@@ -102,6 +122,12 @@ class StreamingLLM(CachePolicy):
 
     def _evict(self, cache: PagedKVCache, rows) -> tuple[PagedKVCache, AllocStatus]:
         spec = cache.spec
+        if cache.is_quantized:  # the oldest quantized pages after the sinks go first
+            cols = jnp.arange(spec.max_pages_per_seq, dtype=jnp.float32)[None, :]
+            mass = jnp.broadcast_to(cols, (spec.max_seqs, spec.max_pages_per_seq))
+            cache, _, status = evict_lowest_pages(cache, mass, cache.lengths - self.budget, rows,
+                                                  pinned_pages=self.sink_pages(spec.page_size))
+            return cache, status
         lengths = cache.lengths
         j = jnp.arange(self.budget, dtype=jnp.int32)[None, :]
         n = lengths[:, None]

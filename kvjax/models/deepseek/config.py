@@ -175,6 +175,7 @@ class DeepseekConfig:
             q_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
             qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
             v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
+            scale=None if self.rope.rope_type != "yarn" else self.softmax_scale,
         )
 
     @classmethod

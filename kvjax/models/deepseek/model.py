@@ -1,18 +1,19 @@
 """The DeepSeek model on the paged latent cache: `cache_spec`, `forward`, `forward_dense`.
 
-`forward` follows the model contract: the caller has already reserved the new
-tokens in the cache; each layer writes its latents with
-`kvjax.cache.write_layer` and attends in absorbed form with
-`kvjax.attention.mla_decode_attention` (q_len == 1) or `mla_prefill_attention`
-(`_attention`, the one place that talks to the cache). The dense and MoE layer
-groups each run as one `lax.scan`, so compile time does not grow with depth.
+`forward` follows the model contract (`kvjax.models.base`): the caller has already
+reserved the new tokens in the cache; each layer writes its latents with
+`kvjax.cache.write` and attends in absorbed form with `kvjax.cache.attend`
+(`_attention`, the one place that talks to the cache) — whatever the page kind
+(full-precision or KIVI latents), policy or backend. The dense and MoE layer groups
+each run as one `lax.scan`, so compile time does not grow with depth.
 """
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvjax import attention as kattn
 from kvjax import cache as kcache
 from kvjax.cache import PagedKVCache
 from kvjax.models import layers
@@ -37,29 +38,21 @@ def cache_spec(
 
 
 def _attention(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin, cache: PagedKVCache,
-               layer, ctx, impl):
-    """One MLA layer: write the new latents, attend in absorbed form. Returns (out, cache)."""
-    slots, lengths, block_tables, q_lengths = ctx
+               layer, rows, impl, select):
+    """One MLA layer: write the new latents, attend in absorbed form.
+
+    Returns (out, cache, q) with q the absorbed query `[q_latent, q_rope]` (concatenated,
+    the form cache policies score with).
+    """
     q_nope, q_rope, c_kv, k_rope = mla.mla_inputs(p, config, x, cos, sin)
-    dt = cache.spec.dtype
-    cache = kcache.write_layer(cache, layer, slots, c_kv.astype(dt), k_rope.astype(dt))
-    # The whole latent pools plus layer=: the XLA path reads this layer's pages in its
-    # gathers instead of XLA copying the layer's pool out of the scan's carry.
-    pools = (cache.pages.c_kv, cache.pages.k_rope)
+    cache = kcache.write(cache, layer, c_kv, k_rope, **rows)
     q_latent = mla.absorb_query(p, q_nope)
-    scale = config.softmax_scale
-    if x.shape[1] == 1:
-        out, _ = kattn.mla_decode_attention(
-            q_latent[:, 0], q_rope[:, 0], *pools, lengths, block_tables,
-            scale=scale, impl=impl, layer=layer,
-        )
-        out = out[:, None]
-    else:
-        out, _ = kattn.mla_prefill_attention(
-            q_latent, q_rope, *pools, lengths, block_tables, q_lengths,
-            scale=scale, impl=impl, layer=layer,
-        )
-    return mla.output(p, config, out.astype(x.dtype)), cache
+    q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+    # A policy's page selection (Quest, PyramidKV's layer budgets) applies to decode.
+    selection = select(cache, layer, q[:, 0]) if select is not None and x.shape[1] == 1 else None
+    out, _ = kcache.attend(cache, layer, (q_latent, q_rope), selection=selection,
+                           scale=config.softmax_scale, impl=impl, **rows)
+    return mla.output(p, config, out.astype(x.dtype)), cache, q
 
 
 def _check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids):
@@ -96,8 +89,10 @@ def forward(
     *,
     q_lengths: Int[Array, " batch"],
     seq_ids: Int[Array, " batch"] | None = None,
-    impl: str = "auto",
-) -> tuple[Float[Array, "batch q_len vocab"], PagedKVCache]:
+    impl="auto",
+    select: Callable | None = None,
+    observe: bool = False,
+):
     """Runs the model on new tokens, writing their latents into the cache.
 
     The caller has already called `kvjax.cache.reserve` for these tokens: token
@@ -109,24 +104,23 @@ def forward(
       config: the architecture (static).
       tokens: int32[batch, q_len]; positions t >= q_lengths[b] are padding.
       positions: int32[batch, q_len] RoPE positions.
-      cache: a latent cache from `cache_spec(config, ...)` (donate it under jit).
+      cache: a latent cache (any page kind) from `cache_spec(config, ...)` (donate it
+        under jit).
       q_lengths: int32[batch] real tokens per row.
       seq_ids: int32[batch] cache slots of the rows (None: all slots in order).
-      impl: attention implementation, one of `kvjax.attention.IMPLS`.
+      impl: attention implementation (`kvjax.attention.IMPLS` or a `ShardedAttention`).
+      select: optional `select(cache, layer, q) -> Selection | None` for decode, q the
+        absorbed query `[q_latent, q_rope]` [batch, heads, d_c + d_rope] (see
+        `kvjax.models.base`).
+      observe: also return the absorbed queries of every layer.
 
     Returns:
-      (float32 logits [batch, q_len, vocab], updated cache).
+      (float32 logits [batch, q_len, vocab], updated cache), plus, with `observe`, the
+      queries of every layer [layers, batch, q_len, heads, d_c + d_rope].
     """
     _check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids)
-    b, t = tokens.shape
     q_lengths = q_lengths.astype(jnp.int32)
-    lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
-    block_tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
-    steps = jnp.arange(t, dtype=jnp.int32)[None, :]
-    valid = steps < q_lengths[:, None]
-    cache_pos = lengths[:, None] - q_lengths[:, None] + steps
-    slots = kcache.token_slots(cache, cache_pos, valid, seq_ids)
-    ctx = (slots, lengths, block_tables, q_lengths)
+    rows = dict(q_lengths=q_lengths, seq_ids=seq_ids)
     cos, sin = mla.rope_tables(config, positions)
 
     x = params.embed[tokens]
@@ -136,27 +130,32 @@ def forward(
         def body(carry, xs):
             x, cache = carry
             p, i = xs
-            attn, cache = _attention(p, config, layers.rms_norm(x, p.input_norm, eps), cos, sin,
-                                     cache, offset + i, ctx, impl)
+            attn, cache, q = _attention(p, config, layers.rms_norm(x, p.input_norm, eps), cos,
+                                        sin, cache, offset + i, rows, impl, select)
             x = x + attn
             x = x + mlp_fn(p, layers.rms_norm(x, p.post_norm, eps))
-            return (x, cache), None
+            return (x, cache), (q if observe else None)
         return body
 
+    queries = []
     if config.num_dense_layers:
         n = config.num_dense_layers
         body = block(lambda p, h: moe.swiglu(h, p.mlp), 0)
-        (x, cache), _ = jax.lax.scan(body, (x, cache),
+        (x, cache), q = jax.lax.scan(body, (x, cache),
                                      (params.dense_layers, jnp.arange(n, dtype=jnp.int32)))
+        queries.append(q)
     if config.num_moe_layers:
         n = config.num_moe_layers
         body = block(lambda p, h: moe.moe(p.moe, config, h), config.num_dense_layers)
-        (x, cache), _ = jax.lax.scan(body, (x, cache),
+        (x, cache), q = jax.lax.scan(body, (x, cache),
                                      (params.moe_layers, jnp.arange(n, dtype=jnp.int32)))
+        queries.append(q)
 
     x = layers.rms_norm(x, params.final_norm, eps)
     head = params.embed.T if config.tie_word_embeddings else params.lm_head
     logits = layers.linear(x, head, None).astype(jnp.float32)
+    if observe:
+        return logits, cache, jnp.concatenate(queries, axis=0)
     return logits, cache
 
 

@@ -1,0 +1,449 @@
+"""The generic cache operations: every page kind, one dispatch.
+
+    cache = init_cache(spec)                               # any kind, from the spec
+    cache, status = reserve(cache, num_new)                # jitted, cache donated
+    for layer in ...:                                      # inside the model's forward
+        cache = write(cache, layer, k, v, q_lengths=q_lengths, seq_ids=seq_ids)
+        out, lse = attend(cache, layer, q, q_lengths=q_lengths, seq_ids=seq_ids,
+                          selection=None, impl="auto")
+    cache, status = fork(cache, src, dst)                  # share pages (no copy)
+    cache = free(cache, seqs)                              # pages return to the pool
+
+A model calls only `write` and `attend`; which page kind the cache holds
+(full-precision K/V or MLA latents, KIVI-quantized K/V or latents) decides, here and
+nowhere else, which implementation runs: `kvjax.cache.paged` for full-precision pages,
+`kvjax.cache.quantized` for KIVI pages, and the matching `kvjax.attention` op.
+
+Host-side checks. `reserve`, `fork` and `free` check their arguments on the host
+when they are concrete arrays (negative counts, vectors of the wrong length, slots
+out of range) and raise `ValueError` before the cache is donated, so a bad call
+leaves the caller's cache intact. Under jit they cannot: the allocator then returns
+a failed `AllocStatus` and changes nothing.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax import attention as kattn
+from kvjax.attention import scores as kscores
+from kvjax.attention import xla as xla_path
+from kvjax.attention import xla_quantized
+from kvjax.attention.pages import QuantizedLayerView, Selection
+from kvjax.cache import page_table as pt
+from kvjax.cache import paged, quantized
+from kvjax.cache.state import LayerView, PagedKVCache
+from kvjax.specs import CacheSpec
+
+__all__ = [
+    "init_cache",
+    "reserve",
+    "fork",
+    "free",
+    "write",
+    "attend",
+    "layer_view",
+    "attention_probs",
+    "check_invariants",
+]
+
+Query = Float[Array, "batch q_len q_heads head_dim"] | tuple[Array, Array]
+
+
+def init_cache(spec: CacheSpec) -> PagedKVCache:
+    """An empty cache for `spec` (any page kind): zeroed pools, no sequence, every page free."""
+    if not isinstance(spec, CacheSpec):
+        raise TypeError(f"init_cache: expected a CacheSpec, got {type(spec).__name__}.")
+    return paged.init_cache(spec) if spec.quant is None else quantized.init_cache(spec)
+
+
+def _kind(cache: PagedKVCache):
+    """The module implementing the cache's page kind."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"expected a kvjax PagedKVCache, got {type(cache).__name__}.")
+    return paged if cache.tail is None else quantized
+
+
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _seq_vector(op: str, name: str, x, spec: CacheSpec, kind: str):
+    x = jnp.asarray(x)
+    if x.shape != (spec.max_seqs,):
+        raise ValueError(f"{op}: {name} must have shape (max_seqs,) = ({spec.max_seqs},), got "
+                         f"{x.shape}.")
+    if jnp.dtype(x.dtype).kind not in kind:
+        raise TypeError(f"{op}: {name} must be {'bool' if kind == 'b' else 'integer'}, got "
+                        f"{x.dtype}.")
+    return x
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def _reserve(cache, num_new):
+    return _kind(cache).reserve(cache, num_new.astype(jnp.int32))
+
+
+def reserve(
+    cache: PagedKVCache, num_new: Int[Array, " max_seqs"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """Grows sequences by `num_new[s]` tokens: allocates pages, copies shared pages first.
+
+    Args:
+      cache: the cache (donated).
+      num_new: int32[max_seqs] >= 0, tokens each sequence is about to receive (0 for idle
+        slots).
+
+    Returns:
+      (cache, status): `cache.lengths` already counts the new tokens; write them with
+      `write` at positions [old_length, old_length + num_new). All or nothing: on failure
+      (out of pages, a sequence longer than `max_pages_per_seq * page_size`) nothing
+      changes, and `status.raise_if_error()` raises `CacheFullError` on the host.
+
+    Raises:
+      ValueError: (concrete arguments) a negative count, or a wrong shape.
+    """
+    num_new = _seq_vector("reserve", "num_new", num_new, cache.spec, "iu")
+    if _concrete(num_new) and (np.asarray(num_new) < 0).any():
+        bad = int(np.nonzero(np.asarray(num_new) < 0)[0][0])
+        raise ValueError(f"reserve: num_new must be >= 0 for every slot; slot {bad} asks for "
+                         f"{int(num_new[bad])} tokens (free a sequence with free(...)).")
+    return _reserve(cache, num_new)
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def _fork(cache, src, dst):
+    return _kind(cache).fork(cache, src, dst)
+
+
+def fork(
+    cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """Makes each `dst[i]` slot share every page of sequence `src[i]` (no copy).
+
+    Full-precision pages are shared until a write copies the shared last page
+    (copy-on-write); KIVI pages are immutable once complete and stay shared, and the
+    full-precision tail is copied (it is private to each slot).
+
+    Args:
+      cache: the cache (donated).
+      src, dst: int32[n] slot ids; each dst must be empty, distinct, and not a src.
+
+    Returns:
+      (cache, status): status code BAD_FORK (nothing changed) if a target is unusable.
+
+    Raises:
+      ValueError: (concrete arguments) src and dst of different lengths, or a slot
+        outside [0, max_seqs), a dst that is not empty, repeated, or also a src.
+    """
+    src = jnp.atleast_1d(jnp.asarray(src, jnp.int32))
+    dst = jnp.atleast_1d(jnp.asarray(dst, jnp.int32))
+    if src.ndim != 1 or src.shape != dst.shape:
+        raise ValueError(f"fork: src and dst must be int vectors of one length, got shapes "
+                         f"{src.shape} and {dst.shape}.")
+    if _concrete(src, dst, cache.lengths):
+        s, d = np.asarray(src), np.asarray(dst)
+        n = cache.spec.max_seqs
+        bad = [x for x in (*s, *d) if not 0 <= x < n]
+        if bad:
+            raise ValueError(f"fork: slot {bad[0]} is outside [0, max_seqs={n}).")
+        if len(set(d.tolist())) != d.size or set(d.tolist()) & set(s.tolist()):
+            raise ValueError(f"fork: dst slots must be distinct and not sources; got src "
+                             f"{s.tolist()}, dst {d.tolist()}.")
+        busy = [int(x) for x in d if int(np.asarray(cache.lengths)[x]) > 0]
+        if busy:
+            raise ValueError(f"fork: dst slot {busy[0]} holds a sequence; free it first.")
+    return _fork(cache, src, dst)
+
+
+@functools.partial(jax.jit, donate_argnames="cache", static_argnames="scrub")
+def _free(cache, seqs, scrub):
+    return _kind(cache).free(cache, seqs, scrub=scrub)
+
+
+def free(
+    cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
+) -> PagedKVCache:
+    """Frees the flagged sequences; pages nobody else holds return to the pool.
+
+    Args:
+      cache: the cache (donated).
+      seqs: bool[max_seqs], the sequences to free.
+      scrub: zero the released pages (and a quantized cache's freed tails) (static).
+    """
+    seqs = _seq_vector("free", "seqs", seqs, cache.spec, "b")
+    return _free(cache, seqs, scrub)
+
+
+def _positions(cache, q_lengths, q_len, seq_ids):
+    """Cache positions of new tokens: row b's token t sits at lengths - q_lengths + t."""
+    lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    valid = t < q_lengths[:, None]
+    return jnp.maximum(lengths[:, None] - q_lengths[:, None] + t, 0), valid
+
+
+def write(
+    cache: PagedKVCache,
+    layer: int | Int[Array, ""],
+    a: Float[Array, "batch q_len heads width_a"],
+    b: Float[Array, "batch q_len heads width_b"],
+    *,
+    q_lengths: Int[Array, " batch"],
+    seq_ids: Int[Array, " batch"] | None = None,
+) -> PagedKVCache:
+    """Writes one layer's new tokens (reserved by the last `reserve`) into the cache.
+
+    Args:
+      cache: the cache; pure function, jit it with the cache donated to update in place.
+      layer: layer index (may be traced, e.g. inside a scan over layers; a quantized cache
+        whose layers have different bit widths needs an int).
+      a, b: K and V `[batch, q_len, kv_heads, head_dim]`; for MLA c_KV `[batch, q_len, d_c]`
+        and k_rope `[batch, q_len, d_rope]` (a head axis of 1 may be present). Cast to the
+        cache dtype here.
+      q_lengths: int32[batch], real tokens per row: row b's token t (t < q_lengths[b])
+        goes to position `lengths[seq_b] - q_lengths[b] + t`; later tokens are padding.
+      seq_ids: int32[batch], distinct cache slots of the rows (default every slot in order).
+
+    Returns:
+      The cache with the tokens written (a quantized cache also quantizes the pages they
+      complete).
+    """
+    dt = cache.spec.dtype
+    a, b = a.astype(dt), b.astype(dt)
+    if cache.tail is not None:
+        return quantized.write_layer(cache, layer, a, b, seq_ids)
+    positions, valid = _positions(cache, jnp.asarray(q_lengths, jnp.int32), a.shape[1], seq_ids)
+    slots = paged.token_slots(cache, positions, valid, seq_ids)
+    return paged.write_layer(cache, layer, slots, a, b)
+
+
+def layer_view(
+    cache: PagedKVCache, layer: int | Int[Array, ""], *, whole_pools: bool = False
+) -> LayerView | QuantizedLayerView:
+    """One layer's pages with the page table, in the form `kvjax.attention` takes.
+
+    A `LayerView` (full-precision K/V or MLA latents, one layer) or, for a quantized
+    cache, a `QuantizedLayerView` (`whole_pools=True` keeps its pools whole, see
+    `kvjax.cache.quantized.layer_view`).
+    """
+    if cache.tail is not None:
+        return quantized.layer_view(cache, layer, whole_pools=whole_pools)
+    return paged.layer_view(cache, layer)
+
+
+def _rows_view(view: QuantizedLayerView, seq_ids) -> QuantizedLayerView:
+    """The view of the batch rows `seq_ids` (tables, lengths, tails)."""
+    if seq_ids is None:
+        return view
+    import dataclasses
+
+    return dataclasses.replace(
+        view, block_tables=view.block_tables[seq_ids], quant_lengths=view.quant_lengths[seq_ids],
+        lengths=view.lengths[seq_ids], tail_k=view.tail_k[:, seq_ids],
+        tail_v=view.tail_v[:, seq_ids])
+
+
+def attend(
+    cache: PagedKVCache,
+    layer: int | Int[Array, ""],
+    q: Query,
+    *,
+    q_lengths: Int[Array, " batch"],
+    seq_ids: Int[Array, " batch"] | None = None,
+    selection: Selection | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    impl="auto",
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "batch q_len q_heads v_width"], Float[Array, "batch q_len q_heads"]]:
+    """Attention of one layer's new queries over the cache (their own tokens written).
+
+    Decode (q_len 1) and chunked prefill (q_len > 1, causal over the cache) alike, for
+    every page kind; the implementation comes from `kvjax.attention`'s registry (`impl`).
+
+    Args:
+      cache: the cache holding the new tokens (after `write`).
+      layer: the layer.
+      q: `[batch, q_len, q_heads, head_dim]` (post-RoPE) for MHA/GQA/MQA; for MLA the
+        absorbed pair `(q_latent [batch, q_len, q_heads, d_c], q_rope [..., d_rope])`.
+      q_lengths: int32[batch], real queries per row (query t of row b sits at position
+        `lengths[seq_b] - q_lengths[b] + t`).
+      seq_ids: int32[batch], the rows' cache slots (default every slot in order).
+      selection: decode only: the pages to read instead of each sequence's own
+        (`kvjax.attention.Selection`, one row per slot; on a quantized cache, quantized
+        pages, the tail being read besides).
+      scale: logit scale (default 1/sqrt(head_dim); MLA needs it given).
+      soft_cap, sliding_window: as in `kvjax.attention.paged_decode_attention` (MHA/GQA/MQA).
+      impl, interpret: the attention implementation (`kvjax.attention.IMPLS` or a
+        `kvjax.sharding.ShardedAttention`).
+
+    Returns:
+      (out `[batch, q_len, q_heads, width]` in the query's dtype — MLA: in latent space —,
+      lse float32 `[batch, q_len, q_heads]`).
+    """
+    spec = cache.spec
+    mla = spec.is_mla
+    if mla and not (isinstance(q, tuple) and len(q) == 2):
+        raise TypeError("attend: an MLA cache takes q = (q_latent, q_rope).")
+    if not mla and isinstance(q, tuple):
+        raise TypeError("attend: an MHA/GQA/MQA cache takes one query array, not a tuple.")
+    if mla and (soft_cap is not None or sliding_window is not None):
+        raise ValueError("attend: soft_cap and sliding_window apply to MHA/GQA/MQA caches.")
+    q0 = q[0] if mla else q
+    if q0.ndim != 4:
+        raise ValueError(f"attend: queries must be [batch, q_len, q_heads, width], got "
+                         f"{q0.shape}.")
+    q_len = q0.shape[1]
+    q_lengths = jnp.asarray(q_lengths, jnp.int32)
+    if selection is not None and q_len != 1:
+        raise ValueError(f"attend: a selection applies to decode (q_len 1), got q_len {q_len}.")
+    if scale is None:
+        if mla:
+            raise ValueError("attend: MLA needs its softmax scale (scale=...).")
+        scale = q0.shape[-1] ** -0.5
+    kw = dict(impl=impl, interpret=interpret)
+    if cache.tail is not None:
+        view = quantized.layer_view(cache, layer, whole_pools=True)
+        if selection is not None:
+            rows = _rows_view(view, seq_ids)
+            sel = selection.rows(seq_ids)
+            if mla:
+                out, lse = kattn.quantized_mla_selected_decode_attention(
+                    q[0][:, 0], q[1][:, 0], rows, sel, scale=scale, **kw)
+            else:
+                out, lse = kattn.quantized_selected_decode_attention(
+                    q[:, 0], rows, sel, scale=scale, soft_cap=soft_cap, **kw)
+            return out[:, None], lse[:, None]
+        if mla:
+            return kattn.quantized_mla_prefill_attention(
+                q[0], q[1], view, q_lengths, scale=scale, seq_ids=seq_ids, **kw)
+        return kattn.quantized_prefill_attention(
+            q, view, q_lengths, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            seq_ids=seq_ids, **kw)
+    paged.check_layer(spec, layer)
+    pools = paged._pools(cache.pages)
+    lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
+    tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
+    kw["layer"] = layer
+    if selection is not None:
+        sel = selection.rows(seq_ids)
+        if mla:
+            out, lse = kattn.mla_selected_decode_attention(
+                q[0][:, 0], q[1][:, 0], *pools, sel, scale=scale, **kw)
+        else:
+            out, lse = kattn.selected_decode_attention(
+                q[:, 0], *pools, sel, scale=scale, soft_cap=soft_cap,
+                sliding_window=sliding_window, **kw)
+        return out[:, None], lse[:, None]
+    if q_len == 1:
+        if mla:
+            out, lse = kattn.mla_decode_attention(q[0][:, 0], q[1][:, 0], *pools, lengths,
+                                                  tables, scale=scale, **kw)
+        else:
+            out, lse = kattn.paged_decode_attention(
+                q[:, 0], *pools, lengths, tables, scale=scale, soft_cap=soft_cap,
+                sliding_window=sliding_window, **kw)
+        return out[:, None], lse[:, None]
+    if mla:
+        return kattn.mla_prefill_attention(q[0], q[1], *pools, lengths, tables, q_lengths,
+                                           scale=scale, **kw)
+    return kattn.paged_prefill_attention(q, *pools, lengths, tables, q_lengths, scale=scale,
+                                         soft_cap=soft_cap, sliding_window=sliding_window, **kw)
+
+
+def attention_probs(
+    cache: PagedKVCache,
+    layer: int | Int[Array, ""],
+    q: Float[Array, "max_seqs q_len q_heads width"],
+    q_lengths: Int[Array, " max_seqs"],
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    weights: Float[Array, "max_seqs q_len"] | None = None,
+) -> Float[Array, "max_seqs q_heads max_tokens"]:
+    """Attention probabilities each cached position of layer `layer` gets, summed over queries.
+
+    For the cache policies that score tokens (H2O, SnapKV, PyramidKV), on every page kind:
+    two blocked passes over the keys (`kvjax.attention.scores`), never a gathered or
+    dequantized copy of a sequence's keys.
+
+    Args:
+      cache: the cache holding the queries' own tokens.
+      layer: the layer.
+      q: queries, one row per slot: `[max_seqs, q_len, q_heads, head_dim]` (post-RoPE);
+        MLA: the absorbed `[q_latent, q_rope]` concatenated on the last axis.
+      q_lengths: int32[max_seqs], real queries per slot (query t sits at position
+        `lengths - q_lengths + t`).
+      scale, soft_cap: the attention's logit scale and soft cap.
+      weights: float32[max_seqs, q_len], how much each query counts (default 1 for
+        real queries, 0 for padding).
+
+    Returns:
+      float32[max_seqs, q_heads, max_pages_per_seq * page_size], column j = position j.
+    """
+    spec = cache.spec
+    q_len = q.shape[1]
+    q_lengths = jnp.asarray(q_lengths, jnp.int32)
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    real = t < q_lengths[:, None]
+    q_pos = jnp.where(real, cache.lengths[:, None] - q_lengths[:, None] + t, -1)
+    weights = real.astype(jnp.float32) if weights is None else jnp.where(real, weights, 0.0)
+    d_c = spec.attention.cache_widths[0]
+    qs = (q[..., :d_c], q[..., d_c:]) if spec.is_mla else (q,)
+    heads = spec.attention.cache_heads
+    kw = dict(page_size=spec.page_size, kv_heads=heads, scale=scale, soft_cap=soft_cap)
+    if cache.tail is None:
+        paged.check_layer(spec, layer)
+        pools = paged._pools(cache.pages)
+        readers = tuple(xla_path.dense_reader(p, layer)
+                        for p in (pools if spec.is_mla else pools[:1]))
+        return kscores.blocked_attention_probs(qs, readers, cache.lengths, cache.block_tables,
+                                               q_pos, weights, **kw)
+    view = quantized.layer_view(cache, layer, whole_pools=True)
+    k = view.k
+    readers = (xla_quantized.quantized_reader(*k.arrays, bits=k.bits, grouping=k.grouping,
+                                              layer=k.layer),)
+    tails = (view.tail_k,)
+    if spec.is_mla:
+        readers += (xla_path.dense_reader(view.v, view.layer),)
+        tails += (view.tail_v,)
+    ring = view.tail_k.shape[2]
+    ql = cache.quant_lengths
+    t_pos = ql[:, None] + jnp.mod(jnp.arange(ring)[None, :] - ql[:, None], ring)
+    t_valid = t_pos < cache.lengths[:, None]
+    return kscores.blocked_attention_probs(qs, readers, ql, cache.block_tables, q_pos, weights,
+                                           tail=(tails, t_pos, t_valid), **kw)
+
+
+def check_invariants(cache: PagedKVCache | pt.PageTable) -> None:
+    """Host-side check of a cache's (or a page table's) invariants; AssertionError on a breach.
+
+    The allocator's (`page_table.check_invariants`: refcounts match the block tables,
+    the free stack holds exactly the unreferenced pages, ...) and, for a quantized cache,
+    the token counts: each sequence's quantized tokens are `Q(lengths)` (a multiple of
+    the page size, never more than its length) and nothing is pending past its length.
+    """
+    if not isinstance(cache, PagedKVCache):
+        return paged.allocator(cache).check_invariants(cache)
+    paged.allocator(cache.table).check_invariants(cache.table)
+    if cache.tail is None:
+        return None
+    lengths = np.asarray(cache.lengths)
+    q = np.asarray(cache.quant_lengths)
+    pending = np.asarray(cache.tail.pending)
+    want = np.asarray(quantized.quantized_tokens(cache.spec, jnp.asarray(lengths)))
+    if (lengths < q).any():
+        s = int(np.nonzero(lengths < q)[0][0])
+        raise AssertionError(f"sequence {s} has {lengths[s]} tokens but {q[s]} quantized")
+    if (q != want).any():
+        s = int(np.nonzero(q != want)[0][0])
+        raise AssertionError(f"sequence {s} of {lengths[s]} tokens has {q[s]} quantized, "
+                             f"expected {want[s]}")
+    if (pending < 0).any() or (pending[0] > lengths).any() or (pending[1] > q).any():
+        raise AssertionError(f"pending counts {pending.tolist()} exceed the lengths")
+    return None

@@ -1,0 +1,180 @@
+"""The cache pytree: one `PagedKVCache` type whose page leaf is one of four page kinds.
+
+    page kind               pools (every one `[layers*, heads, pages, rows, cols]`)
+    KVPages                 K and V, full precision (MHA / GQA / MQA)
+    LatentPages             MLA's c_KV and rotary key, full precision (one latent "head")
+    QuantizedKVPages        KIVI codes + scales + zeros of K (per channel) and V (per token)
+    QuantizedLatentPages    KIVI codes + scales + zeros of c_KV, full-precision k_rope
+
+The page axis is always axis 2 of every pool, so paging operations (copy-on-write,
+scrubbing) and sharding treat all pools alike. A quantized cache also carries a
+`KIVITail`: the full-precision ring of each sequence's most recent tokens and the
+token counts (its page table counts only the quantized tokens). Which kind a cache
+holds is fixed by its static `CacheSpec` (`spec.is_mla`, `spec.quant`); the generic
+operations of `kvjax.cache` dispatch on it in one place (`kvjax.cache.ops`).
+"""
+
+import dataclasses
+
+import jax
+from jaxtyping import Array, Float, Int, UInt8
+
+from kvjax.cache import page_table as pt
+from kvjax.specs import CacheSpec
+
+__all__ = [
+    "KVPages",
+    "LatentPages",
+    "QuantPool",
+    "QuantizedKVPages",
+    "QuantizedLatentPages",
+    "KIVITail",
+    "PagedKVCache",
+    "LayerView",
+    "Slots",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPages:
+    """Key and value page pools of an MHA/GQA/MQA cache, all layers."""
+
+    k: Float[Array, "layers kv_heads pages page_size head_dim"]
+    v: Float[Array, "layers kv_heads pages page_size head_dim"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LatentPages:
+    """MLA latent pools, all layers: normalised c_KV and the shared rotary key."""
+
+    c_kv: Float[Array, "layers 1 pages page_size d_c"]
+    k_rope: Float[Array, "layers 1 pages page_size d_rope"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantPool:
+    """Packed codes with their scales and zeros for the layers of one bit width.
+
+    Attributes:
+      codes: uint8[layers_g, heads, pages, page_size, width * bits / 8] (layout.py order).
+      scale, zero: scale dtype, `[layers_g, heads, pages, page_size / G, width]`
+        for grouping "tokens" (keys) or `[..., page_size, width / G]` for "channels".
+      bits: code width (static).
+      grouping: "tokens" or "channels" (static).
+    """
+
+    codes: UInt8[Array, "layers heads pages page_size packed"]
+    scale: Float[Array, "layers heads pages srows scols"]
+    zero: Float[Array, "layers heads pages srows scols"]
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    grouping: str = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKVPages:
+    """Quantized K and V pools of an MHA/GQA/MQA cache, one `QuantPool` per bit width."""
+
+    k: tuple[QuantPool, ...]
+    v: tuple[QuantPool, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedLatentPages:
+    """MLA: quantized c_KV pools (per token, channel groups) and the full-precision k_rope."""
+
+    c_kv: tuple[QuantPool, ...]
+    k_rope: Float[Array, "layers 1 pages page_size d_rope"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KIVITail:
+    """What a quantized cache holds beside its pages: recent tokens and token counts.
+
+    Attributes:
+      a, b: full-precision ring buffers `[layers, heads, max_seqs, ring, width]`; the
+        token at position p of slot s lives at `[:, :, s, p % ring]`. `a` holds K
+        (MLA: c_KV), `b` holds V (MLA: k_rope), in the cache dtype.
+      lengths: int32[max_seqs], all tokens of each sequence (quantized + tail).
+      pending: int32[2, max_seqs], what the last `reserve` added: row 0 the new
+        tokens (the next write covers positions [lengths - pending[0], lengths)), row 1
+        the newly quantized tokens (the next write quantizes [Q - pending[1], Q)). One
+        array rather than two fields, so that no jitted step can return one buffer for
+        two leaves (XLA merges identical outputs), which donation would reject.
+    """
+
+    a: Float[Array, "layers heads max_seqs ring width_a"]
+    b: Float[Array, "layers heads max_seqs ring width_b"]
+    lengths: Int[Array, " max_seqs"]
+    pending: Int[Array, "2 max_seqs"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A paged KV cache of any page kind: pools for every layer and the page table.
+
+    Attributes:
+      pages: the page kind's pools (see the module docstring).
+      table: block tables, lengths, reference counts and the free stack. For a
+        quantized cache it describes the quantized pages only (its lengths are the
+        quantized token counts, multiples of the page size).
+      spec: the static `CacheSpec` the cache was built from.
+      tail: `KIVITail` for a quantized cache, None otherwise.
+    """
+
+    pages: KVPages | LatentPages | QuantizedKVPages | QuantizedLatentPages
+    table: pt.PageTable
+    spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
+    tail: KIVITail | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.spec.quant is not None
+
+    @property
+    def lengths(self) -> Int[Array, " max_seqs"]:
+        """Tokens each sequence holds (for a quantized cache: pages and tail)."""
+        return self.table.lengths if self.tail is None else self.tail.lengths
+
+    @property
+    def quant_lengths(self) -> Int[Array, " max_seqs"]:
+        """Tokens of each sequence held in quantized pages (quantized caches)."""
+        return self.table.lengths
+
+    @property
+    def block_tables(self) -> Int[Array, "max_seqs max_pages"]:
+        return self.table.block_tables
+
+    @property
+    def num_free_pages(self) -> Int[Array, ""]:
+        return self.table.num_free
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerView:
+    """One layer's full-precision pools with the page table, as `kvjax.attention` takes them.
+
+    For MLA, `k` is the latent pool and `v` the rotary-key pool, both with the
+    latent head axis squeezed away ([pages, page_size, width]).
+    """
+
+    k: Float[Array, "..."]
+    v: Float[Array, "..."]
+    block_tables: Int[Array, "max_seqs max_pages"]
+    lengths: Int[Array, " max_seqs"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """Where tokens go in the pools: page id and offset per token; page == num_pages drops it."""
+
+    page: Int[Array, "batch q_len"]
+    offset: Int[Array, "batch q_len"]
