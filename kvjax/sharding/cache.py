@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import PagedKVCache, init_cache
 from kvjax.cache import page_table as pt
-from kvjax.cache.state import KIVITail
 from kvjax.cache import sharded_table as st
+from kvjax.cache.state import KIVITail
 from kvjax.sharding.mesh import ShardingPlan
 from kvjax.specs import CacheSpec
 
