@@ -16,6 +16,13 @@ Invariants (checked by `check_invariants`):
 Running out of pages is not an exception inside jit: operations return an
 `AllocStatus`, leave the table unchanged when they cannot complete, and the
 host raises with `status.raise_if_error()`.
+
+Arguments are validated at the boundary: a wrong shape or dtype raises
+`ValueError`/`TypeError` (also while tracing: shapes are static), and a value
+no call can accept (a negative token count) raises `ValueError` when the
+counts are concrete and is a status (BAD_COUNT, nothing changed) when traced.
+`check_reserve_counts`, `check_fork_pairs` and `check_free_flags` are those
+checks on their own, for host-side wrappers to run before donating a cache.
 """
 
 import dataclasses
@@ -37,6 +44,9 @@ __all__ = [
     "truncate",
     "unshare",
     "check_invariants",
+    "check_reserve_counts",
+    "check_fork_pairs",
+    "check_free_flags",
 ]
 
 # Status codes carried by AllocStatus.code.
@@ -45,6 +55,7 @@ OUT_OF_PAGES = 1
 TOO_LONG = 2
 BAD_FORK = 3
 BAD_TRUNCATE = 4
+BAD_COUNT = 5
 
 
 class CacheFullError(RuntimeError):
@@ -68,7 +79,8 @@ class AllocStatus:
     Attributes:
       code: int32[], 0 ok, 1 out of pages, 2 a sequence would exceed
         max_pages_per_seq * page_size tokens, 3 a fork target is in use,
-        4 a truncation asked to grow a sequence or for a negative length.
+        4 a truncation asked to grow a sequence or for a negative length,
+        5 a reserve asked for a negative number of tokens.
       pages_needed: int32[], new pages the operation asked for.
       pages_free: int32[], pages that were free before it.
     """
@@ -99,6 +111,11 @@ class AllocStatus:
         if code == BAD_TRUNCATE:
             raise ValueError(
                 "truncate: new lengths must lie in [0, current length] for every sequence."
+            )
+        if code == BAD_COUNT:
+            raise ValueError(
+                "reserve: a count of new tokens was negative; counts must be >= 0 (shorten "
+                "a sequence with truncate). Nothing was reserved."
             )
 
 
@@ -167,6 +184,83 @@ def init_page_table(
     )
 
 
+def _is_concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _int_array(op: str, name: str, x, shape: tuple[int, ...], what: str) -> Array:
+    """x as an int32 array of `shape`; ValueError / TypeError naming what was given."""
+    x = jnp.asarray(x)
+    if x.shape != shape:
+        raise ValueError(f"{op}: {name} must have shape {what} = {shape}, got {x.shape}.")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{op}: {name} must be an integer array, got dtype {x.dtype}.")
+    return x.astype(jnp.int32)
+
+
+def check_reserve_counts(table: PageTable, num_new) -> Int[Array, " max_seqs"]:
+    """Validates `reserve`'s counts; returns them as int32[max_seqs].
+
+    Raises:
+      ValueError / TypeError: if `num_new` is not an integer vector of shape
+        (max_seqs,), or (when its values are concrete) a count is negative.
+    """
+    num_new = _int_array("reserve", "num_new", num_new, (table.max_seqs,), "(max_seqs,)")
+    if _is_concrete(num_new):
+        counts = np.asarray(num_new)
+        bad = np.nonzero(counts < 0)[0]
+        if bad.size:
+            raise ValueError(
+                f"reserve: num_new[{bad[0]}] = {counts[bad[0]]} is negative; a count of new "
+                f"tokens must be >= 0 (shorten a sequence with truncate)."
+            )
+    return num_new
+
+
+def check_fork_pairs(table: PageTable, src, dst) -> tuple[Int[Array, " n"], Int[Array, " n"]]:
+    """Validates `fork`'s pairs; returns (src, dst) as int32 vectors of one length.
+
+    Pair i forks sequence src[i] into slot dst[i], so both must be integer scalars
+    or vectors of the same length (no broadcasting: a source forked into n slots
+    is written out n times, e.g. `jnp.full_like(dst, s)`). Which slots are usable
+    (in range, empty, distinct) is the status's business (BAD_FORK).
+
+    Raises:
+      ValueError / TypeError: on other shapes or non-integer dtypes.
+    """
+    src, dst = jnp.asarray(src), jnp.asarray(dst)
+    for name, x in (("src", src), ("dst", dst)):
+        if x.ndim > 1:
+            raise ValueError(f"fork: {name} must be a scalar or a vector of slots, got shape "
+                             f"{x.shape}.")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"fork: {name} must be integer slot ids, got dtype {x.dtype}.")
+    src, dst = jnp.atleast_1d(src), jnp.atleast_1d(dst)
+    if src.shape != dst.shape:
+        raise ValueError(
+            f"fork: src {src.shape} and dst {dst.shape} must have one length: pair i forks "
+            f"src[i] into dst[i]. To fork one sequence s into several slots, pass "
+            f"src=jnp.full_like(dst, s)."
+        )
+    return src.astype(jnp.int32), dst.astype(jnp.int32)
+
+
+def check_free_flags(table: PageTable, seqs) -> Bool[Array, " max_seqs"]:
+    """Validates `free`'s flags; returns them as bool[max_seqs].
+
+    Raises:
+      ValueError / TypeError: if `seqs` is not a bool vector of shape (max_seqs,).
+    """
+    seqs = jnp.asarray(seqs)
+    if seqs.shape != (table.max_seqs,):
+        raise ValueError(f"free: seqs must be bool flags of shape (max_seqs,) = "
+                         f"({table.max_seqs},), got shape {seqs.shape}.")
+    if seqs.dtype != jnp.bool_:
+        raise TypeError(f"free: seqs must be bool flags (one per slot), got dtype {seqs.dtype}; "
+                        f"for slot ids use jnp.zeros(max_seqs, bool).at[ids].set(True).")
+    return seqs
+
+
 def _pop(table: PageTable, ranks: Int[Array, "..."]) -> Int[Array, "..."]:
     """The pages at stack ranks 0, 1, ... counted from the top (rank < num_free)."""
     idx = table.num_free - 1 - ranks
@@ -186,22 +280,33 @@ def reserve(
     into the same shared page at once, the last of them keeps the original, so
     no page is orphaned.
 
-    All or nothing: if the pool cannot supply every page, or a sequence would
-    grow past `max_pages_per_seq * page_size`, nothing changes and the status
-    says why.
+    All or nothing: if a count is negative, the pool cannot supply every page,
+    or a sequence would grow past `max_pages_per_seq * page_size`, nothing
+    changes and the status says why.
+
+    Args:
+      table: the page table.
+      num_new: int32[max_seqs], tokens to add to each sequence (>= 0).
 
     Returns:
       (table, copy_plan, status).
+
+    Raises:
+      ValueError / TypeError: see `check_reserve_counts` (a negative count raises
+        only when concrete; traced, it is status BAD_COUNT).
     """
     ps = table.page_size
     max_seqs, max_pages = table.block_tables.shape
     num_pages = table.num_pages
-    num_new = jnp.asarray(num_new, jnp.int32)
+    num_new = check_reserve_counts(table, num_new)
     old_len = table.lengths
+    negative = jnp.any(num_new < 0)
+    # Compared as counts, not as new lengths: old_len + num_new can overflow int32.
+    too_long = jnp.any(num_new > max_pages * ps - old_len)
+    num_new = jnp.where(negative | too_long, 0, num_new)  # failed calls compute nothing odd
     new_len = old_len + num_new
     old_np = table.pages_used(old_len)
     new_np = table.pages_used(new_len)
-    too_long = jnp.any(new_np > max_pages)
 
     # Copy-on-write candidates: writing into a partly filled, shared last page.
     last = jnp.clip(old_np - 1, 0, max_pages - 1)
@@ -224,7 +329,8 @@ def reserve(
     needed = jnp.concatenate([cow, grow.reshape(-1)])
     pages_needed = jnp.sum(needed, dtype=jnp.int32)
     out_of_pages = pages_needed > table.num_free
-    code = jnp.where(too_long, TOO_LONG, jnp.where(out_of_pages, OUT_OF_PAGES, OK))
+    code = jnp.where(negative, BAD_COUNT,
+                     jnp.where(too_long, TOO_LONG, jnp.where(out_of_pages, OUT_OF_PAGES, OK)))
     ok = code == OK
 
     rank = jnp.cumsum(needed, dtype=jnp.int32) - 1
@@ -265,9 +371,15 @@ def fork(
     page copies it first (see `reserve`). Every `dst` slot must be empty,
     distinct and different from every `src`; otherwise nothing changes and the
     status code is BAD_FORK.
+
+    Args:
+      table: the page table.
+      src, dst: int32[n] (or scalars), the pairs; see `check_fork_pairs`.
+
+    Raises:
+      ValueError / TypeError: if src and dst are not integer vectors of one length.
     """
-    src = jnp.atleast_1d(jnp.asarray(src, jnp.int32))
-    dst = jnp.atleast_1d(jnp.asarray(dst, jnp.int32))
+    src, dst = check_fork_pairs(table, src, dst)
     n = dst.shape[0]
     distinct = jnp.sum(dst[:, None] == dst[None, :]) == n
     disjoint = ~jnp.any(dst[:, None] == src[None, :])
@@ -300,7 +412,11 @@ def free(
     Returns:
       (table, released): `released` lists the pages that became free, padded
       with `num_pages`; pass it to a scrub to zero them.
+
+    Raises:
+      ValueError / TypeError: if `seqs` is not bool[max_seqs].
     """
+    seqs = check_free_flags(table, seqs)
     owned = seqs[:, None] & _owned(table, table.lengths)
     table, released = _release(table, owned)
     table = dataclasses.replace(
@@ -367,7 +483,8 @@ def truncate(
       (table, released, status): `released` lists the pages that became free,
       padded with `num_pages`.
     """
-    new_lengths = jnp.asarray(new_lengths, jnp.int32)
+    new_lengths = _int_array("truncate", "new_lengths", new_lengths, (table.max_seqs,),
+                             "(max_seqs,)")
     ok = jnp.all((new_lengths >= 0) & (new_lengths <= table.lengths))
     drop = ok & _owned(table, table.lengths) & ~_owned(table, new_lengths)
     table, released = _release(table, drop)
@@ -400,6 +517,10 @@ def unshare(
       entries; copy page `src[i]` to `dst[i]` in every pool before writing
       (`dst == num_pages` means no copy).
     """
+    entries = jnp.asarray(entries)
+    if entries.shape != table.block_tables.shape or entries.dtype != jnp.bool_:
+        raise ValueError(f"unshare: entries must be bool flags of shape (max_seqs, max_pages) = "
+                         f"{table.block_tables.shape}, got {entries.dtype}{list(entries.shape)}.")
     num_pages = table.num_pages
     sink = jnp.int32(num_pages)
     bt = table.block_tables

@@ -184,20 +184,25 @@ def reserve(
 
     All or nothing over all shards. On OUT_OF_PAGES the status reports the
     first shard that ran out (its pages needed and free), since pages of one
-    shard cannot stand in for another's.
+    shard cannot stand in for another's. Counts are validated as in
+    `page_table.reserve` (a negative one raises when concrete, BAD_COUNT traced).
     """
     D, C = table.data_shards, table.context_shards
     S, n, R = table.num_shards, table.pages_per_shard, table.seqs_per_shard
-    num_new = jnp.asarray(num_new, jnp.int32)
+    num_new = pt.check_reserve_counts(table, num_new)
+    negative = jnp.any(num_new < 0)
+    # Compared as counts, not as new lengths: lengths + num_new can overflow int32.
+    too_long = jnp.any(num_new > table.max_pages_per_seq * table.page_size - table.lengths)
+    num_new = jnp.where(negative | too_long, 0, num_new)  # failed calls compute nothing odd
     new_len = table.lengths + num_new
-    too_long = jnp.any(table.pages_used(new_len) > table.max_pages_per_seq)
     virtual, cols = _virtual(table)
     c = jnp.arange(C)[None, :, None]
     old_v = tokens_on_shard(table.lengths.reshape(D, 1, R), c, table.page_size, C)
     new_v = tokens_on_shard(new_len.reshape(D, 1, R), c, table.page_size, C)
     num_new_v = (new_v - old_v).reshape(S, R)
     virtual, copy, statuses = jax.vmap(pt.reserve)(virtual, num_new_v)
-    status = _status(statuses, jnp.where(too_long, pt.TOO_LONG, pt.OK))
+    status = _status(statuses, jnp.where(negative, pt.BAD_COUNT,
+                                         jnp.where(too_long, pt.TOO_LONG, pt.OK)))
     ok = status.code == pt.OK
     new = _from_virtual(table, virtual, cols)
     new = dataclasses.replace(new, lengths=new_len)
@@ -220,8 +225,7 @@ def fork(
     data shards (it lives on one), so a pair in different data groups is a
     BAD_FORK and nothing changes.
     """
-    src = jnp.atleast_1d(jnp.asarray(src, jnp.int32))
-    dst = jnp.atleast_1d(jnp.asarray(dst, jnp.int32))
+    src, dst = pt.check_fork_pairs(table, src, dst)
     same_group = jnp.all(src // table.seqs_per_shard == dst // table.seqs_per_shard)
     plain = pt.PageTable(
         block_tables=table.block_tables, lengths=table.lengths, refcounts=table.refcounts,
@@ -247,6 +251,7 @@ def free(
     """
     D, C = table.data_shards, table.context_shards
     S, n, R = table.num_shards, table.pages_per_shard, table.seqs_per_shard
+    seqs = pt.check_free_flags(table, seqs)
     virtual, cols = _virtual(table)
     seqs_v = jnp.broadcast_to(seqs.reshape(D, 1, R), (D, C, R)).reshape(S, R)
     virtual, released = jax.vmap(pt.free)(virtual, seqs_v)
