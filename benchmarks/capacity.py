@@ -156,12 +156,12 @@ def _write_quant(cache, seq, a, b):
 def fill(layout: Layout, spec: kvx.CacheSpec, lengths, args, rng):
     """Admits sequences in order until the allocator reports a full cache. Returns a dict."""
     quant = spec.quant is not None
-    cache = qz.init_quantized_cache(spec) if quant else paged.init_cache(spec)
-    pools = _nbytes(cache.paged.pages) + _nbytes(cache.tail) if quant else _nbytes(cache.pages)
+    cache = kvx.cache.init_cache(spec)
+    pools = _nbytes(cache.pages) + (_nbytes((cache.tail.a, cache.tail.b)) if quant else 0)
     h, d = args.kv_heads, args.head_dim
     a = jnp.asarray(rng.standard_normal((1, args.chunk, h, d)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((1, args.chunk, h, d)), jnp.bfloat16)
-    reserve = qz.reserve if quant else paged.reserve
+    reserve = kvx.cache.reserve
     admitted, tokens, stop = 0, 0, "all sequences fit"
     t0 = time.perf_counter()
     bar = tqdm(total=len(lengths), desc=layout.name, leave=False, file=sys.stderr)

@@ -89,8 +89,8 @@ def quant_cache(rng, batch, context, geo, bits, page_size, group, residual):
         num_layers=1, page_size=page_size, num_pages=batch * (context // page_size),
         max_seqs=batch, max_pages_per_seq=context // page_size, dtype=BF16,
         quant=QuantSpec(bits=bits, group_size=group, residual=residual))
-    cache = qz.init_quantized_cache(spec)
-    cache, status = qz.reserve(cache, jnp.full((batch,), context, jnp.int32))
+    cache = qz.init_cache(spec)
+    cache, status = kvx.cache.reserve(cache, jnp.full((batch,), context, jnp.int32))
     status.raise_if_error()
 
     def fill(x):
@@ -101,11 +101,11 @@ def quant_cache(rng, batch, context, geo, bits, page_size, group, residual):
         # Positive scales and zeros of a plausible size; tail values ~N(0, 1).
         return jnp.asarray(rng.uniform(0.02, 0.2, x.shape).astype(np.float32)).astype(x.dtype)
 
-    pages = jax.tree.map(fill, cache.paged.pages)
-    tail = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32))
-                        .astype(x.dtype), cache.tail)
-    cache = dataclasses.replace(cache, paged=dataclasses.replace(cache.paged, pages=pages),
-                                tail=tail)
+    pages = jax.tree.map(fill, cache.pages)
+    a, b = (jnp.asarray(rng.standard_normal(x.shape, np.float32)).astype(x.dtype)
+            for x in (cache.tail.a, cache.tail.b))
+    cache = dataclasses.replace(cache, pages=pages,
+                                tail=dataclasses.replace(cache.tail, a=a, b=b))
     return jax.block_until_ready(cache)
 
 

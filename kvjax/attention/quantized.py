@@ -50,7 +50,7 @@ __all__ = [
 def _with_layer(op: str, impl, interpret, view: QuantizedLayerView):
     """The implementation and the view to pass it: for impls that read whole pools a
     whole-pool view stays whole (they read the layer in place), others get one layer."""
-    fn, takes_layer = registry.resolve(op, impl, interpret)
+    fn, takes_layer = registry.resolve(op, impl, interpret, dtype=view.tail_k.dtype)
     if view.layer is None:
         return fn, view
     if takes_layer:

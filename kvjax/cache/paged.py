@@ -86,7 +86,7 @@ def _in_place_kernels(x: Array):
     are built (its `write_rows` / `copy_pages` then update x in place), else None."""
     if x.ndim != 5 or not _cpu_16bit(x):
         return None
-    return cpu if cpu.available() else None
+    return cpu if cpu.choose("write_rows", dtype=x.dtype).use_kernel else None
 
 
 def copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):

@@ -115,6 +115,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"KV cache dtype, one of {', '.join(_KV_DTYPES)} (default: the params "
                    "dtype)")
+    p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), default=None, metavar="BITS",
+                   help="KIVI-quantize the KV cache to 2, 4 or 8 bits (default: full precision)")
+    p.add_argument("--kv-group-size", type=_positive_int, default=32, metavar="G",
+                   help="KIVI group size G (default 32; must divide --page-size)")
+    p.add_argument("--kv-residual", type=int, default=128, metavar="R",
+                   help="KIVI full-precision recent tokens R, a multiple of --page-size "
+                   "(default 128)")
     p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help="params and activations dtype (default: the checkpoint's)")
     p.add_argument("--page-size", type=_positive_int, default=16, metavar="TOKENS",
@@ -190,6 +197,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvjax import generate as gen
     from kvjax import models
+    from kvjax.specs import QuantSpec
 
     t0 = time.perf_counter()
     try:
@@ -211,8 +219,16 @@ def _run(args: argparse.Namespace) -> int:
     sampling = gen.SamplingConfig(temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p)
     key = jax.random.key(args.seed)
-    common = dict(page_size=args.page_size, num_pages=args.num_pages, cache_dtype=kv_dtype,
-                  chunk_size=args.chunk_size, impl=args.impl)
+    try:
+        quant = None if args.kv_bits is None else QuantSpec(
+            bits=args.kv_bits, group_size=args.kv_group_size, residual=args.kv_residual)
+        config = gen.CacheConfig(dtype=kv_dtype, quant=quant, page_size=args.page_size,
+                                 num_pages=args.num_pages)
+        config.spec(model, num_seqs=1, max_tokens=1)  # geometry checks, before any work
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    common = dict(cache=config, chunk_size=args.chunk_size, impl=args.impl)
     print(f"loaded {hf['architectures'][0]} ({model.family}, {model.config.attention}) "
           f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
@@ -256,8 +272,7 @@ def _run(args: argparse.Namespace) -> int:
             print(head + ",".join(str(t) for t in src + out))
 
     spec = cache.spec
-    page_bytes = sum(int(np.prod(s)) for s in spec.pool_shapes) * spec.dtype.itemsize
-    page_bytes //= spec.num_pages
+    page_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.pages)) // spec.num_pages
     total = sum(len(o) for o in outputs)
     print(f"generated {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s "
           "including prefill and compilation)", file=sys.stderr)
@@ -268,5 +283,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"KV cache: {peak_pages} of {spec.num_pages} pages used at peak x "
           f"{_format_bytes(page_bytes)} per page = {_format_bytes(peak_pages * page_bytes)} "
           f"({peak_pages * page_bytes} bytes; pool {_format_bytes(spec.num_pages * page_bytes)}, "
-          f"{spec.dtype.name})", file=sys.stderr)
+          f"{spec.dtype.name}"
+          + ("" if spec.quant is None else f", KIVI int{spec.quant.bits} + "
+             f"{spec.quant.residual}-token tail") + ")", file=sys.stderr)
     return 0

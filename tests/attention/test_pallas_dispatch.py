@@ -14,8 +14,9 @@ import pytest
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import reference as paged_ref
-from kvjax.attention import ops, pallas_impls
+from kvjax.attention import ops, pallas_impls, registry
 from kvjax.attention import paged_decode_attention as decode_op
+from kvjax.backends.cpu import options as cpu_options
 
 
 def _gqa_inputs(rng, batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=3):
@@ -34,12 +35,12 @@ def _gqa_inputs(rng, batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=8, m
 @pytest.mark.parametrize("platform,want", [("cpu", "xla"), ("tpu", "pallas"), ("gpu", "pallas")])
 def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform, want):
     monkeypatch.setattr(pallas_impls, "platform", lambda: platform)
-    # Without the C++ CPU kernels (tests/attention/test_cpu_kernel.py covers them).
-    monkeypatch.setattr(ops.cpu_backend, "available", lambda: False)
-    assert ops._auto_impl("paged_decode_attention") == want
-    assert ops._auto_impl("mla_decode_attention") == want
-    # No prefill kernel yet: prefill stays on the XLA path everywhere.
-    assert ops._auto_impl("paged_prefill_attention") == "xla"
+    # Without the C++ CPU kernels (tests/backends covers what "auto" picks with them).
+    with cpu_options.override(kernels=False):
+        assert registry.auto_impl("paged_decode_attention") == want
+        assert registry.auto_impl("mla_decode_attention") == want
+        # No prefill kernel yet: prefill stays on the XLA path everywhere.
+        assert registry.auto_impl("paged_prefill_attention") == "xla"
 
 
 def test_pallas_on_cpu_interprets_by_default(rng):

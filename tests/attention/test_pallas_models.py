@@ -16,7 +16,7 @@ from kernels_pallas.mla_decode import gpu as mla_gpu
 from kernels_pallas.mla_decode import tpu as mla_tpu
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import tpu as paged_tpu
-from kvjax.generate.loop import generate
+from kvjax.generate.loop import CacheConfig, generate
 from kvjax.models import get_family
 from kvjax.models.deepseek import DeepseekConfig
 from kvjax.models.layers import RopeConfig
@@ -50,7 +50,7 @@ def _both(model, params, **kwargs):
     out = {}
     for impl in ("xla", "pallas"):
         res = generate(model, params, PROMPTS, key=jax.random.key(0), max_new_tokens=6,
-                       page_size=8, impl=impl, **kwargs)
+                       cache=CacheConfig(page_size=8), impl=impl, **kwargs)
         out[impl] = (np.asarray(res.tokens), np.asarray(res.num_generated))
     return out
 

@@ -13,6 +13,8 @@ from kvjax.cache import quant
 from kvjax.cache import quantized as qz
 from kvjax.specs import QuantSpec
 
+_qwrite = jax.jit(qz.write_layer, static_argnames="layer", donate_argnames="cache")
+
 HEAD_DIM = 32
 
 
@@ -70,7 +72,7 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
     spec = kvx.CacheSpec(attention=att, num_layers=1, page_size=page_size, num_pages=num_pages,
                          max_seqs=S, max_pages_per_seq=8,
                          quant=QuantSpec(bits=bits, group_size=group, residual=residual))
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     chunk = 128  # fixed prefill shape, so tests with the same spec share compilations
     total = chunk + decode
     ka = rng.standard_normal((S, total, heads, widths[0])).astype(np.float32)
@@ -80,11 +82,11 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
     lengths = np.asarray(lengths)
     cache, st = qz.reserve(cache, jnp.asarray(lengths, jnp.int32))
     st.raise_if_error()
-    cache = qz.write_layer_jit(cache, 0, jnp.asarray(ka[:, :chunk]), jnp.asarray(vb[:, :chunk]))
+    cache = _qwrite(cache, 0, jnp.asarray(ka[:, :chunk]), jnp.asarray(vb[:, :chunk]))
     for i in range(decode):
         cache, st = qz.reserve(cache, jnp.ones(S, jnp.int32))
         st.raise_if_error()
-        cache = qz.write_layer_jit(cache, 0, jnp.asarray(ka[np.arange(S), chunk + i][:, None]),
+        cache = _qwrite(cache, 0, jnp.asarray(ka[np.arange(S), chunk + i][:, None]),
                                    jnp.asarray(vb[np.arange(S), chunk + i][:, None]))
     # True tokens of sequence s: its prefill, then the decoded ones (stored past the chunk).
     ks = [np.concatenate([ka[s, :lengths[s]], ka[s, chunk:]]) for s in range(S)]

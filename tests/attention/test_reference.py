@@ -307,11 +307,11 @@ def test_cache_writes_then_attention_match_dense(rng):
         status.raise_if_error()
         pos = start[:, None] + np.arange(t)[None]
         valid = np.arange(t)[None] < n[:, None]
-        slots = kvx.cache.token_slots(cache, jnp.asarray(pos, jnp.int32), jnp.asarray(valid))
+        slots = kvx.cache.paged.token_slots(cache, jnp.asarray(pos, jnp.int32), jnp.asarray(valid))
         take = lambda xs: np.stack([  # noqa: E731
             np.pad(x[s:s + k], ((0, t - k), (0, 0), (0, 0)))
             for x, s, k in zip(xs, start, n, strict=True)])
-        return kvx.cache.write_layer(cache, layer, slots, jnp.asarray(take(ks)),
+        return kvx.cache.paged.write_layer(cache, layer, slots, jnp.asarray(take(ks)),
                                      jnp.asarray(take(vs)))
 
     cache = write(cache, np.zeros(3, int), prompt)

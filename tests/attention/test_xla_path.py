@@ -18,11 +18,12 @@ from kernels_pallas.paged_attention import reference as paged_ref
 from kvjax.attention import (
     mla_decode_attention,
     mla_prefill_attention,
-    ops,
     paged_decode_attention,
     paged_prefill_attention,
+    registry,
     xla,
 )
+from kvjax.backends.cpu import options as cpu_options
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -178,12 +179,12 @@ def test_auto_is_xla_on_cpu(monkeypatch):
     assert jax.default_backend() == "cpu"
     # Without the C++ CPU kernels, which "auto" prefers where an op has one
     # (tests/attention/test_cpu_kernel.py).
-    monkeypatch.setattr(ops.cpu_kernels, "available", lambda: False)
-    for op in ("paged_decode_attention", "paged_prefill_attention", "mla_decode_attention",
-               "mla_prefill_attention"):
-        assert ops._auto_impl(op) == "xla"
-        assert ops._IMPLS[op]["xla"] is getattr(xla, op)
-        assert ops._IMPLS[op]["reference"] is not getattr(xla, op)
+    with cpu_options.override(kernels=False):
+        for op in ("paged_decode_attention", "paged_prefill_attention",
+                   "mla_decode_attention", "mla_prefill_attention"):
+            assert registry.auto_impl(op) == "xla"
+            assert registry.resolve(op, "auto")[0] is getattr(xla, op)
+            assert registry.resolve(op, "reference")[0] is not getattr(xla, op)
 
 
 

@@ -25,8 +25,9 @@ from jax.extend import core as jcore
 import kvjax as kvx
 from kernels_pallas.quantized_attention import reference as qref
 from kvjax import attention
-from kvjax.attention import quantized as qattn
+from kvjax.attention import registry
 from kvjax.attention import xla_quantized as xq
+from kvjax.backends.cpu import options as cpu_options
 from kvjax.cache import quantized as qz
 from kvjax.specs import QuantSpec
 
@@ -68,7 +69,7 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
         num_pages=num_pages or batch * MAX_PAGES + 3,
         max_seqs=batch, max_pages_per_seq=MAX_PAGES, dtype=dtype,
         quant=QuantSpec(bits=bits, group_size=G, residual=R))
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     lengths = _lengths(rng, batch) if lengths is None else np.asarray(lengths, np.int32)
     cache, status = qz.reserve(cache, jnp.asarray(lengths))
     status.raise_if_error()
@@ -81,7 +82,7 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
         nan_pages = np.array([p not in live for p in range(spec.num_pages)])
     garbage = rng.integers(-(10**6), 10**6, size=tables.shape)
     tables = np.where(used, tables, garbage).astype(np.int32)
-    pages = cache.paged.pages
+    pages = cache.pages
     if mla:
         rope = rng.standard_normal(pages.k_rope.shape)
         if nan_unused:
@@ -93,10 +94,11 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
         pages = qz.QuantizedKVPages(
             k=tuple(_rand_pool(rng, p, nan_pages=nan_pages) for p in pages.k),
             v=tuple(_rand_pool(rng, p, nan_pages=nan_pages) for p in pages.v))
-    tail = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache.tail)
+    a, b = (jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+            for x in (cache.tail.a, cache.tail.b))
+    tail = dataclasses.replace(cache.tail, a=a, b=b)
     table = dataclasses.replace(cache.table, block_tables=jnp.asarray(tables))
-    return dataclasses.replace(
-        cache, paged=dataclasses.replace(cache.paged, pages=pages, table=table), tail=tail)
+    return dataclasses.replace(cache, pages=pages, table=table, tail=tail)
 
 
 def _close(got, want, tol):
@@ -273,11 +275,13 @@ def test_auto_is_xla_and_reference_is_the_oracle(monkeypatch):
     assert jax.default_backend() == "cpu"
     # Without the C++ CPU kernels, which "auto" prefers for GQA decode
     # (tests/attention/test_cpu_kernel.py).
-    monkeypatch.setattr(qattn.cpu_backend, "available", lambda: False)
-    assert qattn._select("quantized_attention", "auto") is xq.quantized_attention
-    assert qattn._select("quantized_mla_attention", "auto") is xq.quantized_mla_attention
-    assert qattn._select("quantized_attention", "reference") is qref.quantized_attention
-    assert qattn._select("quantized_mla_attention", "reference") is qref.quantized_mla_attention
+    with cpu_options.override(kernels=False):
+        assert registry.resolve("quantized_attention", "auto")[0] is xq.quantized_attention
+        assert registry.resolve("quantized_mla_attention", "auto")[0] is (
+            xq.quantized_mla_attention)
+    assert registry.resolve("quantized_attention", "reference")[0] is qref.quantized_attention
+    assert registry.resolve("quantized_mla_attention", "reference")[0] is (
+        qref.quantized_mla_attention)
 
 
 # ----------------------------------------------------------------------------- no big copies
@@ -364,7 +368,7 @@ def test_layers_loop_copies_no_pool(rng, mla):
     # any block and the tails.
     cache = random_cache(rng, bits=4, mla=mla, batch=batch, layers=layers,
                          lengths=[PS * MAX_PAGES] * batch, num_pages=16 * batch * MAX_PAGES)
-    pools = cache.paged.pages.c_kv[0] if mla else cache.paged.pages.v[0]
+    pools = cache.pages.c_kv[0] if mla else cache.pages.v[0]
     codes_layer = int(np.prod(pools.codes.shape[1:]))
     scale_layer = int(np.prod(pools.scale.shape[1:]))
     limit = min(codes_layer, scale_layer)
@@ -399,29 +403,29 @@ def test_layers_loop_copies_no_pool(rng, mla):
 
 @pytest.mark.parametrize("name", ["llama", "mla"])
 def test_quantized_cache_decoder_matches_dense_forward(rng, name):
-    """kvjax.decoding runs a quantized cache through whole-pool views (the XLA path reads
+    """The decode loop runs a quantized cache through whole-pool views (the XLA path reads
     each layer inside its gathers): 8-bit pages over 2 layers stay close to the dense
-    float32 forward. Reading the wrong layer's pages would not: the layers' K/V are
-    unrelated."""
-    from kvjax.decoding import CacheConfig, CacheDecoder
+    float32 forward, token by token (teacher forcing through `kvjax.generate.score`).
+    Reading the wrong layer's pages would not: the layers' K/V are unrelated."""
+    from kvjax import generate
     from kvjax.models.tiny import forward_dense, init_tiny, tiny_model
+    from kvjax.specs import QuantSpec
     from tests.test_train import SMALL
 
     config = dataclasses.replace(SMALL[name], num_layers=2)
     params = init_tiny(config, jax.random.key(int(rng.integers(1 << 30))))
     tokens = rng.integers(0, 256, (2, 44)).astype(np.int32)
-    ref = np.asarray(forward_dense(params, config, jnp.asarray(tokens)))
-    dec = CacheDecoder(tiny_model(config), params,
-                       CacheConfig(name="q8", dtype="float32", bits=8, group_size=16,
-                                   residual=0),
-                       batch=2, max_len=48, page_size=16)
-    got = [np.asarray(dec.prefill(tokens[:, :40]))]
-    for t in range(40, 43):
-        got.append(np.asarray(dec.step(tokens[:, t])))
-    assert int(np.asarray(dec.cache.quant_lengths)[0]) == 32  # pages and tail both used
-    want = ref[:, 39:43].transpose(1, 0, 2)
-    # 8-bit codes move each K/V element by at most half a step (range / 510); measured
-    # logit error ~2e-4 of the logits' spread. Attending to the other layer's pages
-    # (layer index dropped) measured 3e-2 (MLA) and 6e-2 (Llama).
-    err = np.max(np.abs(np.stack(got) - want)) / np.ptp(want)
-    assert err < 5e-3, err
+    ref = np.asarray(jax.nn.log_softmax(forward_dense(params, config, jnp.asarray(tokens))))
+    cc = generate.CacheConfig(dtype="float32", page_size=16,
+                              quant=QuantSpec(bits=8, group_size=16, residual=0))
+    res = generate.score(tiny_model(config), params, tokens[:, :40].tolist(),
+                         tokens[:, 40:44].tolist(), cache=cc, free_finished=False, impl="xla")
+    assert int(np.asarray(res.cache.quant_lengths)[0]) == 32  # pages and tail both used
+    # log p(token t | tokens < t) for t = 40..43, from the dense forward.
+    want = np.take_along_axis(ref[:, 39:43], tokens[:, 40:44, None], axis=2)[..., 0]
+    got = res.logprobs[:, :4]
+    # 8-bit codes move each K/V element by at most half a step (range / 510): the
+    # log-probabilities move by ~1e-3 nats; attending to the other layer's pages (layer
+    # index dropped) moves them by ~0.1.
+    err = np.max(np.abs(got - want))
+    assert err < 1e-2, err

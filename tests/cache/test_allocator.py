@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 import kvjax as kvx
 from kvjax.cache import page_table as pt
 
+_pwrite = jax.jit(kvx.cache.paged.write_layer, donate_argnames="cache")
+
 PAGE_SIZE = 4
 SPEC = kvx.CacheSpec(
     attention=kvx.AttentionSpec(q_heads=2, kv_heads=1, head_dim=2),
@@ -36,9 +38,9 @@ def grow_and_write(cache, num_new, values):
     t = values.shape[1]
     pos = old[:, None] + jnp.arange(t)[None]
     valid = (jnp.arange(t)[None] < num_new[:, None]) & status.ok
-    slots = kvx.cache.token_slots(cache, pos, valid)
+    slots = kvx.cache.paged.token_slots(cache, pos, valid)
     k = values[:, :, None, :]
-    return kvx.cache.write_layer(cache, 0, slots, k, k), status
+    return kvx.cache.paged.write_layer(cache, 0, slots, k, k), status
 
 
 def test_reserve_allocates_on_page_boundaries():
@@ -104,7 +106,12 @@ def test_fork_shares_and_copy_on_write_isolates(rng):
 def test_fork_into_busy_slot_is_refused():
     cache = kvx.init_cache(SPEC)
     cache, _ = kvx.cache.reserve(cache, jnp.array([3, 2, 0, 0], jnp.int32))
-    cache, status = kvx.cache.fork(cache, jnp.array([0]), jnp.array([1]))
+    # Concrete arguments: refused on the host, the cache untouched and usable.
+    with pytest.raises(ValueError, match="dst slot 1 holds a sequence"):
+        kvx.cache.fork(cache, jnp.array([0]), jnp.array([1]))
+    assert int(cache.lengths[1]) == 2
+    # Traced arguments: a status, nothing changed.
+    cache, status = jax.jit(kvx.cache.fork)(cache, jnp.array([0]), jnp.array([1]))
     assert int(status.code) == pt.BAD_FORK
     with pytest.raises(ValueError, match="target slot must be empty"):
         status.raise_if_error()
@@ -145,12 +152,12 @@ def test_free_returns_pages_and_scrubs(rng):
 def test_jitted_write_updates_the_pool_in_place(rng):
     cache = kvx.init_cache(SPEC)
     cache, _ = kvx.cache.reserve(cache, jnp.array([2, 0, 0, 0], jnp.int32))
-    slots = kvx.cache.token_slots(cache, jnp.array([[0, 1]] * 4, jnp.int32),
+    slots = kvx.cache.paged.token_slots(cache, jnp.array([[0, 1]] * 4, jnp.int32),
                                   jnp.array([[True, True]] + [[False, False]] * 3))
     k = jnp.asarray(rng.standard_normal((4, 2, 1, 2)), jnp.float32)
     ptr = cache.pages.k.unsafe_buffer_pointer()
     old = cache.pages.k
-    cache = kvx.cache.write_layer_jit(cache, 0, slots, k, k)
+    cache = _pwrite(cache, 0, slots, k, k)
     assert old.is_deleted()
     assert cache.pages.k.unsafe_buffer_pointer() == ptr
     np.testing.assert_array_equal(np.asarray(cache.pages.k[0, 0, 0, :2]), np.asarray(k[0, :, 0]))
@@ -164,14 +171,14 @@ def test_16bit_writes_move_bits_in_place(rng, dtype):
     spec = dataclasses.replace(SPEC, num_layers=3, dtype=dtype)
     cache = kvx.init_cache(spec)
     cache, _ = kvx.cache.reserve(cache, jnp.array([3, 2, 0, 0], jnp.int32))
-    slots = kvx.cache.token_slots(cache, jnp.array([[0, 1, 2]] * 4, jnp.int32),
+    slots = kvx.cache.paged.token_slots(cache, jnp.array([[0, 1, 2]] * 4, jnp.int32),
                                   jnp.array([[True] * 3, [True, True, False]] + [[False] * 3] * 2))
     k = jnp.asarray(rng.standard_normal((4, 3, 1, 2)), dtype)
     pool_f32 = "f32[" + ",".join(map(str, cache.pages.k.shape)) + "]"
-    hlo = kvx.cache.write_layer_jit.lower(cache, 1, slots, k, k).compile().as_text()
+    hlo = _pwrite.lower(cache, 1, slots, k, k).compile().as_text()
     assert pool_f32 not in hlo
     ptr = cache.pages.k.unsafe_buffer_pointer()
-    cache = kvx.cache.write_layer_jit(cache, 1, slots, k, -k)
+    cache = _pwrite(cache, 1, slots, k, -k)
     assert cache.pages.k.unsafe_buffer_pointer() == ptr
     for s, n in ((0, 3), (1, 2)):
         page = int(cache.block_tables[s, 0])
@@ -194,12 +201,12 @@ def test_16bit_writes_move_bits_in_place(rng, dtype):
 
 def test_write_rejects_wrong_dtype_and_shape(rng):
     cache = kvx.init_cache(SPEC)
-    slots = kvx.cache.token_slots(cache, jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1), bool))
+    slots = kvx.cache.paged.token_slots(cache, jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1), bool))
     k = jnp.asarray(rng.standard_normal((4, 1, 1, 2)), jnp.float32)
     with pytest.raises(TypeError, match="cache was built for float32"):
-        kvx.cache.write_layer(cache, 0, slots, k.astype(jnp.bfloat16), k.astype(jnp.bfloat16))
+        kvx.cache.paged.write_layer(cache, 0, slots, k.astype(jnp.bfloat16), k.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"k must have shape .* got \(4, 1, 2, 2\)"):
-        kvx.cache.write_layer(cache, 0, slots, jnp.concatenate([k, k], 2), k)
+        kvx.cache.paged.write_layer(cache, 0, slots, jnp.concatenate([k, k], 2), k)
     with pytest.raises(ValueError, match=r"num_new must have shape \(max_seqs,\) = \(4,\)"):
         kvx.cache.reserve(cache, jnp.array([1, 2], jnp.int32))
 
@@ -241,10 +248,13 @@ def test_random_interleavings_keep_invariants(ops, seed):
                 assert int(status.pages_needed) >= grow_pages
         elif op[0] == "fork":
             src, dst = op[1], op[2]
-            cache, status = kvx.cache.fork(cache, jnp.array([src]), jnp.array([dst]))
             expected_ok = src != dst and len(expect[dst]) == 0
-            assert bool(status.ok) == expected_ok
-            if expected_ok:
+            if not expected_ok:  # refused on the host, before the cache is donated
+                with pytest.raises(ValueError, match="fork"):
+                    kvx.cache.fork(cache, jnp.array([src]), jnp.array([dst]))
+            else:
+                cache, status = kvx.cache.fork(cache, jnp.array([src]), jnp.array([dst]))
+                assert bool(status.ok)
                 expect[dst] = expect[src].copy()
         else:
             mask = np.array(op[1])

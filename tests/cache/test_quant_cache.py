@@ -11,6 +11,8 @@ from kvjax.cache import quantized as qz
 from kvjax.cache.quant import dequantize
 from kvjax.specs import QuantSpec
 
+_qwrite = jax.jit(qz.write_layer, static_argnames="layer", donate_argnames="cache")
+
 EPS = np.finfo(np.float32).eps
 
 
@@ -90,7 +92,7 @@ def _step(cache, num_new, toks_a, toks_b, layers, seq_ids=None):
     cache, status = qz.reserve(cache, jnp.asarray(num_new, jnp.int32))
     status.raise_if_error()
     for layer in range(layers):
-        cache = qz.write_layer_jit(cache, layer, jnp.asarray(toks_a[layer]),
+        cache = _qwrite(cache, layer, jnp.asarray(toks_a[layer]),
                                    jnp.asarray(toks_b[layer]), seq_ids)
     return cache
 
@@ -101,7 +103,7 @@ def test_tail_state_machine_random_prefill_then_decode(rng, residual):
     ps, S, layers = spec.page_size, spec.max_seqs, spec.num_layers
     chunk = 24  # padded prefill length, static
     for _ in range(2):  # two fresh random draws of T and n per run
-        cache = qz.init_quantized_cache(spec)
+        cache = qz.init_cache(spec)
         T = rng.integers(0, chunk + 1, S)
         n = int(rng.integers(1, 2 * ps + 3))
         truth_a = rng.standard_normal((layers, S, chunk + n, 2, 16)).astype(np.float32) * 3
@@ -139,7 +141,7 @@ def test_tail_state_machine_random_prefill_then_decode(rng, residual):
 
 def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
     spec = gqa_spec(residual=8, num_pages=32, layers=1)
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     T = np.array([21, 0, 0, 0])
     a = rng.standard_normal((1, 4, 21, 2, 16)).astype(np.float32)
     b = rng.standard_normal((1, 4, 21, 2, 16)).astype(np.float32)
@@ -173,13 +175,13 @@ def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
     cache = qz.free(cache, jnp.array([False, True, True, False]), scrub=True)
     assert int(cache.num_free_pages) == spec.num_pages
     # Scrubbed: the pools and the tails hold zeros again.
-    assert not np.asarray(cache.paged.pages.k[0].codes).any()
+    assert not np.asarray(cache.pages.k[0].codes).any()
     assert not np.asarray(cache.tail.a).any()
 
 
 def test_fork_into_busy_slot_is_refused(rng):
     spec = gqa_spec(residual=16, layers=1)
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     x = rng.standard_normal((1, 4, 5, 2, 16)).astype(np.float32)
     cache = _step(cache, np.array([5, 3, 0, 0]), x, x, 1)  # slot 1: tail only, Q = 0
     cache, status = qz.fork(cache, jnp.array([0]), jnp.array([1]))
@@ -190,7 +192,7 @@ def test_fork_into_busy_slot_is_refused(rng):
 
 def test_out_of_pages_is_cache_full_and_changes_nothing(rng):
     spec = gqa_spec(residual=0, num_pages=3, layers=1)
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     cache, status = qz.reserve(cache, jnp.array([17, 0, 0, 0], jnp.int32))
     status.raise_if_error()  # 2 quantized pages, 1 tail token
     before = np.asarray(cache.lengths).copy()
@@ -201,7 +203,7 @@ def test_out_of_pages_is_cache_full_and_changes_nothing(rng):
     assert np.asarray(cache.quant_lengths).tolist() == [16, 0, 0, 0]
     # The failed step's writes are no-ops.
     x = jnp.asarray(rng.standard_normal((4, 8, 2, 16)), jnp.float32)
-    cache2 = qz.write_layer_jit(cache, 0, x, x)
+    cache2 = _qwrite(cache, 0, x, x)
     assert int(cache2.lengths[1]) == 0
     check_invariants(cache2.table)
 
@@ -209,7 +211,7 @@ def test_out_of_pages_is_cache_full_and_changes_nothing(rng):
 @pytest.mark.parametrize("bits", [2, 8])
 def test_mla_latent_quantized_rope_full_precision(rng, bits):
     spec = mla_spec(bits=bits)
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     T = np.array([19, 9, 0])
     c = rng.standard_normal((1, 3, 19, 32)).astype(np.float32)
     r = rng.standard_normal((1, 3, 19, 8)).astype(np.float32)
@@ -232,15 +234,15 @@ def test_mla_latent_quantized_rope_full_precision(rng, bits):
 
 def test_per_layer_bits_pools_and_traced_layer_rule():
     spec = gqa_spec(bits=(8, 2, 8), layers=3)
-    cache = qz.init_quantized_cache(spec)
-    ks = cache.paged.pages.k
+    cache = qz.init_cache(spec)
+    ks = cache.pages.k
     assert [p.bits for p in ks] == [8, 2]
     assert [p.codes.shape[0] for p in ks] == [2, 1]
     assert ks[0].codes.shape[-1] == 16 and ks[1].codes.shape[-1] == 4
     assert qz.layer_groups(spec)[1] == ((0, 0), (1, 0), (0, 1))
     with pytest.raises(TypeError, match="Python int"):
         qz.layer_view(cache, jnp.int32(1))
-    uniform = qz.init_quantized_cache(gqa_spec(bits=4, layers=2))
+    uniform = qz.init_cache(gqa_spec(bits=4, layers=2))
     view = qz.layer_view(uniform, jnp.int32(1))  # a traced/array layer works with one width
     assert view.k.bits == 4
 
@@ -258,7 +260,7 @@ def test_quant_spec_validation():
         QuantSpec(scale_dtype="float32")
     assert hash(QuantSpec(bits=[2, 4])) == hash(QuantSpec(bits=(2, 4)))
     with pytest.raises(ValueError, match="quant="):
-        qz.init_quantized_cache(gqa_spec().replace(quant=None))
+        qz.init_cache(gqa_spec().replace(quant=None))
 
 
 def test_random_interleavings_of_reserve_write_fork_free(rng):
@@ -268,7 +270,7 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
     # as what was written into it (quantized part within half a step).
     spec = gqa_spec(residual=8, num_pages=8, layers=1, max_pages=6)
     S, chunk = spec.max_seqs, 8
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     truth = {s: (np.zeros((0, 2, 16), np.float32), np.zeros((0, 2, 16), np.float32))
              for s in range(S)}
     full_seen = 0
@@ -287,7 +289,7 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
                     status.raise_if_error()
                 np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
                 continue
-            cache = qz.write_layer_jit(cache, 0, jnp.asarray(a[0]), jnp.asarray(b[0]))
+            cache = _qwrite(cache, 0, jnp.asarray(a[0]), jnp.asarray(b[0]))
             for s in range(S):
                 n = num_new[s]
                 truth[s] = (np.concatenate([truth[s][0], a[0, s, :n]]),
@@ -325,7 +327,7 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
 
 def test_write_must_cover_reserved_tokens(rng):
     spec = gqa_spec(layers=1)
-    cache = qz.init_quantized_cache(spec)
+    cache = qz.init_cache(spec)
     cache, _ = qz.reserve(cache, jnp.array([5, 0, 0, 0], jnp.int32))
     x = jnp.asarray(rng.standard_normal((4, 3, 2, 16)), jnp.float32)
     with pytest.raises(ValueError, match="q_len=3"):

@@ -20,6 +20,7 @@ from kvjax.generate import sampling as sampling_mod
 from tests.models import hf_tiny
 
 PAGE = 8
+CC = gen.CacheConfig(page_size=PAGE)
 LENS = (5, 13, 21)
 SAMPLED = gen.SamplingConfig(temperature=0.8, top_k=40, top_p=0.9)
 
@@ -38,8 +39,8 @@ def _prompts(rng, vocab, lens=LENS):
 
 
 def _single_cache(model, max_tokens=64):
-    return kv_cache.init_cache(gen.default_cache_spec(model, num_seqs=1, max_tokens=max_tokens,
-                                                      page_size=PAGE))
+    return kv_cache.init_cache(
+        gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=1, max_tokens=max_tokens))
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -93,7 +94,7 @@ def test_rows_are_independent(tiny, rng):
     keys = gen.as_keys(jax.random.key(int(rng.integers(1 << 30))), 3)
     max_new = [24, 11, 24]
     res = gen.generate(model, params, prompts, key=keys, max_new_tokens=max_new,
-                       sampling=SAMPLED, page_size=PAGE, chunk_size=PAGE)
+                       sampling=SAMPLED, cache=CC, chunk_size=PAGE)
     np.testing.assert_array_equal(res.num_generated, max_new)
     alone = gen.generate(model, params, [prompts[2]], key=keys[2:3], max_new_tokens=24,
                          sampling=SAMPLED, cache=_single_cache(model), chunk_size=PAGE)
@@ -104,7 +105,7 @@ def test_rows_are_independent(tiny, rng):
 def test_eos_and_length_stops_free_pages(tiny, rng):
     _, model, params = tiny
     prompts = _prompts(rng, model.vocab_size)
-    kw = dict(key=jax.random.key(0), page_size=PAGE, chunk_size=PAGE)
+    kw = dict(key=jax.random.key(0), cache=CC, chunk_size=PAGE)
     full = gen.generate(model, params, prompts, max_new_tokens=[24, 11, 24], **kw)
     np.testing.assert_array_equal(full.num_generated, [24, 11, 24])
     # Finished rows were freed (free_finished defaults to True).
@@ -130,13 +131,15 @@ def test_eos_and_length_stops_free_pages(tiny, rng):
 def test_out_of_pages_is_a_status_then_an_error(tiny, rng):
     _, model, params = tiny
     prompts = _prompts(rng, model.vocab_size)
-    kw = dict(key=jax.random.key(0), max_new_tokens=24, page_size=PAGE, chunk_size=PAGE)
+    kw = dict(key=jax.random.key(0), max_new_tokens=24, chunk_size=PAGE)
     # Prompts take 1 + 2 + 3 pages; 8 pages run out during decoding.
-    with pytest.raises(kv_cache.CacheFullError, match="needs"):
-        gen.generate(model, params, prompts, num_pages=8, **kw)
-    res = gen.generate(model, params, prompts, num_pages=8, check=False, **kw)
+    small = gen.CacheConfig(page_size=PAGE, num_pages=8)
+    with pytest.raises(kv_cache.CacheFullError, match="needs") as err:
+        gen.generate(model, params, prompts, cache=small, **kw)
+    kv_cache.check_invariants(err.value.cache)  # the final cache travels with the error
+    res = gen.generate(model, params, prompts, cache=small, check=False, **kw)
     assert int(res.status.code) == 1
-    full = gen.generate(model, params, prompts, **kw)
+    full = gen.generate(model, params, prompts, cache=CC, **kw)
     for got, want in zip(res.sequences(), full.sequences(), strict=True):
         assert 0 < len(got) < len(want) and got == want[: len(got)]
     kv_cache.check_invariants(res.cache.table)
@@ -154,7 +157,7 @@ def test_decode_loop_compiles_once_and_donates(tiny, rng):
         return model.forward(*args, **kw)
 
     counted = dataclasses.replace(model, forward=counting_forward)
-    kw = dict(max_new_tokens=64, sampling=SAMPLED, page_size=PAGE, chunk_size=PAGE)
+    kw = dict(max_new_tokens=64, sampling=SAMPLED, cache=CC, chunk_size=PAGE)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*[Dd]onated buffers.*")
         prompts = _prompts(rng, model.vocab_size)
@@ -190,10 +193,10 @@ def test_parallel_sampling_shares_prompt_pages(tiny, rng):
 
     # Right after the fork: the prompt's 3 pages are held once, referenced 4 times.
     tokens, lengths, chunk = gen.pad_prompts([prompt], PAGE)
-    spec = gen.default_cache_spec(model, num_seqs=n, max_tokens=21 + new, page_size=PAGE)
-    cache, _, st, _ = gen.prefill(model, params, kv_cache.init_cache(spec), jnp.asarray(tokens),
-                                  jnp.asarray(lengths), jnp.zeros((1,), jnp.int32),
-                                  chunk_size=chunk)
+    spec = gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=n, max_tokens=21 + new)
+    cache, _, st, _, _ = gen.prefill(model, params, kv_cache.init_cache(spec),
+                                     jnp.asarray(tokens), jnp.asarray(lengths),
+                                     jnp.zeros((1,), jnp.int32), chunk_size=chunk)
     cache, st = gen.fork_samples(cache, [0], n)
     st.raise_if_error()
     prompt_pages = np.asarray(cache.block_tables)[0, :3]
@@ -202,7 +205,7 @@ def test_parallel_sampling_shares_prompt_pages(tiny, rng):
     np.testing.assert_array_equal(np.asarray(cache.block_tables)[:, :3], [prompt_pages] * n)
 
     res = gen.sample_n(model, params, [prompt], n=n, key=key, max_new_tokens=new,
-                       sampling=SAMPLED, page_size=PAGE, chunk_size=PAGE, free_finished=False)
+                       sampling=SAMPLED, cache=CC, chunk_size=PAGE, free_finished=False)
     c = res.cache
     kv_cache.check_invariants(c.table)
     bt = np.asarray(c.block_tables)
@@ -227,8 +230,8 @@ def test_beam_search_matches_transformers(tiny, rng):
     m, model, params = tiny
     prompt = _prompts(rng, model.vocab_size, lens=(13,))[0]
     new = 12
-    res = gen.beam_search(model, params, prompt, beam_width=4, max_new_tokens=new,
-                          page_size=PAGE, chunk_size=PAGE)
+    res = gen.beam_search(model, params, prompt, beam_width=4, max_new_tokens=new, cache=CC,
+                          chunk_size=PAGE)
     with torch.no_grad():
         ref = m.generate(torch.tensor([prompt]), num_beams=4, do_sample=False,
                          max_new_tokens=new, eos_token_id=None, pad_token_id=0,
@@ -260,7 +263,7 @@ def test_drives_the_mla_family(tmp_path, rng):
     assert model.family == "deepseek"
     prompts = _prompts(rng, 96, lens=(6, 19))
     res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=12,
-                       page_size=PAGE, chunk_size=PAGE)
+                       chunk_size=PAGE)
     for p, ours in zip(prompts, res.sequences(), strict=True):
         with torch.no_grad():
             ref = m.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,

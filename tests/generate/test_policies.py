@@ -25,8 +25,8 @@ def tiny(tmp_path_factory):
 
 def _cache(model):
     # 12 pages (96 tokens) per sequence: budgets below that make the policies act.
-    return kv_cache.init_cache(gen.default_cache_spec(model, num_seqs=3, max_tokens=96,
-                                                      page_size=PAGE))
+    return kv_cache.init_cache(
+        gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=3, max_tokens=96))
 
 
 def _prompts(rng, vocab):
@@ -84,8 +84,22 @@ def test_h2o_in_the_loop_keeps_its_budget_and_returns_pages(tiny, rng):
     assert peak == 3 * 2
 
 
-def test_mla_family_refuses_a_policy():
-    model = models.Model(family="deepseek_v2", config=None,
-                         forward=lambda params, config, *a, **k: None, cache_spec=None)
-    with pytest.raises(ValueError, match="does not support cache policies"):
-        model.apply(None, None, None, None, q_lengths=None, policy=H2O(budget=8, recent=2))
+def test_undefined_combination_is_refused_before_any_work(tiny, rng):
+    """A policy on a page kind where its method is undefined raises from init_state, in
+    generate before the caller's cache is touched; the cache still works afterwards."""
+    from kvjax.cache.policies import UndefinedCombination
+    from kvjax.specs import QuantSpec
+
+    model, params = tiny
+    spec = gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=3, max_tokens=96)
+    cache = kv_cache.init_cache(spec.replace(quant=QuantSpec(bits=4, group_size=8,
+                                                             residual=8)))
+    prompts = _prompts(rng, model.vocab_size)
+    # Re-rotating quantized keys is not defined; neither is a budget below the largest tail.
+    for policy in (StreamingLLM(n_sink=4, window=60, positions="cache"), H2O(budget=8)):
+        with pytest.raises(UndefinedCombination, match="KIVI"):
+            gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=4,
+                         cache=cache, policy=policy)
+    res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=4,
+                       cache=cache)
+    assert (res.num_generated == 4).all()

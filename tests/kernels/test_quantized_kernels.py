@@ -329,35 +329,28 @@ def _tiny(family):
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("mla", marks=pytest.mark.slow)])
-def test_tiny_model_decodes_same_tokens_with_pallas(rng, monkeypatch, family):
-    from kvjax import attention as kattn
-    from kvjax import decoding
+def test_tiny_model_decodes_same_tokens_with_pallas(rng, family):
+    from kvjax import generate as gen
     from kvjax.models.tiny import init_tiny, tiny_model
+    from kvjax.specs import QuantSpec
 
     config = _tiny(family)
+    model = tiny_model(config)
     params = init_tiny(config, jax.random.key(int(rng.integers(1 << 30))))
     prompts = rng.integers(0, 256, (2, 40)).astype(np.int32)
-    cc = decoding.CacheConfig(name="int4", dtype="float32", bits=4, group_size=16, residual=16)
+    cc = gen.CacheConfig(dtype="float32", page_size=PS,
+                         quant=QuantSpec(bits=4, group_size=16, residual=16))
 
     def generate(impl):
-        for name in ("quantized_prefill_attention", "quantized_mla_prefill_attention"):
-            orig = getattr(kattn, name)
-            monkeypatch.setattr(kattn, name, functools.partial(orig, impl=impl))
-        decoding._run.clear_cache()  # the model's jit must retrace with this impl
-        dec = decoding.CacheDecoder(tiny_model(config), params, cc, batch=2, max_len=64,
-                                    page_size=PS)
-        # The prompt goes in one token per call, so that prefill and decode share one
-        # compilation (q_len > 1 is covered by the kernel tests above). With R = 16 the 33rd
-        # token moves page 0 into the quantized pool and the 48th page 1.
-        logits = [dec.prefill(prompts[:, :1])]
-        for i in range(1, prompts.shape[1]):
-            logits.append(dec.step(prompts[:, i]))
-        tokens = []
-        for _ in range(9):
-            tokens.append(np.asarray(jnp.argmax(logits[-1], -1), np.int32))
-            logits.append(dec.step(tokens[-1]))
-        monkeypatch.undo()
-        return np.stack(tokens, 1), np.stack([np.asarray(x) for x in logits])
+        # The prompt goes in one token per step (prefill="step"), so that prefill and decode
+        # share one compilation (q_len > 1 is covered by the kernel tests above). With R = 16
+        # the 33rd token moves page 0 into the quantized pool and the 48th page 1.
+        res = gen.generate(model, params, prompts.tolist(), key=jax.random.key(0),
+                           max_new_tokens=9, cache=cc, prefill="step", impl=impl)
+        fed = np.concatenate([prompts[:, 1:], res.tokens], axis=1)
+        scored = gen.score(model, params, prompts[:, :1].tolist(), fed.tolist(), cache=cc,
+                           impl=impl)
+        return res.tokens, scored.logprobs
 
     ref_tokens, ref_logits = generate("reference")
     got_tokens, got_logits = generate("pallas")

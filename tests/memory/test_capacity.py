@@ -39,13 +39,13 @@ def test_page_and_tail_bytes_by_hand():
 @pytest.mark.parametrize("att", [GQA, MLA], ids=["gqa", "mla"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_accounting_matches_allocated_arrays(att, bits):
-    # The formulas describe what init_quantized_cache really allocates.
+    # The formulas describe what init_cache really allocates.
     spec = kvx.CacheSpec(attention=att, num_layers=3, page_size=32, num_pages=5, max_seqs=2,
                          max_pages_per_seq=4, dtype="bfloat16",
                          quant=QuantSpec(bits=bits, group_size=16, residual=64))
-    shapes = jax.eval_shape(lambda: qz.init_quantized_cache(spec))
-    pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes.paged.pages))
-    ring = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes.tail))
+    shapes = jax.eval_shape(lambda: qz.init_cache(spec))
+    pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes.pages))
+    ring = sum(x.size * x.dtype.itemsize for x in (shapes.tail.a, shapes.tail.b))  # rings
     fmt = kv_format(f"int{bits}", group_size=16, residual=64)
     assert pool == 5 * cap.page_bytes(att, 3, 32, fmt)
     assert ring == 2 * cap.tail_bytes(att, 3, 32, fmt)

@@ -231,7 +231,8 @@ def test_load_and_generate_end_to_end(tmp_root, rng):
     assert kv_model.family == "deepseek" and isinstance(kv_model.config, ds.DeepseekConfig)
     prompts = _prompts(rng, kv_model.vocab_size)
     result = kgen.generate(kv_model, params, [p.tolist() for p in prompts],
-                           key=jax.random.key(0), max_new_tokens=NEW_TOKENS, page_size=PAGE_SIZE,
+                           key=jax.random.key(0), max_new_tokens=NEW_TOKENS,
+                           cache=kgen.CacheConfig(page_size=PAGE_SIZE),
                            chunk_size=16)  # the 21-token prompt prefills in two chunks
     for i, p in enumerate(prompts):
         np.testing.assert_array_equal(result.tokens[i], _hf_greedy(model, p))
@@ -450,8 +451,8 @@ def test_absorbed_attention_equals_decompressed(q_len, rng):
 
     @jax.jit
     def both(p, cache, c_kv, k_rope, q_nope, q_rope, q_lengths, q_pos):
-        slots = kcache.token_slots(cache, jnp.asarray(pos), jnp.asarray(valid))
-        cache = kcache.write_layer(cache, 0, slots, c_kv, k_rope)
+        slots = kcache.paged.token_slots(cache, jnp.asarray(pos), jnp.asarray(valid))
+        cache = kcache.paged.write_layer(cache, 0, slots, c_kv, k_rope)
         view = kcache.layer_view(cache, 0)
         q_lat = mla.absorb_query(p, q_nope)
         if q_len == 1:

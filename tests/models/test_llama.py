@@ -16,9 +16,10 @@ import torch
 
 import kvjax.cache as kv_cache
 import kvjax.generate as gen
-import kvjax.generate.loop as gen_loop
 import kvjax.models as models
 from kvjax.backends import cpu as cpu_kernels
+from kvjax.backends.cpu import options as cpu_options
+from kvjax.backends.cpu import policy as cpu_policy
 from kvjax.models import llama
 from kvjax.rope import RopeConfig, attention_factor, rope_inv_freq
 from tests.models import hf_tiny
@@ -80,9 +81,9 @@ def test_matches_transformers(name, hf_dirs, rng):
     assert model.family == "llama"
     prompts = [rng.integers(3, m.config.vocab_size, n).tolist() for n in PROMPT_LENS]
     tokens, lengths, chunk = gen.pad_prompts(prompts, chunk_size=PAGE)
-    spec = gen.default_cache_spec(model, num_seqs=3, max_tokens=max(PROMPT_LENS) + NEW,
-                                  page_size=PAGE)
-    cache, last, status, logits = gen.prefill(
+    spec = gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=3,
+                                                max_tokens=max(PROMPT_LENS) + NEW)
+    cache, last, status, logits, _ = gen.prefill(
         model, params, kv_cache.init_cache(spec), jnp.asarray(tokens), jnp.asarray(lengths),
         jnp.arange(3, dtype=jnp.int32), chunk_size=chunk, return_logits=True)
     status.raise_if_error()
@@ -133,11 +134,11 @@ def test_chunked_prefill_equals_one_shot(hf_dirs, rng):
     model, params = models.load(path)
     lens = np.array([29, 17], np.int32)
     tokens = rng.integers(3, model.vocab_size, (2, 32)).astype(np.int32)
-    spec = gen.default_cache_spec(model, num_seqs=2, max_tokens=32, page_size=PAGE)
+    spec = gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=2, max_tokens=32)
     ids = jnp.arange(2, dtype=jnp.int32)
 
     def run(chunk):
-        cache, last, st, logits = gen.prefill(
+        cache, last, st, logits, _ = gen.prefill(
             model, params, kv_cache.init_cache(spec), jnp.asarray(tokens), jnp.asarray(lens),
             ids, chunk_size=chunk, return_logits=True)
         st.raise_if_error()
@@ -157,9 +158,9 @@ def test_chunked_prefill_equals_one_shot(hf_dirs, rng):
     for b in range(2):
         second[b, : lens[b] - split[b]] = tokens[b, split[b]: lens[b]]
     cache = kv_cache.init_cache(spec)
-    cache, _, st, _ = gen.prefill(model, params, cache, jnp.asarray(first), jnp.asarray(split),
+    cache, _, st, _, _ = gen.prefill(model, params, cache, jnp.asarray(first), jnp.asarray(split),
                                   ids, chunk_size=8, return_logits=True)
-    cache, last2, st, l2 = gen.prefill(model, params, cache, jnp.asarray(second),
+    cache, last2, st, l2, _ = gen.prefill(model, params, cache, jnp.asarray(second),
                                        jnp.asarray(lens - split), ids, chunk_size=8,
                                        return_logits=True)
     st.raise_if_error()
@@ -174,7 +175,7 @@ def test_forward_decode_path_matches_prefill(hf_dirs, rng):
     m, path = hf_dirs("qwen3")
     model, params = models.load(path)
     p = rng.integers(3, model.vocab_size, 10).tolist()
-    spec = gen.default_cache_spec(model, num_seqs=3, max_tokens=16, page_size=PAGE)
+    spec = gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=3, max_tokens=16)
     cache = kv_cache.init_cache(spec)
     fwd = jax.jit(model.apply, donate_argnames="cache")
     seq = jnp.array([2], jnp.int32)
@@ -278,17 +279,16 @@ def test_unstacked_layers_give_the_same_logits_and_tokens(hf_dirs, rng, monkeypa
                                np.asarray(dense), rtol=0, atol=1e-5)
 
     prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in PROMPT_LENS]
-    kw = dict(key=jax.random.key(0), max_new_tokens=8, page_size=PAGE)
+    kw = dict(key=jax.random.key(0), max_new_tokens=8, cache=gen.CacheConfig(page_size=PAGE))
     ref = gen.generate(model, params, prompts, **kw).tokens
-    monkeypatch.setattr(gen_loop, "_UNSTACK_MIN_BYTES", 0)
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "0")  # the matmul kernel would read the stack
-    assert isinstance(gen.decode_params(model, params, 3).layers, tuple)
-    np.testing.assert_array_equal(gen.generate(model, params, prompts, **kw).tokens, ref)
-    assert gen.decode_params(model, flat) is flat
-    monkeypatch.setenv("KVJAX_UNSTACK_LAYERS", "0")
-    assert gen.decode_params(model, params) is params
-    monkeypatch.setenv("KVJAX_UNSTACK_LAYERS", "1")
-    monkeypatch.setenv("KVJAX_CPU_MATMUL", "1")
+    monkeypatch.setattr(cpu_policy, "UNSTACK_MIN_BYTES", 0)
+    with cpu_options.override(matmul="off"):  # the matmul kernel would read the stack
+        assert isinstance(gen.decode_params(model, params, 3).layers, tuple)
+        np.testing.assert_array_equal(gen.generate(model, params, prompts, **kw).tokens, ref)
+        assert gen.decode_params(model, flat) is flat
+        with cpu_options.override(unstack_layers=False):
+            assert gen.decode_params(model, params) is params
     if cpu_kernels.available():  # the kernel reads stacked weights in place: no copy
-        assert gen.decode_params(model, params, 3) is params
-        assert isinstance(gen.decode_params(model, params, 33).layers, tuple)  # > 32 rows
+        with cpu_options.override(matmul="on"):
+            assert gen.decode_params(model, params, 3) is params
+            assert isinstance(gen.decode_params(model, params, 33).layers, tuple)

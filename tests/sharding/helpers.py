@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import sharding as kvs
-from kvjax.cache import layer_view, reserve, token_slots, write_layer
+from kvjax.cache import layer_view, reserve
+from kvjax.cache.paged import token_slots, write_layer
 from kvjax.specs import AttentionSpec, CacheSpec, MLASpec
 
 # (mesh shape, axis names, strategies): every strategy on (8,), (2, 4), (2, 2, 2).

@@ -78,7 +78,7 @@ def _run(model, params, cache, prompts, impl):
     tokens, lengths, chunk = kvg.pad_prompts(prompts, 8)
     batch = len(prompts)
     seq_ids = jnp.arange(batch, dtype=jnp.int32)
-    cache, last, status, logits = kvg.prefill(
+    cache, last, status, logits, _ = kvg.prefill(
         model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), seq_ids,
         chunk_size=chunk, impl=impl, return_logits=True)
     status.raise_if_error()

@@ -11,7 +11,8 @@ import pytest
 
 from kvjax import attention as kva
 from kvjax import sharding as kvs
-from kvjax.cache import layer_view, token_slots, write_layer
+from kvjax.cache import layer_view
+from kvjax.cache.paged import token_slots, write_layer
 from tests.sharding.helpers import filled_cache, gqa_spec, make_plan, mla_spec
 
 _COLLECTIVE = re.compile(
