@@ -48,7 +48,7 @@ from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kernels_pallas.paged_attention import tpu as paged_tpu  # noqa: E402
 from kernels_pallas.quantized_attention.layout import codes_per_byte  # noqa: E402
 from kvjax import attention  # noqa: E402
-from kvjax.cache.quantized import QuantizedLayerView, QuantLayer  # noqa: E402
+from kvjax.attention.pages import QuantizedLayerView, QuantLayer  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

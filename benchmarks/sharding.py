@@ -50,7 +50,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from kvjax import attention as kva  # noqa: E402
 from kvjax import sharding as kvs  # noqa: E402
-from kvjax.cache import layer_view, reserve, token_slots, write_layer  # noqa: E402
+from kvjax.cache import layer_view, reserve  # noqa: E402
+from kvjax.cache.paged import token_slots, write_layer  # noqa: E402
 from kvjax.specs import AttentionSpec, CacheSpec  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
