@@ -30,6 +30,7 @@ __all__ = [
     "layer_view",
     "set_drop",
     "set_rows",
+    "set_pages",
     "copy_pages",
 ]
 
@@ -74,6 +75,21 @@ def set_rows(pool: Array, layer, i1: Array, i2: Array, x: Array) -> Array:
     if cpu is not None:
         return cpu.write_rows(pool, layer, i1, i2, x)
     return set_drop(pool, (layer, slice(None), i1, i2, slice(None)), x)
+
+
+def set_pages(pool: Array, layer, page_ids: Int[Array, " n"], x: Array) -> Array:
+    """`pool.at[layer, :, page_ids].set(x, mode="drop")`: x [n, heads, n2, width].
+
+    Whole-page writes (KIVI pages as they are quantized, their scales and zero-points).
+    16-bit float pools on CPU go through `set_rows`'s in-place custom call, one row per
+    (page, n2): the scatter would copy the whole pool on every write.
+    """
+    if _in_place_kernels(pool) is None:
+        return set_drop(pool, (layer, slice(None), page_ids), x)
+    n, heads, n2, width = x.shape
+    i1 = jnp.repeat(page_ids, n2)
+    i2 = jnp.tile(jnp.arange(n2, dtype=page_ids.dtype), n)
+    return set_rows(pool, layer, i1, i2, jnp.moveaxis(x, 2, 1).reshape(n * n2, heads, width))
 
 
 def _cpu_16bit(x: Array) -> bool:

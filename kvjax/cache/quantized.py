@@ -383,9 +383,10 @@ def write_layer(
             x_full, bits=pool.bits, group_size=quant.group_size, grouping=pool.grouping,
             scale_dtype=quant.scale_dtype,
         )
-        # pool[li, :, page_ids] has the advanced axes first: [batch, f, heads, ...].
-        def put(dst, val):
-            return paged.set_drop(dst, (li, slice(None), page_ids), jnp.moveaxis(val, 0, 2))
+        def put(dst, val):  # val [heads, batch, f, ...] -> one page per (batch, f)
+            val = jnp.moveaxis(val, 0, 2)
+            return paged.set_pages(dst, li, page_ids.reshape(-1),
+                                   val.reshape(-1, *val.shape[2:]))
 
         return dataclasses.replace(pool, codes=put(pool.codes, codes),
                                    scale=put(pool.scale, scale), zero=put(pool.zero, zero))
@@ -396,8 +397,9 @@ def write_layer(
     if spec.is_mla:
         c_kv = list(pages.c_kv)
         c_kv[gi] = flush(c_kv[gi], full_a)
-        k_rope = paged.set_drop(pages.k_rope, (layer, slice(None), page_ids),
-                                jnp.moveaxis(full_b, 0, 2))
+        rope = jnp.moveaxis(full_b, 0, 2)
+        k_rope = paged.set_pages(pages.k_rope, layer, page_ids.reshape(-1),
+                                 rope.reshape(-1, *rope.shape[2:]))
         pages = QuantizedLatentPages(c_kv=tuple(c_kv), k_rope=k_rope)
     else:
         k, v = list(pages.k), list(pages.v)

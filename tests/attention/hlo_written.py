@@ -5,7 +5,7 @@ import re
 import jax
 import numpy as np
 
-__all__ = ["materialised"]
+__all__ = ["materialised", "written"]
 
 _ALIASING = {"parameter", "get-tuple-element", "bitcast", "tuple", "while", "opt-barrier",
              "constant", "call", "conditional"}
@@ -18,7 +18,12 @@ def materialised(fn, *args):
     never stored, so only top-level computations (entry, loop bodies) count; ops
     that only alias a buffer (parameters, bitcasts, tuples) are skipped.
     """
-    text = jax.jit(fn).lower(*args).compile().as_text()
+    return written(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def written(text: str):
+    """`materialised` of an optimised program's HLO text. Custom calls that update an
+    operand in place (`output_to_operand_aliasing`) write only what they touch: skipped."""
     fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
     out, skip = [], False
     for line in text.splitlines():
@@ -27,7 +32,7 @@ def materialised(fn, *args):
             skip = head.group(1) in fused
             continue
         m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([0-9,]*)\]\{?[^ ]* ([\w\-]+)\(", line)
-        if skip or not m or m.group(3) in _ALIASING:
+        if skip or not m or m.group(3) in _ALIASING or "output_to_operand_aliasing" in line:
             continue
         dims = [int(d) for d in m.group(2).split(",") if d]
         out.append((m.group(3), m.group(1), int(np.prod(dims)) if dims else 1))
