@@ -391,21 +391,24 @@ def write_layer(
         return dataclasses.replace(pool, codes=put(pool.codes, codes),
                                    scale=put(pool.scale, scale), zero=put(pool.zero, zero))
 
-    full_a = assemble(cache.tail.a, a)
-    full_b = assemble(cache.tail.b, b)
-    pages = cache.pages
-    if spec.is_mla:
-        c_kv = list(pages.c_kv)
-        c_kv[gi] = flush(c_kv[gi], full_a)
-        rope = jnp.moveaxis(full_b, 0, 2)
-        k_rope = paged.set_pages(pages.k_rope, layer, page_ids.reshape(-1),
-                                 rope.reshape(-1, *rope.shape[2:]))
-        pages = QuantizedLatentPages(c_kv=tuple(c_kv), k_rope=k_rope)
-    else:
+    def flush_all(pages):
+        full_a = assemble(cache.tail.a, a)
+        full_b = assemble(cache.tail.b, b)
+        if spec.is_mla:
+            c_kv = list(pages.c_kv)
+            c_kv[gi] = flush(c_kv[gi], full_a)
+            rope = jnp.moveaxis(full_b, 0, 2)
+            k_rope = paged.set_pages(pages.k_rope, layer, page_ids.reshape(-1),
+                                     rope.reshape(-1, *rope.shape[2:]))
+            return QuantizedLatentPages(c_kv=tuple(c_kv), k_rope=k_rope)
         k, v = list(pages.k), list(pages.v)
         k[gi] = flush(k[gi], full_a)
         v[gi] = flush(v[gi], full_b)
-        pages = QuantizedKVPages(k=tuple(k), v=tuple(v))
+        return QuantizedKVPages(k=tuple(k), v=tuple(v))
+
+    # A page completes once every page_size tokens of a row: most decode steps skip the
+    # assembly and quantization.
+    pages = jax.lax.cond(jnp.any(active), flush_all, lambda p: p, cache.pages)
 
     # ---- tail: new tokens at or past the quantized region.
     new_pos = start[:, None] + jnp.arange(q_len)[None, :]  # [batch, q_len]
