@@ -4,8 +4,8 @@ On the shipped tiny byte-level models (`kvjax/assets`), for each cache
 configuration — bf16, int8, KIVI int4 / int2 (G=32, R=128), StreamingLLM,
 H2O, SnapKV and Quest at budgets that are fractions of the perplexity context (prompt +
 scored bytes; the same token budgets serve every retrieval length), and the
-combinations KIVI-4 + Quest and KIVI-2 + H2O (`kvjax.cache.policies.kivi`) at the
-same budgets — it measures
+combinations KIVI-4 + Quest and KIVI-2 + H2O (the policies acting on the packed KIVI
+pages) at the same budgets — it measures
 
 * perplexity on held-out standard-library code, token by token while decoding:
   the prompt is prefilled, then the true continuation is fed one byte per
