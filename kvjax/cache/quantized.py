@@ -187,24 +187,34 @@ def reserve(
       (cache, status): `cache.lengths` counts the new tokens and the page table
       the pages they complete; write them with `write_layer` for every layer.
       All or nothing: on failure (out of pages, a sequence longer than
-      `max_pages_per_seq * page_size`) nothing changes, the next `write_layer`
-      writes nothing, and `status.raise_if_error()` raises on the host.
+      `max_pages_per_seq * page_size`, a negative count) nothing changes, the next
+      `write_layer` writes nothing, and `status.raise_if_error()` raises on the host.
+
+    Raises:
+      ValueError / TypeError: as `page_table.check_reserve_counts` (a negative count
+        raises when concrete; traced, it is status BAD_COUNT).
     """
     spec = cache.spec
-    num_new = num_new.astype(jnp.int32)
+    # The table sees only the quantized tokens a count adds, never the count itself:
+    # the counts are validated here.
+    num_new = pt.check_reserve_counts(cache.table, num_new)
     old_len = cache.lengths
+    negative = jnp.any(num_new < 0)
+    # Compared as counts, not as new lengths: old_len + num_new can overflow int32.
+    too_long = jnp.any(num_new > spec.max_tokens_per_seq - old_len)
+    num_new = jnp.where(negative | too_long, 0, num_new)  # failed calls compute nothing odd
     new_len = old_len + num_new
     old_q = cache.quant_lengths
     new_q = jnp.maximum(quantized_tokens(spec, new_len), old_q)
     table, copy, status = paged.allocator(cache.table).reserve(cache.table, new_q - old_q)
-    too_long = jnp.any(new_len > spec.max_tokens_per_seq)
-    ok = status.ok & ~too_long
+    ok = status.ok & ~too_long & ~negative
     table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
     # Quantized pages are complete when allocated, so no copy-on-write is ever
     # planned; the generic copy keeps this correct should that change.
     copy_dst = jnp.where(ok, copy.dst, spec.num_pages)
     pages = paged.copy_pages(cache.pages, copy.src, copy_dst)
-    code = jnp.where(too_long, pt.TOO_LONG, status.code).astype(jnp.int32)
+    code = jnp.where(negative, pt.BAD_COUNT,
+                     jnp.where(too_long, pt.TOO_LONG, status.code)).astype(jnp.int32)
     status = dataclasses.replace(status, code=code)
     tail = dataclasses.replace(
         cache.tail, lengths=jnp.where(ok, new_len, old_len),
@@ -310,7 +320,8 @@ def write_layer(
         of 1 may be present). Must have the cache dtype, and q_len must cover
         every token the last `reserve` added to each row (checked when the
         cache is concrete; under jit, missing tokens would be read as padding).
-      seq_ids: int32[batch], distinct slots.
+      seq_ids: int32[batch], distinct slots; a row whose slot is outside [0, max_seqs)
+        writes nothing (a negative id does not wrap to another slot).
 
     Returns:
       The updated cache.
@@ -339,15 +350,22 @@ def write_layer(
                 f"write_layer: batch {batch} != max_seqs {spec.max_seqs}; pass seq_ids."
             )
         seq_ids = jnp.arange(spec.max_seqs, dtype=jnp.int32)
-    elif seq_ids.shape != (batch,):
-        raise ValueError(f"write_layer: seq_ids must be int32[{batch}], got {seq_ids.shape}.")
+    elif jnp.shape(seq_ids) != (batch,):
+        raise ValueError(f"write_layer: seq_ids must be int32[{batch}], got "
+                         f"{jnp.shape(seq_ids)}.")
     gi, li = _locate(spec, layer)
     ps, ring = spec.page_size, tail_capacity(spec)
     quant = spec.quant
     start_all = _start(cache)
-    if not any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, start_all, seq_ids)):
-        pending = np.asarray(cache.lengths)[np.asarray(seq_ids)] - np.asarray(
-            start_all)[np.asarray(seq_ids)]
+    # Gathers clamp and negative indices wrap: rows of slots outside the table read slot 0
+    # and write nothing (their range [start, end) is empty).
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    inside = (seq_ids >= 0) & (seq_ids < spec.max_seqs)
+    seq_ids = jnp.where(inside, seq_ids, 0)
+    if not any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, start_all, seq_ids,
+                                                         inside)):
+        ids = np.asarray(seq_ids)[np.asarray(inside)]
+        pending = np.asarray(cache.lengths)[ids] - np.asarray(start_all)[ids]
         if pending.max(initial=0) > q_len:
             raise ValueError(
                 f"write_layer: the last reserve added up to {pending.max()} tokens to a row, "
@@ -355,9 +373,9 @@ def write_layer(
             )
 
     start = start_all[seq_ids]
-    end = cache.lengths[seq_ids]
+    end = jnp.where(inside, cache.lengths[seq_ids], start)
     q0 = _quant_start(cache)[seq_ids]
-    q1 = cache.quant_lengths[seq_ids]
+    q1 = jnp.where(inside, cache.quant_lengths[seq_ids], q0)
 
     # ---- flush: pages [q0, q1) from the old tail (positions < start) and the new tokens.
     n_flush = math.ceil(q_len / ps)
