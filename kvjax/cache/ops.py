@@ -16,9 +16,12 @@ nowhere else, which implementation runs: `kvjax.cache.paged` for full-precision 
 
 Host-side checks. `reserve`, `fork` and `free` check their arguments on the host
 when they are concrete arrays (negative counts, vectors of the wrong length, slots
-out of range) and raise `ValueError` before the cache is donated, so a bad call
-leaves the caller's cache intact. Under jit they cannot: the allocator then returns
-a failed `AllocStatus` and changes nothing.
+out of range, integers past int32) and raise `ValueError` / `TypeError` before the
+cache is donated, so a bad call leaves the caller's cache intact. Under jit they
+cannot: the allocator then returns a failed `AllocStatus` and changes nothing.
+`write` and `attend` check layers, shapes and dtypes always, and concrete slots,
+lengths and (KIVI) values to be quantized; under jit a row whose slot lies outside
+the table writes nothing.
 """
 
 import functools
@@ -35,6 +38,7 @@ from kvjax.attention import xla_quantized
 from kvjax.attention.pages import QuantizedLayerView, Selection
 from kvjax.cache import page_table as pt
 from kvjax.cache import paged, quantized
+from kvjax.cache import quant as kquant
 from kvjax.cache.state import LayerView, PagedKVCache
 from kvjax.specs import CacheSpec
 
@@ -71,7 +75,21 @@ def _concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
+def _fits_int32(op: str, name: str, x) -> None:
+    """ValueError for concrete integers outside int32: converting would wrap them silently
+    (2**32 + 3 would become 3)."""
+    if not _concrete(x):
+        return
+    a = np.asarray(x)
+    if a.dtype.kind in "iu" and a.size and (a.min() < np.iinfo(np.int32).min
+                                            or a.max() > np.iinfo(np.int32).max):
+        bad = a[(a < np.iinfo(np.int32).min) | (a > np.iinfo(np.int32).max)].ravel()[0]
+        raise ValueError(f"{op}: {name} holds {int(bad)}, outside int32; the cache counts "
+                         f"tokens and slots in int32.")
+
+
 def _seq_vector(op: str, name: str, x, spec: CacheSpec, kind: str):
+    _fits_int32(op, name, x)
     x = jnp.asarray(x)
     if x.shape != (spec.max_seqs,):
         raise ValueError(f"{op}: {name} must have shape (max_seqs,) = ({spec.max_seqs},), got "
@@ -104,7 +122,8 @@ def reserve(
       changes, and `status.raise_if_error()` raises `CacheFullError` on the host.
 
     Raises:
-      ValueError: (concrete arguments) a negative count, or a wrong shape.
+      ValueError: a wrong shape, or (concrete arguments) a negative count or one past int32.
+      TypeError: counts that are not integers.
     """
     num_new = _seq_vector("reserve", "num_new", num_new, cache.spec, "iu")
     if _concrete(num_new) and (np.asarray(num_new) < 0).any():
@@ -136,14 +155,15 @@ def fork(
       (cache, status): status code BAD_FORK (nothing changed) if a target is unusable.
 
     Raises:
-      ValueError: (concrete arguments) src and dst of different lengths, or a slot
-        outside [0, max_seqs), a dst that is not empty, repeated, or also a src.
+      ValueError: src and dst of different lengths (or not vectors), or (concrete
+        arguments) a slot outside [0, max_seqs), a dst that is not empty, repeated, or
+        also a src.
+      TypeError: slots that are not integers.
     """
-    src = jnp.atleast_1d(jnp.asarray(src, jnp.int32))
-    dst = jnp.atleast_1d(jnp.asarray(dst, jnp.int32))
-    if src.ndim != 1 or src.shape != dst.shape:
-        raise ValueError(f"fork: src and dst must be int vectors of one length, got shapes "
-                         f"{src.shape} and {dst.shape}.")
+    _fits_int32("fork", "src", src)
+    _fits_int32("fork", "dst", dst)
+    # Shapes and dtypes as the allocator takes them: a float slot is an error, not a cast.
+    src, dst = pt.check_fork_pairs(cache.table, src, dst)
     if _concrete(src, dst, cache.lengths):
         s, d = np.asarray(src), np.asarray(dst)
         n = cache.spec.max_seqs
@@ -176,6 +196,72 @@ def free(
     """
     seqs = _seq_vector("free", "seqs", seqs, cache.spec, "b")
     return _free(cache, seqs, scrub)
+
+
+def _rows_vector(op: str, name: str, x, batch: int):
+    """x as int32[batch]; ValueError / TypeError naming a wrong shape or dtype."""
+    _fits_int32(op, name, x)
+    x = jnp.asarray(x)
+    if x.shape != (batch,):
+        raise ValueError(f"{op}: {name} must have one entry per row, shape ({batch},), got "
+                         f"{x.shape}.")
+    if jnp.dtype(x.dtype).kind not in "iu":
+        raise TypeError(f"{op}: {name} must be integer, got {x.dtype}.")
+    return x.astype(jnp.int32)
+
+
+def _slot_ids(op: str, seq_ids, batch: int, spec: CacheSpec, distinct: bool = True):
+    """The rows' slots as int32[batch]; when concrete: inside [0, max_seqs) (and distinct)."""
+    seq_ids = _rows_vector(op, "seq_ids", seq_ids, batch)
+    if _concrete(seq_ids):
+        s = np.asarray(seq_ids)
+        out = (s < 0) | (s >= spec.max_seqs)
+        if out.any():
+            r = int(np.nonzero(out)[0][0])
+            raise ValueError(f"{op}: seq_ids[{r}] = {int(s[r])} is outside the cache's slots "
+                             f"[0, {spec.max_seqs}).")
+        if distinct and len(set(s.tolist())) != s.size:
+            raise ValueError(f"{op}: seq_ids must be distinct (two rows would share one slot), "
+                             f"got {s.tolist()}.")
+    return seq_ids
+
+
+def _check_kivi_values(cache: PagedKVCache, a, b, seq_ids) -> None:
+    """ValueError for a concrete value a KIVI write would quantize but cannot represent.
+
+    The tokens the last `reserve` added to each row are written; every one of them is
+    quantized sooner or later (when its page leaves the tail), so all are checked, by
+    `kvjax.cache.quant`'s rule: finite and within `representable_range(scale_dtype)`.
+    MLA's rotary key (`b`) stays full precision and is not checked.
+    """
+    if not _concrete(a, b, seq_ids, cache.lengths, cache.tail.pending):
+        return
+    spec = cache.spec
+    ids = np.arange(spec.max_seqs) if seq_ids is None else np.asarray(seq_ids)
+    pending = np.asarray(cache.tail.pending)[0][ids]
+    real = np.arange(a.shape[1])[None, :] < pending[:, None]  # [batch, q_len]
+    lim = kquant.representable_range(spec.quant.scale_dtype)
+    scale = jnp.dtype(spec.quant.scale_dtype).name
+    pools = (("a", a, "keys, per channel"),) if spec.is_mla else (
+        ("a", a, "keys, per channel"), ("b", b, "values, per token"))
+    for name, x, what in pools:
+        xs = np.asarray(x.astype(jnp.float32))
+        bad = ~(np.abs(xs) <= lim) & real.reshape(real.shape + (1,) * (xs.ndim - 2))
+        if not bad.any():
+            continue
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        val = xs[idx]
+        where = f"{name}{list(idx)} (row {idx[0]}, slot {int(ids[idx[0]])}, token {idx[1]})"
+        if np.isfinite(val):
+            raise ValueError(
+                f"write: {where} = {val:.6g} lies outside +-{lim:.6g}, the range {scale} "
+                f"scales represent; it would be saturated when quantized ({what}). Store "
+                f"scales in bfloat16 (QuantSpec(scale_dtype='bfloat16')) or keep such values "
+                f"out of the cache.")
+        raise ValueError(
+            f"write: {where} = {val} is not finite; once quantized ({what}) its whole group "
+            f"would dequantize to NaN. Only finite values can be quantized "
+            f"(kvjax.cache.quant.check_quantizable).")
 
 
 def _positions(cache, q_lengths, q_len, seq_ids):
@@ -211,12 +297,39 @@ def write(
     Returns:
       The cache with the tokens written (a quantized cache also quantizes the pages they
       complete).
+
+    Raises:
+      ValueError / TypeError: (before anything is written) a layer outside the cache, K/V
+        of the wrong shape, `q_lengths` or `seq_ids` of the wrong shape or dtype; with
+        concrete values also a `q_lengths` entry outside [0, q_len], a slot outside
+        [0, max_seqs) or repeated, and, on a KIVI cache, a value to be quantized that is
+        not finite or beyond what the scale dtype represents (as
+        `kvjax.cache.quant.check_quantizable`). Under jit those values cannot be checked:
+        rows of slots outside the table write nothing, and a non-finite value turns only
+        its own quantization group into NaN.
     """
-    dt = cache.spec.dtype
-    a, b = a.astype(dt), b.astype(dt)
+    _kind(cache)
+    spec = cache.spec
+    paged.check_layer(spec, layer)
+    dt = spec.dtype
+    a, b = jnp.asarray(a).astype(dt), jnp.asarray(b).astype(dt)
+    if a.ndim < 2 or b.shape[:2] != a.shape[:2]:
+        raise ValueError(f"write: a and b must be [batch, q_len, ...] alike, got {a.shape} and "
+                         f"{b.shape}.")
+    batch, q_len = a.shape[:2]
+    q_lengths = _rows_vector("write", "q_lengths", q_lengths, batch)
+    if _concrete(q_lengths):
+        ql = np.asarray(q_lengths)
+        if ((ql < 0) | (ql > q_len)).any():
+            r = int(np.nonzero((ql < 0) | (ql > q_len))[0][0])
+            raise ValueError(f"write: q_lengths[{r}] = {int(ql[r])} is outside [0, q_len={q_len}]"
+                             f" (the real tokens of row {r}).")
+    if seq_ids is not None:
+        seq_ids = _slot_ids("write", seq_ids, batch, spec)
     if cache.tail is not None:
+        _check_kivi_values(cache, a, b, seq_ids)
         return quantized.write_layer(cache, layer, a, b, seq_ids)
-    positions, valid = _positions(cache, jnp.asarray(q_lengths, jnp.int32), a.shape[1], seq_ids)
+    positions, valid = _positions(cache, q_lengths, q_len, seq_ids)
     slots = paged.token_slots(cache, positions, valid, seq_ids)
     return paged.write_layer(cache, layer, slots, a, b)
 
@@ -285,6 +398,10 @@ def attend(
     Returns:
       (out `[batch, q_len, q_heads, width]` in the query's dtype — MLA: in latent space —,
       lse float32 `[batch, q_len, q_heads]`).
+
+    Raises:
+      ValueError / TypeError: a layer outside the cache, queries or `q_lengths` /
+        `seq_ids` of the wrong shape or dtype, or (concrete) a slot outside [0, max_seqs).
     """
     spec = cache.spec
     mla = spec.is_mla
@@ -299,7 +416,9 @@ def attend(
         raise ValueError(f"attend: queries must be [batch, q_len, q_heads, width], got "
                          f"{q0.shape}.")
     q_len = q0.shape[1]
-    q_lengths = jnp.asarray(q_lengths, jnp.int32)
+    q_lengths = _rows_vector("attend", "q_lengths", q_lengths, q0.shape[0])
+    if seq_ids is not None:
+        seq_ids = _slot_ids("attend", seq_ids, q0.shape[0], spec, distinct=False)
     if selection is not None and q_len != 1:
         raise ValueError(f"attend: a selection applies to decode (q_len 1), got q_len {q_len}.")
     if scale is None:
