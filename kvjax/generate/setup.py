@@ -73,8 +73,11 @@ class CacheConfig:
             max_pages += 1
         shards = 1 if self.plan is None else self.plan.page_shards
         seq_shards = 1 if self.plan is None else self.plan.data_shards
+        ctx = 1 if self.plan is None else self.plan.context_shards
         num_seqs = -(-num_seqs // seq_shards) * seq_shards
-        pages = self.num_pages or num_seqs * max_pages
+        # Page j of a sequence lives on context shard j % ctx: every shard needs room for
+        # ceil(max_pages / ctx) pages of each of its sequences.
+        pages = self.num_pages or num_seqs * -(-max_pages // ctx) * ctx
         pages = -(-pages // shards) * shards
         spec = model.make_cache_spec(page_size=ps, num_pages=pages, max_seqs=num_seqs,
                                      max_pages_per_seq=max_pages, dtype=self.dtype)
@@ -104,7 +107,9 @@ def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int):
     Args:
       model: the model (its cache geometry must match a given cache's).
       cache: a `PagedKVCache` (any page kind; used as is), a `CacheConfig`, or None
-        (a float32 cache).
+        (a float32 cache). With a `ShardedAttention` impl, a config without a plan builds
+        the cache for the impl's plan, and an empty cache not laid out for it is rebuilt
+        laid out (same spec).
       impl: the attention implementation asked for.
       num_seqs, max_tokens: the slots and the longest sequence a built cache must hold.
 
@@ -121,6 +126,9 @@ def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int):
         cache = CacheConfig()
     plan = None
     if isinstance(cache, CacheConfig):
+        if cache.plan is None and isinstance(impl, ShardedAttention):
+            # Build the cache laid out for the impl's plan (pages rounded to its shards).
+            cache = dataclasses.replace(cache, plan=impl.plan)
         plan = cache.plan
         if plan is not None:
             if isinstance(impl, ShardedAttention):
