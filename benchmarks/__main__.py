@@ -1,7 +1,7 @@
-"""kvjax benchmarks: one command for every section, tables on stdout, JSON + PNG plots on disk.
+"""kvjax benchmarks: one command for every section, tables on stdout, one JSON + one PNG on disk.
 
     python -m benchmarks --quick            # CI-sized: correctness of every section, ~2 min CPU
-    python -m benchmarks                    # the full run (README numbers), minutes
+    python -m benchmarks                    # the full run: results, README and docs tables
     python -m benchmarks --only roofline,e2e --out /tmp/bench
 
 Sections (each warms up, blocks until results are ready, reports medians and
@@ -15,6 +15,8 @@ and fails only on wrong results, never on speed):
             (benchmarks/attention.py)
   pool      decode step time with the same live tokens in pools 1x / 4x / 16x
             larger (benchmarks/attention.py)
+  decode    greedy decode of a 58M Llama, batch 1 and 8 x 1K-token prompts, against
+            the weight + KV read roofline and transformers (benchmarks/decode_e2e.py)
   e2e       greedy decode vs HuggingFace transformers, Llama and DeepSeek (MLA),
             float32 and bfloat16: tokens/s, peak memory, same tokens
             (benchmarks/e2e_hf.py)
@@ -25,9 +27,13 @@ and fails only on wrong results, never on speed):
             run by default on GPU/TPU only (on CPU the kernels only interpret)
 
 Sections run in this process, one after the other, so that they share the
-machine's state; each writes <out>/<section>.json, <out>/<section>.png, and the
-run writes <out>/summary.json (status, wall and CPU seconds per section). The
-exit status is 0 only if every section ran and verified its results.
+machine's state. The run writes <out>/run.json (the machine, and per section its
+status, wall and CPU seconds, printed table and data) and <out>/plots.png (one
+panel per section). The default <out> is benchmarks/results/<machine kind>/ (e.g.
+cpu-intel-2core, gpu-nvidia-h200): the latest run per machine kind is what the
+repository keeps. A full run into that folder also rewrites the generated tables of
+README.md and docs/performance.md (`--no-docs` leaves them). The exit status is 0
+only if every section ran and verified its results.
 """
 
 import argparse
@@ -37,7 +43,9 @@ import io
 import json
 import os
 import platform
+import re
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -47,7 +55,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/__main__.py` as well as `python -m benchmarks`
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("roofline", "paging", "pool", "e2e", "capacity", "kernels")
+SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "capacity", "kernels")
 
 
 def cpu_flags() -> list[str]:
@@ -62,6 +70,30 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def machine_kind(backend: str, cpu: str, cores: int, device: str) -> str:
+    """A short folder name for the kind of machine: `cpu-intel-2core`, `gpu-nvidia-h200`."""
+    if backend == "cpu":
+        vendor = next((v for v in ("intel", "amd", "arm") if v in cpu.lower()),
+                      platform.machine().lower())
+        return f"cpu-{vendor}-{cores}core"
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return f"{backend}-{slug}"
+
+
+def git_commit() -> str | None:
+    """The commit measured, `-dirty` when the working tree differs from it (None outside git)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty.strip() else "")
 
 
 def cpu_model() -> str:
@@ -105,6 +137,12 @@ def _attention(quick, out, *, paging):
     attention.main(argv + ["--quant", "off", "--out", str(out)])
 
 
+def _decode(quick, out):
+    from benchmarks import decode_e2e
+    decode_e2e.main((["--quick", "--batches", "2", "--repeats", "1"] if quick else [])
+                    + ["--out", str(out)])
+
+
 def _e2e(quick, out):
     from benchmarks import e2e_hf
     full = ["--prompt-len", "64", "--new-tokens", "16", "--repeats", "3"]
@@ -113,7 +151,7 @@ def _e2e(quick, out):
 
 
 def _capacity(quick, out):
-    from benchmarks import capacity, eviction
+    from benchmarks import capacity
     # Quick: explicit small sizes (capacity.py's own --quick preset admits 256 sequences).
     cap_argv = (["--budget-mib", "2", "--num-seqs", "48", "--layers", "2", "--kv-heads", "1",
                  "--head-dim", "64", "--max-len", "2048", "--chunk", "2048"] if quick else
@@ -121,6 +159,7 @@ def _capacity(quick, out):
     rows = capacity.main(cap_argv + ["--out", str(out.with_name("capacity_layouts.json"))])
     ev = None
     if not quick:  # six policies, each compiled: ~40 s of CPU even at toy sizes
+        from benchmarks import eviction
         ev_json = out.with_name("capacity_eviction.json")
         ev = eviction.main(["--steps", "96", "--json", str(ev_json)])
     out.write_text(json.dumps(dict(layouts=rows, eviction=ev), indent=1, default=str))
@@ -136,6 +175,7 @@ RUNNERS = dict(
     roofline=_roofline,
     paging=lambda q, o: _attention(q, o, paging=True),
     pool=lambda q, o: _attention(q, o, paging=False),
+    decode=_decode,
     e2e=_e2e,
     capacity=_capacity,
     kernels=_kernels,
@@ -166,9 +206,12 @@ def main(argv=None):
                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} "
                         "(default: all; kernels only on GPU/TPU)")
     p.add_argument("--out", type=Path, default=None,
-                   help="output folder for JSON and PNG (default benchmarks/results/quick with "
-                        "--quick, else benchmarks/results/full)")
-    p.add_argument("--no-plots", action="store_true", help="skip writing PNG plots")
+                   help="output folder for run.json and plots.png (default "
+                        "benchmarks/results/<machine kind>/, or .../quick/ with --quick)")
+    p.add_argument("--no-plots", action="store_true", help="skip writing the PNG")
+    p.add_argument("--no-docs", action="store_true",
+                   help="do not rewrite the tables of README.md and docs/performance.md "
+                        "(only a full run into the default folder rewrites them)")
     a = p.parse_args(argv)
 
     import jax  # after argparse: --help stays instant
@@ -181,21 +224,23 @@ def main(argv=None):
             p.error(f"--only: unknown section(s) {bad}; choose among {list(SECTIONS)}")
     else:
         sections = [s for s in SECTIONS if s != "kernels" or backend != "cpu"]
-    out_dir = a.out or HERE / "results" / ("quick" if a.quick else "full")
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     machine = dict(cpu=cpu_model(), cpu_flags=cpu_flags(), cores=os.cpu_count(), backend=backend,
                    device=jax.devices()[0].device_kind, jax=jax.__version__,
                    python=platform.python_version(), load_average_start=os.getloadavg())
+    kind = machine_kind(backend, machine["cpu"], machine["cores"], machine["device"])
+    default_out = HERE / "results" / ("quick" if a.quick else kind)
+    out_dir = a.out or default_out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvjax-bench-"))  # the sections' own JSON files
     print(f"kvjax benchmarks ({'quick' if a.quick else 'full'}): {machine['cpu']}, "
           f"{machine['cores']} cores, backend {backend} ({machine['device']}), load average "
           f"{machine['load_average_start'][0]:.1f}; sections {', '.join(sections)}", flush=True)
 
-    summary = dict(quick=a.quick, machine=machine, sections={},
+    summary = dict(quick=a.quick, machine=machine, kind=kind, commit=git_commit(), sections={},
                    started=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
     for name in sections:
         print(f"\n=== {name} ===", flush=True)
-        path = out_dir / f"{name}.json"
+        path = work / f"{name}.json"
         c0, t0 = time.process_time(), time.perf_counter()
         tee = _Tee(sys.stdout)
         status, error = "ok", None
@@ -206,26 +251,30 @@ def main(argv=None):
             status, error = "failed", "".join(traceback.format_exception(e))
             print(error, file=sys.stderr)
         entry = dict(status=status, wall_s=time.perf_counter() - t0,
-                     cpu_s=time.process_time() - c0, json=str(path), table=tee.buf.getvalue())
+                     cpu_s=time.process_time() - c0, table=tee.buf.getvalue())
         if error:
             entry["error"] = error
-        elif not a.no_plots:
-            try:
-                from benchmarks import plots
-                entry["plot"] = str(plots.plot(name, json.loads(path.read_text()),
-                                               out_dir / f"{name}.png"))
-            except Exception as e:  # noqa: BLE001 - a plot is not a result
-                entry["plot_error"] = f"{type(e).__name__}: {e}"
-                print(f"plot of {name} failed: {entry['plot_error']}", file=sys.stderr)
+        else:
+            entry["data"] = json.loads(path.read_text())
         summary["sections"][name] = entry
         print(f"--- {name}: {status} in {entry['wall_s']:.1f} s wall, {entry['cpu_s']:.1f} s CPU",
               flush=True)
 
     summary["load_average_end"] = os.getloadavg()
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "run.json").write_text(json.dumps(summary, indent=1, default=str))
+    if not a.no_plots:
+        try:
+            from benchmarks import plots
+            plots.plot_run(summary, out_dir / "plots.png")
+        except Exception as e:  # noqa: BLE001 - a plot is not a result
+            print(f"plots failed: {type(e).__name__}: {e}", file=sys.stderr)
     failed = [n for n, e in summary["sections"].items() if e["status"] != "ok"]
-    print(f"\nwrote {out_dir}/summary.json; " +
+    print(f"\nwrote {out_dir}/run.json; " +
           (f"FAILED: {', '.join(failed)}" if failed else "all sections verified"))
+    if not (a.quick or a.no_docs or failed or a.only) and out_dir == default_out:
+        from benchmarks import report
+        for path in report.update_docs(out_dir):
+            print(f"updated {path}")
     return 1 if failed else 0
 
 

@@ -117,12 +117,47 @@ def kernels(d, ax):
     ax.set_title(f"kernels on {d['device_kind']}")
 
 
+def decode(d, ax):
+    labels = [f"batch {r['batch']}" for r in d["results"]]
+    vals = {"kvjax": {i: r["kvjax_tokens_per_s"] for i, r in enumerate(d["results"])},
+            "transformers": {i: r["hf_tokens_per_s"] for i, r in enumerate(d["results"])
+                             if r.get("hf_tokens_per_s")}}
+    _bars(ax, labels, list(vals), vals)
+    for i, r in enumerate(d["results"]):
+        ax.annotate(f"{100 * r['roofline_fraction']:.0f}% of roofline", (i, 0), fontsize=8,
+                    xytext=(0, 4), textcoords="offset points", ha="center")
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_title("greedy decode, 58M Llama, 1K-token prompts")
+
+
+PLOTTERS = dict(roofline=roofline, paging=paging, pool=pool, decode=decode, e2e=e2e,
+                capacity=capacity, kernels=kernels)
+
+
 def plot(name: str, data: dict, path: Path) -> Path:
-    """Draws section `name`'s JSON to `path` (PNG) and returns the path."""
-    fn = dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e, capacity=capacity,
-              kernels=kernels)[name]
+    """Draws section `name`'s data to `path` (PNG) and returns the path."""
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-    fn(data, ax)
+    PLOTTERS[name](data, ax)
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run: dict, path: Path) -> Path:
+    """One PNG of a `python -m benchmarks` run: a panel per verified section, machine on top."""
+    from benchmarks.report import caption
+
+    done = [(n, s["data"]) for n, s in run["sections"].items()
+            if s["status"] == "ok" and n in PLOTTERS]
+    cols = 2
+    rows = max(1, -(-len(done) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 4.5 * rows), layout="constrained",
+                             squeeze=False)
+    for ax, (name, data) in zip(axes.flat, done, strict=False):
+        PLOTTERS[name](data, ax)
+    for ax in list(axes.flat)[len(done):]:
+        ax.axis("off")
+    fig.suptitle(caption(run), fontsize=9)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path

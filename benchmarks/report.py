@@ -1,12 +1,21 @@
-"""Markdown tables of a `python -m benchmarks` run, for the README's Performance section.
+"""Markdown of a `python -m benchmarks` run: the README's summary table and docs/performance.md.
 
-    python -m benchmarks.report benchmarks/results/full > /tmp/tables.md
+    python -m benchmarks.report benchmarks/results/cpu-intel-2core          # print the tables
+    python -m benchmarks.report benchmarks/results/cpu-intel-2core --update-docs
+
+`--update-docs` rewrites the generated blocks of README.md and docs/performance.md
+(between `<!-- benchmarks:NAME -->` and `<!-- /benchmarks:NAME -->`) from the run's
+`run.json`; `python -m benchmarks` does the same at the end of a full run.
 """
 
 import argparse
+import datetime
 import json
+import re
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ms(st, key="wall"):
@@ -114,27 +123,181 @@ def capacity(d):
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("folder", type=Path, help="a `python -m benchmarks --out` folder")
-    a = p.parse_args(argv)
-    s = json.loads((a.folder / "summary.json").read_text())
-    m = s["machine"]
+SECTION_TABLES = dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e, capacity=capacity)
+
+
+def load_run(folder: Path) -> dict:
+    """A run folder's `run.json`: machine, start time, and each section's status and data."""
+    return json.loads((Path(folder) / "run.json").read_text())
+
+
+def caption(run: dict) -> str:
+    """Machine, software and date of a run, in one line."""
+    m = run["machine"]
     flags = f" ({', '.join(m['cpu_flags'])})" if m.get("cpu_flags") else ""
-    print(f"Machine: {m['cpu']}{flags}, {m['cores']} cores, backend {m['backend']}; "
-          f"jax {m['jax']}; "
-          f"started {s['started']}; load average {m['load_average_start'][0]:.1f} at start, "
-          f"{s['load_average_end'][0]:.1f} at end.\n")
-    for name, fn in dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e,
-                         capacity=capacity).items():
-        sec = s["sections"].get(name)
-        if not sec:
-            continue
-        print(f"### {name} ({sec['status']}, {sec['wall_s']:.0f} s wall, {sec['cpu_s']:.0f} s "
-              "CPU)\n")
-        if sec["status"] == "ok":
-            print(fn(json.loads((a.folder / f"{name}.json").read_text())))
-        print()
+    device = "" if m["backend"] == "cpu" else f", {m['device']}"
+    date = datetime.datetime.fromisoformat(run["started"]).strftime("%Y-%m-%d %H:%M UTC")
+    load = (f"; load average {m['load_average_start'][0]:.1f} at start, "
+            f"{run['load_average_end'][0]:.1f} at end" if "load_average_end" in run else "")
+    commit = f"; commit {run['commit']}" if run.get("commit") else ""
+    return (f"{m['cpu']}{flags}, {m['cores']} cores, backend {m['backend']}{device}; "
+            f"jax {m['jax']}, Python {m['python']}; {date}{commit}{load}")
+
+
+def _data(run, name):
+    sec = run["sections"].get(name)
+    return sec.get("data") if sec and sec["status"] == "ok" else None
+
+
+def summary_rows(run: dict) -> list[list[str]]:
+    """The headline figures of a run, one row each: (measure, result)."""
+    rows = []
+    roof = _data(run, "roofline")
+    if roof:
+        sizes = {(r["batch"], r["context"]) for r in roof["rows"]}
+        big = (8, 4096) if (8, 4096) in sizes else max(sizes)  # the decode geometry of record
+        at = {r["format"]: r for r in roof["rows"] if (r["batch"], r["context"]) == big}
+        r0 = at.get("bf16")
+        if r0:
+            rows.append([f"decode attention, bf16 pages, batch {big[0]} x {big[1]} tokens, "
+                         f"{r0['q_heads']}/{r0['kv_heads']} heads (`impl=\"auto\"`)",
+                         f"{r0['GBps']:.1f} GB/s, {100 * r0['fraction_of_read']:.0f}% of "
+                         f"streaming read ({roof['bandwidth']['read_GBps']:.1f} GB/s)"])
+            q = [f"{f} {at[f]['wall_median_s'] / r0['wall_median_s']:.2f}x"
+                 for f in ("int4", "int2") if f in at]
+            if q:
+                rows.append(["KIVI pages, same shape: step time / bf16 step", ", ".join(q)])
+    pag = _data(run, "paging")
+    if pag:
+        for r in pag["results"]:
+            ratio = r["ratios"].get("cpu/contiguous", r["ratios"].get("xla/contiguous"))
+            if ratio is not None and r["case"]["name"].startswith("gqa_b8"):
+                rows.append([f"paged / contiguous K/V ({r['dtype']}, batch "
+                             f"{r['case']['batch']} x {r['case']['seq']})", f"{ratio:.2f}x"])
+    pool_d = _data(run, "pool")
+    if pool_d:
+        for dt, fs in pool_d["pool_capacity"].items():
+            base, last = next(iter(fs.values())), list(fs.items())[-1]
+            rows.append([f"same live tokens in a {last[0][1:]}x larger pool ({dt})",
+                         f"{last[1]['wall_median_s'] / base['wall_median_s']:.2f}x step time"])
+    dec = _data(run, "decode")
+    if dec:
+        cfg = dec.get("config", {})
+        size = f"{dec['params'] / 1e6:.1f}M Llama" if "params" in dec else "Llama"
+        for r in dec["results"]:
+            fig = (f"{100 * r['roofline_fraction']:.0f}% of the weight + KV read roofline, "
+                   f"{r['kvjax_tokens_per_s']:.0f} tokens/s")
+            if r.get("speedup"):
+                fig += (f"; {r['speedup']:.2f}x transformers' tokens/s, "
+                        f"{100 * r['same_tokens_fraction']:.0f}% same tokens")
+            rows.append([f"greedy decode, {size} ({cfg.get('dtype', dec.get('dtype', ''))}), "
+                         f"batch {r['batch']} x {r['prompt_len']}-token prompts", fig])
+    cap = _data(run, "capacity")
+    if cap:
+        lay = {r["layout"]: r for r in cap["layouts"]}
+        if "paged bf16" in lay:
+            q = [f"{k.split()[1]} {lay[k]['tokens_vs_paged_bf16']:.1f}x" for k in
+                 ("paged int4", "paged int2") if k in lay]
+            rows.append(["tokens held in a fixed KV budget, paged bf16 = 1", ", ".join(q)])
+            rows.append(["sequences in the same budget, paged bf16 vs contiguous",
+                         f"{lay['paged bf16']['sequences_vs_contiguous']:.2f}x"])
+    ker = _data(run, "kernels")
+    if ker:
+        for r in ker["rows"]:
+            if r["impl"] == "pallas":
+                rows.append([f"Pallas {r['op']} B{r['batch']} x {r['context']}",
+                             f"{r['gbps']:.0f} GB/s"])
+    return rows
+
+
+def summary(run: dict, folder: str) -> str:
+    """The README's performance table: headline figures and the machine they ran on."""
+    return (f"Measured by `python -m benchmarks` on {caption(run)} "
+            f"(`{folder}/run.json`; every section checks its results against a reference "
+            f"in the same run):\n\n" + _table(["measure", "result"], summary_rows(run)))
+
+
+def decode_table(d):
+    rows = [[r["batch"], r["prompt_len"], r["new_tokens"], f"{r['kvjax_step_s'] * 1e3:.2f}",
+             f"{r['kvjax_tokens_per_s']:.0f}", f"{100 * r['roofline_fraction']:.0f}%",
+             "–" if r.get("hf_tokens_per_s") is None else f"{r['hf_tokens_per_s']:.0f}",
+             "–" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
+             "–" if r.get("same_tokens_fraction") is None
+             else f"{100 * r['same_tokens_fraction']:.0f}%"] for r in d["results"]]
+    return _table(["batch", "prompt", "new tokens", "kvjax ms/step", "kvjax tok/s",
+                   "of roofline", "transformers tok/s", "speedup", "same tokens"], rows)
+
+
+def kernels_table(d):
+    rows = [[r["op"], r["batch"], r["context"], f"{r['q_heads']}/{r['kv_heads']}", r["impl"],
+             f"{r.get('median_ms', r.get('ms', float('nan'))):.3f}", f"{r['gbps']:.0f}"]
+            for r in d["rows"]]
+    return (f"Copy bandwidth {d['copy_gbps']:.0f} GB/s on {d['device_kind']}.\n\n"
+            + _table(["op", "batch", "context", "Hq/Hkv", "impl", "ms", "GB/s"], rows))
+
+
+def full_report(run: dict, folder: str) -> str:
+    """Every section's table, under the run's caption (docs/performance.md)."""
+    out = [f"Machine: {caption(run)}. Data: `{folder}/run.json`, plots `{folder}/plots.png`."]
+    tables = dict(SECTION_TABLES, decode=decode_table, kernels=kernels_table)
+    for name, sec in run["sections"].items():
+        out.append(f"#### {name} ({sec['status']}, {sec['wall_s']:.0f} s wall)")
+        if sec["status"] == "ok" and name in tables:
+            out.append(tables[name](sec["data"]))
+        elif sec["status"] != "ok":
+            out.append("Failed: " + sec.get("error", "").strip().splitlines()[-1][:300])
+    return "\n\n".join(out)
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """Replaces what lies between `<!-- benchmarks:NAME -->` and `<!-- /benchmarks:NAME -->`."""
+    pat = re.compile(rf"(<!-- benchmarks:{re.escape(name)} -->).*?(<!-- /benchmarks:"
+                     rf"{re.escape(name)} -->)", re.S)
+    if not pat.search(text):
+        raise ValueError(f"no <!-- benchmarks:{name} --> ... <!-- /benchmarks:{name} --> block")
+    return pat.sub(lambda m: f"{m.group(1)}\n{body.strip()}\n{m.group(2)}", text, count=1)
+
+
+def update_docs(folder: Path, root: Path = ROOT) -> list[Path]:
+    """Rewrites README.md's summary and docs/performance.md's block for the run's machine kind.
+
+    docs/performance.md holds one block per machine kind (`<!-- benchmarks:KIND -->`); a
+    kind without a block gets one appended.
+    """
+    folder = Path(folder).resolve()
+    run = load_run(folder)
+    rel = folder.relative_to(root).as_posix() if folder.is_relative_to(root) else str(folder)
+    kind = folder.name
+    written = []
+    readme = root / "README.md"
+    if run["machine"]["backend"] == "cpu":  # the README summarises the CPU run
+        readme.write_text(replace_block(readme.read_text(), "summary", summary(run, rel)))
+        written.append(readme)
+    perf = root / "docs" / "performance.md"
+    text = perf.read_text()
+    body = full_report(run, rel)
+    if f"<!-- benchmarks:{kind} -->" not in text:
+        text += f"\n### {kind}\n\n<!-- benchmarks:{kind} -->\n\n<!-- /benchmarks:{kind} -->\n"
+    perf.write_text(replace_block(text, kind, body))
+    written.append(perf)
+    return written
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", type=Path, help="a `python -m benchmarks` output folder (run.json)")
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the generated blocks of README.md and docs/performance.md")
+    a = p.parse_args(argv)
+    run = load_run(a.folder)
+    if a.update_docs:
+        for path in update_docs(a.folder):
+            print(f"updated {path}")
+        return 0
+    print(summary(run, str(a.folder)))
+    print()
+    print(full_report(run, str(a.folder)))
     return 0
 
 

@@ -1,8 +1,9 @@
 """`python -m benchmarks --quick` runs every CPU section end to end and verifies its results.
 
 The benchmark sections check their own results against references (and raise
-on a mismatch); this test checks the entry point exits 0, wrote its JSON, and
-that every section's JSON holds results. It asserts nothing about speed.
+on a mismatch); this test checks the entry point exits 0, wrote its run.json,
+that every section's data holds results, and that the README / docs tables render
+from it. It asserts nothing about speed.
 """
 
 import json
@@ -21,21 +22,33 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path):
                            "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    sections = summary["sections"]
-    assert set(sections) == {"roofline", "paging", "pool", "e2e", "capacity"}
-    assert all(s["status"] == "ok" for s in sections.values()), sections
-    roof = json.loads((tmp_path / "roofline.json").read_text())
+    run = json.loads((tmp_path / "run.json").read_text())
+    sections = run["sections"]
+    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "capacity"}
+    assert all(s["status"] == "ok" for s in sections.values()), {
+        k: s.get("error", "")[-2000:] for k, s in sections.items()}
+    roof = sections["roofline"]["data"]
     assert {r["format"] for r in roof["rows"]} == {"bf16", "int4", "int2"}
     assert all(r["bytes"] > 0 and r["wall_median_s"] > 0 for r in roof["rows"])
-    paging = json.loads((tmp_path / "paging.json").read_text())
+    paging = sections["paging"]["data"]
     assert paging["results"] and all(r["ratios"] for r in paging["results"])
-    pool = json.loads((tmp_path / "pool.json").read_text())
+    pool = sections["pool"]["data"]
     assert set(pool["pool_capacity"]["float32"]) == {"x1", "x4", "x16"}
-    e2e = json.loads((tmp_path / "e2e.json").read_text())
+    decode = sections["decode"]["data"]
+    assert decode["results"] and all(r["kvjax_tokens_per_s"] > 0 for r in decode["results"])
+    e2e = sections["e2e"]["data"]
     families = {r["family"] for r in e2e["results"]}
     assert families == {"llama", "deepseek"}
     for r in e2e["results"]:  # float32: greedy tokens identical to transformers'
         assert r["engines"]["hf_dynamic"]["same_tokens_as_kvjax"] == 1.0
-    cap = json.loads((tmp_path / "capacity.json").read_text())
+    cap = sections["capacity"]["data"]
     assert len(cap["layouts"]) == 5 and all(r["sequences"] > 0 for r in cap["layouts"])
+
+    # The README's summary and docs/performance.md's block render from this run.
+    from benchmarks import report
+
+    rows = report.summary_rows(run)
+    assert len(rows) >= 6 and all(len(r) == 2 and r[1] for r in rows), rows
+    text = report.replace_block("a\n<!-- benchmarks:x -->\nold\n<!-- /benchmarks:x -->\nb",
+                                "x", report.full_report(run, "out"))
+    assert "old" not in text and "#### roofline (ok" in text and text.endswith("-->\nb")
