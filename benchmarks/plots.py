@@ -49,7 +49,7 @@ def roofline(d, ax):
 
 
 def paging(d, ax):
-    labels, vals = [], {"xla/contiguous": {}, "xla/contiguous_blocked": {}}
+    labels, vals = [], {"xla/contiguous": {}, "xla/contiguous_blocked": {}, "cpu/contiguous": {}}
     for r in d["results"]:
         if not r["ratios"]:
             continue

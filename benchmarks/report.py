@@ -55,15 +55,18 @@ def paging(d):
     for r in d["results"]:
         im = r["impls"]
         rows.append([r["case"]["name"], r["dtype"], _ms(im["xla"]),
+                     _ms(im["cpu"]) if "cpu" in im else "–",
                      _ms(im["contiguous"]) if "contiguous" in im else "–",
                      _ms(im["contiguous_blocked"]) if "contiguous_blocked" in im else "–",
                      f"{im['xla']['GBps']:.2f}",
+                     f"{im['cpu']['GBps']:.2f}" if "cpu" in im else "–",
                      *(f"{r['ratios'][k]:.2f}" if k in r["ratios"] else "–"
-                       for k in ("xla/contiguous", "xla/contiguous_blocked",
+                       for k in ("xla/contiguous", "cpu/contiguous", "xla/contiguous_blocked",
                                  "xla/contiguous_cpu"))])
-    return _table(["case", "dtype", "paged (XLA path) ms", "contiguous einsum ms",
-                   "contiguous blocked ms", "paged GB/s", "paged / contiguous",
-                   "paged / contiguous blocked", "paged / contiguous (CPU time)"], rows)
+    return _table(["case", "dtype", "paged, XLA path ms", "paged, C++ kernel ms",
+                   "contiguous einsum ms", "contiguous blocked ms", "XLA path GB/s",
+                   "C++ kernel GB/s", "XLA path / contiguous", "C++ kernel / contiguous",
+                   "XLA path / contiguous blocked", "XLA path / contiguous (CPU time)"], rows)
 
 
 def pool(d):
@@ -170,10 +173,12 @@ def summary_rows(run: dict) -> list[list[str]]:
     pag = _data(run, "paging")
     if pag:
         for r in pag["results"]:
-            ratio = r["ratios"].get("cpu/contiguous", r["ratios"].get("xla/contiguous"))
+            impl = "cpu" if "cpu/contiguous" in r["ratios"] else "xla"
+            ratio = r["ratios"].get(f"{impl}/contiguous")
             if ratio is not None and r["case"]["name"].startswith("gqa_b8"):
-                rows.append([f"paged / contiguous K/V ({r['dtype']}, batch "
-                             f"{r['case']['batch']} x {r['case']['seq']})", f"{ratio:.2f}x"])
+                rows.append([f"step time, paged (`impl=\"{impl}\"`) / contiguous `[B, H, S, D]` "
+                             f"jnp attention ({r['dtype']}, batch {r['case']['batch']} x "
+                             f"{r['case']['seq']})", f"{ratio:.2f}x"])
     pool_d = _data(run, "pool")
     if pool_d:
         for dt, fs in pool_d["pool_capacity"].items():
