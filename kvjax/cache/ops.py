@@ -21,7 +21,8 @@ cache is donated, so a bad call leaves the caller's cache intact. Under jit they
 cannot: the allocator then returns a failed `AllocStatus` and changes nothing.
 `write` and `attend` check layers, shapes and dtypes always, and concrete slots,
 lengths and (KIVI) values to be quantized; under jit a row whose slot lies outside
-the table writes nothing.
+the table writes nothing, and a traced layer outside the cache writes nothing and
+reads NaN (indexing would clamp it to another layer).
 """
 
 import functools
@@ -305,8 +306,8 @@ def write(
         [0, max_seqs) or repeated, and, on a KIVI cache, a value to be quantized that is
         not finite or beyond what the scale dtype represents (as
         `kvjax.cache.quant.check_quantizable`). Under jit those values cannot be checked:
-        rows of slots outside the table write nothing, and a non-finite value turns only
-        its own quantization group into NaN.
+        rows of slots outside the table write nothing, as does a traced layer outside
+        the cache, and a non-finite value turns only its own quantization group into NaN.
     """
     _kind(cache)
     spec = cache.spec
@@ -402,9 +403,12 @@ def attend(
     Raises:
       ValueError / TypeError: a layer outside the cache, queries or `q_lengths` /
         `seq_ids` of the wrong shape or dtype, or (concrete) a slot outside [0, max_seqs).
+        Under jit a layer cannot be checked: for a traced one outside the cache, out and
+        lse are NaN (never another layer's result).
     """
     spec = cache.spec
     mla = spec.is_mla
+    paged.check_layer(spec, layer)
     if mla and not (isinstance(q, tuple) and len(q) == 2):
         raise TypeError("attend: an MLA cache takes q = (q_latent, q_rope).")
     if not mla and isinstance(q, tuple):
@@ -425,7 +429,18 @@ def attend(
         if mla:
             raise ValueError("attend: MLA needs its softmax scale (scale=...).")
         scale = q0.shape[-1] ** -0.5
-    kw = dict(impl=impl, interpret=interpret)
+    out, lse = _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap,
+                       sliding_window, dict(impl=impl, interpret=interpret))
+    ok = paged.traced_layer_ok(spec, layer)
+    return paged.poison_unless(ok, out), paged.poison_unless(ok, lse)
+
+
+def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sliding_window,
+            kw):
+    """`attend` after its checks: the op of the cache's page kind."""
+    spec = cache.spec
+    mla = spec.is_mla
+    q_len = (q[0] if mla else q).shape[1]
     if cache.tail is not None:
         view = quantized.layer_view(cache, layer, whole_pools=True)
         if selection is not None:
@@ -444,7 +459,6 @@ def attend(
         return kattn.quantized_prefill_attention(
             q, view, q_lengths, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
             seq_ids=seq_ids, **kw)
-    paged.check_layer(spec, layer)
     pools = paged._pools(cache.pages)
     lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
     tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
@@ -503,8 +517,16 @@ def attention_probs(
         real queries, 0 for padding).
 
     Returns:
-      float32[max_seqs, q_heads, max_pages_per_seq * page_size], column j = position j.
+      float32[max_seqs, q_heads, max_pages_per_seq * page_size], column j = position j;
+      NaN for a traced layer outside the cache (never another layer's probabilities).
     """
+    paged.check_layer(cache.spec, layer)
+    probs = _attention_probs(cache, layer, q, q_lengths, scale=scale, soft_cap=soft_cap,
+                             weights=weights)
+    return paged.poison_unless(paged.traced_layer_ok(cache.spec, layer), probs)
+
+
+def _attention_probs(cache, layer, q, q_lengths, *, scale, soft_cap, weights):
     spec = cache.spec
     q_len = q.shape[1]
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
@@ -517,7 +539,6 @@ def attention_probs(
     heads = spec.attention.cache_heads
     kw = dict(page_size=spec.page_size, kv_heads=heads, scale=scale, soft_cap=soft_cap)
     if cache.tail is None:
-        paged.check_layer(spec, layer)
         pools = paged._pools(cache.pages)
         readers = tuple(xla_path.dense_reader(p, layer)
                         for p in (pools if spec.is_mla else pools[:1]))

@@ -245,7 +245,8 @@ def write_layer(
 
     Args:
       cache: the cache; pure function, jit it with the cache donated to update in place.
-      layer: layer index (may be traced, e.g. inside a scan over layers).
+      layer: layer index (may be traced, e.g. inside a scan over layers; a traced one
+        outside the cache writes nothing).
       slots: from `token_slots`.
       a, b: K and V `[batch, q_len, kv_heads, head_dim]` for MHA/GQA/MQA; for MLA
         c_KV `[batch, q_len, d_c]` and k_rope `[batch, q_len, d_rope]` (a head
@@ -253,6 +254,7 @@ def write_layer(
     """
     spec = cache.spec
     check_layer(spec, layer)
+    layer = write_index(spec, layer)
     if spec.is_mla:
         a = a[:, :, None] if a.ndim == 3 else a
         b = b[:, :, None] if b.ndim == 3 else b
@@ -280,16 +282,21 @@ def _pools(pages) -> tuple[jax.Array, jax.Array]:
 
 
 def layer_view(cache: PagedKVCache, layer: int | Int[Array, ""]) -> LayerView:
-    """One layer's pools plus the block tables and lengths, ready for `kvjax.attention`."""
+    """One layer's pools plus the block tables and lengths, ready for `kvjax.attention`.
+
+    A traced `layer` outside the cache gives pools of NaN (see `traced_layer_ok`).
+    """
     check_layer(cache.spec, layer)
-    a, b = (p[layer] for p in _pools(cache.pages))
+    ok = traced_layer_ok(cache.spec, layer)
+    a, b = (poison_unless(ok, p[layer]) for p in _pools(cache.pages))
     if cache.spec.is_mla:
         a, b = a[0], b[0]
     return LayerView(k=a, v=b, block_tables=cache.block_tables, lengths=cache.lengths)
 
 
 def check_layer(spec: CacheSpec, layer) -> None:
-    """ValueError for a static layer index outside [0, num_layers) (traced ones pass)."""
+    """ValueError for a static layer index outside [0, num_layers) (traced ones pass: a
+    traced one outside is read as NaN and written nowhere, see `traced_layer_ok`)."""
     if isinstance(layer, jax.core.Tracer):
         return
     if not hasattr(layer, "__index__") and not (hasattr(layer, "ndim") and layer.ndim == 0):
@@ -298,3 +305,31 @@ def check_layer(spec: CacheSpec, layer) -> None:
     if not 0 <= value < spec.num_layers:
         raise ValueError(f"layer {value} is outside the cache's {spec.num_layers} layers "
                          f"(allowed: 0 .. {spec.num_layers - 1}).")
+
+
+def traced_layer_ok(spec: CacheSpec, layer) -> Bool[Array, ""] | None:
+    """Whether a traced layer index lies in [0, num_layers): a traced bool; None for a
+    concrete index, which `check_layer` has already checked on the host.
+
+    Under jit an index past the cache cannot raise, and indexing would clamp it to the
+    nearest layer (a silently wrong read); readers turn what they return into NaN
+    instead (`poison_unless`), and writes to it are dropped.
+    """
+    if not isinstance(layer, jax.core.Tracer):
+        return None
+    return (layer >= 0) & (layer < spec.num_layers)
+
+
+def write_index(spec: CacheSpec, layer):
+    """The layer index a write scatters to: a traced one outside [0, num_layers) becomes
+    num_layers, which every scatter drops (a negative one would wrap to a real layer)."""
+    ok = traced_layer_ok(spec, layer)
+    return layer if ok is None else jnp.where(ok, layer, spec.num_layers)
+
+
+def poison_unless(ok: Bool[Array, ""] | None, x: Array) -> Array:
+    """`x`, or NaN everywhere when `ok` is false; `ok` None (concrete, checked) and
+    non-float arrays (codes, whose scales carry the NaN) pass unchanged."""
+    if ok is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jnp.where(ok, x, jnp.array(jnp.nan, x.dtype))

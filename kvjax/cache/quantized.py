@@ -314,7 +314,8 @@ def write_layer(
 
     Args:
       cache: the cache; pure function, jit it with the cache donated.
-      layer: layer index (may be traced when every layer has the same bits).
+      layer: layer index (may be traced when every layer has the same bits; a traced
+        one outside the cache writes nothing).
       a, b: K and V `[batch, q_len, kv_heads, head_dim]`; MLA c_KV
         `[batch, q_len, d_c]` and k_rope `[batch, q_len, d_rope]` (a head axis
         of 1 may be present). Must have the cache dtype, and q_len must cover
@@ -354,6 +355,8 @@ def write_layer(
         raise ValueError(f"write_layer: seq_ids must be int32[{batch}], got "
                          f"{jnp.shape(seq_ids)}.")
     gi, li = _locate(spec, layer)
+    if isinstance(layer, jax.core.Tracer):  # outside the cache: every scatter drops it
+        layer = li = paged.write_index(spec, layer)
     ps, ring = spec.page_size, tail_capacity(spec)
     quant = spec.quant
     start_all = _start(cache)
@@ -454,24 +457,32 @@ def layer_view(
         view (see `QuantizedLayerView.layer`) instead of slicing the layer out.
         Use it inside a model's step: the attention ops' "xla" path then reads
         the layer's pages straight from the pools.
+
+    A traced `layer` outside the cache gives NaN scales, zero-points, k_rope pages and
+    tails (`paged.traced_layer_ok`); with `whole_pools` the pools are not read here, and
+    `kvjax.cache.attend` returns NaN for such a layer instead.
     """
     spec = cache.spec
     gi, li = _locate(spec, layer)
     pages = cache.pages
+    ok = None if whole_pools else paged.traced_layer_ok(spec, layer)
+
+    def poison(x):
+        return paged.poison_unless(ok, x)
 
     def one(pool: QuantPool) -> QuantLayer:
         if whole_pools:
             return QuantLayer(codes=pool.codes, scale=pool.scale, zero=pool.zero,
                               bits=pool.bits, grouping=pool.grouping, layer=li)
-        return QuantLayer(codes=pool.codes[li], scale=pool.scale[li], zero=pool.zero[li],
-                          bits=pool.bits, grouping=pool.grouping)
+        return QuantLayer(codes=pool.codes[li], scale=poison(pool.scale[li]),
+                          zero=poison(pool.zero[li]), bits=pool.bits, grouping=pool.grouping)
 
     if spec.is_mla:
-        k, v = one(pages.c_kv[gi]), pages.k_rope if whole_pools else pages.k_rope[layer]
+        k, v = one(pages.c_kv[gi]), pages.k_rope if whole_pools else poison(pages.k_rope[layer])
     else:
         k, v = one(pages.k[gi]), one(pages.v[gi])
     return QuantizedLayerView(
-        k=k, v=v, tail_k=cache.tail.a[layer], tail_v=cache.tail.b[layer],
+        k=k, v=v, tail_k=poison(cache.tail.a[layer]), tail_v=poison(cache.tail.b[layer]),
         block_tables=cache.block_tables, quant_lengths=cache.quant_lengths,
         lengths=cache.lengths, layer=layer if whole_pools else None,
     )
