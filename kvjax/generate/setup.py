@@ -241,10 +241,14 @@ def max_new_vector(max_new_tokens, batch: int) -> np.ndarray:
     if m.dtype.kind not in "iu" or m.ndim > 1 or (m.ndim == 1 and m.shape != (batch,)):
         raise ValueError(f"max_new_tokens must be an int or {batch} ints (one per prompt), "
                          f"got {max_new_tokens!r}.")
-    m = np.broadcast_to(m.astype(np.int32), (batch,)).copy()
+    # Checked before the cast to int32, which would wrap 2**32 + 3 to 3.
+    m = np.broadcast_to(m, (batch,))
     if (m < 1).any():
         raise ValueError(f"max_new_tokens must be >= 1 per row, got {m.tolist()}.")
-    return m
+    if (m > np.iinfo(np.int32).max).any():
+        raise ValueError(f"max_new_tokens must fit in int32 (at most {np.iinfo(np.int32).max})"
+                         f", got {m.tolist()}.")
+    return m.astype(np.int32)
 
 
 def check_chunk(chunk_size) -> int:

@@ -120,6 +120,13 @@ def _bad_requests(model, params, other_spec):
         ("max_new float", lambda c: g(model, params, [[1]], cache=c, seq_ids=[1],
                                       **{**KW, "max_new_tokens": 2.5}),
          ValueError, "max_new_tokens must be an int"),
+        # Past int32 (the cast used to wrap 2**32 + 3 to 3 and decode 3 tokens).
+        ("max_new 2**32+3", lambda c: g(model, params, [[1]], cache=c, seq_ids=[1],
+                                        **{**KW, "max_new_tokens": 2**32 + 3}),
+         ValueError, r"max_new_tokens must fit in int32 .* got \[4294967299\]"),
+        ("max_new 2**31", lambda c: g(model, params, [[1], [2]], cache=c, seq_ids=[1, 2],
+                                      **{**KW, "max_new_tokens": [2, 2**31]}),
+         ValueError, r"must fit in int32 \(at most 2147483647\), got \[2, 2147483648\]"),
         ("policy str", lambda c: g(model, params, [[1]], cache=c, seq_ids=[1], policy="h2o",
                                    **KW),
          TypeError, "policy must be a kvjax.cache.policies.CachePolicy .* got 'h2o'"),
