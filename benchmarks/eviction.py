@@ -1,19 +1,18 @@
 """Peak KV pages in use while a tiny model decodes far past its cache budget, per policy.
 
-Two models, both with random weights (this measures memory, not quality):
-`--model llama` (default), a tiny Llama (kvjax.models, GQA 8:2, SwiGLU MLP)
-decoded by `kvjax.generate.stream` with the policy passed as `policy=`; and
-`--model toy`, the attention-only stack of `kvjax.cache.policies.toy`, whose
-step functions also expose the in-step peak. For each policy the
-script prefills `--batch` prompts, decodes `--steps` tokens greedily, and
-records the pages held (pool size minus free pages) during prefill (the
-whole prompt is cached before a prefill-time policy compresses it), after
-prefill, after every step, and inside every step right after `reserve` (the
-true decode peak: one new token per sequence before eviction runs). Quest evicts nothing; it is
-listed with the pages it reads per step instead.
+The model is a tiny Llama with random weights (kvjax.models, GQA 8:2, SwiGLU MLP; this
+measures memory, not quality), decoded by `kvjax.generate.stream` with the policy passed
+as `policy=`. For each policy the script prefills `--batch` prompts in one chunk, decodes
+`--steps` tokens greedily, and records the pages held (pool size minus free pages): during
+prefill (the whole prompt is cached before a prefill-time policy compresses it), after
+prefill, after every step, and inside every step right after `reserve` (the true decode
+peak: one new token per running sequence before eviction runs; derived from the lengths
+before the step, as nothing is shared). Quest evicts nothing; it is listed with the pages
+it reads per step instead.
 
-Each run is checked in the same process: allocator invariants hold after
-every step and no sequence exceeds its policy's budget.
+Each run is checked in the same process: allocator invariants hold after every step, the
+pages held are exactly those the block tables cover (evicted pages are back in the pool),
+and no sequence exceeds its policy's budget.
 
     PYTHONPATH=$PWD python benchmarks/eviction.py --steps 200
 """
@@ -24,14 +23,12 @@ import math
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from kvjax.cache import check_invariants, init_cache
 from kvjax.cache.policies import H2O, NoPolicy, PyramidKV, Quest, SnapKV, StreamingLLM
-from kvjax.cache.policies.toy import init_toy, toy_decode_step, toy_prefill
-from kvjax.specs import AttentionSpec, CacheSpec
+from kvjax.specs import CacheSpec
 
 
 def _parse(argv):
@@ -52,46 +49,11 @@ def _parse(argv):
     p.add_argument("--quest-pages", type=int, default=4,
                    help="pages Quest reads per step and KV head (current page included)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and prompts")
-    p.add_argument("--model", choices=("llama", "toy"), default="llama",
-                   help="llama: a tiny random kvjax Llama run by kvjax.generate; toy: the "
-                        "attention-only stack of kvjax.cache.policies.toy")
+    p.add_argument("--model", choices=("llama",), default="llama",
+                   help="the model decoded: a tiny random kvjax Llama (GQA 8:2) run by "
+                        "kvjax.generate")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     return p.parse_args(argv)
-
-
-def _run(policy, spec, params, prompts, steps, budget_of):
-    cache = init_cache(spec)
-    state = policy.init_state(cache)
-    batch, plen = prompts.shape
-    rows = np.zeros((spec.max_seqs, plen), np.int32)
-    rows[:batch] = prompts
-    q_lengths = np.zeros(spec.max_seqs, np.int32)
-    q_lengths[:batch] = plen
-    logits, cache, state, rs, ps = toy_prefill(params, cache, state, policy, jnp.asarray(rows),
-                                               jnp.asarray(q_lengths))
-    rs.raise_if_error()
-    ps.raise_if_error()
-    prefill_peak = spec.num_pages - int(rs.pages_free) + int(rs.pages_needed)
-    peak_in_step = 0
-    after = [spec.num_pages - int(cache.num_free_pages)]
-    active = jnp.asarray(q_lengths > 0, jnp.int32)
-    for i in tqdm(range(steps), desc=type(policy).__name__, leave=False):
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        pos = jnp.full((spec.max_seqs,), plen + i, jnp.int32)
-        logits, cache, state, rs, ps = toy_decode_step(params, cache, state, policy, nxt, pos,
-                                                       active)
-        rs.raise_if_error()
-        ps.raise_if_error()
-        peak_in_step = max(peak_in_step,
-                           spec.num_pages - int(rs.pages_free) + int(rs.pages_needed))
-        after.append(spec.num_pages - int(cache.num_free_pages))
-        check_invariants(cache.table)
-        limit = budget_of(i + 1)
-        if limit is not None and int(np.asarray(cache.lengths).max()) > limit:
-            raise AssertionError(f"{policy} holds more than {limit} tokens after step {i + 1}")
-    return dict(prefill_peak_pages=prefill_peak, after_prefill_pages=after[0],
-                peak_pages_in_step=peak_in_step, peak_pages_after_step=max(after),
-                final_pages=after[-1], final_tokens=np.asarray(cache.lengths)[:batch].tolist())
 
 
 def _tiny_llama(a):
@@ -106,11 +68,16 @@ def _tiny_llama(a):
     return family.model(config), family.init_params(config, jax.random.key(a.seed))
 
 
+def _pages(lengths, page_size: int) -> int:
+    return int(np.sum(-(-np.asarray(lengths) // page_size)))
+
+
 def _run_llama(policy, model, params, spec, prompts, steps, budget_of):
     import kvjax.generate as gen
 
     chunk = -(-prompts.shape[1] // 8) * 8  # one prefill chunk: prompt compressors see it all
-    after = []
+    after, in_step = [], []
+    prev = None
     events = gen.stream(model, params, prompts.tolist(), key=jax.random.key(0),
                         max_new_tokens=steps, cache=init_cache(spec), chunk_size=chunk,
                         policy=None if isinstance(policy, NoPolicy) else policy,
@@ -118,15 +85,23 @@ def _run_llama(policy, model, params, spec, prompts, steps, budget_of):
     for i, event in enumerate(tqdm(events, total=steps, desc=type(policy).__name__,
                                    leave=False)):
         cache = event.state.cache
-        check_invariants(cache.table)
-        after.append(spec.num_pages - int(cache.num_free_pages))
+        check_invariants(cache)
+        lengths = np.asarray(cache.lengths)
+        held = spec.num_pages - int(cache.num_free_pages)
+        if held != _pages(lengths, spec.page_size):
+            raise AssertionError(f"{policy}: {held} pages held after step {i} but the block "
+                                 f"tables cover {_pages(lengths, spec.page_size)}")
+        if prev is not None:  # this step reserved one token per running sequence first
+            in_step.append(_pages(prev + event.emitted, spec.page_size))
+        after.append(held)
+        prev = lengths
         limit = budget_of(i)
-        if limit is not None and int(np.asarray(cache.lengths).max()) > limit:
+        if limit is not None and int(lengths.max()) > limit:
             raise AssertionError(f"{policy} holds more than {limit} tokens after step {i}")
     event.state.status.raise_if_error()
     batch, plen = prompts.shape
     return dict(prefill_peak_pages=batch * math.ceil(plen / spec.page_size),
-                after_prefill_pages=after[0], peak_pages_in_step=None,
+                after_prefill_pages=after[0], peak_pages_in_step=max(in_step),
                 peak_pages_after_step=max(after), final_pages=after[-1],
                 final_tokens=np.asarray(cache.lengths)[:batch].tolist())
 
@@ -135,16 +110,10 @@ def main(argv=None):
     a = _parse(argv)
     total = a.prompt_len + a.steps
     max_pages = math.ceil(total / a.page_size) + 1
-    if a.model == "llama":
-        model, params = _tiny_llama(a)
-        attention = model.config.attention
-    else:
-        attention = AttentionSpec(q_heads=4, kv_heads=2, head_dim=16)
-    spec = CacheSpec(attention=attention, num_layers=a.layers, page_size=a.page_size,
-                     num_pages=a.batch * max_pages + 1, max_seqs=a.batch,
-                     max_pages_per_seq=max_pages)
-    if a.model == "toy":
-        params = init_toy(spec, seed=a.seed)
+    model, params = _tiny_llama(a)
+    spec = CacheSpec(attention=model.config.attention, num_layers=a.layers,
+                     page_size=a.page_size, num_pages=a.batch * max_pages + 1,
+                     max_seqs=a.batch, max_pages_per_seq=max_pages)
     prompts = np.random.default_rng(a.seed).integers(3, 64, (a.batch, a.prompt_len))
     b, w = a.budget, a.window
     pyramid = PyramidKV(budget=b, beta=2.0, window=w, kernel=3)
@@ -159,18 +128,12 @@ def main(argv=None):
     ]
     results = {}
     for name, policy, budget_of in tqdm(cases, desc="policies"):
-        if a.model == "llama":
-            # stream's first event is after prefill (step 0): lengths there are budget_of(0).
-            results[name] = _run_llama(policy, model, params, spec, prompts, a.steps,
-                                       budget_of)
-        else:
-            results[name] = _run(policy, spec, params, prompts, a.steps, budget_of)
+        # stream's first event is after prefill (step 0): lengths there are budget_of(0).
+        results[name] = _run_llama(policy, model, params, spec, prompts, a.steps, budget_of)
         results[name]["policy"] = repr(policy)
     results["quest"]["pages_read_per_step_per_head"] = a.quest_pages
     what = ("tiny random Llama (kvjax.models + kvjax.generate): "
-            f"{a.layers} layers, 8 q / 2 kv heads, head_dim 8" if a.model == "llama" else
-            f"toy attention stack (random weights): {a.layers} layers, 4 q / 2 kv heads, "
-            "head_dim 16")
+            f"{a.layers} layers, 8 q / 2 kv heads, head_dim 8")
     print(f"\n{what}; "
           f"{a.batch} sequences, prompt {a.prompt_len}, {a.steps} new tokens, "
           f"page_size {a.page_size}, budget {b}, backend {jax.default_backend()}")
@@ -180,9 +143,8 @@ def main(argv=None):
     print(f"{'policy':<15}{'prefill':>9}{'after prefill':>15}{'decode in-step':>16}"
           f"{'decode between':>16}{'final':>7}  final tokens/seq")
     for name, r in results.items():
-        in_step = "n/a" if r["peak_pages_in_step"] is None else r["peak_pages_in_step"]
         print(f"{name:<15}{r['prefill_peak_pages']:>9}{r['after_prefill_pages']:>15}"
-              f"{in_step:>16}{r['peak_pages_after_step']:>16}"
+              f"{r['peak_pages_in_step']:>16}{r['peak_pages_after_step']:>16}"
               f"{r['final_pages']:>7}  {r['final_tokens']}")
     print("quest evicts nothing: it reads "
           f"{a.quest_pages} pages per KV head per step instead of all.")

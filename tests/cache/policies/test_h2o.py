@@ -1,14 +1,14 @@
-"""H2O: accumulated attention per KV head, heavy hitters + recent window, pages returned."""
+"""H2O: accumulated attention per cache head, heavy hitters + recent window, pages returned."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from kvjax.cache import init_cache, paged
-from kvjax.cache import page_table as pt
+from kvjax import cache as kvc
 from kvjax.cache.policies import H2O, H2OState
-from kvjax.cache.policies.toy import dense_kv, random_filled_cache
-from kvjax.specs import AttentionSpec, CacheSpec
+from kvjax.specs import AttentionSpec, CacheSpec, MLASpec
+from tests.cache.policies.helpers import SPEC, dense_kv, random_filled_cache
 
 
 def test_hand_example(rng):
@@ -18,11 +18,10 @@ def test_hand_example(rng):
     # 1/5 to each of the 5 tokens, 2/5 per KV head (two query heads per group).
     key = rng.standard_normal((1, 1, 2, 2)).astype(np.float32)
     vals = rng.standard_normal((1, 5, 2, 2)).astype(np.float32)
-    cache = init_cache(spec)
-    cache, _ = paged.reserve(cache, jnp.asarray([5]))
-    slots = paged.token_slots(cache, jnp.arange(5)[None], jnp.ones((1, 5), bool))
-    cache = paged.write_layer(cache, 0, slots, jnp.asarray(np.repeat(key, 5, axis=1)),
-                              jnp.asarray(vals))
+    cache, status = kvc.reserve(kvc.init_cache(spec), jnp.asarray([5]))
+    status.raise_if_error()
+    cache = kvc.write(cache, 0, jnp.asarray(np.repeat(key, 5, axis=1)), jnp.asarray(vals),
+                      q_lengths=jnp.asarray([5]))
     acc = np.zeros((1, 1, 2, 8), np.float32)
     acc[0, 0, 0, :5] = [0.9, 0.1, 0.5, 0.2, 0.0]
     acc[0, 0, 1, :5] = [0.1, 0.9, 0.5, 0.3, 0.0]
@@ -41,40 +40,49 @@ def test_hand_example(rng):
     np.testing.assert_array_equal(dv[0, 0, 1, :4], vals[0, [1, 2, 3, 4], 1])
     assert int(out.lengths[0]) == 4
     assert int(out.num_free_pages) == free0 + 1  # 3 pages -> 2 pages
-    pt.check_invariants(out.table)
+    kvc.check_invariants(out)
 
 
-def test_accumulates_group_summed_probabilities(rng):
-    spec = CacheSpec(attention=AttentionSpec(q_heads=6, kv_heads=2, head_dim=8), num_layers=2,
-                     page_size=4, num_pages=20, max_seqs=2, max_pages_per_seq=4)
+GQA = CacheSpec(attention=AttentionSpec(q_heads=6, kv_heads=2, head_dim=8), num_layers=2,
+                page_size=4, num_pages=20, max_seqs=2, max_pages_per_seq=4)
+MLA = CacheSpec(attention=MLASpec(q_heads=3, kv_lora_rank=8, qk_rope_head_dim=4,
+                                  qk_nope_head_dim=4, v_head_dim=4),
+                num_layers=2, page_size=4, num_pages=20, max_seqs=2, max_pages_per_seq=4)
+
+
+@pytest.mark.parametrize("spec", [GQA, MLA], ids=["gqa", "mla"])
+def test_accumulates_group_summed_probabilities(spec, rng):
+    """Each step adds, per cache head, the step query group's attention probabilities
+    (MLA: one latent head; the key is [c_KV, k_rope], the query [q_latent, q_rope])."""
     lengths = [13, 6]
-    cache, k, _ = random_filled_cache(spec, lengths, rng)
+    cache, a, b = random_filled_cache(spec, lengths, rng)
+    keys = a if not spec.is_mla else np.concatenate([a, b], axis=-1)
+    hq, hk = spec.attention.q_heads, spec.attention.cache_heads
     policy = H2O(budget=16, recent=4)
     state = policy.init_state(cache)
     base = rng.random(state.scores.shape).astype(np.float32)
     for s, n in enumerate(lengths):  # the state holds 0 past each length
         base[:, s, :, n:] = 0
-    q = rng.standard_normal((2, 2, 6, 8)).astype(np.float32)
+    q = rng.standard_normal((2, 2, hq, keys.shape[-1])).astype(np.float32)
     _, new, status = jax.jit(policy.after_step)(cache, H2OState(jnp.asarray(base)),
                                                 jnp.asarray(q))
     status.raise_if_error()
-    want = base.copy()
+    want = base.astype(np.float64)
     for layer in range(2):
         for s, n in enumerate(lengths):
-            for h in range(6):
-                logits = k[layer, s, h // 3, :n] @ q[layer, s, h] / np.sqrt(8)
+            for h in range(hq):
+                g = h // (hq // hk)
+                logits = keys[layer, s, g, :n] @ q[layer, s, h] * spec.attention.softmax_scale
                 p = np.exp(logits - logits.max())
-                want[layer, s, h // 3, :n] += p / p.sum()
+                want[layer, s, g, :n] += p / p.sum()
     np.testing.assert_allclose(new.scores, want, rtol=1e-5, atol=1e-6)
 
 
 def test_inactive_slots_neither_scored_nor_evicted(rng):
-    spec = CacheSpec(attention=AttentionSpec(q_heads=4, kv_heads=2, head_dim=8), num_layers=1,
-                     page_size=4, num_pages=12, max_seqs=2, max_pages_per_seq=4)
-    cache, k, _ = random_filled_cache(spec, [10, 10], rng)
+    cache, k, _ = random_filled_cache(SPEC, [10, 10], rng)
     policy = H2O(budget=6, recent=2)
     state = policy.init_state(cache)
-    q = jnp.asarray(rng.standard_normal((1, 2, 4, 8)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 2, 4, 8)), jnp.float32)
     out, new, status = jax.jit(policy.after_step)(cache, state, q, jnp.asarray([True, False]))
     status.raise_if_error()
     assert np.asarray(out.lengths).tolist() == [6, 10]
@@ -82,3 +90,38 @@ def test_inactive_slots_neither_scored_nor_evicted(rng):
     assert (np.asarray(new.scores)[:, 0, :, :6] > 0).all()
     dk, _ = dense_kv(out)
     np.testing.assert_array_equal(dk[:, 1, :, :10], k[:, 1, :, :10])
+
+
+def test_prefill_keeps_the_heaviest_prompt_tokens_per_head(rng):
+    """after_prefill scores a new prompt with every prompt query (causal) and keeps, in
+    each (layer, head), the top budget - recent older tokens plus the recent window."""
+    spec = GQA
+    lengths = [14, 5]
+    cache, k, v = random_filled_cache(spec, lengths, rng)
+    policy = H2O(budget=8, recent=3)
+    q = rng.standard_normal((2, 2, 14, 6, 8)).astype(np.float32)
+    out, state, status = jax.jit(policy.after_prefill)(
+        cache, policy.init_state(cache), jnp.asarray(q), jnp.asarray(lengths))
+    status.raise_if_error()
+    kvc.check_invariants(out)
+    assert np.asarray(out.lengths).tolist() == [8, 5]
+    dk, dv = dense_kv(out)
+    n = lengths[0]
+    for layer in range(2):
+        for g in range(2):
+            score = np.zeros(n)
+            for h in range(3 * g, 3 * g + 3):
+                for t in range(n):  # prompt query t sees tokens 0..t
+                    logits = k[layer, 0, g, :t + 1] @ q[layer, 0, t, h] / np.sqrt(8)
+                    p = np.exp(logits - logits.max())
+                    score[:t + 1] += p / p.sum()
+            # Which tokens were kept, read off the cache (random keys are distinct).
+            kept = [int(np.nonzero((k[layer, 0, g, :n] == row).all(-1))[0][0])
+                    for row in dk[layer, 0, g, :8]]
+            assert kept[5:] == [n - 3, n - 2, n - 1] and kept == sorted(set(kept))
+            dropped = sorted(set(range(n - 3)) - set(kept))
+            # The heavy hitters outscore every evicted token (up to float32 rounding).
+            assert score[kept[:5]].min() >= score[dropped].max() - 1e-5
+            np.testing.assert_array_equal(dv[layer, 0, g, :8], v[layer, 0, g, kept])
+            np.testing.assert_allclose(state.scores[layer, 0, g, :8], score[kept], rtol=1e-5)
+    np.testing.assert_array_equal(dk[:, 1, :, :5], k[:, 1, :, :5])  # under budget: untouched

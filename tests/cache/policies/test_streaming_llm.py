@@ -1,34 +1,35 @@
-"""StreamingLLM: sinks + window kept, pages returned, both position schemes."""
+"""StreamingLLM: sinks + window kept, pages returned, both position schemes, KIVI pages."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache import page_table as pt
-from kvjax.cache.policies import NoPolicy, StreamingLLM, apply_rope, rerotate, rope_inv_freq
-from kvjax.cache.policies.toy import (
-    dense_kv,
-    init_toy,
-    random_filled_cache,
-    toy_generate,
+from kvjax import cache as kvc
+from kvjax.cache.policies import (
+    StreamingLLM,
+    UndefinedCombination,
+    apply_rope,
+    rerotate,
+    rope_inv_freq,
 )
-from kvjax.specs import AttentionSpec, CacheSpec
+from tests.cache.policies.helpers import KIVI, SPEC, dense_kv, random_filled_cache
 
-SPEC = CacheSpec(attention=AttentionSpec(q_heads=4, kv_heads=2, head_dim=8), num_layers=2,
-                 page_size=4, num_pages=24, max_seqs=2, max_pages_per_seq=5)
-TOY = CacheSpec(attention=AttentionSpec(q_heads=4, kv_heads=2, head_dim=16), num_layers=2,
-                page_size=4, num_pages=40, max_seqs=2, max_pages_per_seq=16)
+
+def _queries(rng, spec):
+    """Random step queries [layers, max_seqs, q_heads, head_dim] (StreamingLLM ignores them)."""
+    a = spec.attention
+    return jnp.asarray(rng.standard_normal((spec.num_layers, spec.max_seqs, a.q_heads,
+                                            a.head_dim)), jnp.float32)
 
 
 def test_hand_example_keeps_sinks_and_window(rng):
     cache, k, v = random_filled_cache(SPEC, [11, 4], rng)
     free0 = int(cache.num_free_pages)
     policy = StreamingLLM(n_sink=2, window=3)
-    step = jax.jit(policy.after_step)
-    out, _, status = step(cache, None, jnp.zeros((2, 2, 4, 8), jnp.float32))
+    out, _, status = jax.jit(policy.after_step)(cache, None, _queries(rng, SPEC))
     status.raise_if_error()
-    pt.check_invariants(out.table)
+    kvc.check_invariants(out)
     assert np.asarray(out.lengths).tolist() == [5, 4]
     dk, dv = dense_kv(out)
     kept = [0, 1, 8, 9, 10]  # 2 sinks + the last 3 of 11 tokens
@@ -51,20 +52,13 @@ def test_rerotated_key_equals_rope_at_new_position(rng):
 
 def test_cache_scheme_rerotates_moved_keys(rng):
     policy = StreamingLLM(n_sink=2, window=5, positions="cache")
-    cache, k_pre, v = random_filled_cache(SPEC, [13, 6], rng)
-    # Re-write the keys as the cache-position scheme caches them: rotated at their slot.
+    # The keys as the cache-position scheme caches them: rotated at their slot.
     inv_freq = rope_inv_freq(8)
+    k_pre = rng.standard_normal((2, 2, 2, SPEC.max_tokens_per_seq, 8)).astype(np.float32)
     slots = jnp.arange(SPEC.max_tokens_per_seq)
     k_rot = np.asarray(apply_rope(jnp.asarray(k_pre), slots, inv_freq))
-    from kvjax.cache import paged
-
-    pos = jnp.broadcast_to(slots, (2, slots.shape[0])).astype(jnp.int32)
-    wslots = paged.token_slots(cache, pos, pos < cache.lengths[:, None])
-    for layer in range(2):
-        cache = paged.write_layer(cache, layer, wslots,
-                                  jnp.asarray(k_rot[layer].transpose(0, 2, 1, 3)),
-                                  jnp.asarray(v[layer].transpose(0, 2, 1, 3)))
-    out, _, status = jax.jit(policy.after_step)(cache, None, jnp.zeros((2, 2, 4, 8)))
+    cache, _, _ = random_filled_cache(SPEC, [13, 6], rng, k=k_rot)
+    out, _, status = jax.jit(policy.after_step)(cache, None, _queries(rng, SPEC))
     status.raise_if_error()
     dk, _ = dense_kv(out)
     kept = np.array([0, 1, 8, 9, 10, 11, 12])
@@ -76,51 +70,47 @@ def test_cache_scheme_rerotates_moved_keys(rng):
     assert np.asarray(nxt)[:, 0].tolist() == [7, 6]
 
 
-@pytest.mark.parametrize("positions", ["original", "cache"])
-def test_long_decode_respects_budget_and_frees_pages(rng, positions):
-    params = init_toy(TOY, seed=int(rng.integers(1 << 30)))
-    policy = StreamingLLM(n_sink=2, window=9, positions=positions)
-    prompts = rng.integers(0, 64, (2, 7))
-    seen = []
-
-    def on_step(i, cache, state):
-        pt.check_invariants(cache.table)
-        lengths = np.asarray(cache.lengths)
-        used = -(-lengths // TOY.page_size)
-        seen.append((lengths.copy(), int(cache.num_free_pages), used.sum()))
-
-    from kvjax.cache import init_cache
-
-    toy_generate(params, init_cache(TOY), policy, prompts, 40, on_step=on_step)
-    for lengths, free, used in seen:
-        assert lengths.max() <= policy.budget
-        # Nothing is shared, so every page not in a block table is on the free stack.
-        assert free == TOY.num_pages - used
-    # Without the policy the same decode would hold 47 tokens = 12 pages per sequence.
-    assert max(u for _, _, u in seen) == 2 * -(-policy.budget // TOY.page_size)
-
-
-def test_budget_keeping_every_token_is_identical_to_no_policy(rng):
-    from kvjax.cache import init_cache
-
-    params = init_toy(TOY, seed=int(rng.integers(1 << 30)))
-    prompts = rng.integers(0, 64, (2, 6))
-    t0, l0, _ = toy_generate(params, init_cache(TOY), NoPolicy(), prompts, 20)
-    for positions in ("original", "cache"):
-        t1, l1, _ = toy_generate(params, init_cache(TOY),
-                                 StreamingLLM(n_sink=4, window=36, positions=positions),
-                                 prompts, 20)
-        np.testing.assert_array_equal(t1, t0)
-        np.testing.assert_array_equal(l1, l0)
-
-
 def test_inactive_slots_are_left_alone(rng):
     cache, k, _ = random_filled_cache(SPEC, [11, 9], rng)
     policy = StreamingLLM(n_sink=2, window=3)
-    out, _, status = jax.jit(policy.after_step)(cache, None, jnp.zeros((2, 2, 4, 8)),
+    out, _, status = jax.jit(policy.after_step)(cache, None, _queries(rng, SPEC),
                                                 jnp.asarray([False, True]))
     status.raise_if_error()
     assert np.asarray(out.lengths).tolist() == [11, 5]
     dk, _ = dense_kv(out)
     np.testing.assert_array_equal(dk[:, 0, :, :11], k[:, 0, :, :11])
     np.testing.assert_array_equal(dk[:, 1, :, :5], k[:, 1][:, :, [0, 1, 6, 7, 8]])
+
+
+def test_kivi_keeps_sink_pages_and_tail_and_drops_the_oldest_pages_between(rng):
+    """Page-granular StreamingLLM: the pages holding the sinks and the full-precision tail
+    stay; the oldest quantized pages after the sinks go, as many as the budget needs."""
+    # Seq 0: 29 tokens = 6 quantized pages of 4 + a tail of 5. Budget 3 + 11 = 14: 15 tokens
+    # over, so 4 whole pages go, the oldest after the sink page (pages 1..4); 13 tokens stay.
+    cache, _, _ = random_filled_cache(KIVI, [29, 11], rng)
+    before = dense_kv(cache)
+    free0 = int(cache.num_free_pages)
+    bt0 = np.asarray(cache.block_tables).copy()
+    policy = StreamingLLM(n_sink=3, window=11)
+    out, _, status = jax.jit(policy.after_step)(cache, policy.init_state(cache),
+                                                _queries(rng, KIVI))
+    status.raise_if_error()
+    kvc.check_invariants(out)
+    assert np.asarray(out.lengths).tolist() == [13, 11]  # seq 1 (11 <= 14) is untouched
+    assert int(out.num_free_pages) == free0 + 4
+    np.testing.assert_array_equal(np.asarray(out.block_tables)[0, :2], bt0[0, [0, 5]])
+    kept = np.r_[0:4, 20:29]
+    after = dense_kv(out)
+    for x, y in zip(after, before, strict=True):
+        np.testing.assert_array_equal(x[:, 0, :, :13], y[:, 0][:, :, kept])
+        np.testing.assert_array_equal(x[:, 1, :, :11], y[:, 1, :, :11])
+
+
+def test_kivi_undefined_combinations(rng):
+    cache = kvc.init_cache(KIVI)
+    with pytest.raises(UndefinedCombination, match="positions='original'"):
+        StreamingLLM(n_sink=4, window=60, positions="cache").init_state(cache)
+    # The sink page (4 tokens) plus the largest tail (R + page_size - 1 = 7) exceed 10.
+    with pytest.raises(UndefinedCombination, match="budget >= 11"):
+        StreamingLLM(n_sink=1, window=9).init_state(cache)
+    StreamingLLM(n_sink=1, window=10).init_state(cache)
