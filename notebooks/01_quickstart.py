@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -153,11 +155,13 @@ fig.savefig(f"{FIGURES}/01_free_pages.png", dpi=80)
 #
 # A tiny Llama-style model with random weights (`kvjax.models`), two prompts of different
 # lengths, greedy decoding with `kvjax.generate`: chunked prefill, then a jitted decode
-# loop that reserves a page whenever a sequence crosses a page boundary. `impl="auto"`
-# runs the Pallas kernels on TPU/GPU and the XLA path on CPU.
+# loop that reserves a page whenever a sequence crosses a page boundary. `cache=` takes a
+# `CacheConfig` (dtype, page size, pool size, optional KIVI quantization or sharding plan)
+# from which `generate` builds a cache sized for the request, or a `PagedKVCache` you
+# built yourself. `impl="auto"` runs the Pallas kernels on TPU/GPU and the XLA path on CPU.
 
 # %%
-from kvjax.generate import generate  # noqa: E402
+from kvjax.generate import CacheConfig, generate  # noqa: E402
 from kvjax.models import get_family  # noqa: E402
 from kvjax.models.layers import RopeConfig  # noqa: E402
 from kvjax.models.llama import LlamaConfig  # noqa: E402
@@ -173,7 +177,7 @@ params = family.init_params(config, jax.random.key(0))
 prompts = [[1, 5, 9, 2, 7], [1, 42, 17, 3, 3, 8, 11, 64, 90, 5, 31, 2, 6]]
 new_tokens = 16 if small else 128
 result = generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
-                  page_size=8, impl="auto", free_finished=False)
+                  cache=CacheConfig(page_size=8), impl="auto", free_finished=False)
 for prompt, seq in zip(prompts, result.sequences(), strict=True):
     print(prompt, "->", seq)
 show(result.cache, f"after prefill + {new_tokens} decode steps (page_size 8)")

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -48,7 +50,7 @@ import numpy as np
 
 import kvjax as kvx
 from kvjax import memory
-from kvjax.generate import generate
+from kvjax.generate import CacheConfig, generate
 from kvjax.models import deepseek, get_family
 
 FIGURES = os.environ.get("KVJAX_FIGURES", "figures")
@@ -92,9 +94,8 @@ c_kv = rng.standard_normal((b, s, config.kv_lora_rank), np.float32)
 k_rope = rng.standard_normal((b, s, config.qk_rope_head_dim), np.float32)
 q_nope = rng.standard_normal((b, 1, h, config.qk_nope_head_dim), np.float32)
 q_rope = rng.standard_normal((b, 1, h, config.qk_rope_head_dim), np.float32)
-pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
-slots = kvx.cache.token_slots(cache, jnp.asarray(pos), jnp.asarray(pos < lengths[:, None]))
-cache = kvx.cache.write_layer(cache, 0, slots, jnp.asarray(c_kv), jnp.asarray(k_rope))
+# Row b's first lengths[b] tokens fill the slots just reserved; the rest is padding.
+cache = kvx.cache.write(cache, 0, c_kv, k_rope, q_lengths=jnp.asarray(lengths))
 view = kvx.cache.layer_view(cache, 0)
 print("latent pages", view.k.shape, "rope pages", view.v.shape)
 
@@ -173,7 +174,7 @@ tparams = family.init_params(tiny, jax.random.key(1))
 prompts = [[3, 17, 5, 9], [9, 1, 30, 12, 7, 7, 2, 40, 11, 4, 22]]
 new_tokens = 12 if SMALL else 64
 result = generate(model, tparams, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
-                  page_size=8, impl="auto", free_finished=False)
+                  cache=CacheConfig(page_size=8), impl="auto", free_finished=False)
 for prompt, seq in zip(prompts, result.sequences(), strict=True):
     print(prompt, "->", seq)
 pages = result.cache.pages
@@ -185,7 +186,7 @@ print("cache bytes/token, this tiny model:",
 # Greedy decoding is deterministic: the reference (dense, unpaged) attention gives the same
 # tokens as the paged path picked by "auto".
 ref = generate(model, tparams, prompts, key=jax.random.key(0), max_new_tokens=new_tokens,
-               page_size=8, impl="reference")
+               cache=CacheConfig(page_size=8), impl="reference")
 print("reference tokens equal:", np.array_equal(ref.tokens, result.tokens))
 
 # %%

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -16,11 +18,13 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/kvjax/kvjax/blob/main/notebooks/05_custom_policy.ipynb)
 #
-# A cache policy in kvjax is a frozen dataclass with a few hooks that a decode loop calls
-# (`kvjax.cache.policies.CachePolicy`: `init_state`, `rope_positions`, `after_prefill`,
-# `before_attention`, `after_step`; every hook defaults to "do nothing"). An eviction policy
-# only has to say *which slots to keep*; `kvjax.cache.policies.compact` moves them to the
-# front of each sequence and gives whole pages back to the pool.
+# A cache policy in kvjax is a frozen dataclass with a few hooks that kvjax's decode loop
+# calls (`kvjax.cache.policies.CachePolicy`: `init_state`, `rope_positions`,
+# `after_prefill`, `before_attention`, `after_step`, `fork_state`; every hook defaults to
+# "do nothing"). `kvjax.generate.generate(..., policy=...)` (and `stream`, `score`,
+# `sample_n`, `beam_search`) runs them inside the compiled loop. An eviction policy only has
+# to say *which slots to keep*; `kvjax.cache.policies.compact` moves them to the front of
+# each sequence and gives whole pages back to the pool.
 #
 # Here we write **KeyNorm**: keep the recent window plus the older tokens whose keys have
 # the *smallest* L2 norm (Devoto et al., 2024, observe that low-norm keys tend to receive
@@ -52,7 +56,6 @@ import kvjax as kvx
 from kvjax.cache import policies
 from kvjax.cache.policies.base import active_rows, ok_status
 from kvjax.cache.policies.compaction import only_rows
-from kvjax.cache.policies.toy import dense_kv, init_toy, toy_generate
 
 FIGURES = os.environ.get("KVJAX_FIGURES", "figures")
 os.makedirs(FIGURES, exist_ok=True)
@@ -61,7 +64,7 @@ SMALL = BACKEND == "cpu"  # tiny sizes on CPU, larger on TPU/GPU
 print("backend:", BACKEND, "devices:", jax.device_count())
 
 # %% [markdown]
-# ## 1. The policy (under 40 lines)
+# ## 1. The policy (about 40 lines)
 
 # %%
 import dataclasses  # noqa: E402
@@ -78,6 +81,14 @@ class KeyNorm(policies.CachePolicy):
         if not 0 <= self.recent <= self.budget:
             raise ValueError(f"KeyNorm: need 0 <= recent <= budget, got {self.recent}, "
                              f"{self.budget}.")
+
+    def init_state(self, cache):
+        # Say which page kinds the policy is defined on, before any work is done.
+        if cache.is_quantized or cache.spec.is_mla:
+            raise policies.UndefinedCombination(
+                "KeyNorm reads full-precision per-head keys: use a K/V cache without "
+                "quantization (not KIVI pages, not MLA latents).")
+        return None  # stateless
 
     def _evict(self, cache, rows):
         spec = cache.spec
@@ -106,7 +117,8 @@ class KeyNorm(policies.CachePolicy):
 # past a sequence's length are never picked) and appends the recent window; `only_rows`
 # restricts the eviction to the slots that are decoding (`active`); `compact` does the
 # moving and the freeing, and reports `OUT_OF_PAGES` in a status instead of raising
-# inside jit.
+# inside jit. Keys are cached after RoPE, so a key moved to another slot needs no change
+# (the default `rope_positions` keeps the tokens' positions in the text).
 #
 # ## 2. Check it on a cache we control
 #
@@ -127,11 +139,9 @@ v[..., 0] = np.arange(T)[None, :, None]
 cache = kvx.init_cache(spec)
 cache, status = kvx.cache.reserve(cache, jnp.array([T, 0], jnp.int32))
 status.raise_if_error()
-slots = kvx.cache.token_slots(cache, jnp.arange(T)[None], jnp.ones((1, T), bool),
-                              seq_ids=jnp.array([0]))
-for layer in range(spec.num_layers):
-    cache = kvx.cache.write_layer(cache, layer, slots, jnp.asarray(k[layer])[None],
-                                  jnp.asarray(v[layer])[None])
+for layer in range(spec.num_layers):  # K/V [batch, q_len, kv_heads, head_dim] into slot 0
+    cache = kvx.cache.write(cache, layer, k[layer][None], v[layer][None],
+                            q_lengths=jnp.array([T]), seq_ids=jnp.array([0]))
 free_before = int(cache.num_free_pages)
 
 policy = KeyNorm(budget=budget, recent=recent)
@@ -141,7 +151,18 @@ cache, state, status = jax.jit(policy.after_prefill)(cache, state, dummy_q,
                                                      jnp.array([T, 0], jnp.int32))
 status.raise_if_error()
 kvx.cache.check_invariants(cache.table)
-kept = dense_kv(cache)[1][:, 0, :, :budget, 0].round().astype(int)  # [layers, heads, budget]
+
+
+def cached_positions(cache, layer, head, seq=0):
+    """The first value channel (the token position) of every token `seq` holds."""
+    view = kvx.cache.layer_view(cache, layer)
+    n = int(cache.lengths[seq])
+    pages = np.asarray(cache.block_tables[seq, : -(-n // spec.page_size)])
+    return np.asarray(view.v)[head, pages, :, 0].reshape(-1)[:n].round().astype(int)
+
+
+kept = np.array([[cached_positions(cache, layer, h) for h in range(2)]
+                 for layer in range(spec.num_layers)])  # [layers, heads, budget]
 
 norms = np.linalg.norm(k, axis=-1)  # [layers, T, heads]
 expected = np.empty_like(kept)
@@ -162,68 +183,85 @@ fig.tight_layout()
 fig.savefig(f"{FIGURES}/05_keynorm_kept.png", dpi=80)
 
 # %% [markdown]
-# ## 3. Run it in a decode loop
+# ## 3. Run it in `kvjax.generate`
 #
-# `kvjax.cache.policies.toy` is a tiny random attention stack that calls the hooks exactly
-# as `kvjax.generate` does, one Python step at a time, so we can record the tokens each
-# sequence holds after every step, with `KeyNorm` and with `NoPolicy`.
+# The policy goes to the decode loop as it is: `policy=KeyNorm(...)`. The model is the
+# byte-level tiny GQA model shipped with kvjax (`kvjax.models.tiny`, trained on Python code);
+# the prompt is a few lines of code. `kvjax.generate.stream` runs the loop one jitted step at
+# a time, so we can watch the tokens each sequence holds after every step; `generate` runs
+# the same step function as one compiled `lax.while_loop` and must produce the same bytes.
+# Without a policy the cache keeps growing.
 
 # %%
-params = init_toy(spec, seed=1)
-prompts = rng.integers(0, 64, (2, T // 2))
-steps = T // 2 - 4
+from kvjax.generate import CacheConfig, generate, stream  # noqa: E402
+from kvjax.models.tiny import load_tiny  # noqa: E402
 
+model, lm_params = load_tiny("gqa")
+code = [b'def read_lines(path):\n    """Return the lines of a file."""\n    with open(path) as f:\n'
+        b'        return f.read().splitlines()\n\n\ndef count_words(text):\n    """Return',
+        b'class Stack:\n    def __init__(self):\n        self.items = []\n\n'
+        b'    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n']
+lm_prompts = [list(c) for c in code]
+new_tokens = 48
+lm_policy = KeyNorm(budget=64, recent=16)
+kw = dict(key=jax.random.key(0), max_new_tokens=new_tokens, cache=CacheConfig(page_size=16),
+          free_finished=False)
 
-def held(policy):
-    trace = []
-    toy_generate(params, kvx.init_cache(spec), policy, prompts, steps,
-                 on_step=lambda i, c, s: trace.append(int(c.lengths.max())))
-    return trace
+trace = {"held": [], "free pages": []}
+for event in stream(model, lm_params, lm_prompts, policy=lm_policy, **kw):
+    c = event.state.cache
+    trace["held"].append(np.asarray(c.lengths)[: len(code)])
+    trace["free pages"].append(int(c.num_free_pages))
+streamed = np.asarray(event.state.tokens)
+held = np.array(trace["held"])  # [steps, rows]
 
+with_policy = generate(model, lm_params, lm_prompts, policy=lm_policy, **kw)
+full = generate(model, lm_params, lm_prompts, **kw)
+for name, res in (("KeyNorm", with_policy), ("full cache", full)):
+    print(f"-- {name}: cache holds {np.asarray(res.cache.lengths)[: len(code)].tolist()} tokens")
+    for row in res.sequences():
+        print("   ", repr(bytes(row).decode("utf-8", errors="replace")))
+agree = float((with_policy.tokens == full.tokens).mean())
+print(f"KeyNorm's greedy bytes equal the full cache's on {agree:.0%} of positions")
 
-trace = {"NoPolicy": held(policies.NoPolicy()), "KeyNorm": held(policy)}
+# Without a policy the longest row holds its prompt plus one token per step (the final
+# lengths of `full` are checked below).
+full_held = max(len(p) for p in lm_prompts) + np.arange(held.shape[0])
 fig, ax = plt.subplots(figsize=(5, 3))
-for name, t in trace.items():
-    ax.plot(t, label=name)
-ax.axhline(budget, color="k", ls=":", lw=1, label="budget")
+ax.plot(full_held, label="no policy")
+ax.plot(held.max(axis=1), label="KeyNorm")
+ax.axhline(lm_policy.budget, color="k", ls=":", lw=1, label="budget")
 ax.set_xlabel("decode step")
-ax.set_ylabel("tokens held per sequence")
+ax.set_ylabel("tokens held (longest row)")
 ax.legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/05_keynorm_decode.png", dpi=80)
 
 # %% [markdown]
-# ## 4. The same policy in `kvjax.generate` with a model
+# ## 4. Where it is not defined, it says so
 #
-# `generate(..., policy=KeyNorm(...))` runs it inside the compiled decode loop of a tiny
-# Llama-style model (random weights): every sequence ends at the budget, whatever its
-# prompt length.
+# `init_state` refuses a KIVI cache before `generate` touches anything, naming what works.
 
 # %%
-from kvjax.generate import generate  # noqa: E402
-from kvjax.models import get_family  # noqa: E402
-from kvjax.models.layers import RopeConfig  # noqa: E402
-from kvjax.models.llama import LlamaConfig  # noqa: E402
-
-head_dim = 64 if SMALL else 128
-config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2,
-                     q_heads=4, kv_heads=2, head_dim=head_dim,
-                     rope=RopeConfig(theta=1e4, dim=head_dim))
-family = get_family("llama")
-model = family.model(config)
-lm_params = family.init_params(config, jax.random.key(0))
-lm_prompts = [rng.integers(1, 128, size=n).tolist() for n in (T // 2, T // 4)]
-out = generate(model, lm_params, lm_prompts, key=jax.random.key(0), max_new_tokens=T // 2,
-               page_size=8, free_finished=False, policy=policy)
-lm_lengths = np.asarray(out.cache.lengths)[: len(lm_prompts)]
-print("generated", out.num_generated.tolist(), "tokens; cache holds", lm_lengths.tolist(),
-      f"tokens per sequence (budget {budget})")
+try:
+    generate(model, lm_params, lm_prompts, policy=lm_policy, key=jax.random.key(0),
+             max_new_tokens=4, cache=CacheConfig(page_size=32, quant=kvx.QuantSpec(bits=4)))
+    refused = None
+except policies.UndefinedCombination as err:
+    refused = err
+print("UndefinedCombination:", refused)
 
 # %%
-# The demonstrated results: KeyNorm keeps exactly the NumPy-predicted tokens, frees pages,
-# and holds every sequence at its budget during decoding while NoPolicy keeps growing, in the
-# toy loop and in kvjax.generate.
+# The demonstrated results: KeyNorm keeps exactly the NumPy-predicted tokens and frees pages;
+# inside kvjax.generate it holds every sequence at its budget while the full cache keeps
+# growing, and the step-by-step stream and the compiled loop produce the same bytes.
 np.testing.assert_array_equal(kept, expected)
 assert int(cache.num_free_pages) > free_before
-assert max(trace["KeyNorm"]) == budget and trace["NoPolicy"][-1] == T // 2 + steps
-assert (out.num_generated == T // 2).all() and (lm_lengths == budget).all(), lm_lengths
+assert held.max() == lm_policy.budget, held.max()
+np.testing.assert_array_equal(np.asarray(with_policy.cache.lengths)[: len(code)],
+                              lm_policy.budget)
+np.testing.assert_array_equal(np.asarray(full.cache.lengths)[: len(code)],
+                              [len(p) + new_tokens - 1 for p in lm_prompts])
+np.testing.assert_array_equal(with_policy.tokens, streamed)
+assert (with_policy.num_generated == new_tokens).all(), with_policy.num_generated
+assert isinstance(refused, policies.UndefinedCombination)
