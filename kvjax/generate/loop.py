@@ -139,11 +139,12 @@ def _selector(policy: CachePolicy | None, pstate, seq_ids) -> Callable | None:
 
 
 def run_model(model: Model, params, cache, tokens, positions, *, q_lengths, seq_ids, impl,
-              policy, pstate):
-    """One forward with the policy's selection; returns (logits, cache, queries or None)."""
+              policy, pstate, logits_at=None):
+    """One forward with the policy's selection; returns (logits, cache, queries or None);
+    logits at every token, or at the tokens `logits_at` names ([batch, k])."""
     out = model.apply(params, tokens, positions, cache, q_lengths=q_lengths, seq_ids=seq_ids,
                       impl=impl, select=_selector(policy, pstate, seq_ids),
-                      observe=policy is not None)
+                      observe=policy is not None, logits_at=logits_at)
     return out if policy is not None else (*out, None)
 
 
@@ -215,17 +216,20 @@ def prefill(
         cache, st = kv_cache.reserve(cache, _slot_vector(cache, seq_ids, q_lengths))
         status = _first_error(status, st)
         q_lengths = jnp.where(st.ok, q_lengths, 0)
+        idx = prompt_lengths - 1 - start_tok
+        here = (idx >= 0) & (idx < chunk_size) & st.ok
+        last = jnp.clip(idx, 0, chunk_size - 1)
+        # Only each row's last prompt token needs the LM head, unless all logits are asked.
         logits, cache, queries = run_model(model, params, cache, chunk, positions,
                                            q_lengths=q_lengths, seq_ids=seq_ids, impl=impl,
-                                           policy=policy, pstate=pstate)
+                                           policy=policy, pstate=pstate,
+                                           logits_at=None if return_logits else last[:, None])
         if policy is not None:
             cache, pstate, pst = policy.after_prefill(
                 cache, pstate, to_slots(cache, seq_ids, queries, axis=1),
                 _slot_vector(cache, seq_ids, q_lengths))
             status = _first_error(status, pst)
-        idx = prompt_lengths - 1 - start_tok
-        here = (idx >= 0) & (idx < chunk_size) & st.ok
-        row = logits[rows, jnp.clip(idx, 0, chunk_size - 1)]
+        row = logits[rows, last] if return_logits else logits[:, 0]
         last_logits = jnp.where(here[:, None], row, last_logits)
         ok = ok & st.ok & (status.code == 0)
         return (cache, last_logits, status, ok, pstate), (logits if return_logits else None)
@@ -509,7 +513,7 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
     prompts = setup.check_prompts(prompts, model.vocab_size)
     batch = len(prompts)
     if continuations is not None:
-        conts = setup.check_prompts(continuations, model.vocab_size)
+        conts = setup.check_prompts(continuations, model.vocab_size, "continuation")
         if len(conts) != batch:
             raise ValueError(f"{batch} prompts but {len(conts)} continuations.")
         max_new = np.array([len(c) for c in conts], np.int32)
@@ -561,13 +565,19 @@ def _prefill(model, req: _Request, *, policy, check):
     return cache, last_logits, status, pstate, base + jnp.asarray(req.lengths)
 
 
-def _start(model, req: _Request, *, key, sampling, eos_ids, free_finished, policy, check):
+def _decoding_args(model, req: _Request, key, sampling, eos_ids):
+    """Checks what decoding needs before the request's cache is donated: (keys, eos ids)."""
+    setup.check_sampling(sampling)
+    eos_ids = setup.check_eos(eos_ids, model.vocab_size)
+    return as_keys(key, req.tokens.shape[0]), eos_ids
+
+
+def _start(model, req: _Request, *, keys, sampling, eos_ids, free_finished, policy, check):
     """Prefill and the starting state of the decode loop (the request's cache donated)."""
     cache, last_logits, status, pstate, positions = _prefill(model, req, policy=policy,
                                                              check=check)
-    batch = req.tokens.shape[0]
     forced = None if req.forced is None else jnp.asarray(req.forced)
-    return start(cache, req.seq_ids, last_logits, positions, as_keys(key, batch),
+    return start(cache, req.seq_ids, last_logits, positions, keys,
                  jnp.asarray(req.max_new), status, sampling=sampling, eos_ids=eos_ids,
                  max_len=int(req.max_new.max()), free_finished=free_finished,
                  policy_state=pstate, forced=forced)
@@ -635,8 +645,8 @@ def generate(
     req = _request(model, params, prompts, max_new_tokens=max_new_tokens, cache=cache,
                    seq_ids=seq_ids, chunk_size=chunk_size, impl=impl, policy=policy,
                    prefill_mode=prefill)
-    eos_ids = tuple(int(e) for e in eos_ids)
-    state = _start(model, req, key=key, sampling=sampling, eos_ids=eos_ids,
+    keys, eos_ids = _decoding_args(model, req, key, sampling, eos_ids)
+    state = _start(model, req, keys=keys, sampling=sampling, eos_ids=eos_ids,
                    free_finished=free_finished, policy=policy, check=check)
     state = decode_loop(model, decode_params(model, req.params, len(req.lengths)), state,
                         sampling=sampling, eos_ids=eos_ids, free_finished=free_finished,
@@ -701,7 +711,8 @@ def score(
     req = _request(model, params, prompts, max_new_tokens=None, cache=cache, seq_ids=seq_ids,
                    chunk_size=chunk_size, impl=impl, policy=policy,
                    continuations=continuations)
-    state = _start(model, req, key=jax.random.key(0), sampling=GREEDY, eos_ids=(),
+    keys, _ = _decoding_args(model, req, jax.random.key(0), GREEDY, ())
+    state = _start(model, req, keys=keys, sampling=GREEDY, eos_ids=(),
                    free_finished=free_finished, policy=policy, check=check)
     state = decode_loop(model, decode_params(model, req.params, len(req.lengths)), state,
                         sampling=GREEDY, eos_ids=(), free_finished=free_finished, impl=req.impl,
@@ -748,8 +759,8 @@ def stream(
     """
     req = _request(model, params, prompts, max_new_tokens=max_new_tokens, cache=cache,
                    seq_ids=seq_ids, chunk_size=chunk_size, impl=impl, policy=policy)
-    eos_ids = tuple(int(e) for e in eos_ids)
-    state = _start(model, req, key=key, sampling=sampling, eos_ids=eos_ids,
+    keys, eos_ids = _decoding_args(model, req, key, sampling, eos_ids)
+    state = _start(model, req, keys=keys, sampling=sampling, eos_ids=eos_ids,
                    free_finished=free_finished, policy=policy, check=check)
     prev = np.zeros(req.lengths.shape, np.int32)
     params = decode_params(model, req.params, len(req.lengths))

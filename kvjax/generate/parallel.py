@@ -23,6 +23,7 @@ import numpy as np
 from kvjax import cache as kv_cache
 from kvjax.cache.page_table import AllocStatus, CacheFullError
 from kvjax.cache.policies.base import CachePolicy, to_slots
+from kvjax.generate import setup
 from kvjax.generate.loop import (
     GREEDY,
     CacheConfig,
@@ -112,6 +113,9 @@ def sample_n(
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}.")
     num_prompts = len(prompts)
+    setup.check_sampling(sampling)
+    eos_ids = setup.check_eos(eos_ids, model.vocab_size)
+    keys = sample_keys(key, num_prompts, n)
     d = _data_shards(cache, impl)
     slots = num_prompts * n
     padded = -(-num_prompts // d) * d * n
@@ -121,7 +125,6 @@ def sample_n(
                    num_seqs=padded)
     if slots > req.cache.spec.max_seqs or np.any(np.asarray(req.cache.lengths)[:slots] > 0):
         raise ValueError(f"sample_n needs {slots} empty slots (0 .. {slots - 1}) in the cache.")
-    eos_ids = tuple(int(e) for e in eos_ids)
     cache, last_logits, status, pstate, positions = _prefill(model, req, policy=policy,
                                                              check=check)
     if n > 1:
@@ -133,7 +136,7 @@ def sample_n(
     max_new = jnp.full((slots,), req.max_new[0], jnp.int32)
     state = start(
         cache, jnp.arange(slots, dtype=jnp.int32), jnp.repeat(last_logits, n, axis=0),
-        jnp.repeat(positions, n), sample_keys(key, num_prompts, n), max_new, status,
+        jnp.repeat(positions, n), keys, max_new, status,
         sampling=sampling, eos_ids=eos_ids, max_len=int(req.max_new[0]),
         free_finished=free_finished, policy_state=pstate)
     state = decode_loop(model, decode_params(model, req.params, slots), state,

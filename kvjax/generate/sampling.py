@@ -48,8 +48,13 @@ def as_keys(key, batch: int) -> jax.Array:
 
     Accepts typed keys (`jax.random.key`) or raw uint32 keys (`jax.random.PRNGKey`).
     """
+    if key is None:
+        raise ValueError("key must be a PRNG key, e.g. jax.random.key(0), got None.")
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
+            raise ValueError(f"key must be a PRNG key (jax.random.key) or raw uint32[..., 2] "
+                             f"key data (jax.random.PRNGKey), got {key.dtype}{list(key.shape)}.")
         key = jax.random.wrap_key_data(key)
     if key.shape == ():
         return jax.random.split(key, batch)

@@ -168,30 +168,54 @@ def shard_for_plan(model, params, plan: ShardingPlan | None):
                                                        None))
 
 
-def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+def check_prompts(prompts, vocab_size: int, what: str = "prompt") -> list[np.ndarray]:
     """Prompts as int32 arrays; ValueError for an empty prompt, a non-integer or an id
     outside [0, vocab_size)."""
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 1:
-        raise ValueError("prompts must be a list of token-id lists (one per row), got a 1-D "
-                         "array; wrap it: [prompt].")
+        raise ValueError(f"{what}s must be a list of token-id lists (one per row), got a 1-D "
+                         f"array; wrap it: [{what}].")
     if not isinstance(prompts, Sequence | np.ndarray | jax.Array) or len(prompts) == 0:
-        raise ValueError("prompts must hold at least one prompt (a list of token-id lists).")
+        raise ValueError(f"{what}s must hold at least one {what} (a list of token-id lists).")
     out = []
     for i, p in enumerate(prompts):
         a = np.asarray(p)
         if a.ndim != 1 or a.size == 0:
-            raise ValueError(f"prompt {i} must be a non-empty 1-D list of token ids, got shape "
+            raise ValueError(f"{what} {i} must be a non-empty 1-D list of token ids, got shape "
                              f"{a.shape}.")
         if a.dtype.kind not in "iu":
-            raise ValueError(f"prompt {i} holds non-integer token ids ({a.dtype}, e.g. "
+            raise ValueError(f"{what} {i} holds non-integer token ids ({a.dtype}, e.g. "
                              f"{a.ravel()[0]!r}); token ids are ints in [0, {vocab_size}).")
         bad = (a < 0) | (a >= vocab_size)
         if bad.any():
             j = int(np.nonzero(bad)[0][0])
-            raise ValueError(f"prompt {i} token {j} is {int(a[j])}, outside the vocabulary "
+            raise ValueError(f"{what} {i} token {j} is {int(a[j])}, outside the vocabulary "
                              f"[0, {vocab_size}).")
         out.append(a.astype(np.int32))
     return out
+
+
+def check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
+    """EOS ids as a tuple of ints in [0, vocab_size); ValueError otherwise."""
+    if isinstance(eos_ids, int | np.integer):
+        eos_ids = [eos_ids]
+    a = np.asarray(list(eos_ids))
+    if a.size and (a.ndim != 1 or a.dtype.kind not in "iu"):
+        raise ValueError(f"eos_ids must be token ids (ints in [0, {vocab_size})), got "
+                         f"{list(eos_ids)!r}.")
+    bad = a[(a < 0) | (a >= vocab_size)] if a.size else a
+    if bad.size:
+        raise ValueError(f"eos_ids holds {int(bad[0])}, outside the vocabulary [0, {vocab_size}).")
+    return tuple(int(e) for e in a)
+
+
+def check_sampling(sampling) -> None:
+    """TypeError unless `sampling` is a `SamplingConfig`."""
+    from kvjax.generate.sampling import SamplingConfig
+
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a kvjax.generate.SamplingConfig (e.g. "
+                        f"SamplingConfig(temperature=0.8); the default is greedy), got "
+                        f"{sampling!r}.")
 
 
 def check_slots(seq_ids, batch: int, spec: CacheSpec) -> np.ndarray:

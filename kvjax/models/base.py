@@ -7,7 +7,7 @@ an `AttentionSpec` or `MLASpec`), `init_params(config, key)`,
 max_seqs, max_pages_per_seq, dtype)` and
 
     forward(params, config, tokens, positions, cache, *, q_lengths, seq_ids=None,
-            impl="auto", select=None, observe=False)
+            impl="auto", select=None, observe=False, logits_at=None)
 
 The forward contract: the caller has reserved the new tokens in the cache; each
 layer writes its new keys with `kvjax.cache.write` and attends with
@@ -16,6 +16,10 @@ no page kind, policy or backend. `select(cache, layer, q)` (optional) returns th
 `Selection` a layer's decode attention reads (a cache policy's page selection, `q`
 the layer's queries, MLA: the absorbed `[q_latent, q_rope]`), and `observe=True`
 also returns those queries of every layer, stacked, for the policy's hooks.
+`logits_at` (int32[batch, k], token indices into each row's q_len) asks for logits at
+those tokens only, [batch, k, vocab]: the final norm and the LM head run on k rows
+instead of q_len (`gather_positions`; a prefill chunk needs one row per sequence, and
+the LM head of a 32K vocabulary costs as much as several layers).
 
 The registry maps HuggingFace `architectures` names to those modules; modules
 are imported lazily, on first use.
@@ -26,10 +30,51 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
 from kvjax.specs import CacheSpec
 
 __all__ = ["Model", "Family", "register_family", "get_family", "family_for_architecture",
-           "supported_architectures"]
+           "supported_architectures", "check_logits_at", "gather_positions"]
+
+
+def check_logits_at(logits_at, tokens_shape: tuple[int, ...]) -> None:
+    """Checks a forward's `logits_at` against its tokens' [batch, q_len] shape.
+
+    Raises:
+      TypeError: not an integer array. ValueError: not [batch, k] with k >= 1, or (when
+        concrete) an index outside [0, q_len).
+    """
+    if logits_at is None:
+        return
+    batch, q_len = tokens_shape
+    if not jnp.issubdtype(jnp.result_type(logits_at), jnp.integer):
+        raise TypeError(f"forward: logits_at must be integer, got {jnp.result_type(logits_at)}.")
+    shape = jnp.shape(logits_at)
+    if len(shape) != 2 or shape[0] != batch or shape[1] < 1:
+        raise ValueError(f"forward: logits_at must be [batch={batch}, k >= 1] token indices, "
+                         f"got shape {shape}.")
+    if not isinstance(logits_at, jax.core.Tracer):
+        idx = np.asarray(logits_at)
+        if idx.min() < 0 or idx.max() >= q_len:
+            raise ValueError(f"forward: logits_at holds indices in [{idx.min()}, {idx.max()}]; "
+                             f"they must lie in [0, q_len={q_len}).")
+
+
+def gather_positions(x: Float[Array, "batch q_len hidden"], idx: Int[Array, "batch k"]
+                     ) -> Float[Array, "batch k hidden"]:
+    """`x[b, idx[b, j]]`: the hidden states of the tokens a forward's `logits_at` names.
+
+    Traced indices outside [0, q_len) give NaN rows (no silent clamping; concrete ones
+    are rejected by `check_logits_at`).
+    """
+    idx = jnp.asarray(idx, jnp.int32)
+    inside = (idx >= 0) & (idx < x.shape[1])  # take_along_axis would wrap negative indices
+    rows = jnp.take_along_axis(x, jnp.where(inside, idx, 0)[:, :, None], axis=1)
+    return jnp.where(inside[:, :, None], rows, jnp.nan)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +107,8 @@ class Model:
       family: the family name ("llama", "deepseek", ...).
       config: the family's frozen config.
       forward: the family's `forward` (see the module docstring) -> (logits, cache), or
-        (logits, cache, queries) with `observe=True`.
+        (logits, cache, queries) with `observe=True`; logits at every token, or at the
+        tokens `logits_at` names.
       cache_spec: the family's `cache_spec(config, *, page_size, num_pages, max_seqs,
         max_pages_per_seq, dtype) -> CacheSpec`.
       unstack_layers: the family's `unstack_layers(params) -> params` (per-layer
@@ -77,10 +123,13 @@ class Model:
     unstack_layers: Callable | None = None
 
     def apply(self, params, tokens, positions, cache, *, q_lengths, seq_ids=None,
-              impl="auto", select=None, observe: bool = False):
+              impl="auto", select=None, observe: bool = False, logits_at=None):
         """`forward` with this model's config bound (see the module docstring)."""
+        # A family registered before `logits_at` existed is still called without it.
+        extra = {} if logits_at is None else dict(logits_at=logits_at)
         return self.forward(params, self.config, tokens, positions, cache, q_lengths=q_lengths,
-                            seq_ids=seq_ids, impl=impl, select=select, observe=observe)
+                            seq_ids=seq_ids, impl=impl, select=select, observe=observe,
+                            **extra)
 
     def make_cache_spec(self, *, page_size: int, num_pages: int, max_seqs: int,
                         max_pages_per_seq: int, dtype="float32") -> CacheSpec:

@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kv_cache
+from kvjax.models.base import check_logits_at, gather_positions
 from kvjax.models.layers import (
     RopeConfig,
     apply_rope,
@@ -416,6 +417,7 @@ def forward(
     impl="auto",
     select: Callable | None = None,
     observe: bool = False,
+    logits_at: Int[Array, "batch k"] | None = None,
 ):
     """Runs the model on new tokens whose cache slots are already reserved.
 
@@ -435,10 +437,15 @@ def forward(
         None`, the pages each layer's decode attention reads (a cache policy's
         `before_attention`, wrapped by the decode loop).
       observe: also return the post-RoPE queries of every layer (for cache policies).
+      logits_at: int32[batch, k], token indices (in [0, q_len)) of each row at which to
+        compute logits; None: every token. The final norm and the LM head then run on k
+        rows per sequence instead of q_len (a prefill chunk needs only its last prompt
+        token's). Out-of-range indices give NaN logits (`kvjax.models.base.gather_positions`).
 
     Returns:
-      (float32 logits [batch, q_len, vocab], the cache with the new K/V written), plus,
-      with `observe`, the queries of every layer [layers, batch, q_len, q_heads, head_dim].
+      (float32 logits [batch, q_len, vocab] (or [batch, k, vocab] with `logits_at`), the
+      cache with the new K/V written), plus, with `observe`, the queries of every layer
+      [layers, batch, q_len, q_heads, head_dim].
     """
     c = config
     if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -451,6 +458,7 @@ def forward(
             f"forward: the cache was built for {cache.spec.attention} x {cache.spec.num_layers} "
             f"layers, the model needs {c.attention} x {c.num_layers} layers."
         )
+    check_logits_at(logits_at, tokens.shape)
     dtype = jnp.dtype(c.dtype)
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     cos, sin = rope_cos_sin(positions, c.rope, dtype)
@@ -484,6 +492,8 @@ def forward(
             x, cache, q = _layer(c, lp, layer, x, cache=cache, window=windows[layer], **args)
             queries.append(q)
         queries = jnp.stack(queries) if observe else None
+    if logits_at is not None:
+        x = gather_positions(x, logits_at)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
     logits = _lm_head(params, x, dtype).astype(jnp.float32)
     if observe:

@@ -359,7 +359,8 @@ def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
 
 @pytest.mark.parametrize("mla", [False, True])
 def test_layers_loop_copies_no_pool(rng, mla):
-    """A model-like step (Python loop over layers, as kvjax.decoding runs them) compiles
+    """A model-like step (a Python loop over layers, as a model's forward unrolls them in
+    the decode loop of kvjax.generate when its layers are unstacked or differ) compiles
     with no top-level op as large as a layer's code pool or its float16 scale pool: no
     layer slice copied out of the pools, no whole-pool f16 -> f32 conversion, no
     dequantized copy. Fails with sliced views (whole_pools=False)."""

@@ -10,7 +10,7 @@ import pytest
 from kvjax import generate as gen
 from kvjax.attention import registry
 from kvjax.cache.policies import H2O
-from kvjax.generate import loop
+from kvjax.generate import loop, sampling
 from kvjax.models import llama
 from kvjax.models.base import get_family
 from kvjax.rope import RopeConfig
@@ -42,7 +42,8 @@ def _decode_state(rng, model, params, policy, impl):
                              quant=QuantSpec(bits=2, group_size=PAGE, residual=RESIDUAL))
     req = loop._request(model, params, prompts, max_new_tokens=SEQ_PAGES * PAGE - 64,
                         cache=config, seq_ids=None, chunk_size=32, impl=impl, policy=policy)
-    state = loop._start(model, req, key=jax.random.key(0), sampling=loop.GREEDY, eos_ids=(),
+    keys = sampling.as_keys(jax.random.key(0), BATCH)
+    state = loop._start(model, req, keys=keys, sampling=loop.GREEDY, eos_ids=(),
                         free_finished=True, policy=policy, check=True)
     return state, req
 

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 from kvjax import cache as kcache
 from kvjax.cache import PagedKVCache
 from kvjax.models import layers
+from kvjax.models.base import check_logits_at, gather_positions
 from kvjax.models.deepseek import mla, moe
 from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.params import DeepseekLayerParams, DeepseekParams
@@ -92,6 +93,7 @@ def forward(
     impl="auto",
     select: Callable | None = None,
     observe: bool = False,
+    logits_at: Int[Array, "batch k"] | None = None,
 ):
     """Runs the model on new tokens, writing their latents into the cache.
 
@@ -113,12 +115,16 @@ def forward(
         absorbed query `[q_latent, q_rope]` [batch, heads, d_c + d_rope] (see
         `kvjax.models.base`).
       observe: also return the absorbed queries of every layer.
+      logits_at: int32[batch, k] token indices (in [0, q_len)) at which to compute
+        logits; None: every token (see `kvjax.models.base`).
 
     Returns:
-      (float32 logits [batch, q_len, vocab], updated cache), plus, with `observe`, the
-      queries of every layer [layers, batch, q_len, heads, d_c + d_rope].
+      (float32 logits [batch, q_len, vocab] (or [batch, k, vocab] with `logits_at`),
+      updated cache), plus, with `observe`, the queries of every layer
+      [layers, batch, q_len, heads, d_c + d_rope].
     """
     _check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids)
+    check_logits_at(logits_at, tokens.shape)
     q_lengths = q_lengths.astype(jnp.int32)
     rows = dict(q_lengths=q_lengths, seq_ids=seq_ids)
     cos, sin = mla.rope_tables(config, positions)
@@ -151,6 +157,8 @@ def forward(
                                      (params.moe_layers, jnp.arange(n, dtype=jnp.int32)))
         queries.append(q)
 
+    if logits_at is not None:
+        x = gather_positions(x, logits_at)
     x = layers.rms_norm(x, params.final_norm, eps)
     head = params.embed.T if config.tie_word_embeddings else params.lm_head
     logits = layers.linear(x, head, None).astype(jnp.float32)
