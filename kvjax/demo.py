@@ -2,8 +2,8 @@
 
 For the embedded GQA (Llama-style) and MLA (DeepSeek-style) byte-level models
 it completes one Python prompt greedily with a bf16 cache, KIVI int4 and int2
-caches and an eviction policy (StreamingLLM, GQA only: kvjax's policies act
-on per-head K/V pages, not on MLA's latent), and prints each completion, the
+caches, and on the GQA model an eviction policy too (StreamingLLM; policies act on
+MLA latent caches as well, the demo keeps its table short), and prints each completion, the
 KV bytes the sequence holds, decode tokens/s and agreement with the bf16 output.
 
 Each configuration runs through `kvjax.generate.generate`. The prompt is fed

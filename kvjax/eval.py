@@ -191,7 +191,7 @@ def cache_configs(model_name: str, context: int, budgets) -> list:
            CacheConfig(name="KIVI-4", bits=4, residual=128),
            CacheConfig(name="KIVI-2", bits=2, residual=128)]
     if model_name != "gqa":
-        return out  # kvjax's policies score per-head K pages; MLA caches one latent
+        return out  # the MLA model never learned retrieval (docs/models.md): nothing to evict
     for frac in budgets:
         b = max(8, int(round(frac * context)))
         pct = f"{frac:.0%}"

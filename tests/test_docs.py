@@ -20,8 +20,6 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CITATION = re.compile(r"NOTES(?:\.md)?\b|\bnotes v\d|/work/")
 SOURCE_DIRS = ("kvjax", "kernels_pallas", "scripts", "benchmarks", "notebooks", "tests")
 SOURCE_SUFFIXES = {".py", ".cc", ".h", ".cpp", ".md", ".toml"}
-# Files whose owners remove their citations as they rewrite them.
-PENDING = {"kvjax/attention/xla.py", "kvjax/attention/xla_quantized.py"}
 
 
 def test_readme_is_short():
@@ -68,18 +66,12 @@ def test_no_source_cites_notes_or_outside_paths():
     bad = []
     for p in _sources():
         rel = p.relative_to(ROOT).as_posix()
-        if rel in PENDING or rel == "tests/test_docs.py":
+        if rel == "tests/test_docs.py":
             continue
         for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
             if CITATION.search(line):
                 bad.append(f"{rel}:{i}: {line.strip()[:100]}")
     assert not bad, "cite docs/ or the code instead:\n" + "\n".join(bad)
-
-
-def test_pending_citations_are_still_pending():
-    # A file cleaned up leaves the PENDING list, so the check above covers it again.
-    clean = [f for f in PENDING if not CITATION.search((ROOT / f).read_text())]
-    assert not clean, f"remove {clean} from PENDING in tests/test_docs.py"
 
 
 def test_benchmark_results_keep_the_latest_run_per_machine_kind():

@@ -39,7 +39,7 @@ hoists that conversion out of the loop — a float32 copy of the whole pool at
 every step. The loop therefore passes the readers' arrays through an
 `optimization_barrier` together with the loop counter, which makes them
 loop-variant to XLA, so every conversion stays inside the block it belongs to
-(benchmarks/NOTES.md). Outputs follow the reference's conventions: `out` in the
+(docs/attention-backends.md). Outputs follow the reference's conventions: `out` in the
 query's dtype, `lse` float32, rows that see no key give 0 and -inf.
 """
 
@@ -70,7 +70,7 @@ __all__ = [
 # Default block size, in float32 bytes of one block of keys and values for all heads and
 # sequences. Large enough that the loop's per-step overhead (~10-20 us here) is small,
 # small enough that the block stays in the 2 MiB L2 / L3 while it is used twice (logits,
-# then values). See benchmarks/NOTES.md.
+# then values); docs/attention-backends.md.
 DEFAULT_BLOCK_BYTES = 4 << 20
 MIN_BLOCK_TOKENS = 16
 MAX_BLOCK_TOKENS = 512
@@ -243,7 +243,7 @@ def paged_attention_core(
         vs = ks[0] if v_reader is None else blocks[-1]
         # Logits as [heads, batch, tokens, rows]: the block is the matmul's large left operand
         # and the few query rows its right one, which XLA:CPU runs about 2x faster than
-        # rows x tokens (benchmarks/NOTES.md).
+        # rows x tokens (docs/attention-backends.md).
         s = sum(_dot(k, q, 3, 3) for qp, kp in zip(q_parts, ks, strict=True)
                 for q, k in zip(qp, kp, strict=True))
         if soft_cap is not None:

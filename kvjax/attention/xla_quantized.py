@@ -25,11 +25,11 @@ loop multiplies each slice with its slice of the queries and accumulates each
 value slice on its own): int4 as its two bit fields, int2 as two pairs of
 fields, so at most two fields are ever concatenated (XLA:CPU emits a
 concatenation as a per-element select between its operands; the choice was
-measured: benchmarks/NOTES.md, v4).
+measured: docs/attention-backends.md).
 The loop passes the readers' arrays through the core's optimization barrier,
 which also keeps XLA:CPU from hoisting a whole-pool float32 conversion of the
 float16 scale/zero pools out of the loop (XLA:CPU has no f16 gather, the
-same trap as bf16 pages: benchmarks/NOTES.md, v2).
+same trap as bf16 pages: docs/attention-backends.md).
 
 The full-precision tail (positions [Q, L), at most R + page_size tokens per
 sequence) is attended as the reference does and merged with the pages'
@@ -119,7 +119,7 @@ def _dequantize_fields(c, s, z, *, bits, grouping):
                 x = f * s[..., g:g + 1] + z[..., g:g + 1]
         out.append(x.reshape(heads, batch, bp * ps, wk))
     # At most two slices: int4 gives its two fields, int2 pairs of fields (fields 2j and
-    # 2j+1 are adjacent channels). Measured at head_dim 128 (benchmarks/NOTES.md, v4):
+    # 2j+1 are adjacent channels). Measured at head_dim 128 (docs/attention-backends.md):
     # four 32-channel slices (int2) cost ~25% more than two concatenated pairs, and
     # concatenating int4's two fields into one slice ~35% more than two slices.
     m = k // min(k, 2)
