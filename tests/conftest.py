@@ -8,6 +8,7 @@ runs the full product. The header of the run states which.
 """
 
 import datetime
+import gc
 import os
 import random
 
@@ -29,6 +30,20 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test file.
+
+    Each XLA:CPU executable holds a few memory mappings of JIT code; a worker that runs
+    half the suite compiles enough programs to reach the kernel's limit of 65530
+    mappings per process (vm.max_map_count), after which XLA crashes with a segfault
+    inside its next compile. Files share few programs, so little is recompiled.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
