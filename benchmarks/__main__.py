@@ -20,6 +20,9 @@ and fails only on wrong results, never on speed):
   e2e       greedy decode vs HuggingFace transformers, Llama and DeepSeek (MLA),
             float32 and bfloat16: tokens/s, peak memory, same tokens
             (benchmarks/e2e_hf.py)
+  kvbits    decode tokens/s through `kvjax.generate` on bf16, KIVI int4 and int2 caches,
+            batch 8 x 4K context, 8 KV heads x 128, ratios to bf16 in one run
+            (benchmarks/kv_bits.py)
   capacity  sequences that fit in a fixed KV budget (contiguous / paged bf16 /
             int4 / int2, benchmarks/capacity.py) and, in the full run, peak pages
             per eviction policy (benchmarks/eviction.py)
@@ -55,7 +58,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/__main__.py` as well as `python -m benchmarks`
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "capacity", "kernels")
+SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "capacity", "kernels")
 
 
 def cpu_flags() -> list[str]:
@@ -150,6 +153,11 @@ def _e2e(quick, out):
         raise RuntimeError("e2e reported a failure")
 
 
+def _kvbits(quick, out):
+    from benchmarks import kv_bits
+    kv_bits.main((["--quick"] if quick else []) + ["--out", str(out)])
+
+
 def _capacity(quick, out):
     from benchmarks import capacity
     # Quick: explicit small sizes (capacity.py's own --quick preset admits 256 sequences).
@@ -177,6 +185,7 @@ RUNNERS = dict(
     pool=lambda q, o: _attention(q, o, paging=False),
     decode=_decode,
     e2e=_e2e,
+    kvbits=_kvbits,
     capacity=_capacity,
     kernels=_kernels,
 )

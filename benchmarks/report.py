@@ -197,6 +197,14 @@ def summary_rows(run: dict) -> list[list[str]]:
                         f"{100 * r['same_tokens_fraction']:.0f}% same tokens")
             rows.append([f"greedy decode, {size} ({cfg.get('dtype', dec.get('dtype', ''))}), "
                          f"batch {r['batch']} x {r['prompt_len']}-token prompts", fig])
+    kvb = _data(run, "kvbits")
+    if kvb:
+        by = {r["cache"]: r for r in kvb["results"]}
+        if "bf16" in by:
+            q = [f"{k} {by[k]['vs_bf16']:.2f}x" for k in ("int4", "int2") if k in by]
+            rows.append([f"decode tokens/s through `generate`, KIVI caches / bf16 cache (batch "
+                         f"{kvb['batch']} x {kvb['context']} tokens)",
+                         f"bf16 {by['bf16']['tokens_per_s']:.0f} tokens/s; " + ", ".join(q)])
     cap = _data(run, "capacity")
     if cap:
         lay = {r["layout"]: r for r in cap["layouts"]}

@@ -24,7 +24,7 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = json.loads((tmp_path / "run.json").read_text())
     sections = run["sections"]
-    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "capacity"}
+    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "kvbits", "capacity"}
     assert all(s["status"] == "ok" for s in sections.values()), {
         k: s.get("error", "")[-2000:] for k, s in sections.items()}
     roof = sections["roofline"]["data"]
@@ -41,6 +41,12 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path):
     assert families == {"llama", "deepseek"}
     for r in e2e["results"]:  # float32: greedy tokens identical to transformers'
         assert r["engines"]["hf_dynamic"]["same_tokens_as_kvjax"] == 1.0
+    kvb = {r["cache"]: r for r in sections["kvbits"]["data"]["results"]}
+    assert set(kvb) == {"bf16", "int4", "int2"}
+    assert all(r["tokens_per_s"] > 0 and r["kv_bytes_read"] > 0 for r in kvb.values())
+    # KIVI pages read fewer bytes than bf16 pages for the same context.
+    read = [kvb[c]["kv_bytes_read"] for c in ("int2", "int4", "bf16")]
+    assert read == sorted(set(read)), read
     cap = sections["capacity"]["data"]
     assert len(cap["layouts"]) == 5 and all(r["sequences"] > 0 for r in cap["layouts"])
 
