@@ -52,9 +52,9 @@ def as_keys(key, batch: int) -> jax.Array:
         raise ValueError("key must be a PRNG key, e.g. jax.random.key(0), got None.")
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
-            raise ValueError(f"key must be a PRNG key (jax.random.key) or raw uint32[..., 2] "
-                             f"key data (jax.random.PRNGKey), got {key.dtype}{list(key.shape)}.")
+        if key.dtype != jnp.uint32 or key.ndim == 0:  # wrap_key_data checks the key width
+            raise ValueError(f"key must be a PRNG key (jax.random.key) or raw uint32 key data "
+                             f"(jax.random.PRNGKey), got {key.dtype}{list(key.shape)}.")
         key = jax.random.wrap_key_data(key)
     if key.shape == ():
         return jax.random.split(key, batch)
