@@ -7,7 +7,6 @@ from it. It asserts nothing about speed.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_run_exits_zero_and_writes_json(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the suite's 8 fake CPU devices are not the benchmark's
+def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
+    env = dict(child_env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-plots",
                            "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)

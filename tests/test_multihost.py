@@ -10,7 +10,6 @@ the same model and prompts, made here.
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ def _script():
     return mod
 
 
-def test_two_processes_decode_the_tokens_of_one(rng):
+def test_two_processes_decode_the_tokens_of_one(rng, child_env):
     import kvjax as kvx
     from kvjax.backends import cpu
 
@@ -37,8 +36,7 @@ def test_two_processes_decode_the_tokens_of_one(rng):
     lengths[0] = 20  # one prompt spans two pages: the context axis splits it
     prompts = [rng.integers(0, 128, size=n).tolist() for n in lengths]
     new_tokens = 6
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)  # this suite's 8 devices per process are not the script's 4
+    env = dict(child_env, PYTHONPATH=str(ROOT))  # the script sets its own 4 devices
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--launch-local", "2", "--context", "2",
          "--prompts", ";".join(",".join(map(str, p)) for p in prompts),

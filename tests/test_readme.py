@@ -20,7 +20,6 @@ The test provides a tiny random HuggingFace checkpoint with a tokenizer.json:
 `$CI_HF_CHECKPOINT` in commands, `CI_HF_CHECKPOINT` in python blocks.
 """
 
-import os
 import re
 import shlex
 import subprocess
@@ -119,11 +118,10 @@ def hf_checkpoint(tmp_path_factory):
     return d
 
 
-def _env(hf_checkpoint):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               CI_HF_CHECKPOINT=str(hf_checkpoint))
-    env.pop("XLA_FLAGS", None)  # the README's commands see one CPU device, as a user's would
-    return env
+def _env(hf_checkpoint, child_env):
+    # child_env: the README's commands see one CPU device, as a user's would
+    return dict(child_env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+                CI_HF_CHECKPOINT=str(hf_checkpoint))
 
 
 def _check_pip(cmd: str):
@@ -150,9 +148,10 @@ def test_readme_has_runnable_blocks():
 
 
 @pytest.mark.parametrize("kind,body,ci_body,directives,line", CASES)
-def test_readme_block_runs(kind, body, ci_body, directives, line, hf_checkpoint, tmp_path):
+def test_readme_block_runs(kind, body, ci_body, directives, line, hf_checkpoint, tmp_path,
+                           child_env):
     where = f"README.md:{line}"
-    env = _env(hf_checkpoint)
+    env = _env(hf_checkpoint, child_env)
     if kind == "command":
         if body.startswith("pip install"):
             _check_pip(body)

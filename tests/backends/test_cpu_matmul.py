@@ -244,18 +244,16 @@ print("ok")
 
 @needs_kernel
 @pytest.mark.parametrize("spin_us", ["0", "1000000"])
-def test_helpers_park_or_spin(spin_us, rng):
+def test_helpers_park_or_spin(spin_us, rng, child_env):
     """The helper threads and the waiting caller park at once (spin_us 0, here set through
     its environment variable) or spin a second before parking: the same products either
     way, and no call hangs."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, KVJAX_CPU_SPIN_US=spin_us, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = dict(child_env, KVJAX_CPU_SPIN_US=spin_us, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _SPIN_SCRIPT, str(rng.integers(1 << 30))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

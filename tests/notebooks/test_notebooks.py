@@ -30,7 +30,7 @@ def test_ipynb_in_sync_with_py(src):
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
-def test_notebook_runs(src, tmp_path, monkeypatch):
+def test_notebook_runs(src, tmp_path, monkeypatch, child_env):
     nb = jupytext.read(src)
     last = [c.source for c in nb.cells if c.cell_type == "code"][-1]
     assert "assert" in last, f"{src.name} must end with assertions of what it shows"
@@ -38,7 +38,7 @@ def test_notebook_runs(src, tmp_path, monkeypatch):
     env = {
         "KVJAX_FIGURES": str(figures),
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": child_env["XLA_FLAGS"] + " --xla_force_host_platform_device_count=8",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     for k, v in env.items():
