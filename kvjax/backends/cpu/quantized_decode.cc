@@ -96,10 +96,27 @@ inline v16i widen_bytes(const uint8_t* p) {
   // GCC turns the generic conversion below into byte-by-byte inserts; vpmovzxbd is one op.
   __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return reinterpret_cast<v16i&>(w);
+#elif defined(__AVX2__)
+  // Same: the generic conversion is byte inserts; two vpmovzxbd of 8 bytes each.
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_cvtepu8_epi32(x), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(x, 8));
+  v16i w;
+  std::memcpy(&w, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&w) + 32, &hi, 32);
+  return w;
 #else
   return __builtin_convertvector(*reinterpret_cast<const u8x16*>(p), v16i);
 #endif
 }
+
+// Float32 accumulators (v16) the register-blocked code loops keep live: a v16 is one of
+// AVX-512's 32 zmm registers, two of AVX2's 16 ymm registers (more spilled: the AVX2 build
+// of the AVX-512 blocking ran at 0.7x of the XLA path).
+#ifdef __AVX512F__
+constexpr int kAccVecs = 16;
+#else
+constexpr int kAccVecs = 4;
+#endif
 
 // Codes of 16 consecutive bytes' field at bit `shift`, as float32: widen, shift, mask.
 template <int BITS>
@@ -413,20 +430,30 @@ __attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t 
     return;
   }
 #endif
-  for (int j = 0; j < kLanes; ++j) {
-    if (pf) prefetch_codes(*pf, j);
-    // Two accumulators per row (even and odd fields): half the dependent chain.
-    v16 a[2][NB];
-    for (int r = 0; r < NB; ++r) a[0][r] = v16{}, a[1][r] = v16{};
-    const uint8_t* kr = ch.k + j * kw;
-    for (int64_t c = 0; c < n; c += kLanes) {
-      const v16i x = widen_bytes(kr + c);
-      for (int f = 0; f < k; ++f) {
-        const v16 code = code_field<BITS>(x, f);
-        for (int r = 0; r < NB; ++r) a[f % 2][r] += load16(q + r * D + f * n + c) * code;
+  if constexpr (NB > kAccVecs) {
+    // More rows than accumulators: blocks of rows, each unpacking the codes again.
+    for (int r0 = 0; r0 < NB; r0 += kAccVecs)
+      chunk_logits<kAccVecs, DT>(q + r0 * D, D, ch, parts + r0 * kLanes, r0 ? nullptr : pf);
+    return;
+  } else {
+    // Two accumulators per row (even and odd fields) where the registers hold them: half
+    // the dependent chain.
+    constexpr int A = 2 * NB <= kAccVecs ? 2 : 1;
+    for (int j = 0; j < kLanes; ++j) {
+      if (pf) prefetch_codes(*pf, j);
+      v16 a[A][NB];
+      for (int r = 0; r < NB; ++r)
+        for (int i = 0; i < A; ++i) a[i][r] = v16{};
+      const uint8_t* kr = ch.k + j * kw;
+      for (int64_t c = 0; c < n; c += kLanes) {
+        const v16i x = widen_bytes(kr + c);
+        for (int f = 0; f < k; ++f) {
+          const v16 code = code_field<BITS>(x, f);
+          for (int r = 0; r < NB; ++r) a[f % A][r] += load16(q + r * D + f * n + c) * code;
+        }
       }
+      for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = A == 2 ? a[0][r] + a[A - 1][r] : a[0][r];
     }
-    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[0][r] + a[1][r];
   }
 }
 
@@ -668,7 +695,11 @@ inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, cons
   if (!ch.k) return chunk_accumulate<NB, DVT>(acc, Dv_rt, alpha, probs, *ch.rows);
   constexpr int k = 8 / BITS;
   const int64_t Dv = DVT ? DVT : Dv_rt, n = Dv / k;
-  constexpr int RB = NB * k <= 16 ? NB : std::max(1, 16 / k);
+  // Rows per pass: all k fields of NB rows in registers (one widening per 16 bytes serves
+  // them all); where fewer accumulators fit (AVX2), passes over the fields instead.
+  constexpr int RB = kAccVecs < 16 ? std::min(NB, kAccVecs)
+                                   : (NB * k <= 16 ? NB : std::max(1, 16 / k));
+  constexpr int FB = std::max(1, std::min(k, kAccVecs / RB));  // fields per pass
   if constexpr (RB < NB) {
     for (int r0 = 0; r0 < NB; r0 += RB)
       chunk_accumulate<RB, DVT>(acc + r0 * Dv, Dv, alpha + r0, probs + r0 * kLanes, ch);
@@ -682,22 +713,24 @@ inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, cons
     float z[NB * kMaxValueGroups];
     value_weights<NB>(probs, ch, w, z);
     for (int64_t c = 0; c < n; c += kLanes) {
-      int64_t gf[k];  // the value group of each field's 16 channels
-      for (int f = 0; f < k; ++f) gf[f] = (f * n + c) / vgroup;
-      v16 x[NB][k];
-      for (int r = 0; r < NB; ++r)
-        for (int f = 0; f < k; ++f)
-          x[r][f] = load16(acc + r * Dv + f * n + c) * splat(alpha[r]) +
-                    splat(z[r * kMaxValueGroups + gf[f]]);
-      for (int j = 0; j < kLanes; ++j) {
-        const v16i b = widen_bytes(ch.v + j * vw + c);
-        for (int f = 0; f < k; ++f) {
-          const v16 code = code_field<BITS>(b, f);
-          for (int r = 0; r < NB; ++r) x[r][f] += splat(w[r * m + j * vg + gf[f]]) * code;
+      for (int f0 = 0; f0 < k; f0 += FB) {
+        int64_t gf[FB];  // the value group of each field's 16 channels
+        for (int f = 0; f < FB; ++f) gf[f] = ((f0 + f) * n + c) / vgroup;
+        v16 x[NB][FB];
+        for (int r = 0; r < NB; ++r)
+          for (int f = 0; f < FB; ++f)
+            x[r][f] = load16(acc + r * Dv + (f0 + f) * n + c) * splat(alpha[r]) +
+                      splat(z[r * kMaxValueGroups + gf[f]]);
+        for (int j = 0; j < kLanes; ++j) {
+          const v16i b = widen_bytes(ch.v + j * vw + c);
+          for (int f = 0; f < FB; ++f) {
+            const v16 code = code_field<BITS>(b, f0 + f);
+            for (int r = 0; r < NB; ++r) x[r][f] += splat(w[r * m + j * vg + gf[f]]) * code;
+          }
         }
+        for (int r = 0; r < NB; ++r)
+          for (int f = 0; f < FB; ++f) store16(acc + r * Dv + (f0 + f) * n + c, x[r][f]);
       }
-      for (int r = 0; r < NB; ++r)
-        for (int f = 0; f < k; ++f) store16(acc + r * Dv + f * n + c, x[r][f]);
     }
   }
 }
