@@ -11,6 +11,8 @@ import datetime
 import gc
 import os
 import random
+import shutil
+import tempfile
 
 # Must happen before any JAX backend starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,6 +28,17 @@ _TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_e
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given] + [f for f in _TEST_XLA_FLAGS if f.split("=")[0] not in _given]).strip()
+
+# One persistent compilation cache for the session, shared by both xdist workers (they
+# inherit the controller's environment) and every child process the tests start: the
+# workers and the README, demo and notebook processes compile many of the same programs
+# (the tiny models' decode loops), and a worker recompiles what it dropped to stay under
+# the mapping limit (below). A fresh folder per run: nothing carries over between runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-test-xla-cache-")
+    os.environ["KVJAX_TEST_OWNS_CACHE_DIR"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
@@ -92,6 +105,14 @@ def pytest_addoption(parser):
                          "default: a daily sample covering every value of every axis")
     group.addoption("--sweep-seed", type=int, default=None,
                     help="seed of the sweep sample (default: today's UTC date as YYYYMMDD)")
+
+
+def pytest_unconfigure(config):
+    # The controller (not an xdist worker) removes the session's compilation cache.
+    owned = os.environ.get("KVJAX_TEST_OWNS_CACHE_DIR")
+    if owned and owned == os.environ.get("JAX_COMPILATION_CACHE_DIR") and not hasattr(
+            config, "workerinput"):
+        shutil.rmtree(owned, ignore_errors=True)
 
 
 def pytest_configure(config):
