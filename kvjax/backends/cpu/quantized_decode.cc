@@ -242,15 +242,35 @@ inline v16 code_field(v16i x, int f) {
   }
 }
 
-// Integer logits (AVX512-VNNI): the folded query rows of a key group rounded to 16-bit
-// integers, m = max |q s| of the row mapped to 32767, and the codes' dot products taken in
-// int32 (chunk_logits), exact, then scaled by m / 32767. The rounding changes a logit by at
-// most (m / 65534) * sum_c code_c: about 2^-16 of the row's largest term per code unit,
-// far inside the codes' own quantization error (KVJAX_CPU_INT_LOGITS=0: float32 FMAs).
-#ifdef __AVX512VNNI__
+// AVX2 without AVX-512: the integer paths below through vpmaddwd (pairs of int16 products
+// summed into 8 int32 lanes: vpdpwssd without the accumulate, so a vpaddd after it). On
+// AVX2 the float32 code paths are bound by the FMA ports (two per cycle) plus the codes'
+// conversions; vpmaddwd does twice an FMA's multiplies and needs no conversion.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define KVJAX_AVX2_INT 1
+#endif
+
+// Integer logits (AVX512-VNNI, or AVX2's vpmaddwd): the folded query rows of a key group
+// rounded to 16-bit integers, m = max |q s| of the row mapped to 32767, and the codes' dot
+// products taken in int32 (chunk_logits), exact, then scaled by m / 32767. The rounding
+// changes a logit by at most (m / 65534) * sum_c code_c: about 2^-16 of the row's largest
+// term per code unit, far inside the codes' own quantization error
+// (KVJAX_CPU_INT_LOGITS=0: float32 FMAs).
+#if defined(__AVX512VNNI__) || defined(KVJAX_AVX2_INT)
 constexpr bool kIntLogits = true;
 #else
 constexpr bool kIntLogits = false;
+#endif
+// Codes per block of the integer logits loop: a zmm (vpdpwssd) or a ymm (vpmaddwd) of
+// 16-bit words; each field must be whole blocks.
+// On AVX2 only keys of 4 and 8 bits: 2-bit keys' integer logits measured no faster than
+// the float32 ones (AMD EPYC Zen 3, 0.94-1.05x; 4-bit 1.07-1.3x).
+#ifdef KVJAX_AVX2_INT
+constexpr int64_t kIntLogitBlock = kLanes;
+constexpr int64_t kIntLogitMinBits = 4;
+#else
+constexpr int64_t kIntLogitBlock = 2 * kLanes;
+constexpr int64_t kIntLogitMinBits = 2;
 #endif
 
 // A row of n vectors, row(i) the i-th, whose largest |entry| is m, as int16: its values in
@@ -263,6 +283,21 @@ inline void store_int_row(Row&& row, int64_t n, float m, float* dst) {
   for (int64_t i = 0; i < n; ++i)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + i * kLanes),
                         _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32((__m512)(row(i) * inv))));
+  dst[n * kLanes / 2] = m / 32767.0f;  // cvtps: nearest
+#elif defined(KVJAX_AVX2_INT)
+  typedef float v8 __attribute__((vector_size(32)));
+  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  int16_t* qi = reinterpret_cast<int16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    const v16 x = row(i) * inv;
+    const v8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8 hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    // vpackssdw interleaves the halves by 128-bit lanes: the qword permute restores order.
+    const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32((__m256)lo),
+                                              _mm256_cvtps_epi32((__m256)hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + i * kLanes),
+                        _mm256_permute4x64_epi64(packed, 0xd8));
+  }
   dst[n * kLanes / 2] = m / 32767.0f;  // cvtps: nearest
 #else
   (void)row, (void)n, (void)m, (void)dst;
@@ -429,6 +464,42 @@ __attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t 
     }
     return;
   }
+#elif defined(KVJAX_AVX2_INT)
+  if (ch.geo->int_logits) {
+    // 16 codes as 16-bit words against 16 of the row's int16 query values: one vpmaddwd
+    // and one vpaddd per row where the float32 path needs two FMAs, and the codes' two
+    // conversions, per 16 codes (one widening per 16 bytes serves all k fields). Up to 8
+    // rows: their int32 sums fill half of AVX2's 16 registers. The sums' 8 lanes go to
+    // the low half of the row's part (the high half zero; chunk_scores adds all 16).
+    static_assert(NB <= 8, "for_row_blocks gives at most 8 rows");
+    const __m256i mask = _mm256_set1_epi16((1 << BITS) - 1);
+    for (int j = 0; j < kLanes; ++j) {
+      if (pf) prefetch_codes(*pf, j);
+      __m256i a[NB];
+      for (int r = 0; r < NB; ++r) a[r] = _mm256_setzero_si256();
+      const uint8_t* kr = ch.k + j * kw;
+      for (int64_t c = 0; c < n; c += kLanes) {
+        const __m256i x =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + c)));
+        for (int f = 0; f < k; ++f) {
+          __m256i code = f ? _mm256_srli_epi16(x, f * BITS) : x;
+          if constexpr (BITS < 8)
+            if (f < k - 1) code = _mm256_and_si256(code, mask);
+          for (int r = 0; r < NB; ++r)
+            a[r] = _mm256_add_epi32(
+                a[r], _mm256_madd_epi16(code, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                  reinterpret_cast<const int16_t*>(q + r * D) +
+                                                  f * n + c))));
+        }
+      }
+      for (int r = 0; r < NB; ++r) {
+        __m256i* part = reinterpret_cast<__m256i*>(parts + r * kLanes + j);
+        _mm256_storeu_si256(part, a[r]);
+        _mm256_storeu_si256(part + 1, _mm256_setzero_si256());
+      }
+    }
+    return;
+  }
 #endif
   if constexpr (NB > kAccVecs) {
     // More rows than accumulators: blocks of rows, each unpacking the codes again.
@@ -515,6 +586,34 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
     }
     return;
   }
+#elif defined(__AVX2__)
+  if ((vg & (vg - 1)) == 0 && vg <= 8) {
+    // As above in 8-lane halves (the scalar loop below cost as much as the chunk's FMAs):
+    // half h's lanes are tokens (8 h + i) / vg, which lie in one aligned 8-token half of
+    // the row's probabilities, groups i mod vg.
+    const int lg = __builtin_ctzll(vg);
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < NB; ++r) {
+      const float* pr = p + r * kLanes;
+      __m256 zs = _mm256_setzero_ps();
+      for (int64_t h = 0; h < 2 * vg; ++h) {
+        const int64_t t0 = (8 * h) >> lg;
+        const __m256i tok = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(t0 & 7)),
+                                             _mm256_srli_epi32(iota, lg));
+        const __m256 pp = _mm256_permutevar8x32_ps(_mm256_loadu_ps(pr + (t0 & ~7)), tok);
+        _mm256_storeu_ps(w + r * m + 8 * h, _mm256_mul_ps(pp, _mm256_load_ps(s + 8 * h)));
+        zs = _mm256_fmadd_ps(pp, _mm256_load_ps(zero + 8 * h), zs);
+      }
+      // Lane i: the sum over lanes congruent to i mod vg.
+      if (vg <= 4) zs = _mm256_add_ps(zs, _mm256_permute2f128_ps(zs, zs, 1));
+      if (vg <= 2) zs = _mm256_add_ps(zs, _mm256_permute_ps(zs, 0x4e));
+      if (vg <= 1) zs = _mm256_add_ps(zs, _mm256_permute_ps(zs, 0xb1));
+      alignas(32) float zl[8];
+      _mm256_store_ps(zl, zs);
+      for (int64_t g = 0; g < vg; ++g) z[r * kMaxValueGroups + g] = zl[g];
+    }
+    return;
+  }
 #endif
   for (int r = 0; r < NB; ++r) {
     float* zr = z + r * kMaxValueGroups;
@@ -527,13 +626,13 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
   }
 }
 
-// Integer values (AVX512-VNNI and VBMI): a chunk's value weights p s rounded to 16-bit
+// Integer values (AVX512-VNNI and VBMI, or AVX2's vpmaddwd): a chunk's value weights p s rounded to 16-bit
 // integers per query row and value group (the largest over the chunk's tokens, m, mapped to
 // 32767) and the codes of a token pair dotted with them by vpdpwssd, exact int32 sums over
 // the chunk, then scaled by m / 32767 into the float32 accumulator. A weight moves by at
 // most m / 65534, so a chunk's sum for a channel by at most (m / 65534) * sum_j code_j:
 // about 2^-16 of the chunk's largest term per code unit (KVJAX_CPU_INT_VALUES=0: FMAs).
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) || defined(KVJAX_AVX2_INT)
 constexpr bool kIntValues = true;
 #else
 constexpr bool kIntValues = false;
@@ -613,6 +712,44 @@ inline void int_value_weights(const float* p, const CodeChunk<BITS, S>& ch, int3
                                 geo.pad_mask, _mm512_load_si512(geo.out_index[zi]), packed));
     }
   }
+#elif defined(KVJAX_AVX2_INT)
+  // AVX2 (int_accumulate below): the same rounding, dense pairs: row r's pair t of group g
+  // at r kIntRow + t vg + g; dq[r kMaxIntGroups + g].
+  const int64_t vg = ch.geo->vg, m = kLanes * vg;
+  alignas(32) float w[NB * kLanes * kMaxIntGroups];
+  value_weights<NB>(p, ch, w, z);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  // Words of a pair of halves (after vpackssdw, and a qword permute below 8 groups, in
+  // each 128-bit lane: token 2t's groups then token 2t + 1's) into dword pairs.
+  const __m256i pairs = vg == 2 ? _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11,
+                                                   14, 15, 0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13,
+                                                   10, 11, 14, 15)
+                                : _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7,
+                                                   14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,
+                                                   6, 7, 14, 15);
+  for (int r = 0; r < NB; ++r) {
+    const float* wr = w + r * m;
+    // Lane i: the row's largest |w| of group i mod vg (vg divides 8: half h's lane i is
+    // group i mod vg too).
+    __m256 x = _mm256_andnot_ps(sign, _mm256_load_ps(wr));
+    for (int64_t h = 1; h < 2 * vg; ++h)
+      x = _mm256_max_ps(x, _mm256_andnot_ps(sign, _mm256_load_ps(wr + 8 * h)));
+    if (vg <= 4) x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+    if (vg <= 2) x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4e));
+    if (vg <= 1) x = _mm256_max_ps(x, _mm256_permute_ps(x, 0xb1));
+    x = _mm256_max_ps(x, _mm256_set1_ps(1e-30f));  // a group of zero weights: no inf
+    _mm256_storeu_ps(dq + r * kMaxIntGroups, _mm256_mul_ps(x, _mm256_set1_ps(1.0f / 32767.0f)));
+    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(32767.0f), x);
+    __m256i* out = reinterpret_cast<__m256i*>(wq + r * kIntRow);
+    for (int64_t h = 0; h < 2 * vg; h += 2) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(wr + 8 * h), inv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(wr + 8 * h + 8), inv));
+      __m256i words = _mm256_packs_epi32(a, b);  // saturating; nearest (cvtps)
+      if (vg < 8) words = _mm256_permute4x64_epi64(words, 0xd8);
+      if (vg > 1) words = _mm256_shuffle_epi8(words, pairs);
+      _mm256_storeu_si256(out + h / 2, words);
+    }
+  }
 #else
   (void)p, (void)ch, (void)wq, (void)dq, (void)z;
 #endif
@@ -680,6 +817,63 @@ inline void int_accumulate(float* acc, int64_t Dv_rt, const float* alpha, const 
         store16(x, load16(x) * splat(alpha[r]) + splat(z[r * kMaxValueGroups + gf[f]]) +
                        (v16)_mm512_cvtepi32_ps(a[r][f]) * splat(dq[r * vg + gf[f]]));
       }
+  }
+#elif defined(KVJAX_AVX2_INT)
+  // AVX2: per token pair, the two rows' 16 bytes interleaved (vpunpck{l,h}bw) and widened
+  // to words (vpmovzxbw): dword i holds channel i's codes of both tokens; each field masked
+  // / shifted out, one vpmaddwd and vpaddd per 8 channels, field and query row. The int32
+  // sums of FB fields of NB rows (2 ymm each) in registers, passes over the fields.
+  constexpr int k = 8 / BITS;
+  constexpr int FB = std::max(1, std::min(k, 4 / NB));  // fields per pass
+  static_assert(NB <= 4, "chunk_accumulate gives at most 4 rows on AVX2");
+  const int64_t Dv = DVT ? DVT : Dv_rt, n = Dv / k;
+  const CodeRows<S>& geo = *ch.geo;
+  const int64_t vw = geo.vw, vg = geo.vg;
+  alignas(32) int32_t wq[NB * kIntRow];
+  alignas(32) float dq[NB * kMaxIntGroups];
+  float z[NB * kMaxValueGroups];
+  int_value_weights<NB>(probs, ch, wq, dq, z);
+  const __m256i mask = _mm256_set1_epi16((1 << BITS) - 1);
+  for (int64_t c = 0; c < n; c += kLanes) {
+    for (int f0 = 0; f0 < k; f0 += FB) {
+      int64_t gf[FB];  // the value group of each field's 16 channels
+      for (int f = 0; f < FB; ++f) gf[f] = geo.vec_group[((f0 + f) * n + c) / kLanes];
+      __m256i a[NB][FB][2];
+      for (int r = 0; r < NB; ++r)
+        for (int f = 0; f < FB; ++f) a[r][f][0] = a[r][f][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < kLanes / 2; ++t) {
+        const uint8_t* row = ch.v + 2 * t * vw + c;
+        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + vw));
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1));
+        const __m256i hi = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1));
+        for (int f = 0; f < FB; ++f) {
+          const int sh = (f0 + f) * BITS;
+          __m256i cl = sh ? _mm256_srli_epi16(lo, sh) : lo;
+          __m256i chi = sh ? _mm256_srli_epi16(hi, sh) : hi;
+          if constexpr (BITS < 8)
+            if (f0 + f < k - 1) cl = _mm256_and_si256(cl, mask), chi = _mm256_and_si256(chi, mask);
+          const int32_t* wt = wq + t * vg + gf[f];
+          for (int r = 0; r < NB; ++r) {
+            const __m256i wr = _mm256_set1_epi32(wt[r * kIntRow]);
+            a[r][f][0] = _mm256_add_epi32(a[r][f][0], _mm256_madd_epi16(cl, wr));
+            a[r][f][1] = _mm256_add_epi32(a[r][f][1], _mm256_madd_epi16(chi, wr));
+          }
+        }
+      }
+      for (int r = 0; r < NB; ++r)
+        for (int f = 0; f < FB; ++f) {
+          float* x = acc + r * Dv + (f0 + f) * n + c;
+          const __m256 al = _mm256_set1_ps(alpha[r]);
+          const __m256 zg = _mm256_set1_ps(z[r * kMaxValueGroups + gf[f]]);
+          const __m256 d = _mm256_set1_ps(dq[r * kMaxIntGroups + gf[f]]);
+          for (int u = 0; u < 2; ++u)
+            _mm256_storeu_ps(x + 8 * u,
+                             _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][f][u]), d,
+                                             _mm256_fmadd_ps(_mm256_loadu_ps(x + 8 * u), al, zg)));
+        }
+    }
   }
 #else
   (void)acc, (void)Dv_rt, (void)alpha, (void)probs, (void)ch;
@@ -816,10 +1010,11 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   // Whole chunks read in place by attend_rows (below).
   const bool in_place = fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 &&
                         a.v_groups <= kMaxValueGroups && a.tuning.rows;
-  // Their logits in 16-bit integers (int_query_row) where each field is whole 32-byte
-  // blocks and the int32 sums cannot overflow: 32767 * (2^bits - 1) * D < 2^31.
+  // Their logits in 16-bit integers (int_query_row) where each field is whole blocks
+  // (kIntLogitBlock) and the int32 sums cannot overflow: 32767 * (2^bits - 1) * D < 2^31.
   const bool int_logits = kIntLogits && a.tuning.int_logits && in_place &&
-                          (D / (8 / a.k_bits)) % (2 * kLanes) == 0 &&
+                          a.k_bits >= kIntLogitMinBits &&
+                          (D / (8 / a.k_bits)) % kIntLogitBlock == 0 &&
                           32767.0 * ((1 << a.k_bits) - 1) * D < 2147483648.0;
   // Their values in 16-bit integers (int_value_weights) where the groups per row are a
   // power of two up to 8 (a token pair's weights one dword after one in-block permute).
