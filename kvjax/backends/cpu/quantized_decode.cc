@@ -242,7 +242,7 @@ inline v16 code_field(v16i x, int f) {
   }
 }
 
-// AVX2 without AVX-512: the integer paths below through vpmaddwd (pairs of int16 products
+// AVX2 without AVX-512: the integer values below through vpmaddwd (pairs of int16 products
 // summed into 8 int32 lanes: vpdpwssd without the accumulate, so a vpaddd after it). On
 // AVX2 the float32 code paths are bound by the FMA ports (two per cycle) plus the codes'
 // conversions; vpmaddwd does twice an FMA's multiplies and needs no conversion.
@@ -250,27 +250,17 @@ inline v16 code_field(v16i x, int f) {
 #define KVJAX_AVX2_INT 1
 #endif
 
-// Integer logits (AVX512-VNNI, or AVX2's vpmaddwd): the folded query rows of a key group
-// rounded to 16-bit integers, m = max |q s| of the row mapped to 32767, and the codes' dot
-// products taken in int32 (chunk_logits), exact, then scaled by m / 32767. The rounding
-// changes a logit by at most (m / 65534) * sum_c code_c: about 2^-16 of the row's largest
-// term per code unit, far inside the codes' own quantization error
-// (KVJAX_CPU_INT_LOGITS=0: float32 FMAs).
-#if defined(__AVX512VNNI__) || defined(KVJAX_AVX2_INT)
+// Integer logits (AVX512-VNNI): the folded query rows of a key group rounded to 16-bit
+// integers, m = max |q s| of the row mapped to 32767, and the codes' dot products taken in
+// int32 (chunk_logits), exact, then scaled by m / 32767. The rounding changes a logit by at
+// most (m / 65534) * sum_c code_c: about 2^-16 of the row's largest term per code unit,
+// far inside the codes' own quantization error (KVJAX_CPU_INT_LOGITS=0: float32 FMAs).
+// AVX2's vpmaddwd logits measured no faster than the float32 FMAs there (AMD EPYC Zen 3:
+// 0.9x at 4 bits, 1.0x at 2), so AVX2 builds keep the FMAs.
+#ifdef __AVX512VNNI__
 constexpr bool kIntLogits = true;
 #else
 constexpr bool kIntLogits = false;
-#endif
-// Codes per block of the integer logits loop: a zmm (vpdpwssd) or a ymm (vpmaddwd) of
-// 16-bit words; each field must be whole blocks.
-// On AVX2 only keys of 4 and 8 bits: 2-bit keys' integer logits measured no faster than
-// the float32 ones (AMD EPYC Zen 3, 0.94-1.05x; 4-bit 1.07-1.3x).
-#ifdef KVJAX_AVX2_INT
-constexpr int64_t kIntLogitBlock = kLanes;
-constexpr int64_t kIntLogitMinBits = 4;
-#else
-constexpr int64_t kIntLogitBlock = 2 * kLanes;
-constexpr int64_t kIntLogitMinBits = 2;
 #endif
 
 // A row of n vectors, row(i) the i-th, whose largest |entry| is m, as int16: its values in
@@ -283,21 +273,6 @@ inline void store_int_row(Row&& row, int64_t n, float m, float* dst) {
   for (int64_t i = 0; i < n; ++i)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + i * kLanes),
                         _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32((__m512)(row(i) * inv))));
-  dst[n * kLanes / 2] = m / 32767.0f;  // cvtps: nearest
-#elif defined(KVJAX_AVX2_INT)
-  typedef float v8 __attribute__((vector_size(32)));
-  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
-  int16_t* qi = reinterpret_cast<int16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    const v16 x = row(i) * inv;
-    const v8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
-    const v8 hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    // vpackssdw interleaves the halves by 128-bit lanes: the qword permute restores order.
-    const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32((__m256)lo),
-                                              _mm256_cvtps_epi32((__m256)hi));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + i * kLanes),
-                        _mm256_permute4x64_epi64(packed, 0xd8));
-  }
   dst[n * kLanes / 2] = m / 32767.0f;  // cvtps: nearest
 #else
   (void)row, (void)n, (void)m, (void)dst;
@@ -461,42 +436,6 @@ __attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t 
         }
       }
       for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = (v16)a[r];  // int32 lanes
-    }
-    return;
-  }
-#elif defined(KVJAX_AVX2_INT)
-  if (ch.geo->int_logits) {
-    // 16 codes as 16-bit words against 16 of the row's int16 query values: one vpmaddwd
-    // and one vpaddd per row where the float32 path needs two FMAs, and the codes' two
-    // conversions, per 16 codes (one widening per 16 bytes serves all k fields). Up to 8
-    // rows: their int32 sums fill half of AVX2's 16 registers. The sums' 8 lanes go to
-    // the low half of the row's part (the high half zero; chunk_scores adds all 16).
-    static_assert(NB <= 8, "for_row_blocks gives at most 8 rows");
-    const __m256i mask = _mm256_set1_epi16((1 << BITS) - 1);
-    for (int j = 0; j < kLanes; ++j) {
-      if (pf) prefetch_codes(*pf, j);
-      __m256i a[NB];
-      for (int r = 0; r < NB; ++r) a[r] = _mm256_setzero_si256();
-      const uint8_t* kr = ch.k + j * kw;
-      for (int64_t c = 0; c < n; c += kLanes) {
-        const __m256i x =
-            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kr + c)));
-        for (int f = 0; f < k; ++f) {
-          __m256i code = f ? _mm256_srli_epi16(x, f * BITS) : x;
-          if constexpr (BITS < 8)
-            if (f < k - 1) code = _mm256_and_si256(code, mask);
-          for (int r = 0; r < NB; ++r)
-            a[r] = _mm256_add_epi32(
-                a[r], _mm256_madd_epi16(code, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                                  reinterpret_cast<const int16_t*>(q + r * D) +
-                                                  f * n + c))));
-        }
-      }
-      for (int r = 0; r < NB; ++r) {
-        __m256i* part = reinterpret_cast<__m256i*>(parts + r * kLanes + j);
-        _mm256_storeu_si256(part, a[r]);
-        _mm256_storeu_si256(part + 1, _mm256_setzero_si256());
-      }
     }
     return;
   }
@@ -1010,11 +949,10 @@ void quant_item(const QuantArgs& a, int64_t b, int64_t h) {
   // Whole chunks read in place by attend_rows (below).
   const bool in_place = fold && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0 &&
                         a.v_groups <= kMaxValueGroups && a.tuning.rows;
-  // Their logits in 16-bit integers (int_query_row) where each field is whole blocks
-  // (kIntLogitBlock) and the int32 sums cannot overflow: 32767 * (2^bits - 1) * D < 2^31.
+  // Their logits in 16-bit integers (int_query_row) where each field is whole 32-byte
+  // blocks and the int32 sums cannot overflow: 32767 * (2^bits - 1) * D < 2^31.
   const bool int_logits = kIntLogits && a.tuning.int_logits && in_place &&
-                          a.k_bits >= kIntLogitMinBits &&
-                          (D / (8 / a.k_bits)) % kIntLogitBlock == 0 &&
+                          (D / (8 / a.k_bits)) % (2 * kLanes) == 0 &&
                           32767.0 * ((1 << a.k_bits) - 1) * D < 2147483648.0;
   // Their values in 16-bit integers (int_value_weights) where the groups per row are a
   // power of two up to 8 (a token pair's weights one dword after one in-block permute).
