@@ -54,6 +54,17 @@ __attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, flo
   store16(probs, p);
 }
 
+// Vectors the loops of `attend` keep live: a v16 is one of AVX-512's 32 zmm registers but
+// two of AVX2's 16 ymm registers, so AVX2 builds take fewer at a time (the AVX-512 blocking
+// spilled there: MLA decode ran at 0.7-0.8x of the XLA path on an AVX2-only CPU).
+#ifdef __AVX512F__
+constexpr int kLogitTokens = 16;  // tokens whose partial sums one pass over a row keeps
+constexpr int kValueVecs = 8;     // accumulator vectors of one pass of the value loop
+#else
+constexpr int kLogitTokens = 4;
+constexpr int kValueVecs = 4;
+#endif
+
 // Online-softmax attention of G query rows over the chunks of positions [lo, hi).
 // `load(c0)` returns the Chunk of positions [c0, c0 + 16) (positions outside [lo, hi)
 // may hold anything finite: they are masked); `prefetch(c0)` hints the memory of a later
@@ -80,26 +91,30 @@ void attend(const Tuning& tuning, const float* qs, int64_t G, int64_t Dp_rt, int
 
     for (int64_t g = 0; g < G; ++g) {
       v16 part[kLanes];
-      for (int j = 0; j < kLanes; ++j) part[j] = v16{};
       const float* qg = (ch.q ? ch.q : qs) + g * Dp;
-      for (int64_t d = 0; d < Dp; d += kLanes) {
-        const v16 qv = load16(qg + d);
-        for (int j = 0; j < kLanes; ++j) part[j] += qv * load16(ch.k + j * ch.ks + d);
+      for (int j0 = 0; j0 < kLanes; j0 += kLogitTokens) {
+        v16 p[kLogitTokens];
+        for (int j = 0; j < kLogitTokens; ++j) p[j] = v16{};
+        for (int64_t d = 0; d < Dp; d += kLanes) {
+          const v16 qv = load16(qg + d);
+          for (int j = 0; j < kLogitTokens; ++j) p[j] += qv * load16(ch.k + (j0 + j) * ch.ks + d);
+        }
+        for (int j = 0; j < kLogitTokens; ++j) part[j0 + j] = p[j];
       }
       v16 s = sum_rows(part);
       if (ch.bias) s += ch.bias[g];
       softmax_step(s, visible, soft_cap, m[g], lsum[g], alpha[g], probs + g * kLanes);
     }
 
-    // acc[g] = alpha[g] * acc[g] + sum_j p[g][j] v[j], 8 vectors of acc at a time held in
-    // registers across the 16 rows.
+    // acc[g] = alpha[g] * acc[g] + sum_j p[g][j] v[j], kValueVecs vectors of acc at a time
+    // held in registers across the 16 rows.
     for (int64_t g = 0; g < G; ++g) {
       const float* pg = probs + g * kLanes;
       float* ag = acc + g * Dvp;
       const v16 al = splat(alpha[g]);
-      for (int64_t d0 = 0; d0 < Dvp; d0 += 8 * kLanes) {
-        const int64_t nv = std::min<int64_t>(8, (Dvp - d0) / kLanes);
-        v16 x[8];
+      for (int64_t d0 = 0; d0 < Dvp; d0 += kValueVecs * kLanes) {
+        const int64_t nv = std::min<int64_t>(kValueVecs, (Dvp - d0) / kLanes);
+        v16 x[kValueVecs];
         for (int64_t i = 0; i < nv; ++i) x[i] = load16(ag + d0 + i * kLanes) * al;
         for (int j = 0; j < kLanes; ++j) {
           const v16 pj = splat(pg[j]);

@@ -38,9 +38,10 @@ MATMUL_MAX_ROWS = {"avx512": 16, "avx2": 32}
 # Per attention kernel, the ISA classes on which it measured faster than the XLA path
 # (`python benchmarks/attention.py --cpu-choice`) and for which page dtypes ("all", or
 # the 16-bit float pools only: "16-bit"). On AVX2 builds MLA over float32 pages ran at
-# 0.5x of XLA (its 16-wide vectors spill on 16 ymm registers), over bf16 pages at 1.3x;
-# the KIVI kernel, blocked for AVX2's registers and with its vpmaddwd integer paths, at
-# 3.0x (AMD EPYC Zen 3, native build, load 1.0; 2.0x with float32 FMAs).
+# 0.5x of XLA before its loops were blocked for 16 ymm registers and at 0.9x after, over
+# bf16 pages at 1.3x (Intel, -march=haswell) and 1.0x (AMD EPYC Zen 3, native); the KIVI
+# kernel, blocked for AVX2's registers and with its vpmaddwd integer paths, at 3.0x (AMD
+# EPYC Zen 3, native build, load 1.0; 2.0x with float32 FMAs).
 _MEASURED = {
     "paged_decode": {"avx512": "all", "avx2": "all"},
     "quantized_decode": {"avx512": "all", "avx2": "all"},
