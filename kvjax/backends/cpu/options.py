@@ -49,8 +49,8 @@ class CpuOptions:
         (False: every chunk staged into a float32 buffer first; for comparisons).
       int_logits: KIVI keys' logits in 16-bit integers where the CPU has AVX512-VNNI
         (False: float32 FMAs).
-      int_values: KIVI values' weights in 16-bit integers where the CPU has AVX512-VNNI
-        and VBMI (False: float32 FMAs).
+      int_values: KIVI values' weights in 16-bit integers on builds with AVX512-VNNI and
+        VBMI, or with AVX2 without AVX-512 (False: float32 FMAs).
       cache_dir: where built libraries are cached (None: ~/.cache/kvjax).
       compiler: the C++ compiler (a name on PATH or a path).
       march: the `-march=` target of the build ("native": this CPU; e.g. "haswell" to
