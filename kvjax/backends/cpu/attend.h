@@ -54,16 +54,9 @@ __attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, flo
   store16(probs, p);
 }
 
-// Vectors the loops of `attend` keep live: a v16 is one of AVX-512's 32 zmm registers but
-// two of AVX2's 16 ymm registers, so AVX2 builds take fewer at a time (the AVX-512 blocking
-// spilled there: MLA decode ran at 0.7-0.8x of the XLA path on an AVX2-only CPU).
-#ifdef __AVX512F__
-constexpr int kLogitTokens = 16;  // tokens whose partial sums one pass over a row keeps
-constexpr int kValueVecs = 8;     // accumulator vectors of one pass of the value loop
-#else
-constexpr int kLogitTokens = 4;
-constexpr int kValueVecs = 4;
-#endif
+// Vectors the loops of `attend` keep live, within common.h's register budget kAccVecs.
+constexpr int kLogitTokens = kAccVecs;              // tokens whose partial sums a pass keeps
+constexpr int kValueVecs = kAccVecs < 8 ? kAccVecs : 8;  // accumulators of a value pass
 
 // Online-softmax attention of G query rows over the chunks of positions [lo, hi).
 // `load(c0)` returns the Chunk of positions [c0, c0 + 16) (positions outside [lo, hi)
@@ -97,7 +90,8 @@ void attend(const Tuning& tuning, const float* qs, int64_t G, int64_t Dp_rt, int
         for (int j = 0; j < kLogitTokens; ++j) p[j] = v16{};
         for (int64_t d = 0; d < Dp; d += kLanes) {
           const v16 qv = load16(qg + d);
-          for (int j = 0; j < kLogitTokens; ++j) p[j] += qv * load16(ch.k + (j0 + j) * ch.ks + d);
+          for (int j = 0; j < kLogitTokens; ++j)
+            p[j] += qv * load16(ch.k + (j0 + j) * ch.ks + d);
         }
         for (int j = 0; j < kLogitTokens; ++j) part[j0 + j] = p[j];
       }

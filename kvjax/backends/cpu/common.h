@@ -42,6 +42,14 @@ using Half = _Float16;
 #endif
 
 constexpr int kLanes = 16;
+// v16 vectors a register-blocked loop keeps live: a v16 is one of AVX-512's 32 zmm
+// registers but two of AVX2's 16 ymm registers (the AVX-512 blocking spilled there: the
+// KIVI and MLA kernels ran at 0.7-0.8x of the XLA path on an AVX2-only CPU).
+#ifdef __AVX512F__
+constexpr int kAccVecs = 16;
+#else
+constexpr int kAccVecs = 4;
+#endif
 constexpr int64_t kMaxGroup = 256;  // query rows per work item (per-row state on the stack)
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

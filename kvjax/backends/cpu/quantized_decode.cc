@@ -109,15 +109,6 @@ inline v16i widen_bytes(const uint8_t* p) {
 #endif
 }
 
-// Float32 accumulators (v16) the register-blocked code loops keep live: a v16 is one of
-// AVX-512's 32 zmm registers, two of AVX2's 16 ymm registers (more spilled: the AVX2 build
-// of the AVX-512 blocking ran at 0.7x of the XLA path).
-#ifdef __AVX512F__
-constexpr int kAccVecs = 16;
-#else
-constexpr int kAccVecs = 4;
-#endif
-
 // Codes of 16 consecutive bytes' field at bit `shift`, as float32: widen, shift, mask.
 template <int BITS>
 inline v16 codes16(const uint8_t* p, int shift) {
@@ -462,7 +453,10 @@ __attribute__((always_inline)) inline void chunk_logits(const float* q, int64_t 
           for (int r = 0; r < NB; ++r) a[f % A][r] += load16(q + r * D + f * n + c) * code;
         }
       }
-      for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = A == 2 ? a[0][r] + a[A - 1][r] : a[0][r];
+      for (int r = 0; r < NB; ++r) {
+        parts[r * kLanes + j] = a[0][r];
+        for (int i = 1; i < A; ++i) parts[r * kLanes + j] += a[i][r];
+      }
     }
   }
 }
@@ -565,12 +559,13 @@ inline void value_weights(const float* p, const CodeChunk<BITS, S>& ch, float* w
   }
 }
 
-// Integer values (AVX512-VNNI and VBMI, or AVX2's vpmaddwd): a chunk's value weights p s rounded to 16-bit
-// integers per query row and value group (the largest over the chunk's tokens, m, mapped to
-// 32767) and the codes of a token pair dotted with them by vpdpwssd, exact int32 sums over
-// the chunk, then scaled by m / 32767 into the float32 accumulator. A weight moves by at
-// most m / 65534, so a chunk's sum for a channel by at most (m / 65534) * sum_j code_j:
-// about 2^-16 of the chunk's largest term per code unit (KVJAX_CPU_INT_VALUES=0: FMAs).
+// Integer values (AVX512-VNNI and VBMI, or AVX2's vpmaddwd): a chunk's value weights p s
+// rounded to 16-bit integers per query row and value group (the largest over the chunk's
+// tokens, m, mapped to 32767) and the codes of a token pair dotted with them by vpdpwssd
+// (vpmaddwd), exact int32 sums over the chunk, then scaled by m / 32767 into the float32
+// accumulator. A weight moves by at most m / 65534, so a chunk's sum for a channel by at
+// most (m / 65534) * sum_j code_j: about 2^-16 of the chunk's largest term per code unit
+// (KVJAX_CPU_INT_VALUES=0: FMAs).
 #if (defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) || defined(KVJAX_AVX2_INT)
 constexpr bool kIntValues = true;
 #else
