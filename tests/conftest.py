@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile hundreds of small programs and run each a few times, so compiling
 # is nine tenths of their time. These XLA:CPU settings cut the compile time by
 # about two thirds: no LLVM backend optimisations, the classic elemental emitters
-# for fusions instead of the MLIR fusion emitters (the same HLO, fusion decisions
+# for fusions instead of the MLIR fusion emitters (the same HLO and fusion decisions,
 # compiled in less than half the time), one LLVM module per program.
 # HLO passes (fusion, layout, the HLO the tests inspect) are unaffected.
 _TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
@@ -34,9 +34,11 @@ os.environ["XLA_FLAGS"] = " ".join(
 # workers and the README, demo and notebook processes compile many of the same programs
 # (the tiny models' decode loops), and a worker recompiles what it dropped to stay under
 # the mapping limit (below). A fresh folder per run: nothing carries over between runs.
+# The process that makes the folder (the controller; workers inherit the variable) removes it.
+_OWN_CACHE_DIR = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-test-xla-cache-")
-    os.environ["KVJAX_TEST_OWNS_CACHE_DIR"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    _OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="kvjax-test-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -108,11 +110,8 @@ def pytest_addoption(parser):
 
 
 def pytest_unconfigure(config):
-    # The controller (not an xdist worker) removes the session's compilation cache.
-    owned = os.environ.get("KVJAX_TEST_OWNS_CACHE_DIR")
-    if owned and owned == os.environ.get("JAX_COMPILATION_CACHE_DIR") and not hasattr(
-            config, "workerinput"):
-        shutil.rmtree(owned, ignore_errors=True)
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_configure(config):
@@ -122,6 +121,12 @@ def pytest_configure(config):
 
 def _full_sweeps(config) -> bool:
     return config.getoption("--slow") or os.environ.get("KVJAX_SLOW") == "1"
+
+
+@pytest.fixture
+def full_sweeps(request) -> bool:
+    """Whether this run takes the full sweeps (--slow or KVJAX_SLOW=1)."""
+    return _full_sweeps(request.config)
 
 
 def _sweep_seed(config) -> int:

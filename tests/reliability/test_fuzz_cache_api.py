@@ -25,7 +25,6 @@ fixed so that every jitted function compiles once.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -313,11 +312,7 @@ def _step(data, cache, shadow, rng, calls):
     return new
 
 
-def _slow(request) -> bool:
-    return request.config.getoption("--slow") or os.environ.get("KVJAX_SLOW") == "1"
-
-
-def test_random_calls_keep_the_cache_consistent(request, monkeypatch):
+def test_random_calls_keep_the_cache_consistent(full_sweeps, monkeypatch):
     # An eager KIVI write runs its page flush (a lax.cond) op by op, compiling it anew on
     # every call (~0.5 s). The eager calls here exist for the host-side checks of
     # `kvjax.cache.write`, which run before the kind's write: that write is compiled once.
@@ -325,7 +320,7 @@ def test_random_calls_keep_the_cache_consistent(request, monkeypatch):
     # tests/cache/test_quant_cache.py's; the calls here always cover them.)
     monkeypatch.setattr(qz, "write_layer", _quantized_write)
     calls = [0]
-    examples = EXAMPLES * (5 if _slow(request) else 1)
+    examples = EXAMPLES * (5 if full_sweeps else 1)
 
     @settings(max_examples=examples, deadline=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
@@ -338,4 +333,4 @@ def test_random_calls_keep_the_cache_consistent(request, monkeypatch):
 
     for kivi in (False, True):
         run(kivi)
-    assert calls[0] >= 2000 * (5 if _slow(request) else 1), calls[0]
+    assert calls[0] >= 2000 * (5 if full_sweeps else 1), calls[0]
