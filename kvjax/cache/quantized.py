@@ -501,7 +501,9 @@ def drop_pages(
 
       * the kept quantized pages move to the front of the block-table row (bookkeeping
         only, no data moves) and `truncate` drops the evicted references (refcounts down,
-        pages at zero back on the free stack; a page a fork still holds stays);
+        pages at zero back on the free stack; a page a fork still holds stays). On a
+        context-sharded table, where a column's page must come from that column's
+        shard, the kept pages' contents move to the front columns instead;
       * the sequence's positions shift down by page_size per evicted page, and the tail
         ring is rotated by as much, so position p still lives in slot p mod ring and
         `Q(L) = page_size * floor((L - R) / page_size)` still holds. Keys are cached after
@@ -515,7 +517,8 @@ def drop_pages(
     Returns:
       (cache, src, status): `src[s, j]` is the old position of the token now at position j
       (for moving per-token state such as scores), -1 past the new length; status is
-      BAD_TRUNCATE (nothing changed) only if the allocator refuses.
+      BAD_TRUNCATE if the allocator refuses, or OUT_OF_PAGES if a context-sharded pool
+      has no page for the private copy of a shared destination (nothing changed).
     """
     spec = cache.spec
     ps, max_pages = spec.page_size, spec.max_pages_per_seq
@@ -528,11 +531,18 @@ def drop_pages(
     # page order: truncating to the kept count then drops exactly the evicted ones.
     group = jnp.where(cols < n_q[:, None], drop.astype(jnp.int32), 2)
     perm = jnp.argsort(group * max_pages + cols, axis=1).astype(jnp.int32)
-    table = dataclasses.replace(
-        cache.table, block_tables=jnp.take_along_axis(cache.table.block_tables, perm, axis=1))
     new_q = ql - k * ps
+    pages = cache.pages
+    if getattr(cache.table, "context_shards", 1) > 1:
+        table, pages, moved_ok = _move_kept_pages(cache, perm, n_q - k)
+    else:
+        table = dataclasses.replace(
+            cache.table, block_tables=jnp.take_along_axis(cache.table.block_tables, perm, axis=1))
+        moved_ok = jnp.bool_(True)
     table, _, status = paged.allocator(table).truncate(table, new_q)
-    ok = status.ok
+    ok = status.ok & moved_ok
+    status = dataclasses.replace(
+        status, code=jnp.where(ok, pt.OK, jnp.where(moved_ok, status.code, pt.OUT_OF_PAGES)))
     new_len = lengths - k * ps
     j = jnp.arange(spec.max_tokens_per_seq, dtype=jnp.int32)[None, :]
     src_page = jnp.take_along_axis(perm, jnp.broadcast_to(j // ps, (spec.max_seqs, j.shape[1])),
@@ -553,7 +563,35 @@ def drop_pages(
                     pending=jnp.where((shift > 0)[None, :], 0, t.pending))
     table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
     src = jnp.where(ok, src, jnp.where(j < lengths[:, None], j, -1))
-    return dataclasses.replace(cache, table=table, tail=tail), src, status
+    return dataclasses.replace(cache, pages=pages, table=table, tail=tail), src, status
+
+
+def _move_kept_pages(cache: PagedKVCache, perm, n_keep):
+    """`drop_pages` on a context-sharded table: the kept pages' data moves, not their ids.
+
+    Column j of a block-table row must hold a page of context shard j mod C (each shard's
+    free stack and its per-shard views rely on it), so kept pages cannot just slide to
+    the front of the row. Instead column j keeps its own page and receives the contents
+    of the kept page `perm[j]` (all layers, heads and pools: a quantized page is whole);
+    a destination page a fork still shares is replaced by a private one first. The
+    columns past the kept count are then truncated as usual.
+
+    Returns:
+      (table, pages, ok): ok is False (nothing moved, the table unchanged) when the pool
+      has no pages left for the private copies.
+    """
+    table = cache.table
+    cols = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    moved = (perm != cols) & (cols < n_keep[:, None])
+    new_table, _, status = paged.allocator(table).unshare(table, moved)
+    # Destination pages are overwritten whole, so unshare's copy of their old contents
+    # is not needed; sources are read through the old ids before anything is written.
+    src = jnp.clip(jnp.take_along_axis(table.block_tables, perm, axis=1), 0,
+                   table.num_pages - 1).reshape(-1)
+    dst = jnp.where(moved & status.ok, new_table.block_tables, table.num_pages).reshape(-1)
+    pages = jax.tree.map(
+        lambda x: paged.set_drop(x, (slice(None), slice(None), dst), x[:, :, src]), cache.pages)
+    return new_table, pages, status.ok
 
 
 def dequantized_sequence(

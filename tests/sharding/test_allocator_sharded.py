@@ -7,9 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache import CacheFullError, fork, free, page_table, reserve
+from kvjax.cache import (
+    CacheFullError,
+    check_invariants,
+    fork,
+    free,
+    init_cache,
+    page_table,
+    reserve,
+    write,
+)
+from kvjax.cache import quantized as qz
 from kvjax.cache import sharded_table as st
 from kvjax.sharding import init_sharded_cache
+from kvjax.specs import AttentionSpec, CacheSpec, QuantSpec
+from tests.cache.policies.helpers import dense_kv
 from tests.sharding.helpers import filled_cache, gqa_spec, make_plan, view
 
 _reserve = jax.jit(st.reserve)
@@ -126,3 +138,53 @@ def test_init_sharded_cache_table_kind():
     assert isinstance(seq.table, st.ShardedPageTable)
     assert seq.table.num_free.shape == (8,)
     assert dataclasses.asdict(seq.spec) == dataclasses.asdict(spec)
+
+
+@pytest.mark.parametrize("forked", [False, True])
+def test_kivi_page_eviction_keeps_context_shard_owners_and_contents(forked, rng):
+    """Evicting whole KIVI pages on a context-sharded cache moves the kept pages' contents,
+    not their ids: every column still holds a page of its own shard, the freed pages go
+    back to their owners' stacks, and the sequences read back what the same eviction
+    leaves on one device (a fork's pages untouched)."""
+    spec = CacheSpec(attention=AttentionSpec(q_heads=4, kv_heads=2, head_dim=8), num_layers=2,
+                     page_size=4, num_pages=48, max_seqs=3, max_pages_per_seq=12,
+                     quant=QuantSpec(bits=4, group_size=4, residual=4))
+    plan = make_plan((8,), ("context",), ("context",))
+    lengths = np.array([41, 30, 0], np.int32)
+    a = jnp.asarray(rng.standard_normal((2, 3, 41, 2, 8)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((2, 3, 41, 2, 8)), jnp.float32)
+
+    @jax.jit
+    def fill(cache):
+        cache, status = reserve(cache, jnp.asarray(lengths))
+        for layer in range(spec.num_layers):
+            cache = write(cache, layer, a[layer], b[layer], q_lengths=jnp.asarray(lengths))
+        return cache, status
+
+    caches = []
+    for cache in (init_sharded_cache(spec, plan), init_cache(spec)):
+        cache, status = fill(cache)
+        status.raise_if_error()
+        if forked:
+            cache, status = fork(cache, jnp.asarray([0]), jnp.asarray([2]))
+            status.raise_if_error()
+        caches.append(cache)
+    # Seq 0 (9 quantized pages) loses random pages, at least the first; seq 1 (6) its
+    # second; the fork (seq 2) none.
+    drop = rng.random((3, 12)) < 0.4
+    drop[0, 0], drop[1], drop[2] = True, np.arange(12) == 1, False
+    outs = [jax.jit(qz.drop_pages)(cache, jnp.asarray(drop)) for cache in caches]
+    (sharded, src_s, st_s), (plain, src_p, st_p) = outs
+    st_s.raise_if_error()
+    st_p.raise_if_error()
+    check_invariants(sharded)  # KIVI counts, allocator invariants and every page in its owner shard
+    np.testing.assert_array_equal(np.asarray(src_s), np.asarray(src_p))
+    np.testing.assert_array_equal(np.asarray(sharded.lengths), np.asarray(plain.lengths))
+    np.testing.assert_array_equal(np.asarray(sharded.quant_lengths),
+                                  np.asarray(plain.quant_lengths))
+    assert int(sharded.lengths[0]) < 41 and int(sharded.lengths[1]) == 26
+    for got, want in zip(dense_kv(sharded), dense_kv(plain), strict=True):
+        np.testing.assert_array_equal(got, want)
+    if forked:  # the fork still reads the 41 tokens it had
+        for got, want in zip(dense_kv(sharded), dense_kv(caches[0]), strict=True):
+            np.testing.assert_array_equal(got[:, 2], want[:, 2])
