@@ -19,7 +19,7 @@ the full-precision ops:
     dequantized in VMEM/registers; the tail is merged by log-sum-exp) — the
     Triton kernel on a GPU backend, the TPU kernel otherwise (interpreted on
     CPU); decode and prefill alike;
-  "cpu": the C++ CPU kernel (`kvjax/backends/cpu/quantized_decode.cc`: the pages
+  "cpu": the C++ CPU kernel (`kvjax/backends/cpu/quantized_kernel.h`: the pages
     streamed once, their packed codes multiplied in registers with the scales folded
     into queries and probabilities, then the tail ring in the same online softmax) for
     GQA decode; its prefill (q_len > 1) and the MLA ops' "cpu" entry run the "xla" path.

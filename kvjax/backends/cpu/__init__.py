@@ -9,7 +9,7 @@ in registers; rows that are not 16 whole rows of one page staged in a small floa
 buffer), and keep the online softmax in float32;
 (sequence, KV head) work items are spread over the caller and XLA's intra-op thread
 pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), over
-KIVI-quantized pages and their tail ring (`quantized_decode.cc`) and MLA decode
+KIVI-quantized pages and their tail ring (`quantized_kernel.h`) and MLA decode
 in absorbed form (`mla_decode.cc`). Prefill stays on the XLA path. The same library
 holds the decode step's other CPU pieces: a small-M matmul (`matmul.py`, used by
 `kvjax.models.layers.linear`) and in-place row writes and page copies for 16-bit

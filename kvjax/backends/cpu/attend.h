@@ -284,7 +284,7 @@ inline bool located(const RowChunk<E>& ch) { return ch.k != nullptr; }
 // `attend` for chunks of type C: RowChunk<E> of float32 or bfloat16 (E = uint16_t) rows,
 // or another chunk type with its own chunk_logits / chunk_scores / chunk_accumulate /
 // located overloads
-// (the KIVI kernel's codes read in place, quantized_decode.cc), and head widths D, Dv
+// (the KIVI kernel's codes read in place, quantized_kernel.h), and head widths D, Dv
 // multiples of 32: rows used in place (bf16 widened in registers, load32), query rows
 // taken in register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a
 // time: `load` must not reuse a chunk's memory before the chunk after next

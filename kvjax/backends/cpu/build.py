@@ -44,9 +44,11 @@ from kvjax.backends.cpu import options as options_mod
 __all__ = ["Library", "available", "unavailable_reason", "load", "library", "library_path",
            "TARGETS", "SOURCES", "compile_sources"]
 
-SOURCES = ("paged_decode.cc", "quantized_decode.cc", "mla_decode.cc", "matmul.cc",
+# Largest first: one compiler process per file, so the longest ones start first.
+SOURCES = ("quantized_decode_f32.cc", "quantized_decode_bf16.cc", "quantized_decode_f16.cc",
+           "paged_decode.cc", "mla_decode.cc", "matmul.cc", "quantized_decode.cc",
            "write_rows.cc", "config.cc")
-_HEADERS = ("common.h", "attend.h")
+_HEADERS = ("common.h", "attend.h", "quantized_decode.h", "quantized_kernel.h")
 # FFI symbol in the library -> the op's name (its target is "kvjax_<name>_<library hash>").
 TARGETS = {
     "KvjaxPagedDecode": "paged_decode",

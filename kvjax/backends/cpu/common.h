@@ -65,7 +65,7 @@ inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x,
 // Software prefetch of the line holding p into all cache levels (L1: Level 0) or L2 and
 // below (Level 1). Inline asm, not __builtin_prefetch: GCC treats the builtin as free of
 // side effects, so a helper made of nothing but prefetches is "const" to its IPA passes
-// and its calls are deleted (every prefetch of quantized_decode.cc and mla_decode.cc was
+// and its calls are deleted (every prefetch of the KIVI and MLA kernels was
 // gone at -O3).
 template <int Level = 0>
 inline void prefetch_line(const void* p) {
