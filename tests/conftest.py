@@ -60,18 +60,31 @@ def _memory_mappings() -> int:
         return 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drops every compiled program after a test file once the process holds many mappings.
+_tests_run = 0
+_last_module = None
 
-    Each XLA:CPU executable holds a few memory mappings of JIT code; a worker that runs
-    half the suite compiles enough programs to reach the kernel's limit of 65530
-    mappings per process (vm.max_map_count), after which XLA crashes with a segfault
-    inside its next compile. Clearing after every file would recompile the programs
-    files share (the tiny models' decode loops), so it happens past half the limit.
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs(request):
+    """Drops every compiled program once the process holds many memory mappings.
+
+    Each XLA:CPU executable holds a few memory mappings of JIT code (about 8 for a small
+    program); a worker that runs half the suite, or one long sweep file, compiles enough
+    programs to reach the kernel's limit of 65530 mappings per process
+    (vm.max_map_count), after which XLA crashes with a segfault inside its next compile
+    or executable serialization. Clearing after every file would recompile the programs
+    files share (the tiny models' decode loops), so it happens when a new file starts
+    past half the limit, or inside a file (checked every 8 tests) past 70% of it.
     """
+    global _tests_run, _last_module
+    module = request.node.module.__name__ if request.node.module else None
+    new_file, _last_module = module != _last_module, module
+    if new_file and _memory_mappings() > 32768:
+        jax.clear_caches()
+        gc.collect()
     yield
-    if _memory_mappings() > 32768:
+    _tests_run += 1
+    if _tests_run % 8 == 0 and _memory_mappings() > 46000:
         jax.clear_caches()
         gc.collect()
 
