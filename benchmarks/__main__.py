@@ -155,7 +155,7 @@ def _e2e(quick, out):
 
 def _kvbits(quick, out):
     from benchmarks import kv_bits
-    kv_bits.main((["--quick", "--batch", "2", "--repeats", "1"] if quick else [])
+    kv_bits.main((["--quick", "--batch", "2"] if quick else [])
                  + ["--out", str(out)])
 
 

@@ -122,7 +122,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=None,
                         help="prompt tokens per row (default 4096; --quick 256)")
     parser.add_argument("--new-tokens", type=int, default=None,
-                        help="tokens per timed call (default 32; --quick 8)")
+                        help="tokens per timed call (default 32, also with --quick)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds")
     parser.add_argument("--seed", type=int, default=None, help="weights and prompts seed")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
@@ -131,7 +131,7 @@ def main(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     context = args.context or (256 if args.quick else 4096)
-    new = args.new_tokens or (8 if args.quick else 32)
+    new = args.new_tokens or 32
     if new < 2 or context < 1:
         parser.error(f"--new-tokens must be >= 2 and --context >= 1, got {new}, {context}")
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
@@ -200,18 +200,28 @@ def main(argv=None):
         step = (float(np.median(tn[name])) - float(np.median(t1[name]))) / (new - 1)
         kv = live_bytes(caches[name], seq_ids)
         roof = (weight_bytes + kv) / (bw * 1e9)
-        tok_s = batch / step
-        base = base or tok_s
-        row = dict(cache=name, impl=impls[name], step_s=step, tokens_per_s=tok_s,
-                   vs_bf16=tok_s / base, kv_bytes_read=kv, weight_bytes=weight_bytes,
-                   roofline_step_s=roof, roofline_fraction=roof / step,
-                   first_token_same_as_bf16=float(np.mean(first[name] == first["bf16"])),
+        same = float(np.mean(first[name] == first["bf16"]))
+        row = dict(cache=name, impl=impls[name], kv_bytes_read=kv, weight_bytes=weight_bytes,
+                   roofline_step_s=roof, first_token_same_as_bf16=same,
                    context_end=int(np.asarray(caches[name].lengths)[0]))
         rows.append(row)
-        print(f"{name:5s} {tok_s:8.1f} tok/s  {row['vs_bf16']:.2f}x bf16  step "
-              f"{step * 1e3:6.1f} ms  reads {kv / 1e6:7.1f} MB KV + {weight_bytes / 1e6:.1f} "
-              f"MB weights  {100 * roof / step:3.0f}% of roofline at {bw:.1f} GB/s  "
-              f"first token as bf16: {100 * row['first_token_same_as_bf16']:.0f}%")
+        head = (f"{name:5s} reads {kv / 1e6:7.1f} MB KV + {weight_bytes / 1e6:.1f} MB weights  "
+                f"first token as bf16: {100 * same:.0f}%  ")
+        if step <= 0:  # the N - 1 steps took less than the timing noise of a call
+            row.update(step_s=None, tokens_per_s=None, vs_bf16=None, roofline_fraction=None)
+            base = base if name != "bf16" else None
+            print(head + "step time unresolved: t(N) <= t(1) (timing noise larger than "
+                  f"{new - 1} steps; use a quiet machine or more --new-tokens)")
+            continue
+        tok_s = batch / step
+        if name == "bf16":
+            base = tok_s
+        row.update(step_s=step, tokens_per_s=tok_s,
+                   vs_bf16=None if base is None else tok_s / base,
+                   roofline_fraction=roof / step)
+        ratio = "  n/a" if base is None else f"{tok_s / base:5.2f}"
+        print(head + f"{tok_s:8.1f} tok/s  {ratio}x bf16  step {step * 1e3:6.1f} ms  "
+              f"{100 * roof / step:3.0f}% of roofline at {bw:.1f} GB/s")
 
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results",

@@ -200,8 +200,9 @@ def summary_rows(run: dict) -> list[list[str]]:
     kvb = _data(run, "kvbits")
     if kvb:
         by = {r["cache"]: r for r in kvb["results"]}
-        if "bf16" in by:
-            q = [f"{k} {by[k]['vs_bf16']:.2f}x" for k in ("int4", "int2") if k in by]
+        if by.get("bf16", {}).get("tokens_per_s"):  # None: the step time was unresolved
+            q = [f"{k} {by[k]['vs_bf16']:.2f}x" for k in ("int4", "int2")
+                 if by.get(k, {}).get("vs_bf16")]
             rows.append([f"decode tokens/s through `generate`, KIVI caches / bf16 cache (batch "
                          f"{kvb['batch']} x {kvb['context']} tokens)",
                          f"bf16 {by['bf16']['tokens_per_s']:.0f} tokens/s; " + ", ".join(q)])

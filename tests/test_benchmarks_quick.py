@@ -41,7 +41,9 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
         assert r["engines"]["hf_dynamic"]["same_tokens_as_kvjax"] == 1.0
     kvb = {r["cache"]: r for r in sections["kvbits"]["data"]["results"]}
     assert set(kvb) == {"bf16", "int4", "int2"}
-    assert all(r["tokens_per_s"] > 0 and r["kv_bytes_read"] > 0 for r in kvb.values())
+    assert all(r["kv_bytes_read"] > 0 for r in kvb.values())
+    # A step time is positive, or None when timing noise exceeded the timed steps.
+    assert all(r["tokens_per_s"] is None or r["tokens_per_s"] > 0 for r in kvb.values())
     # KIVI pages read fewer bytes than bf16 pages for the same context.
     read = [kvb[c]["kv_bytes_read"] for c in ("int2", "int4", "bf16")]
     assert read == sorted(set(read)), read
