@@ -209,7 +209,6 @@ def main(argv=None):
                 f"first token as bf16: {100 * same:.0f}%  ")
         if step <= 0:  # the N - 1 steps took less than the timing noise of a call
             row.update(step_s=None, tokens_per_s=None, vs_bf16=None, roofline_fraction=None)
-            base = base if name != "bf16" else None
             print(head + "step time unresolved: t(N) <= t(1) (timing noise larger than "
                   f"{new - 1} steps; use a quiet machine or more --new-tokens)")
             continue

@@ -532,17 +532,16 @@ def drop_pages(
     group = jnp.where(cols < n_q[:, None], drop.astype(jnp.int32), 2)
     perm = jnp.argsort(group * max_pages + cols, axis=1).astype(jnp.int32)
     new_q = ql - k * ps
-    pages = cache.pages
+    pages, moved = cache.pages, None
     if getattr(cache.table, "context_shards", 1) > 1:
-        table, pages, moved_ok = _move_kept_pages(cache, perm, n_q - k)
+        table, pages, moved = _move_kept_pages(cache, perm, n_q - k)
     else:
         table = dataclasses.replace(
             cache.table, block_tables=jnp.take_along_axis(cache.table.block_tables, perm, axis=1))
-        moved_ok = jnp.bool_(True)
     table, _, status = paged.allocator(table).truncate(table, new_q)
-    ok = status.ok & moved_ok
-    status = dataclasses.replace(
-        status, code=jnp.where(ok, pt.OK, jnp.where(moved_ok, status.code, pt.OUT_OF_PAGES)))
+    if moved is not None:  # the private copies' shortfall, if any, is the error to report
+        status = jax.tree.map(lambda m, t: jnp.where(moved.ok, t, m), moved, status)
+    ok = status.ok
     new_len = lengths - k * ps
     j = jnp.arange(spec.max_tokens_per_seq, dtype=jnp.int32)[None, :]
     src_page = jnp.take_along_axis(perm, jnp.broadcast_to(j // ps, (spec.max_seqs, j.shape[1])),
@@ -577,8 +576,8 @@ def _move_kept_pages(cache: PagedKVCache, perm, n_keep):
     columns past the kept count are then truncated as usual.
 
     Returns:
-      (table, pages, ok): ok is False (nothing moved, the table unchanged) when the pool
-      has no pages left for the private copies.
+      (table, pages, status): OUT_OF_PAGES (nothing moved, the table unchanged) when the
+      pool has no pages left for the private copies.
     """
     table = cache.table
     cols = jnp.arange(table.max_pages_per_seq, dtype=jnp.int32)[None, :]
@@ -591,7 +590,7 @@ def _move_kept_pages(cache: PagedKVCache, perm, n_keep):
     dst = jnp.where(moved & status.ok, new_table.block_tables, table.num_pages).reshape(-1)
     pages = jax.tree.map(
         lambda x: paged.set_drop(x, (slice(None), slice(None), dst), x[:, :, src]), cache.pages)
-    return new_table, pages, status.ok
+    return new_table, pages, status
 
 
 def dequantized_sequence(
