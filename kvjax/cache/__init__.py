@@ -17,6 +17,7 @@ from kvjax.cache.ops import (
     init_cache,
     layer_view,
     reserve,
+    truncate,
     write,
 )
 from kvjax.cache.page_table import AllocStatus, CacheFullError, PageTable
@@ -59,5 +60,6 @@ __all__ = [
     "quant",
     "quantized",
     "reserve",
+    "truncate",
     "write",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "reserve",
     "fork",
     "free",
+    "truncate",
     "write",
     "attend",
     "layer_view",
@@ -197,6 +198,51 @@ def free(
     """
     seqs = _seq_vector("free", "seqs", seqs, cache.spec, "b")
     return _free(cache, seqs, scrub)
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def _truncate(cache, new_lengths):
+    return _kind(cache).truncate(cache, new_lengths)
+
+
+def truncate(
+    cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """Shortens sequences to `new_lengths`; pages past the new ends return to the pool.
+
+    A page other sequences still share only loses this sequence's reference. On a
+    quantized cache a sequence can only end on a whole quantized page (its
+    full-precision tail is dropped) or keep its length: see `quantized.truncate`.
+
+    Args:
+      cache: the cache (donated).
+      new_lengths: int32[max_seqs], each in [0, current length].
+
+    Returns:
+      (cache, status): BAD_TRUNCATE (nothing changed) when a length is not allowed.
+
+    Raises:
+      ValueError: (concrete arguments) a length that is not allowed, naming it.
+    """
+    new_lengths = _seq_vector("truncate", "new_lengths", new_lengths, cache.spec, "iu")
+    if _concrete(new_lengths, cache.lengths):
+        new, old = np.asarray(new_lengths), np.asarray(cache.lengths)
+        bad = np.nonzero((new < 0) | (new > old))[0]
+        if bad.size:
+            s = int(bad[0])
+            raise ValueError(f"truncate: slot {s} holds {old[s]} tokens; a new length must lie "
+                             f"in [0, {old[s]}], got {new[s]}.")
+        if cache.tail is not None:
+            q, ps = np.asarray(cache.quant_lengths), cache.spec.page_size
+            bad = np.nonzero((new != old) & ((new > q) | (new % ps != 0)))[0]
+            if bad.size:
+                s = int(bad[0])
+                raise ValueError(
+                    f"truncate: on a quantized cache a sequence can only end on a whole "
+                    f"quantized page; slot {s} holds {q[s]} quantized tokens (pages of {ps}), "
+                    f"so its new length must be a multiple of {ps} up to {q[s]} or stay "
+                    f"{old[s]}, got {new[s]}.")
+    return _truncate(cache, new_lengths.astype(jnp.int32))
 
 
 def _rows_vector(op: str, name: str, x, batch: int):
@@ -565,8 +611,9 @@ def check_invariants(cache: PagedKVCache | pt.PageTable) -> None:
 
     The allocator's (`page_table.check_invariants`: refcounts match the block tables,
     the free stack holds exactly the unreferenced pages, ...) and, for a quantized cache,
-    the token counts: each sequence's quantized tokens are `Q(lengths)` (a multiple of
-    the page size, never more than its length) and nothing is pending past its length.
+    the token counts: each sequence's quantized tokens are a multiple of the page size
+    between `Q(lengths)` and its length (more only after `truncate` to whole pages),
+    and nothing is pending past its length.
     """
     if not isinstance(cache, PagedKVCache):
         return paged.allocator(cache).check_invariants(cache)
@@ -580,10 +627,11 @@ def check_invariants(cache: PagedKVCache | pt.PageTable) -> None:
     if (lengths < q).any():
         s = int(np.nonzero(lengths < q)[0][0])
         raise AssertionError(f"sequence {s} has {lengths[s]} tokens but {q[s]} quantized")
-    if (q != want).any():
-        s = int(np.nonzero(q != want)[0][0])
+    if (q < want).any() or (q % cache.spec.page_size).any():
+        s = int(np.nonzero((q < want) | (q % cache.spec.page_size != 0))[0][0])
         raise AssertionError(f"sequence {s} of {lengths[s]} tokens has {q[s]} quantized, "
-                             f"expected {want[s]}")
+                             f"expected a multiple of {cache.spec.page_size} from {want[s]} "
+                             f"to {lengths[s]}")
     if (pending < 0).any() or (pending[0] > lengths).any() or (pending[1] > q).any():
         raise AssertionError(f"pending counts {pending.tolist()} exceed the lengths")
     return None

@@ -25,6 +25,7 @@ __all__ = [
     "reserve",
     "fork",
     "free",
+    "truncate",
     "token_slots",
     "write_layer",
     "layer_view",
@@ -178,6 +179,19 @@ def free(
     table, released = allocator(cache.table).free(cache.table, seqs)
     pages = _zero_pages(cache.pages, released) if scrub else cache.pages
     return dataclasses.replace(cache, pages=pages, table=table)
+
+
+def truncate(
+    cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """Shortens sequences to `new_lengths`; whole pages past the new ends return to the pool.
+
+    Returns:
+      (cache, status): BAD_TRUNCATE (nothing changed) if a new length is negative or
+      longer than the sequence.
+    """
+    table, _, status = allocator(cache.table).truncate(cache.table, new_lengths)
+    return dataclasses.replace(cache, table=table), status
 
 
 def token_slots(

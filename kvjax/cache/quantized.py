@@ -20,6 +20,9 @@ Which tokens are quantized
   page boundary), `write_layer` quantizes that page and stores it in the pool
   in the same jitted step; a prefill of T tokens quantizes every complete
   page but the tail at once.
+  `truncate` to whole quantized pages (prefix caching) leaves a sequence with
+  more: quantized_lengths = L, an empty tail. In general Q(L) <= quant_lengths
+  <= L, and the tail holds positions [quant_lengths, L).
 
 Page table and allocator
   The page table (`cache.table`) describes only the quantized pages:
@@ -74,6 +77,7 @@ __all__ = [
     "reserve",
     "fork",
     "free",
+    "truncate",
     "write_layer",
     "layer_view",
     "drop_pages",
@@ -275,6 +279,41 @@ def free(
     tail = KIVITail(a=a, b=b, lengths=jnp.where(seqs, 0, t.lengths),
                     pending=jnp.where(seqs[None, :], 0, t.pending))
     return dataclasses.replace(cache, tail=tail)
+
+
+def truncate(
+    cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """Shortens sequences to whole quantized pages: the tail is dropped, the pages kept.
+
+    A sequence's new length must be its current length (unchanged) or a multiple of the
+    page size no longer than its quantized tokens: the full-precision tail cannot be
+    rebuilt from quantized pages, so only whole quantized pages can end a sequence. The
+    result holds more quantized tokens than `Q(length)` (every token is in a page); later
+    reserves quantize from there on (`max(Q(L), quant_lengths)`), so the tail still holds
+    [quant_lengths, length). This is how prefix caching keeps a prompt's quantized pages.
+
+    Returns:
+      (cache, status): BAD_TRUNCATE (nothing changed) if a new length is not allowed.
+    """
+    spec = cache.spec
+    ps = spec.page_size
+    new_lengths = jnp.asarray(new_lengths, jnp.int32)
+    lengths, q = cache.lengths, cache.quant_lengths
+    same = new_lengths == lengths
+    whole = (new_lengths >= 0) & (new_lengths <= q) & (new_lengths % ps == 0)
+    allowed = jnp.all(same | whole)
+    new_q = jnp.where(same | ~allowed, q, new_lengths)
+    table, _, status = paged.allocator(cache.table).truncate(cache.table, new_q)
+    ok = allowed & status.ok
+    table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
+    changed = ok & ~same
+    t = cache.tail
+    tail = dataclasses.replace(t, lengths=jnp.where(changed, new_lengths, lengths),
+                               pending=jnp.where(changed[None, :], 0, t.pending))
+    status = dataclasses.replace(
+        status, code=jnp.where(ok, pt.OK, pt.BAD_TRUNCATE).astype(jnp.int32))
+    return dataclasses.replace(cache, table=table, tail=tail), status
 
 
 def _locate(spec: CacheSpec, layer):

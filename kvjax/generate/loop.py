@@ -47,7 +47,7 @@ from kvjax import cache as kv_cache
 from kvjax.cache.page_table import AllocStatus, CacheFullError
 from kvjax.cache.policies.base import CachePolicy, to_slots
 from kvjax.generate import setup
-from kvjax.generate.sampling import SamplingConfig, as_keys, sample
+from kvjax.generate.sampling import RowSampling, SamplingConfig, as_keys, sample, sample_rows
 from kvjax.generate.setup import CacheConfig
 from kvjax.models.base import Model
 
@@ -93,6 +93,8 @@ class DecodeState:
         is >= 0 instead of a sample (teacher forcing; an EOS there does not stop the row).
       logprobs: float32[batch, max_new] or None: log-probability of each row's token i
         under the model (filled when `forced` is set).
+      row_sampling: per-row sampling settings (`RowSampling`), used instead of the step's
+        static `sampling` when set (the serving engine's rows each sample their own way).
     """
 
     cache: kv_cache.PagedKVCache
@@ -109,6 +111,7 @@ class DecodeState:
     policy_state: Any = None
     forced: Int[Array, "batch max_new"] | None = None
     logprobs: Float[Array, "batch max_new"] | None = None
+    row_sampling: RowSampling | None = None
 
 
 def _ok_status(cache) -> AllocStatus:
@@ -164,11 +167,12 @@ def prefill(
     return_logits: bool = False,
     policy: CachePolicy | None = None,
     policy_state=None,
+    start_positions: Int[Array, " batch"] | None = None,
 ):
     """Appends prompts to sequences `seq_ids`, `chunk_size` tokens at a time.
 
     Rows continue their sequences: a row whose slot already holds L tokens gets
-    positions L, L+1, ... (empty slots start at 0).
+    positions L, L+1, ... (empty slots start at 0), or `start_positions`, ... when given.
 
     Args:
       model: the model bundle (static).
@@ -185,6 +189,9 @@ def prefill(
         each chunk, so prompt compressors (SnapKV, PyramidKV) see the whole
         prompt only when it fits one chunk.
       policy_state: the policy's state (from `policy.init_state(cache)`).
+      start_positions: int32[batch], position of each row's first token (default: the
+        tokens its slot holds; a driver that prefills a prompt over several calls
+        passes the tokens fed so far, which eviction may have made more than held).
 
     Returns:
       (cache, last_logits float32[batch, vocab], status, all_logits or None, policy_state):
@@ -199,7 +206,8 @@ def prefill(
     n_chunks = prompt_len // chunk_size
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
-    base = cache.lengths[seq_ids]
+    base = (cache.lengths[seq_ids] if start_positions is None
+            else jnp.asarray(start_positions, jnp.int32))
     chunks = tokens.reshape(batch, n_chunks, chunk_size).transpose(1, 0, 2)
     offsets = jnp.arange(chunk_size, dtype=jnp.int32)
     rows = jnp.arange(batch)
@@ -254,10 +262,14 @@ def _free_rows(cache, seq_ids, rows_mask):
     return jax.lax.cond(jnp.any(rows_mask), lambda c: kv_cache.free(c, mask), lambda c: c, cache)
 
 
-def _pick(logits, keys, count, sampling, forced, logprobs):
-    """The next token of each row: sampled, or forced (teacher forcing, with its log-prob)."""
+def _pick(logits, keys, count, sampling, forced, logprobs, row_sampling=None):
+    """The next token of each row: sampled (with the step's settings, or each row's own
+    when `row_sampling` is set), or forced (teacher forcing, with its log-prob)."""
     step_keys = jax.vmap(jax.random.fold_in)(keys, count)
-    tok = sample(logits, step_keys, sampling)
+    if row_sampling is None:
+        tok = sample(logits, step_keys, sampling)
+    else:
+        tok = sample_rows(logits, step_keys, row_sampling)
     if forced is None:
         return tok, jnp.zeros(tok.shape, bool), logprobs
     col = jnp.clip(count, 0, forced.shape[1] - 1)
@@ -364,7 +376,7 @@ def decode_step(
         st = _first_error(st, pst)
         run = run & pst.ok
     tok, is_forced, lp = _pick(logits[:, 0], state.keys, state.num_generated, sampling,
-                               state.forced, state.logprobs)
+                               state.forced, state.logprobs, state.row_sampling)
     max_len = state.tokens.shape[1]
     col = jnp.where(run, state.num_generated, max_len)  # out of range: dropped
     rows = jnp.arange(batch)

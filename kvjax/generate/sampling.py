@@ -8,9 +8,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-__all__ = ["SamplingConfig", "sample", "as_keys"]
+__all__ = ["SamplingConfig", "RowSampling", "sample", "sample_rows", "as_keys"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,3 +89,56 @@ def sample(
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = _filter(logits.astype(jnp.float32) / jnp.float32(config.temperature), config)
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """One `SamplingConfig` per row, as arrays (a pytree: rows of a batch sample differently
+    without a recompile; the serving engine's requests each bring their own settings).
+
+    Attributes:
+      temperature: float32[batch]; 0 is greedy.
+      top_k: int32[batch]; 0 keeps every token.
+      top_p: float32[batch]; 1 keeps every token.
+    """
+
+    temperature: Float[Array, " batch"]
+    top_k: Int[Array, " batch"]
+    top_p: Float[Array, " batch"]
+
+    @classmethod
+    def of(cls, configs) -> "RowSampling":
+        """The rows' settings from one `SamplingConfig` per row (NumPy arrays)."""
+        return cls(
+            temperature=np.array([c.temperature for c in configs], np.float32),
+            top_k=np.array([c.top_k or 0 for c in configs], np.int32),
+            top_p=np.array([1.0 if c.top_p is None else c.top_p for c in configs], np.float32))
+
+
+def sample_rows(logits: Float[Array, "batch vocab"], keys: jax.Array,
+                rows: RowSampling) -> Int[Array, " batch"]:
+    """`sample` with each row's own settings: row i draws what `sample` would draw for it
+    alone with `SamplingConfig(temperature[i], top_k[i] or None, top_p[i])`."""
+    logits = logits.astype(jnp.float32)
+    greedy = rows.temperature <= 0
+    t = jnp.where(greedy, 1.0, rows.temperature)[:, None]
+    scaled = logits / t
+    neg = jnp.float32(-jnp.inf)
+    vocab = logits.shape[-1]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    k = jnp.clip(rows.top_k, 1, vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    use_k = ((rows.top_k > 0) & (rows.top_k < vocab))[:, None]
+    scaled = jnp.where(use_k & (scaled < kth), neg, scaled)
+    # top-p over the top-k survivors, as `sample` filters: masked tokens sort last.
+    sorted_logits = jnp.where(use_k & (sorted_logits < kth), neg, sorted_logits)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = before < rows.top_p[:, None]
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+        keep_sorted)
+    scaled = jnp.where((rows.top_p < 1)[:, None] & ~keep, neg, scaled)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)

@@ -1,0 +1,617 @@
+"""Continuous batching with chunked prefill and prefix caching, on kvjax's decode step.
+
+    engine = Engine(model, params, max_seqs=8, max_seq_len=2048,
+                    cache=CacheConfig(dtype="bfloat16", quant=QuantSpec(bits=4)))
+    rid = engine.add_request(prompt_ids, max_tokens=64)
+    while engine.has_unfinished():
+        for out in engine.step():          # RequestOutput: new tokens, finished, reason
+            ...
+
+Requests arrive at any time. The engine keeps one cache of `max_seqs` decoding rows
+(plus spare slots that hold cached prefixes) and one `DecodeState` over the rows;
+each `step()` is one jitted program that
+
+  * runs `kvjax.generate.decode_step` on every decoding row (the same step function
+    `generate` loops over: every page kind, policy and sharding plan), then
+  * prefills one chunk (`chunk_size` tokens) of up to `prefill_rows` waiting prompts
+    through `kvjax.generate.prefill`, and for each prompt whose last chunk this was
+    samples its first token and makes its row a decoding row.
+
+Decode tokens and prefill chunks share a per-step token budget. Scheduling is
+host-side NumPy: the engine reads back a few small arrays per step (each row's new
+token, counts, lengths, free pages), finishes requests (EOS, `max_tokens`, a stop
+id, a cancel), frees their pages and admits waiting ones.
+
+Before each step the engine makes sure the pool can supply every page the step may
+allocate: first by evicting cached prefixes (least recently used), then by
+preempting the most recently admitted request (its pages are freed; it waits again
+with its prompt and the tokens it produced so far, recomputed when it is readmitted,
+so nothing is lost). A step therefore never runs out of pages.
+
+Tokens of a request equal those of `kvjax.generate` run on that request alone with
+the same `chunk_size` (greedy, or sampled with the same key: row i's step s samples
+with `fold_in(key, s)`): chunks start at the same positions, and a prefix hit covers
+whole chunks only. On a KIVI cache a hit also covers only pages that the request would
+have quantized itself by the end of its first chunk after the hit, so quantization
+happens at the same tokens with and without the hit (with a residual R, hits need
+`chunk_size >= R + page_size`).
+"""
+
+import collections
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+from kvjax import cache as kv_cache
+from kvjax.cache.page_table import PageTable
+from kvjax.cache.policies.base import CachePolicy
+from kvjax.generate import loop, setup
+from kvjax.generate.loop import DecodeState, decode_params, decode_step, prefill
+from kvjax.generate.sampling import RowSampling, SamplingConfig, sample_rows
+from kvjax.models.base import Model
+from kvjax.serve.prefix import PrefixCache, page_hashes
+
+__all__ = ["Engine", "RequestOutput"]
+
+GREEDY = SamplingConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one `Engine.step` produced for one request.
+
+    Attributes:
+      request_id: the request.
+      token_ids: tokens produced in this step (empty or one; a stop or EOS token is
+        included).
+      finished: the request is done; this is its last output.
+      finish_reason: "stop" (an EOS or stop id), "length" (`max_tokens`), "cancelled", or
+        None while it runs.
+      prompt_tokens: tokens of its prompt.
+      cached_tokens: prompt tokens served from the prefix cache (0 without a hit).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: np.ndarray
+    max_tokens: int
+    sampling: SamplingConfig
+    stop_ids: frozenset[int]
+    key: jax.Array
+    salt: str | None
+    order: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    fed: np.ndarray | None = None  # what the slot must hold: prompt (+ output if preempted)
+    done_tokens: int = 0  # tokens of `fed` in the cache
+    cached_tokens: int = 0
+    hit_pages: int = 0
+    decoding: bool = False
+    admitted: int = 0  # admission counter (preemption picks the latest)
+    cancelled: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Lanes:
+    """One prefill chunk for each of `prefill_rows` lanes (length 0: an idle lane)."""
+
+    tokens: Int[Array, "lanes chunk"]
+    lengths: Int[Array, " lanes"]
+    slots: Int[Array, " lanes"]
+    start: Int[Array, " lanes"]  # position of the chunk's first token
+    last: Bool[Array, " lanes"]  # the prompt's last chunk: sample its first token
+    keys: jax.Array
+    count: Int[Array, " lanes"]  # tokens the request produced before (preemption)
+    max_new: Int[Array, " lanes"]
+    sampling: RowSampling
+
+
+def _admit(state: DecodeState, lanes: _Lanes, last_logits, ok, eos_ids) -> DecodeState:
+    """Rows whose prompt just ended take their first token and start decoding."""
+    rows = state.seq_ids.shape[0]
+    admit = lanes.last & (lanes.lengths > 0) & ok
+    keys = jax.vmap(jax.random.fold_in)(lanes.keys, lanes.count)
+    tok = sample_rows(last_logits, keys, lanes.sampling)
+    num = lanes.count + 1
+    finished = admit & (loop._is_eos(tok, eos_ids) | (num >= lanes.max_new))
+    tgt = jnp.where(admit, lanes.slots, rows)  # out of range: dropped
+
+    def put(x, v):
+        return x.at[tgt].set(v, mode="drop")
+
+    rs, ls = state.row_sampling, lanes.sampling
+    cache = loop._free_rows(state.cache, lanes.slots, finished)
+    return dataclasses.replace(
+        state, cache=cache, last=put(state.last, tok),
+        position=put(state.position, lanes.start + lanes.lengths),
+        num_generated=put(state.num_generated, num), max_new=put(state.max_new, lanes.max_new),
+        done=put(state.done, finished), keys=put(state.keys, lanes.keys),
+        row_sampling=RowSampling(temperature=put(rs.temperature, ls.temperature),
+                                 top_k=put(rs.top_k, ls.top_k), top_p=put(rs.top_p, ls.top_p)))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "decode"),
+                   donate_argnames="state")
+def _step(model: Model, params, dparams, state: DecodeState, lanes: _Lanes | None, *,
+          eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: bool):
+    """The engine's step: a decode step over the rows, then one prefill chunk per lane."""
+    if decode:
+        state = decode_step(model, dparams, state, sampling=GREEDY, eos_ids=eos_ids,
+                            free_finished=True, impl=impl, policy=policy)
+    if lanes is not None:
+        cache, last_logits, status, _, pstate = prefill(
+            model, params, state.cache, lanes.tokens, lanes.lengths, lanes.slots,
+            chunk_size=lanes.tokens.shape[1], impl=impl, policy=policy,
+            policy_state=state.policy_state, start_positions=lanes.start)
+        state = dataclasses.replace(state, cache=cache, policy_state=pstate,
+                                    status=loop._first_error(state.status, status))
+        state = _admit(state, lanes, last_logits, status.code == 0, eos_ids)
+    return state
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def _release(state: DecodeState, rows: Bool[Array, " rows"]) -> DecodeState:
+    """Frees the flagged rows' slots and marks them done."""
+    cache = loop._free_rows(state.cache, state.seq_ids, rows)
+    return dataclasses.replace(state, cache=cache, done=state.done | rows)
+
+
+class Engine:
+    """Serves requests that arrive at any time on one paged cache (see the module doc).
+
+    Args:
+      model, params: from `kvjax.models.load` (or a family's init_params).
+      max_seqs: rows decoding at once.
+      max_seq_len: longest request: prompt tokens + max_tokens.
+      cache: a `kvjax.generate.CacheConfig` (dtype, KIVI quantization, page size, pool
+        size, sharding plan); `num_pages` defaults to room for `max_seqs` sequences of
+        `max_seq_len` tokens. Cached prefixes use pages nobody else needs.
+      chunk_size: prefill chunk length; a multiple of the page size.
+      prefill_rows: prompts prefilled per step (one chunk each).
+      token_budget: tokens per step, decode rows first; default max_seqs + prefill_rows *
+        chunk_size (every lane may run every step).
+      prefix_caching: keep prompts' full pages for later requests (not with a policy,
+        whose eviction rewrites pages, nor with a sequence- or context-sharded table).
+      prefix_slots: spare slots that hold cached prefixes (default 2 * max_seqs).
+      eos_ids: tokens that end every request (besides each request's stop ids).
+      impl: attention implementation.
+      policy: a cache policy (eviction / page selection), as in `kvjax.generate`.
+      seed: where request keys come from when a request gives no seed.
+    """
+
+    def __init__(self, model: Model, params, *, max_seqs: int = 8, max_seq_len: int = 2048,
+                 cache: setup.CacheConfig | None = None, chunk_size: int = 64,
+                 prefill_rows: int = 1, token_budget: int | None = None,
+                 prefix_caching: bool = True, prefix_slots: int | None = None,
+                 eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None):
+        cfg = cache if cache is not None else setup.CacheConfig()
+        if not isinstance(cfg, setup.CacheConfig):
+            raise TypeError(f"cache must be a kvjax.generate.CacheConfig, got "
+                            f"{type(cfg).__name__}.")
+        for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
+                        ("chunk_size", chunk_size), ("prefill_rows", prefill_rows)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Engine: {name} must be a positive int, got {v!r}.")
+        ps = cfg.page_size
+        if chunk_size % ps:
+            raise ValueError(f"Engine: chunk_size ({chunk_size}) must be a multiple of the page "
+                             f"size ({ps}), so prefix hits end on chunk boundaries.")
+        setup.check_policy(policy)
+        if policy is not None and prefix_caching:
+            prefix_caching = False  # eviction rewrites pages a prefix would share
+        sharded = cfg.plan is not None and (cfg.plan.data_shards > 1
+                                            or cfg.plan.context_shards > 1)
+        if sharded:
+            prefix_caching = False  # a slot's pages come from its own shard
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.max_seq_len = max_seq_len
+        self.rows = max_seqs
+        self.chunk = chunk_size
+        self.prefill_rows = prefill_rows
+        self.token_budget = token_budget or max_seqs + prefill_rows * chunk_size
+        self.eos_ids = setup.check_eos(eos_ids, model.vocab_size)
+        self.policy = policy
+        n_holders = (2 * max_seqs if prefix_slots is None else prefix_slots) if (
+            prefix_caching) else 0
+        blank = 1 if policy is not None else 0  # a slot whose policy state stays initial
+        slots = max_seqs + n_holders + blank
+        per_seq = -(-max_seq_len // ps) + (1 if cfg.quant is not None else 0)
+        if cfg.num_pages is None:
+            cfg = dataclasses.replace(cfg, num_pages=max_seqs * per_seq)
+        elif cfg.num_pages < per_seq:
+            raise ValueError(f"Engine: the pool ({cfg.num_pages} pages) cannot hold one request "
+                             f"of max_seq_len={max_seq_len} tokens ({per_seq} pages of {ps}); "
+                             f"give more pages or a shorter max_seq_len.")
+        kv, impl, plan = setup.prepare_cache(model, cfg, impl, num_seqs=slots,
+                                             max_tokens=max_seq_len)
+        self.spec = kv.spec
+        self.impl = impl
+        self.params = setup.shard_for_plan(model, params, plan)
+        self.dparams = decode_params(model, self.params, max_seqs)
+        self.prefix = PrefixCache(ps, range(max_seqs, max_seqs + n_holders)) if (
+            prefix_caching) else None
+        self._blank = max_seqs + n_holders if blank else None
+        pstate = None if policy is None else policy.init_state(kv)
+        self.state = DecodeState(
+            cache=kv, seq_ids=jnp.arange(max_seqs, dtype=jnp.int32),
+            last=jnp.zeros((max_seqs,), jnp.int32), position=jnp.zeros((max_seqs,), jnp.int32),
+            tokens=jnp.full((max_seqs, 1), -1, jnp.int32),
+            num_generated=jnp.zeros((max_seqs,), jnp.int32),
+            max_new=jnp.ones((max_seqs,), jnp.int32), done=jnp.ones((max_seqs,), bool),
+            keys=jax.random.split(jax.random.key(0), max_seqs), status=loop._ok_status(kv),
+            step=jnp.int32(0), policy_state=pstate,
+            row_sampling=jax.tree.map(jnp.asarray, RowSampling.of([GREEDY] * max_seqs)))
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[int, _Request] = {}  # slot -> request
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._admissions = itertools.count(1)
+        self._pending_out: list[RequestOutput] = []
+        self.stats = collections.Counter()
+        self._sync()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt_ids: Sequence[int], *, max_tokens: int,
+                    sampling: SamplingConfig = GREEDY, stop_ids: Sequence[int] = (),
+                    seed: int = 0, salt: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a request; returns its id. Nothing runs until `step`.
+
+        Args:
+          prompt_ids: token ids, at least one, each in [0, vocab).
+          max_tokens: tokens to produce at most (>= 1).
+          sampling: how to pick tokens (greedy by default).
+          stop_ids: tokens that end this request (kept in its output), besides EOS.
+          seed: its PRNG seed: token s is drawn with fold_in(key(seed), s).
+          salt: requests share cached prefix pages only with the same salt.
+          request_id: a unique id (default: a counter).
+
+        Raises:
+          ValueError / TypeError: a bad prompt, max_tokens, sampling, stop id, a request
+            longer than `max_seq_len`, or an id in use.
+        """
+        prompt = setup.check_prompts([prompt_ids], self.vocab_size)[0]
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or (
+                max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}.")
+        setup.check_sampling(sampling)
+        stops = setup.check_eos(stop_ids, self.vocab_size)
+        if len(prompt) + max_tokens > self.max_seq_len:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
+                             f"exceeds the engine's max_seq_len ({self.max_seq_len}).")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is in use.")
+        req = _Request(id=rid, prompt=prompt, max_tokens=int(max_tokens), sampling=sampling,
+                       stop_ids=frozenset(stops), key=jax.random.key(seed), salt=salt,
+                       order=len(self._requests), fed=prompt)
+        self._requests[rid] = req
+        self._waiting.append(req)
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Ends a request at the next step (finish reason "cancelled"); unknown ids are
+        ignored (it may have finished)."""
+        req = self._requests.get(str(request_id))
+        if req is not None:
+            req.cancelled = True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ device mirrors
+
+    def _sync(self) -> None:
+        c = self.state.cache
+        lengths, quant, free = jax.device_get((c.lengths, c.table.lengths, c.table.num_free))
+        self._lengths = np.asarray(lengths)
+        self._quant = np.asarray(quant)
+        self._free_pages = int(np.min(free))  # a sharded pool: the emptiest shard
+
+    def _set_cache(self, cache) -> None:
+        self.state = dataclasses.replace(self.state, cache=cache)
+
+    def _free_slots(self, slots: Sequence[int]) -> None:
+        mask = np.zeros((self.spec.max_seqs,), bool)
+        mask[list(slots)] = True
+        self._set_cache(kv_cache.free(self.state.cache, jnp.asarray(mask)))
+
+    def _pages_for(self, slot: int, n: int) -> int:
+        """Pages slot's sequence allocates to take n more tokens."""
+        ps, L, q = self.spec.page_size, int(self._lengths[slot]), int(self._quant[slot])
+        if self.spec.quant is None:
+            return -(-(L + n) // ps) - (-(-L // ps))
+        new_q = max(kv_cache.quantized.quantized_tokens(self.spec, L + n), q)
+        return (new_q - q) // ps
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _usable_hit(self, req: _Request, n: int) -> int:
+        """The pages of an n-page match a request may take (whole chunks, see module doc)."""
+        ps, per_chunk = self.spec.page_size, self.chunk // self.spec.page_size
+        total = len(req.fed)
+        j = min(n, (total - 1) // ps)
+        j -= j % per_chunk
+        if self.spec.quant is not None:
+            qt = kv_cache.quantized.quantized_tokens
+            while j > 0 and j * ps > qt(self.spec, min(j * ps + self.chunk, total)):
+                j -= per_chunk
+        return max(j, 0)
+
+    def _attach_prefix(self, req: _Request) -> None:
+        hashes = page_hashes(req.fed, self.spec.page_size, req.salt)
+        j = self._usable_hit(req, self.prefix.match(hashes, req.fed))
+        if j == 0:
+            return
+        holder = self.prefix.holder_of(hashes, j)
+        cache, st = kv_cache.fork(self.state.cache, jnp.int32([holder]), jnp.int32([req.slot]))
+        st.raise_if_error()
+        new = np.asarray(jax.device_get(cache.lengths)).copy()
+        new[req.slot] = j * self.spec.page_size
+        cache, st = kv_cache.truncate(cache, jnp.asarray(new, jnp.int32))
+        st.raise_if_error()
+        self._set_cache(cache)
+        req.done_tokens = j * self.spec.page_size
+        req.hit_pages = j
+        if not req.output:  # a readmitted request's own pages do not count as hits
+            req.cached_tokens = req.done_tokens
+        self.stats["hit_pages"] += j
+        self._sync()
+
+    def _register_prefix(self, req: _Request) -> None:
+        """Keeps the request's full prompt pages (quantized pages on KIVI) for later ones."""
+        ps = self.spec.page_size
+        n = len(req.fed) // ps if self.spec.quant is None else int(self._quant[req.slot]) // ps
+        hashes = page_hashes(req.fed[: n * ps], ps, req.salt)
+        if n == 0 or self._lengths[req.slot] < n * ps or self.prefix.new_pages(hashes) == 0:
+            return  # nothing new, or the request already finished and freed its pages
+        holder = self.prefix.free_slot()
+        if holder is None:
+            self._evict_holder()
+            holder = self.prefix.free_slot()
+        cache, st = kv_cache.fork(self.state.cache, jnp.int32([req.slot]), jnp.int32([holder]))
+        st.raise_if_error()
+        new = np.asarray(jax.device_get(cache.lengths)).copy()
+        new[holder] = n * ps
+        cache, st = kv_cache.truncate(cache, jnp.asarray(new, jnp.int32))
+        st.raise_if_error()
+        self._set_cache(cache)
+        self.prefix.add(holder, hashes, req.fed)
+        self._sync()
+
+    def _evict_holder(self) -> bool:
+        slot = self.prefix.lru_slot() if self.prefix is not None else None
+        if slot is None:
+            return False
+        self.prefix.remove(slot)
+        self._free_slots([slot])
+        self.stats["evictions"] += 1
+        self._sync()
+        return True
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _admit_waiting(self) -> None:
+        free_rows = [s for s in range(self.rows) if s not in self._running]
+        while self._waiting and free_rows:
+            req = self._waiting[0]
+            # Admit when the pool can take its whole prompt (cached prefixes yield).
+            need = -(-len(req.fed) // self.spec.page_size)
+            while self._free_pages < need and self._evict_holder():
+                pass
+            if self._free_pages < need and self._running:
+                break
+            self._waiting.popleft()
+            req.slot = free_rows.pop(0)
+            req.admitted = next(self._admissions)
+            req.done_tokens, req.decoding = 0, False
+            self._running[req.slot] = req
+            if self._blank is not None:
+                self._reset_policy_row(req.slot)
+            if self.prefix is not None:
+                self._attach_prefix(req)
+
+    def _reset_policy_row(self, slot: int) -> None:
+        p = self.policy.fork_state(self.state.policy_state, jnp.int32([self._blank]),
+                                   jnp.int32([slot]))
+        self.state = dataclasses.replace(self.state, policy_state=p)
+
+    def _plan(self) -> tuple[list[int], list[tuple[_Request, int]]]:
+        """This step's decoding rows and prefill lanes (request, tokens) within the budget."""
+        decode = [s for s, r in self._running.items() if r.decoding]
+        room = self.token_budget - len(decode)
+        lanes = []
+        for req in sorted((r for r in self._running.values() if not r.decoding),
+                          key=lambda r: r.admitted):
+            if len(lanes) == self.prefill_rows or (room < self.chunk and (lanes or decode)):
+                break
+            n = min(self.chunk, len(req.fed) - req.done_tokens)
+            lanes.append((req, n))
+            room -= self.chunk
+        return decode, lanes
+
+    def _pages_needed(self, decode, lanes) -> int:
+        return (sum(self._pages_for(s, 1) for s in decode)
+                + sum(self._pages_for(r.slot, n) for r, n in lanes))
+
+    def _preempt(self) -> None:
+        """Frees the most recently admitted request; it waits again, first in line."""
+        req = max(self._running.values(), key=lambda r: r.admitted)
+        del self._running[req.slot]
+        rows = np.zeros((self.rows,), bool)
+        rows[req.slot] = True
+        self.state = _release(self.state, jnp.asarray(rows))
+        req.fed = np.concatenate([req.prompt, np.asarray(req.output, np.int32)])
+        req.slot, req.decoding, req.done_tokens = None, False, 0
+        self._waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+        self._sync()
+
+    def _lanes(self, lanes) -> _Lanes:
+        P, C = self.prefill_rows, self.chunk
+        tokens = np.zeros((P, C), np.int32)
+        lengths = np.zeros((P,), np.int32)
+        used = {r.slot for r, _ in lanes}
+        idle = [s for s in range(self.rows) if s not in used]
+        slots = np.array([r.slot for r, _ in lanes] + idle[: P - len(lanes)], np.int32)
+        start = np.zeros((P,), np.int32)
+        last = np.zeros((P,), bool)
+        count = np.zeros((P,), np.int32)
+        max_new = np.ones((P,), np.int32)
+        keys = [jax.random.key(0)] * P
+        configs = [GREEDY] * P
+        for i, (r, n) in enumerate(lanes):
+            tokens[i, :n] = r.fed[r.done_tokens: r.done_tokens + n]
+            lengths[i] = n
+            start[i] = r.done_tokens
+            last[i] = r.done_tokens + n == len(r.fed)
+            count[i] = len(r.output)
+            max_new[i] = r.max_tokens
+            keys[i] = r.key
+            configs[i] = r.sampling
+        return _Lanes(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+                      slots=jnp.asarray(slots), start=jnp.asarray(start),
+                      last=jnp.asarray(last), keys=jnp.stack(keys),
+                      count=jnp.asarray(count), max_new=jnp.asarray(max_new),
+                      sampling=jax.tree.map(jnp.asarray, RowSampling.of(configs)))
+
+    def _finish(self, req: _Request, reason: str, tokens: Sequence[int] = ()) -> None:
+        self._requests.pop(req.id, None)
+        self._pending_out.append(RequestOutput(
+            request_id=req.id, token_ids=list(tokens), finished=True, finish_reason=reason,
+            prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens))
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns what each request produced (see `RequestOutput`)."""
+        self._pending_out = []
+        for r in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(r)
+            self._finish(r, "cancelled")
+        # Cancelled rows first: their pages serve this step.
+        gone = [r for r in self._running.values() if r.cancelled]
+        if gone:
+            rows = np.zeros((self.rows,), bool)
+            for r in gone:
+                rows[r.slot] = True
+                del self._running[r.slot]
+                self._finish(r, "cancelled")
+            self.state = _release(self.state, jnp.asarray(rows))
+            self._sync()
+        self._admit_waiting()
+        decode, lanes = self._plan()
+        while self._pages_needed(decode, lanes) > self._free_pages:
+            if not self._evict_holder():
+                if len(self._running) <= 1:
+                    raise RuntimeError(
+                        f"the pool ({self.spec.num_pages} pages) cannot hold the next step of "
+                        f"the only running request; give the Engine more pages.")
+                self._preempt()
+            decode, lanes = self._plan()
+        if not decode and not lanes:
+            return self._pending_out
+        before = {s: len(r.output) for s, r in self._running.items()}
+        self.state = _step(self.model, self.params, self.dparams, self.state,
+                           self._lanes(lanes) if lanes else None, eos_ids=self.eos_ids,
+                           impl=self.impl, policy=self.policy, decode=bool(decode))
+        st = self.state
+        last, num, done, code = jax.device_get((st.last, st.num_generated, st.done,
+                                                st.status.code))
+        if int(code) != 0:
+            # The page check above makes this unreachable; say so loudly if it is not.
+            err = jax.device_get(st.status)
+            raise RuntimeError(f"engine step failed with allocator status {int(err.code)} "
+                               f"({int(err.pages_needed)} pages needed, {int(err.pages_free)} "
+                               f"free): a scheduling bug.")
+        self._sync()
+        self.stats["steps"] += 1
+        self.stats["decode_tokens"] += len(decode)
+        self.stats["prefill_tokens"] += sum(n for _, n in lanes)
+        for r, n in lanes:
+            r.done_tokens += n
+            if r.done_tokens == len(r.fed):
+                r.decoding = True
+                if self.prefix is not None:
+                    self._register_prefix(r)
+        release = np.zeros((self.rows,), bool)
+        for slot, r in list(self._running.items()):
+            if not r.decoding or int(num[slot]) <= before[slot]:
+                continue
+            tok = int(last[slot])
+            r.output.append(tok)
+            reason = None
+            if tok in r.stop_ids or tok in self.eos_ids:
+                reason = "stop"
+                release[slot] = not bool(done[slot])
+            elif bool(done[slot]):
+                reason = "length"
+            if reason is None:
+                self._pending_out.append(RequestOutput(
+                    request_id=r.id, token_ids=[tok], finished=False, finish_reason=None,
+                    prompt_tokens=len(r.prompt), cached_tokens=r.cached_tokens))
+            else:
+                del self._running[slot]
+                self._finish(r, reason, [tok])
+        if release.any():
+            self.state = _release(self.state, jnp.asarray(release))
+            self._sync()
+        return self._pending_out
+
+    def run(self) -> dict[str, list[int]]:
+        """Steps until every request is done; returns each request's tokens."""
+        out: dict[str, list[int]] = collections.defaultdict(list)
+        while self.has_unfinished():
+            for o in self.step():
+                out[o.request_id].extend(o.token_ids)
+        return dict(out)
+
+    def check(self) -> None:
+        """AssertionError unless the cache's invariants hold, every page is free or held by
+        a request or a cached prefix, and the prefix cache agrees with its holders."""
+        cache = self.state.cache
+        kv_cache.check_invariants(cache)
+        lengths = np.asarray(cache.lengths)
+        users = set(self._running)
+        holders = set(self.prefix.holders) if self.prefix is not None else set()
+        for s in range(self.spec.max_seqs):
+            if lengths[s] and s not in users and s not in holders:
+                raise AssertionError(f"slot {s} holds {lengths[s]} tokens but no request or "
+                                     f"cached prefix owns it")
+        if self.prefix is not None:
+            self.prefix.check()
+            if isinstance(cache.table, PageTable):
+                ps = self.spec.page_size
+                for s, toks in self.prefix.holders.items():
+                    if lengths[s] != len(toks) or len(toks) % ps:
+                        raise AssertionError(f"holder {s} holds {lengths[s]} tokens, its "
+                                             f"entries {len(toks)}")
+
+    def __repr__(self) -> str:
+        return (f"Engine(rows={self.rows}, chunk={self.chunk}, pages={self.spec.num_pages}, "
+                f"running={self.num_running}, waiting={self.num_waiting})")
+

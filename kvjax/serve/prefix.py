@@ -1,0 +1,177 @@
+"""Prefix caching: full pages of earlier prompts, found by a hash chain, kept by refcount.
+
+Page i of a prompt is named by a hash chain, h_i = H(h_{i-1}, the page's token ids),
+rooted at a hash of an optional salt (requests with different salts never share a
+page). A hash names a page's whole prefix, so the deepest cached hash of a new prompt
+is its longest cached prefix.
+
+Cached pages live in the cache itself, held by *holder* slots: spare sequence slots
+of the page table that no request decodes in. Registering a request's prompt pages
+forks its slot into a free holder and truncates the holder to those pages, so the
+pages gain one reference and outlive the request; a hit forks the holder into the new
+request's slot and truncates it to the pages that hit. Every page is therefore free,
+or referenced by block tables (requests and holders) — the allocator's own invariants,
+with no second bookkeeping of refcounts. A quantized (KIVI) page is complete when it
+is written, so it is shared as it is; a quantized sequence can end on a whole page
+(`kvjax.cache.truncate`), its full-precision tail stays private.
+
+Eviction is least-recently-used over holders: evicting one frees its slot, and the
+pages no other holder or request holds go back to the pool. A holder registered
+after another with the same system prompt shares that prompt's pages, so evicting
+the older one returns only its own suffix pages.
+
+This module is host-side bookkeeping (hashes, holders, LRU order); the engine runs
+the forks, truncations and frees on the device cache.
+"""
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["PrefixCache", "page_hashes"]
+
+
+def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int,
+                salt: str | None = None) -> list[bytes]:
+    """The hash chain of every full page of `tokens` (a partial last page has none)."""
+    tokens = np.asarray(tokens, np.int64)
+    h = hashlib.blake2b(b"kvjax-prefix" + (salt or "").encode(), digest_size=16).digest()
+    out = []
+    for i in range(len(tokens) // page_size):
+        page = tokens[i * page_size: (i + 1) * page_size]
+        h = hashlib.blake2b(h + page.tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+@dataclasses.dataclass
+class _Holder:
+    hashes: list[bytes]
+    tokens: np.ndarray  # the token ids of its pages, page_size * len(hashes)
+    last_used: int
+
+
+@dataclasses.dataclass
+class _Entry:
+    depth: int  # page index in the chain
+    tokens: tuple[int, ...]  # the page's token ids
+    holders: set[int]
+
+
+class PrefixCache:
+    """Which holder slot holds which cached pages; lookups, registration and LRU order.
+
+    Args:
+      page_size: tokens per page.
+      slots: the cache slots set aside as holders.
+    """
+
+    def __init__(self, page_size: int, slots: Sequence[int]):
+        self.page_size = page_size
+        self.slots = tuple(int(s) for s in slots)
+        self._free = list(reversed(self.slots))
+        self._holders: dict[int, _Holder] = {}
+        self._entries: dict[bytes, _Entry] = {}
+        self._clock = 0
+
+    def __len__(self) -> int:
+        """Cached pages (distinct hashes)."""
+        return len(self._entries)
+
+    @property
+    def holders(self) -> dict[int, np.ndarray]:
+        """Each occupied holder slot and the token ids its pages hold."""
+        return {s: h.tokens for s, h in self._holders.items()}
+
+    def match(self, hashes: Sequence[bytes], tokens: np.ndarray) -> int:
+        """Pages of a prompt (its `hashes`, its `tokens`) found cached, from the first on.
+
+        A hash that matches but names other token ids (a collision) ends the match.
+        """
+        ps = self.page_size
+        n = 0
+        for i, h in enumerate(hashes):
+            e = self._entries.get(h)
+            if e is None or e.depth != i or e.tokens != tuple(
+                    int(t) for t in tokens[i * ps: (i + 1) * ps]):
+                break
+            n = i + 1
+        return n
+
+    def holder_of(self, hashes: Sequence[bytes], n: int) -> int:
+        """A holder slot holding the first `n` pages of this chain; marks it used."""
+        holders = self._entries[hashes[n - 1]].holders
+        slot = max(holders, key=lambda s: self._holders[s].last_used)
+        self.touch(slot)
+        return slot
+
+    def touch(self, slot: int) -> None:
+        self._clock += 1
+        self._holders[slot].last_used = self._clock
+
+    def new_pages(self, hashes: Sequence[bytes]) -> int:
+        """How many of these pages are not cached yet (from the first uncached one on)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._entries:
+            n += 1
+        return len(hashes) - n
+
+    def free_slot(self) -> int | None:
+        """A holder slot not in use, or None."""
+        return self._free[-1] if self._free else None
+
+    def lru_slot(self) -> int | None:
+        """The least recently used holder, or None when nothing is cached."""
+        if not self._holders:
+            return None
+        return min(self._holders, key=lambda s: self._holders[s].last_used)
+
+    def add(self, slot: int, hashes: Sequence[bytes], tokens: np.ndarray) -> None:
+        """Records that holder `slot` now holds the pages `hashes` (token ids `tokens`)."""
+        if slot not in self._free:
+            raise ValueError(f"holder slot {slot} is not free.")
+        ps = self.page_size
+        tokens = np.asarray(tokens[: len(hashes) * ps], np.int32).copy()
+        self._free.remove(slot)
+        self._clock += 1
+        self._holders[slot] = _Holder(hashes=list(hashes), tokens=tokens, last_used=self._clock)
+        for i, h in enumerate(hashes):
+            e = self._entries.get(h)
+            if e is None:
+                e = self._entries[h] = _Entry(
+                    depth=i, tokens=tuple(int(t) for t in tokens[i * ps: (i + 1) * ps]),
+                    holders=set())
+            e.holders.add(slot)
+
+    def remove(self, slot: int) -> None:
+        """Forgets holder `slot` (the engine frees the slot on the device)."""
+        holder = self._holders.pop(slot)
+        for h in holder.hashes:
+            e = self._entries[h]
+            e.holders.discard(slot)
+            if not e.holders:
+                del self._entries[h]
+        self._free.append(slot)
+
+    def check(self) -> None:
+        """AssertionError unless every entry's tokens are its holders' tokens at its depth,
+        and every holder's pages are entries naming it."""
+        ps = self.page_size
+        for slot, holder in self._holders.items():
+            for i, h in enumerate(holder.hashes):
+                e = self._entries.get(h)
+                if e is None or slot not in e.holders:
+                    raise AssertionError(f"holder {slot} page {i} has no entry naming it")
+        for e in self._entries.values():
+            if not e.holders:
+                raise AssertionError("an entry has no holder")
+            for slot in e.holders:
+                page = self._holders[slot].tokens[e.depth * ps: (e.depth + 1) * ps]
+                if tuple(int(t) for t in page) != e.tokens:
+                    raise AssertionError(f"entry at depth {e.depth} disagrees with holder "
+                                         f"{slot}'s tokens")
+        if set(self._free) & set(self._holders) or (
+                len(self._free) + len(self._holders) != len(self.slots)):
+            raise AssertionError("holder slots are lost or both free and used")
