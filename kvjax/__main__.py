@@ -16,9 +16,10 @@ from kvjax import eval as eval_cli
 from kvjax import info as info_cli
 from kvjax.generate import cli as generate_cli
 from kvjax.memory import cli as memory_cli
+from kvjax.serve import cli as serve_cli
 
 # Append a module here to add a subcommand (generate, demo, eval, ...).
-SUBCOMMANDS = (memory_cli, generate_cli, demo_cli, eval_cli, info_cli)
+SUBCOMMANDS = (memory_cli, generate_cli, serve_cli, demo_cli, eval_cli, info_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

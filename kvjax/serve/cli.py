@@ -1,0 +1,189 @@
+"""`python -m kvjax serve`: an OpenAI-compatible HTTP server for a HuggingFace model directory.
+
+Examples:
+  python -m kvjax serve --model ./TinyLlama-1.1B-Chat
+  python -m kvjax serve --model ./llama --port 8080 --max-seqs 16 --kv-bits 4 --kv-residual 64
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "TinyLlama-1.1B-Chat", "prompt": "Paged caches are", "max_tokens": 32}'
+
+Any OpenAI client works against http://HOST:PORT/v1 (the API key is not checked):
+  openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from kvjax.generate.cli import _dtype, _positive_int
+
+__all__ = ["add_parser", "run"]
+
+_DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the `serve` subcommand on `subparsers` and returns its parser."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a HuggingFace model directory over an OpenAI-compatible HTTP API",
+        description=(
+            "Loads a HuggingFace model directory (config.json, safetensors and a tokenizer) "
+            "and serves it with continuous batching, chunked prefill and prefix caching on "
+            "a paged KV cache: GET /health, GET /v1/models, POST /v1/completions and "
+            "POST /v1/chat/completions (streaming as server-sent events). Needs "
+            "`pip install 'kvjax[serve]'`."
+        ),
+        epilog=__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="HuggingFace model directory (config.json, *.safetensors and a "
+                   "tokenizer: tokenizer.json / tokenizer_config.json, with a chat_template "
+                   "for /v1/chat/completions)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every "
+                   "interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send as 'model' and /v1/models lists "
+                   "(default: the basename of DIR)")
+    p.add_argument("--max-seqs", type=_positive_int, default=8, metavar="N",
+                   help="requests decoding at once; more wait in a queue (default 8)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=None, metavar="TOKENS",
+                   help="longest request, prompt + max_tokens (default: the smaller of "
+                   f"{_DEFAULT_MAX_SEQ_LEN} and config.json's max_position_embeddings)")
+    p.add_argument("--num-pages", type=_positive_int, default=None, metavar="PAGES",
+                   help="pages in the KV pool (default: room for --max-seqs requests of "
+                   "--max-seq-len tokens); spare pages hold cached prefixes")
+    p.add_argument("--page-size", type=_positive_int, default=16, metavar="TOKENS",
+                   help="tokens per cache page, a power of two (default 16)")
+    p.add_argument("--chunk-size", type=_positive_int, default=64, metavar="TOKENS",
+                   help="prefill chunk length, a multiple of --page-size (default 64); a "
+                   "prefix-cache hit covers whole chunks")
+    p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
+                   help="KV cache dtype: float32, bfloat16 or float16 (default: the params "
+                   "dtype)")
+    p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), default=None, metavar="BITS",
+                   help="KIVI-quantize the KV cache to 2, 4 or 8 bits (default: full precision)")
+    p.add_argument("--kv-group-size", type=_positive_int, default=32, metavar="G",
+                   help="KIVI group size G (default 32; must divide --page-size)")
+    p.add_argument("--kv-residual", type=int, default=128, metavar="R",
+                   help="KIVI full-precision recent tokens R, a multiple of --page-size "
+                   "(default 128); prefix-cache hits need --chunk-size >= R + --page-size")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not keep prompts' pages for later requests that share a prefix")
+    p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
+                   help="params and activations dtype (default: the checkpoint's)")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info: one line per request)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _eos_ids(path: str, hf: dict, tokenizer) -> list[int]:
+    """EOS ids from config.json, generation_config.json (chat models' end-of-turn) and the
+    tokenizer."""
+    import json
+
+    ids = []
+    sources = [hf.get("eos_token_id")]
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        try:
+            with open(gen) as f:
+                sources.append(json.load(f).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        for t in [s] if isinstance(s, int) else (s or []):
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `serve` for parsed `args` until interrupted; returns the exit status.
+
+    Errors the user can act on (bad arguments, a missing package, an unreadable
+    checkpoint or tokenizer) print one `error:` line and return non-zero.
+    """
+    if args.page_size & (args.page_size - 1):
+        print(f"error: --page-size must be a power of two, got {args.page_size}",
+              file=sys.stderr)
+        return 2
+    if args.chunk_size % args.page_size:
+        print(f"error: --chunk-size ({args.chunk_size}) must be a multiple of --page-size "
+              f"({args.page_size})", file=sys.stderr)
+        return 2
+    if not 0 <= args.port < 65536:
+        print(f"error: --port must lie in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    missing = [m for m in ("fastapi", "uvicorn", "transformers")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: the server needs {', '.join(missing)}: pip install 'kvjax[serve]'",
+              file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.model):
+        print(f"error: --model {args.model} is not a directory", file=sys.stderr)
+        return 2
+
+    import time
+
+    import transformers
+    import uvicorn
+
+    from kvjax import models
+    from kvjax.generate import CacheConfig
+    from kvjax.serve import Engine
+    from kvjax.serve.server import create_app
+    from kvjax.specs import QuantSpec
+
+    t0 = time.perf_counter()
+    try:
+        hf = models.read_hf_config(args.model)
+        model, params = models.load(args.model, dtype=args.dtype)
+    except (ValueError, KeyError, OSError) as e:  # config, weights, files: each names its file
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    except Exception as e:  # transformers raises many kinds; the message names the file
+        print(f"error: cannot load a tokenizer from {args.model}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        max_seq_len = min(_DEFAULT_MAX_SEQ_LEN,
+                          hf.get("max_position_embeddings") or _DEFAULT_MAX_SEQ_LEN)
+    try:
+        quant = None if args.kv_bits is None else QuantSpec(
+            bits=args.kv_bits, group_size=args.kv_group_size, residual=args.kv_residual)
+        cache = CacheConfig(dtype=args.kv_dtype or model.config.dtype, quant=quant,
+                            page_size=args.page_size, num_pages=args.num_pages)
+        engine = Engine(model, params, max_seqs=args.max_seqs, max_seq_len=max_seq_len,
+                        cache=cache, chunk_size=args.chunk_size,
+                        prefix_caching=not args.no_prefix_caching,
+                        eos_ids=[t for t in _eos_ids(args.model, hf, tokenizer)
+                                 if t < model.vocab_size])
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    spec = engine.spec
+    print(f"loaded {hf['architectures'][0]} ({model.family}, {model.config.attention}) in "
+          f"{time.perf_counter() - t0:.1f} s; serving it as {name!r} at "
+          f"http://{args.host}:{args.port}/v1 ({args.max_seqs} sequences of up to "
+          f"{max_seq_len} tokens, {spec.num_pages} pages of {spec.page_size} tokens, "
+          f"{spec.dtype.name}" + ("" if args.kv_bits is None else f", KIVI int{args.kv_bits}")
+          + ")",
+          file=sys.stderr)
+    app = create_app(engine, tokenizer, model_name=name)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except SystemExit as e:  # uvicorn exits when it cannot bind the port (it logged why)
+        return e.code if isinstance(e.code, int) else 1
+    return 0
