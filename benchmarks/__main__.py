@@ -23,6 +23,10 @@ and fails only on wrong results, never on speed):
   kvbits    decode tokens/s through `kvjax.generate` on bf16, KIVI int4 and int2 caches,
             batch 8 x 4K context, 8 KV heads x 128, ratios to bf16 in one run
             (benchmarks/kv_bits.py)
+  serving   a Poisson trace of requests sharing a 512-token system prompt through the
+            continuous-batching engine (prefix caching) and through static batches of
+            `kvjax.generate`: throughput, time to first token, prefix hit rate
+            (benchmarks/serving.py)
   capacity  sequences that fit in a fixed KV budget (contiguous / paged bf16 /
             int4 / int2, benchmarks/capacity.py) and, in the full run, peak pages
             per eviction policy (benchmarks/eviction.py)
@@ -58,7 +62,8 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/__main__.py` as well as `python -m benchmarks`
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "capacity", "kernels")
+SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "serving", "capacity",
+            "kernels")
 
 
 def cpu_flags() -> list[str]:
@@ -142,7 +147,10 @@ def _attention(quick, out, *, paging):
 
 def _decode(quick, out):
     from benchmarks import decode_e2e
-    decode_e2e.main((["--quick", "--batches", "2", "--repeats", "1"] if quick else [])
+    # Quick: 32 new tokens over 3 repeats, so a step (a difference of two timings) stays
+    # positive on a loaded CI machine.
+    decode_e2e.main((["--quick", "--batches", "2", "--repeats", "3", "--new-tokens", "32"]
+                     if quick else [])
                     + ["--out", str(out)])
 
 
@@ -157,6 +165,12 @@ def _kvbits(quick, out):
     from benchmarks import kv_bits
     kv_bits.main((["--quick", "--batch", "2"] if quick else [])
                  + ["--out", str(out)])
+
+
+def _serving(quick, out):
+    from benchmarks import serving
+    if serving.main((["--quick"] if quick else []) + ["--out", str(out)]):
+        raise RuntimeError("the engine's tokens differ from kvjax.generate's")
 
 
 def _capacity(quick, out):
@@ -187,6 +201,7 @@ RUNNERS = dict(
     decode=_decode,
     e2e=_e2e,
     kvbits=_kvbits,
+    serving=_serving,
     capacity=_capacity,
     kernels=_kernels,
 )

@@ -126,7 +126,25 @@ def capacity(d):
     return out
 
 
-SECTION_TABLES = dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e, capacity=capacity)
+def serving(d):
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    rows = [[name, f"{r['tokens_per_s']:.0f}", f"{f(r['ttft_median_s'], '.2f')} / "
+             f"{f(r['ttft_p90_s'], '.2f')}", f"{f(r['itl_median_ms'], '.1f')} / "
+             f"{f(r['itl_p90_ms'], '.1f')}", f"{r['makespan_s']:.1f}"]
+            for name, r in d["runs"].items()]
+    return (f"{d['requests']} requests at {d['rate']}/s, {d['rows']} rows, system prompt "
+            f"{d['system']} tokens + {d['suffix'][0]}-{d['suffix'][1]} ({d['suffix_dist']}), "
+            f"{d['new_tokens'][0]}-{d['new_tokens'][1]} new tokens; prefix hits "
+            f"{d['hit_pages']} of {d['prompt_pages']} prompt pages ({100 * d['hit_rate']:.0f}%); "
+            f"tokens identical {d['identical']}/{d['requests']}.\n\n"
+            + _table(["run", "tokens/s", "TTFT median / p90 (s)", "ITL median / p90 (ms)",
+                      "makespan (s)"], rows))
+
+
+SECTION_TABLES = dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e, serving=serving,
+                      capacity=capacity)
 
 
 def load_run(folder: Path) -> dict:
@@ -206,6 +224,14 @@ def summary_rows(run: dict) -> list[list[str]]:
             rows.append([f"decode tokens/s through `generate`, KIVI caches / bf16 cache (batch "
                          f"{kvb['batch']} x {kvb['context']} tokens)",
                          f"bf16 {by['bf16']['tokens_per_s']:.0f} tokens/s; " + ", ".join(q)])
+    srv = _data(run, "serving")
+    if srv:
+        e = srv["runs"]["engine"]
+        rows.append([f"serving: {srv['requests']} requests sharing a {srv['system']}-token "
+                     f"system prompt (Poisson, {srv['rate']}/s), {srv['rows']} rows, tiny GQA "
+                     f"model: engine / static `generate` batches",
+                     f"{srv['speedup']:.2f}x tokens/s; prefix hits {100 * srv['hit_rate']:.0f}% "
+                     f"of prompt pages; TTFT p90 {e['ttft_p90_s']:.2f} s"])
     cap = _data(run, "capacity")
     if cap:
         lay = {r["layout"]: r for r in cap["layouts"]}

@@ -22,7 +22,8 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = json.loads((tmp_path / "run.json").read_text())
     sections = run["sections"]
-    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "kvbits", "capacity"}
+    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "kvbits", "serving",
+                             "capacity"}
     assert all(s["status"] == "ok" for s in sections.values()), {
         k: s.get("error", "")[-2000:] for k, s in sections.items()}
     roof = sections["roofline"]["data"]
@@ -39,6 +40,8 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     assert families == {"llama", "deepseek"}
     for r in e2e["results"]:  # float32: greedy tokens identical to transformers'
         assert r["engines"]["hf_dynamic"]["same_tokens_as_kvjax"] == 1.0
+    srv = sections["serving"]["data"]  # every request's tokens equal generate's; some hit
+    assert srv["ok"] and srv["identical"] == srv["requests"] and srv["hit_pages"] > 0
     kvb = {r["cache"]: r for r in sections["kvbits"]["data"]["results"]}
     assert set(kvb) == {"bf16", "int4", "int2"}
     assert all(r["kv_bytes_read"] > 0 for r in kvb.values())

@@ -242,7 +242,8 @@ def truncate(
                     f"quantized page; slot {s} holds {q[s]} quantized tokens (pages of {ps}), "
                     f"so its new length must be a multiple of {ps} up to {q[s]} or stay "
                     f"{old[s]}, got {new[s]}.")
-    return _truncate(cache, new_lengths.astype(jnp.int32))
+    # A copy: `truncate(cache, cache.lengths)` must not pass a donated buffer twice.
+    return _truncate(cache, jnp.array(new_lengths, jnp.int32, copy=True))
 
 
 def _rows_vector(op: str, name: str, x, batch: int):

@@ -122,6 +122,14 @@ def sample_rows(logits: Float[Array, "batch vocab"], keys: jax.Array,
     alone with `SamplingConfig(temperature[i], top_k[i] or None, top_p[i])`."""
     logits = logits.astype(jnp.float32)
     greedy = rows.temperature <= 0
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # All-greedy batches (the common serving case) skip the sort and the draws.
+    return jax.lax.cond(jnp.all(greedy), lambda: best,
+                        lambda: jnp.where(greedy, best, _draw_rows(logits, keys, rows)))
+
+
+def _draw_rows(logits, keys, rows: RowSampling):
+    greedy = rows.temperature <= 0
     t = jnp.where(greedy, 1.0, rows.temperature)[:, None]
     scaled = logits / t
     neg = jnp.float32(-jnp.inf)
@@ -140,5 +148,4 @@ def sample_rows(logits: Float[Array, "batch vocab"], keys: jax.Array,
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
         keep_sorted)
     scaled = jnp.where((rows.top_p < 1)[:, None] & ~keep, neg, scaled)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)

@@ -11,11 +11,12 @@ Requests arrive at any time. The engine keeps one cache of `max_seqs` decoding r
 (plus spare slots that hold cached prefixes) and one `DecodeState` over the rows;
 each `step()` is one jitted program that
 
-  * runs `kvjax.generate.decode_step` on every decoding row (the same step function
-    `generate` loops over: every page kind, policy and sharding plan), then
   * prefills one chunk (`chunk_size` tokens) of up to `prefill_rows` waiting prompts
     through `kvjax.generate.prefill`, and for each prompt whose last chunk this was
-    samples its first token and makes its row a decoding row.
+    samples its first token and makes its row a decoding row, then
+  * runs `kvjax.generate.decode_step` on every decoding row (the same step function
+    `generate` loops over: every page kind, policy and sharding plan) — several times in
+    a `lax.scan` (`decode_steps`) unless a prompt still waits for a chunk or a row.
 
 Decode tokens and prefill chunks share a per-step token budget. Scheduling is
 host-side NumPy: the engine reads back a few small arrays per step (each row's new
@@ -41,6 +42,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -68,8 +70,8 @@ class RequestOutput:
 
     Attributes:
       request_id: the request.
-      token_ids: tokens produced in this step (empty or one; a stop or EOS token is
-        included).
+      token_ids: tokens produced in this step (up to the engine's `decode_steps`; a stop
+        or EOS token is included).
       finished: the request is done; this is its last output.
       finish_reason: "stop" (an EOS or stop id), "length" (`max_tokens`), "cancelled", or
         None while it runs.
@@ -102,6 +104,8 @@ class _Request:
     cached_tokens: int = 0
     hit_pages: int = 0
     decoding: bool = False
+    looked_up: bool = False  # prefix hits attached (or none to look for)
+    hashes: list[bytes] | None = None  # the hash chain of `fed`'s full pages
     admitted: int = 0  # admission counter (preemption picks the latest)
     cancelled: bool = False
 
@@ -136,9 +140,8 @@ def _admit(state: DecodeState, lanes: _Lanes, last_logits, ok, eos_ids) -> Decod
         return x.at[tgt].set(v, mode="drop")
 
     rs, ls = state.row_sampling, lanes.sampling
-    cache = loop._free_rows(state.cache, lanes.slots, finished)
     return dataclasses.replace(
-        state, cache=cache, last=put(state.last, tok),
+        state, last=put(state.last, tok),
         position=put(state.position, lanes.start + lanes.lengths),
         num_generated=put(state.num_generated, num), max_new=put(state.max_new, lanes.max_new),
         done=put(state.done, finished), keys=put(state.keys, lanes.keys),
@@ -149,11 +152,11 @@ def _admit(state: DecodeState, lanes: _Lanes, last_logits, ok, eos_ids) -> Decod
 @functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "decode"),
                    donate_argnames="state")
 def _step(model: Model, params, dparams, state: DecodeState, lanes: _Lanes | None, *,
-          eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: bool):
-    """The engine's step: a decode step over the rows, then one prefill chunk per lane."""
-    if decode:
-        state = decode_step(model, dparams, state, sampling=GREEDY, eos_ids=eos_ids,
-                            free_finished=True, impl=impl, policy=policy)
+          eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: int):
+    """The engine's step: one prefill chunk per lane (rows whose prompt ends take their
+    first token), then `decode` decode steps over the rows (a `lax.scan`). Returns the
+    state and (last, count, done) [steps, rows] after the lanes and after each decode step."""
+    records = []
     if lanes is not None:
         cache, last_logits, status, _, pstate = prefill(
             model, params, state.cache, lanes.tokens, lanes.lengths, lanes.slots,
@@ -162,7 +165,19 @@ def _step(model: Model, params, dparams, state: DecodeState, lanes: _Lanes | Non
         state = dataclasses.replace(state, cache=cache, policy_state=pstate,
                                     status=loop._first_error(state.status, status))
         state = _admit(state, lanes, last_logits, status.code == 0, eos_ids)
-    return state
+        records.append(jax.tree.map(lambda x: x[None],
+                                    (state.last, state.num_generated, state.done)))
+
+    def one(s, _):
+        s = decode_step(model, dparams, s, sampling=GREEDY, eos_ids=eos_ids,
+                        free_finished=False, impl=impl, policy=policy)
+        return s, (s.last, s.num_generated, s.done)
+
+    if decode:
+        state, rec = jax.lax.scan(one, state, None, length=decode)
+        records.append(rec)
+    record = jax.tree.map(lambda *xs: jnp.concatenate(xs), *records)
+    return state, record
 
 
 @functools.partial(jax.jit, donate_argnames="state")
@@ -170,6 +185,14 @@ def _release(state: DecodeState, rows: Bool[Array, " rows"]) -> DecodeState:
     """Frees the flagged rows' slots and marks them done."""
     cache = loop._free_rows(state.cache, state.seq_ids, rows)
     return dataclasses.replace(state, cache=cache, done=state.done | rows)
+
+
+def _key(seed: int) -> jax.Array:
+    """`jax.random.key(seed)` for 32-bit seeds (what `generate` takes); wider seeds fold their
+    high word in, so they do not collide with their low 32 bits."""
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    key = jax.random.key(low)
+    return key if high == 0 else jax.random.fold_in(key, high)
 
 
 class Engine:
@@ -192,20 +215,23 @@ class Engine:
       eos_ids: tokens that end every request (besides each request's stop ids).
       impl: attention implementation.
       policy: a cache policy (eviction / page selection), as in `kvjax.generate`.
-      seed: where request keys come from when a request gives no seed.
+      decode_steps: decode steps per call while no prompt waits for a row or a prefill
+        lane (one `lax.scan`; tokens then stream in groups of up to this many).
     """
 
     def __init__(self, model: Model, params, *, max_seqs: int = 8, max_seq_len: int = 2048,
                  cache: setup.CacheConfig | None = None, chunk_size: int = 64,
                  prefill_rows: int = 1, token_budget: int | None = None,
                  prefix_caching: bool = True, prefix_slots: int | None = None,
-                 eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None):
+                 eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None,
+                 decode_steps: int = 8):
         cfg = cache if cache is not None else setup.CacheConfig()
         if not isinstance(cfg, setup.CacheConfig):
             raise TypeError(f"cache must be a kvjax.generate.CacheConfig, got "
                             f"{type(cfg).__name__}.")
         for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
-                        ("chunk_size", chunk_size), ("prefill_rows", prefill_rows)):
+                        ("chunk_size", chunk_size), ("prefill_rows", prefill_rows),
+                        ("decode_steps", decode_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Engine: {name} must be a positive int, got {v!r}.")
         ps = cfg.page_size
@@ -224,6 +250,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.rows = max_seqs
         self.chunk = chunk_size
+        self.decode_steps = decode_steps
         self.prefill_rows = prefill_rows
         self.token_budget = token_budget or max_seqs + prefill_rows * chunk_size
         self.eos_ids = setup.check_eos(eos_ids, model.vocab_size)
@@ -247,6 +274,12 @@ class Engine:
         self.dparams = decode_params(model, self.params, max_seqs)
         self.prefix = PrefixCache(ps, range(max_seqs, max_seqs + n_holders)) if (
             prefix_caching) else None
+        if self.prefix is not None and cfg.quant is not None and (
+                chunk_size < cfg.quant.residual + ps):
+            warnings.warn(f"Engine: with a KIVI residual of {cfg.quant.residual} tokens, prefix "
+                          f"hits need chunk_size >= residual + page_size = "
+                          f"{cfg.quant.residual + ps} (got {chunk_size}): none will happen.",
+                          stacklevel=2)
         self._blank = max_seqs + n_holders if blank else None
         pstate = None if policy is None else policy.init_state(kv)
         self.state = DecodeState(
@@ -288,12 +321,18 @@ class Engine:
           ValueError / TypeError: a bad prompt, max_tokens, sampling, stop id, a request
             longer than `max_seq_len`, or an id in use.
         """
-        prompt = setup.check_prompts([prompt_ids], self.vocab_size)[0]
+        try:
+            prompt = setup.check_prompts([prompt_ids], self.vocab_size)[0]
+        except ValueError as e:  # one prompt here: "prompt 0" would read as an index
+            raise ValueError(str(e).replace("prompt 0", "the prompt", 1)) from None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or (
                 max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}.")
         setup.check_sampling(sampling)
         stops = setup.check_eos(stop_ids, self.vocab_size)
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not (
+                0 <= seed < 2**64):
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}.")
         if len(prompt) + max_tokens > self.max_seq_len:
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                              f"exceeds the engine's max_seq_len ({self.max_seq_len}).")
@@ -301,7 +340,7 @@ class Engine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is in use.")
         req = _Request(id=rid, prompt=prompt, max_tokens=int(max_tokens), sampling=sampling,
-                       stop_ids=frozenset(stops), key=jax.random.key(seed), salt=salt,
+                       stop_ids=frozenset(stops), key=_key(int(seed)), salt=salt,
                        order=len(self._requests), fed=prompt)
         self._requests[rid] = req
         self._waiting.append(req)
@@ -364,8 +403,13 @@ class Engine:
                 j -= per_chunk
         return max(j, 0)
 
+    def _hashes(self, req: _Request) -> list[bytes]:
+        if req.hashes is None:
+            req.hashes = page_hashes(req.fed, self.spec.page_size, req.salt)
+        return req.hashes
+
     def _attach_prefix(self, req: _Request) -> None:
-        hashes = page_hashes(req.fed, self.spec.page_size, req.salt)
+        hashes = self._hashes(req)
         j = self._usable_hit(req, self.prefix.match(hashes, req.fed))
         if j == 0:
             return
@@ -388,7 +432,7 @@ class Engine:
         """Keeps the request's full prompt pages (quantized pages on KIVI) for later ones."""
         ps = self.spec.page_size
         n = len(req.fed) // ps if self.spec.quant is None else int(self._quant[req.slot]) // ps
-        hashes = page_hashes(req.fed[: n * ps], ps, req.salt)
+        hashes = self._hashes(req)[:n]
         if n == 0 or self._lengths[req.slot] < n * ps or self.prefix.new_pages(hashes) == 0:
             return  # nothing new, or the request already finished and freed its pages
         holder = self.prefix.free_slot()
@@ -421,8 +465,15 @@ class Engine:
         free_rows = [s for s in range(self.rows) if s not in self._running]
         while self._waiting and free_rows:
             req = self._waiting[0]
-            # Admit when the pool can take its whole prompt (cached prefixes yield).
+            # Admit when the pool can take the prompt but for the pages a prefix hit will
+            # share (their holder is marked used, so eviction takes others first).
             need = -(-len(req.fed) // self.spec.page_size)
+            if self.prefix is not None:
+                hashes = self._hashes(req)
+                hit = self._usable_hit(req, self.prefix.match(hashes, req.fed))
+                if hit:
+                    self.prefix.holder_of(hashes, hit)
+                    need -= hit
             while self._free_pages < need and self._evict_holder():
                 pass
             if self._free_pages < need and self._running:
@@ -432,15 +483,25 @@ class Engine:
             req.admitted = next(self._admissions)
             req.done_tokens, req.decoding = 0, False
             self._running[req.slot] = req
+            req.looked_up = self.prefix is None
             if self._blank is not None:
                 self._reset_policy_row(req.slot)
-            if self.prefix is not None:
-                self._attach_prefix(req)
 
     def _reset_policy_row(self, slot: int) -> None:
         p = self.policy.fork_state(self.state.policy_state, jnp.int32([self._blank]),
                                    jnp.int32([slot]))
         self.state = dataclasses.replace(self.state, policy_state=p)
+
+    def _look_up_prefixes(self) -> None:
+        """Prefix hits for the prompts about to take a prefill lane. Looked up this late,
+        not at admission, so that a prompt queued behind one with the same prefix finds
+        the pages that one registered when its prefill ended."""
+        waiting = sorted((r for r in self._running.values() if not r.decoding),
+                         key=lambda r: r.admitted)
+        for req in waiting[: self.prefill_rows]:
+            if not req.looked_up:
+                req.looked_up = True
+                self._attach_prefix(req)
 
     def _plan(self) -> tuple[list[int], list[tuple[_Request, int]]]:
         """This step's decoding rows and prefill lanes (request, tokens) within the budget."""
@@ -456,9 +517,24 @@ class Engine:
             room -= self.chunk
         return decode, lanes
 
+    def _decode_steps(self, decode, lanes) -> int:
+        """Decode steps in this call: none without a decoding row; one while a prompt still
+        waits for a chunk or a row (it starts sooner); else several (fewer calls, no host
+        round trip per token)."""
+        ending = [r for r, n in lanes if r.done_tokens + n == len(r.fed)]
+        if not decode and not ending:
+            return 0
+        in_lanes = {r.slot for r, _ in lanes}
+        pending = len(ending) < len(lanes) or any(
+            not r.decoding and s not in in_lanes for s, r in self._running.items()) or (
+            self._waiting and len(self._running) < self.rows)
+        return 1 if pending else self.decode_steps
+
     def _pages_needed(self, decode, lanes) -> int:
-        return (sum(self._pages_for(s, 1) for s in decode)
-                + sum(self._pages_for(r.slot, n) for r, n in lanes))
+        k = self._decode_steps(decode, lanes)
+        return (sum(self._pages_for(s, k) for s in decode)
+                + sum(self._pages_for(r.slot, n + (k if r.done_tokens + n == len(r.fed) else 0))
+                      for r, n in lanes))
 
     def _preempt(self) -> None:
         """Frees the most recently admitted request; it waits again, first in line."""
@@ -468,6 +544,7 @@ class Engine:
         rows[req.slot] = True
         self.state = _release(self.state, jnp.asarray(rows))
         req.fed = np.concatenate([req.prompt, np.asarray(req.output, np.int32)])
+        req.hashes = None
         req.slot, req.decoding, req.done_tokens = None, False, 0
         self._waiting.appendleft(req)
         self.stats["preemptions"] += 1
@@ -524,6 +601,7 @@ class Engine:
             self.state = _release(self.state, jnp.asarray(rows))
             self._sync()
         self._admit_waiting()
+        self._look_up_prefixes()
         decode, lanes = self._plan()
         while self._pages_needed(decode, lanes) > self._free_pages:
             if not self._evict_holder():
@@ -535,22 +613,23 @@ class Engine:
             decode, lanes = self._plan()
         if not decode and not lanes:
             return self._pending_out
-        before = {s: len(r.output) for s, r in self._running.items()}
-        self.state = _step(self.model, self.params, self.dparams, self.state,
-                           self._lanes(lanes) if lanes else None, eos_ids=self.eos_ids,
-                           impl=self.impl, policy=self.policy, decode=bool(decode))
-        st = self.state
-        last, num, done, code = jax.device_get((st.last, st.num_generated, st.done,
-                                                st.status.code))
+        steps = self._decode_steps(decode, lanes)
+        self.state, record = _step(self.model, self.params, self.dparams, self.state,
+                                   self._lanes(lanes) if lanes else None, eos_ids=self.eos_ids,
+                                   impl=self.impl, policy=self.policy, decode=steps)
+        st, c = self.state, self.state.cache
+        record, code, lengths, quant, free = jax.device_get(
+            (record, st.status.code, c.lengths, c.table.lengths, c.table.num_free))
+        self._lengths, self._quant = np.asarray(lengths), np.asarray(quant)
+        self._free_pages = int(np.min(free))
         if int(code) != 0:
             # The page check above makes this unreachable; say so loudly if it is not.
             err = jax.device_get(st.status)
             raise RuntimeError(f"engine step failed with allocator status {int(err.code)} "
                                f"({int(err.pages_needed)} pages needed, {int(err.pages_free)} "
                                f"free): a scheduling bug.")
-        self._sync()
-        self.stats["steps"] += 1
-        self.stats["decode_tokens"] += len(decode)
+        self.stats["steps"] += steps
+        self.stats["calls"] += 1
         self.stats["prefill_tokens"] += sum(n for _, n in lanes)
         for r, n in lanes:
             r.done_tokens += n
@@ -559,28 +638,66 @@ class Engine:
                 if self.prefix is not None:
                     self._register_prefix(r)
         release = np.zeros((self.rows,), bool)
+        last, num, done = record
+        new: dict[int, list[int]] = {}
         for slot, r in list(self._running.items()):
-            if not r.decoding or int(num[slot]) <= before[slot]:
+            if not r.decoding:
                 continue
-            tok = int(last[slot])
-            r.output.append(tok)
-            reason = None
-            if tok in r.stop_ids or tok in self.eos_ids:
-                reason = "stop"
-                release[slot] = not bool(done[slot])
-            elif bool(done[slot]):
-                reason = "length"
-            if reason is None:
-                self._pending_out.append(RequestOutput(
-                    request_id=r.id, token_ids=[tok], finished=False, finish_reason=None,
-                    prompt_tokens=len(r.prompt), cached_tokens=r.cached_tokens))
-            else:
+            toks, reason, count = new.setdefault(slot, []), None, len(r.output)
+            for i in range(last.shape[0]):  # each decode step of the call, in order
+                if int(num[i, slot]) <= count:
+                    continue
+                tok = int(last[i, slot])
+                toks.append(tok)
+                count += 1
+                if tok in r.stop_ids or tok in self.eos_ids:
+                    reason = "stop"  # the row may have run on past a host-side stop id
+                    break
+                if bool(done[i, slot]):
+                    reason = "length"
+                    break
+            # Finished rows keep their pages until now (their prompt pages were registered
+            # above, even when the request ended in the call that prefilled it).
+            release[slot] = reason is not None
+            r.output.extend(toks)
+            self.stats["decode_tokens"] += len(toks)
+            if reason is not None:
                 del self._running[slot]
-                self._finish(r, reason, [tok])
+                self._finish(r, reason, toks)
+            elif toks:
+                self._pending_out.append(RequestOutput(
+                    request_id=r.id, token_ids=toks, finished=False, finish_reason=None,
+                    prompt_tokens=len(r.prompt), cached_tokens=r.cached_tokens))
         if release.any():
             self.state = _release(self.state, jnp.asarray(release))
             self._sync()
         return self._pending_out
+
+    def warmup(self) -> None:
+        """Compiles every program a step may run (the step with and without prefill lanes,
+        with 0, 1 and `decode_steps` decode steps; the bookkeeping of frees, forks and
+        truncations), by running each on no-op arguments, so that no request waits for a
+        compile. Only on an idle engine (every run leaves the state as it was)."""
+        if self._running or self._waiting:
+            raise RuntimeError("Engine.warmup: only on an idle engine (no request queued or "
+                               "running).")
+        idle = self._lanes([])
+        variants = [(idle, 0), (idle, 1), (idle, self.decode_steps), (None, 1),
+                    (None, self.decode_steps)]
+        for lanes, k in variants:
+            self.state, record = _step(self.model, self.params, self.dparams, self.state,
+                                       lanes, eos_ids=self.eos_ids, impl=self.impl,
+                                       policy=self.policy, decode=k)
+        jax.block_until_ready(record)
+        self.state = _release(self.state, jnp.zeros((self.rows,), bool))
+        n = self.spec.max_seqs
+        cache = kv_cache.free(self.state.cache, jnp.zeros((n,), bool))
+        empty = np.nonzero(np.asarray(jax.device_get(cache.lengths)) == 0)[0]
+        if self.prefix is not None and empty.size >= 2:  # empty into empty; lengths kept
+            cache, _ = kv_cache.fork(cache, jnp.int32(empty[:1]), jnp.int32(empty[1:2]))
+            cache, _ = kv_cache.truncate(cache, cache.lengths)
+        self._set_cache(cache)
+        self._sync()
 
     def run(self) -> dict[str, list[int]]:
         """Steps until every request is done; returns each request's tokens."""

@@ -432,8 +432,9 @@ class _Server:
         if set(options) - {"include_usage"}:
             raise _APIError(400, f"stream_options supports only include_usage, got "
                             f"{sorted(options)}.", param="stream_options")
-        if body.seed is not None and not -(2**63) <= body.seed < 2**63:
-            raise _APIError(400, f"seed must be a 64-bit integer, got {body.seed}.", param="seed")
+        if body.seed is not None and not 0 <= body.seed < 2**64:
+            raise _APIError(400, f"seed must be an integer in [0, 2**64), got {body.seed}.",
+                            param="seed")
         seed = secrets.randbits(31) if body.seed is None else body.seed
         return _Plan(prompt_ids=prompt_ids, max_tokens=max_tokens,
                      sampling=SamplingConfig(temperature=temperature, top_k=body.top_k,

@@ -332,8 +332,8 @@ def test_client_disconnect_cancels_the_request(served, monkeypatch, stream):
     finished = []
     real_step = engine.step
 
-    def step():  # slowed down, so that 40 tokens outlast the client
-        time.sleep(0.05)
+    def step():  # slowed down, so that 40 tokens (in calls of up to 8) outlast the client
+        time.sleep(0.2)
         outs = real_step()
         finished.extend((o.finish_reason, o.token_ids) for o in outs if o.finished)
         return outs
