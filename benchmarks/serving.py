@@ -232,7 +232,10 @@ def main(argv=None):
         hit_rate=hit / prompt_pages, prefill_tokens_saved=hit * ps,
         engine_stats=dict(engine.stats), engine_wall_s=e_wall, identical=same, ok=ok,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", "serving.json")
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results",
+        f"serving-{'quick-' if args.quick else ''}"
+        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -73,6 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "(default 128); prefix-cache hits need --chunk-size >= R + --page-size")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep prompts' pages for later requests that share a prefix")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="start serving before the engine's programs are compiled (the first "
+                   "requests then wait for the compiles)")
     p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help="params and activations dtype (default: the checkpoint's)")
     p.add_argument("--log-level", default="info",
@@ -173,6 +176,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    if not args.no_warmup:
+        t1 = time.perf_counter()
+        print("compiling the engine's programs ...", file=sys.stderr, flush=True)
+        engine.warmup()
+        print(f"compiled in {time.perf_counter() - t1:.1f} s", file=sys.stderr)
     spec = engine.spec
     print(f"loaded {hf['architectures'][0]} ({model.family}, {model.config.attention}) in "
           f"{time.perf_counter() - t0:.1f} s; serving it as {name!r} at "

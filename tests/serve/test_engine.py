@@ -201,6 +201,27 @@ def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng):
         assert g == _alone(model, params, p, m, cfg)
 
 
+def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
+    from kvjax.serve import engine as engine_mod
+
+    model, params = tiny
+    engine = Engine(model, params, max_seqs=2, max_seq_len=64, chunk_size=CHUNK,
+                    cache=gen.CacheConfig(page_size=PAGE, num_pages=12), decode_steps=4,
+                    prefix_slots=1)
+    engine.warmup()
+    compiled = engine_mod._step._cache_size(), engine_mod._release._cache_size()
+    prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, suffix=(3, 20),
+                                 new=(2, 12))
+    got, _ = _drive(engine, prompts, max_new)  # hits, evictions, host stops, bursts
+    assert engine.stats["hit_pages"] > 0 and engine.stats["evictions"] > 0, engine.stats
+    assert (engine_mod._step._cache_size(), engine_mod._release._cache_size()) == compiled
+    for p, m, g in zip(prompts, max_new, got, strict=True):
+        assert g == _alone(model, params, p, m, gen.CacheConfig(page_size=PAGE))
+    engine.add_request(prompts[0], max_tokens=2)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.warmup()
+
+
 def test_bad_requests_raise_before_anything_runs(tiny):
     model, params = tiny
     engine = Engine(model, params, max_seqs=2, max_seq_len=32, chunk_size=CHUNK,

@@ -398,11 +398,12 @@ def _free_port() -> int:
 
 
 def test_cli_serves_health_and_models(checkpoint):
+    # The README's `python -m kvjax serve --model HF_DIR`, on the tiny checkpoint.
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvjax", "serve", "--model", str(checkpoint), "--port",
          str(port), "--max-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--page-size", "8",
-         "--chunk-size", "16", "--log-level", "warning"],
+         "--chunk-size", "16", "--log-level", "warning", "--no-warmup"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
@@ -435,7 +436,7 @@ def test_help_lists_every_flag():
     for flag in ("--model", "--host", "--port", "--served-model-name", "--max-seqs",
                  "--max-seq-len", "--num-pages", "--page-size", "--chunk-size", "--kv-dtype",
                  "--kv-bits", "--kv-group-size", "--kv-residual", "--no-prefix-caching",
-                 "--dtype", "--log-level"):
+                 "--dtype", "--log-level", "--no-warmup"):
         assert flag in r.stdout, flag
 
 
