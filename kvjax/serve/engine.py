@@ -446,7 +446,7 @@ class Engine:
         cache, st = kv_cache.truncate(cache, jnp.asarray(new, jnp.int32))
         st.raise_if_error()
         self._set_cache(cache)
-        self.prefix.add(holder, hashes, req.fed)
+        self.prefix.add(holder, hashes, req.fed, req.salt)
         self._sync()
 
     def _evict_holder(self) -> bool:

@@ -50,6 +50,7 @@ def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int,
 class _Holder:
     hashes: list[bytes]
     tokens: np.ndarray  # the token ids of its pages, page_size * len(hashes)
+    salt: str | None
     last_used: int
 
 
@@ -128,15 +129,18 @@ class PrefixCache:
             return None
         return min(self._holders, key=lambda s: self._holders[s].last_used)
 
-    def add(self, slot: int, hashes: Sequence[bytes], tokens: np.ndarray) -> None:
-        """Records that holder `slot` now holds the pages `hashes` (token ids `tokens`)."""
+    def add(self, slot: int, hashes: Sequence[bytes], tokens: np.ndarray,
+            salt: str | None = None) -> None:
+        """Records that holder `slot` now holds the pages `hashes` (token ids `tokens`,
+        hashed with `salt`)."""
         if slot not in self._free:
             raise ValueError(f"holder slot {slot} is not free.")
         ps = self.page_size
         tokens = np.asarray(tokens[: len(hashes) * ps], np.int32).copy()
         self._free.remove(slot)
         self._clock += 1
-        self._holders[slot] = _Holder(hashes=list(hashes), tokens=tokens, last_used=self._clock)
+        self._holders[slot] = _Holder(hashes=list(hashes), tokens=tokens, salt=salt,
+                                      last_used=self._clock)
         for i, h in enumerate(hashes):
             e = self._entries.get(h)
             if e is None:
@@ -156,10 +160,13 @@ class PrefixCache:
         self._free.append(slot)
 
     def check(self) -> None:
-        """AssertionError unless every entry's tokens are its holders' tokens at its depth,
-        and every holder's pages are entries naming it."""
+        """AssertionError unless every holder's hashes are the hash chain of its tokens,
+        every entry's tokens are its holders' tokens at its depth, and every holder's
+        pages are entries naming it."""
         ps = self.page_size
         for slot, holder in self._holders.items():
+            if page_hashes(holder.tokens, ps, holder.salt) != holder.hashes:
+                raise AssertionError(f"holder {slot}'s hashes are not its tokens' hash chain")
             for i, h in enumerate(holder.hashes):
                 e = self._entries.get(h)
                 if e is None or slot not in e.holders:
