@@ -180,6 +180,17 @@ def _step(model: Model, params, dparams, state: DecodeState, lanes: _Lanes | Non
     return state, record
 
 
+@functools.partial(jax.jit, donate_argnames="cache")
+def _share(cache, src: Int[Array, ""], dst: Int[Array, ""], length: Int[Array, ""]):
+    """Slot `dst` (empty) takes the first `length` tokens of slot `src` — whole pages (or
+    quantized pages), shared: a fork truncated to them. The engine checks the slots and
+    the length before; the status is returned for the record."""
+    kind = kv_cache.ops._kind(cache)
+    cache, st = kind.fork(cache, src[None], dst[None])
+    cache, st2 = kind.truncate(cache, cache.lengths.at[dst].set(length))
+    return cache, loop._first_error(st, st2)
+
+
 @functools.partial(jax.jit, donate_argnames="state")
 def _release(state: DecodeState, rows: Bool[Array, " rows"]) -> DecodeState:
     """Frees the flagged rows' slots and marks them done."""
@@ -369,8 +380,8 @@ class Engine:
     def _sync(self) -> None:
         c = self.state.cache
         lengths, quant, free = jax.device_get((c.lengths, c.table.lengths, c.table.num_free))
-        self._lengths = np.asarray(lengths)
-        self._quant = np.asarray(quant)
+        self._lengths = np.array(lengths)
+        self._quant = np.array(quant)
         self._free_pages = int(np.min(free))  # a sharded pool: the emptiest shard
 
     def _set_cache(self, cache) -> None:
@@ -390,6 +401,17 @@ class Engine:
         return (new_q - q) // ps
 
     # ------------------------------------------------------------------ prefix cache
+
+    def _share(self, src: int, dst: int, length: int) -> None:
+        """Slot dst (empty) shares the first `length` tokens (whole pages) of slot src."""
+        if self._lengths[dst] or length > self._lengths[src] or length % self.spec.page_size:
+            raise AssertionError(f"cannot share {length} tokens of slot {src} (holding "
+                                 f"{self._lengths[src]}) with slot {dst} (holding "
+                                 f"{self._lengths[dst]})")
+        cache, _ = _share(self.state.cache, jnp.int32(src), jnp.int32(dst), jnp.int32(length))
+        self._set_cache(cache)
+        # Mirrors the device: no page changes hands but those shared (free count unchanged).
+        self._lengths[dst] = self._quant[dst] = length
 
     def _usable_hit(self, req: _Request, n: int) -> int:
         """The pages of an n-page match a request may take (whole chunks, see module doc)."""
@@ -414,19 +436,12 @@ class Engine:
         if j == 0:
             return
         holder = self.prefix.holder_of(hashes, j)
-        cache, st = kv_cache.fork(self.state.cache, jnp.int32([holder]), jnp.int32([req.slot]))
-        st.raise_if_error()
-        new = np.asarray(jax.device_get(cache.lengths)).copy()
-        new[req.slot] = j * self.spec.page_size
-        cache, st = kv_cache.truncate(cache, jnp.asarray(new, jnp.int32))
-        st.raise_if_error()
-        self._set_cache(cache)
+        self._share(holder, req.slot, j * self.spec.page_size)
         req.done_tokens = j * self.spec.page_size
         req.hit_pages = j
         if not req.output:  # a readmitted request's own pages do not count as hits
             req.cached_tokens = req.done_tokens
         self.stats["hit_pages"] += j
-        self._sync()
 
     def _register_prefix(self, req: _Request) -> None:
         """Keeps the request's full prompt pages (quantized pages on KIVI) for later ones."""
@@ -439,15 +454,8 @@ class Engine:
         if holder is None:
             self._evict_holder()
             holder = self.prefix.free_slot()
-        cache, st = kv_cache.fork(self.state.cache, jnp.int32([req.slot]), jnp.int32([holder]))
-        st.raise_if_error()
-        new = np.asarray(jax.device_get(cache.lengths)).copy()
-        new[holder] = n * ps
-        cache, st = kv_cache.truncate(cache, jnp.asarray(new, jnp.int32))
-        st.raise_if_error()
-        self._set_cache(cache)
+        self._share(req.slot, holder, n * ps)
         self.prefix.add(holder, hashes, req.fed, req.salt)
-        self._sync()
 
     def _evict_holder(self) -> bool:
         slot = self.prefix.lru_slot() if self.prefix is not None else None
@@ -620,7 +628,7 @@ class Engine:
         st, c = self.state, self.state.cache
         record, code, lengths, quant, free = jax.device_get(
             (record, st.status.code, c.lengths, c.table.lengths, c.table.num_free))
-        self._lengths, self._quant = np.asarray(lengths), np.asarray(quant)
+        self._lengths, self._quant = np.array(lengths), np.array(quant)
         self._free_pages = int(np.min(free))
         if int(code) != 0:
             # The page check above makes this unreachable; say so loudly if it is not.
