@@ -217,7 +217,8 @@ class Engine:
         size, sharding plan); `num_pages` defaults to room for `max_seqs` sequences of
         `max_seq_len` tokens. Cached prefixes use pages nobody else needs.
       chunk_size: prefill chunk length; a multiple of the page size.
-      prefill_rows: prompts prefilled per step (one chunk each).
+      prefill_rows: prompts prefilled per step at most (one chunk each; a step runs as
+        many lanes as prompts wait, rounded up to a power of two).
       token_budget: tokens per step, decode rows first; default max_seqs + prefill_rows *
         chunk_size (every lane may run every step).
       prefix_caching: keep prompts' full pages for later requests (not with a policy,
@@ -232,7 +233,7 @@ class Engine:
 
     def __init__(self, model: Model, params, *, max_seqs: int = 8, max_seq_len: int = 2048,
                  cache: setup.CacheConfig | None = None, chunk_size: int = 64,
-                 prefill_rows: int = 1, token_budget: int | None = None,
+                 prefill_rows: int = 4, token_budget: int | None = None,
                  prefix_caching: bool = True, prefix_slots: int | None = None,
                  eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None,
                  decode_steps: int = 8):
@@ -558,8 +559,17 @@ class Engine:
         self.stats["preemptions"] += 1
         self._sync()
 
-    def _lanes(self, lanes) -> _Lanes:
-        P, C = self.prefill_rows, self.chunk
+    def _lane_buckets(self) -> list[int]:
+        """Lane counts a step is compiled for: powers of two up to `prefill_rows` (and it):
+        idle lanes still cost their compute, so a step runs the smallest that fits."""
+        out = [1]
+        while out[-1] * 2 < self.prefill_rows:
+            out.append(out[-1] * 2)
+        return sorted(set(out + [self.prefill_rows]))
+
+    def _lanes(self, lanes, width: int | None = None) -> _Lanes:
+        P = width or next(b for b in self._lane_buckets() if b >= len(lanes))
+        C = self.chunk
         tokens = np.zeros((P, C), np.int32)
         lengths = np.zeros((P,), np.int32)
         used = {r.slot for r, _ in lanes}
@@ -689,9 +699,10 @@ class Engine:
         if self._running or self._waiting:
             raise RuntimeError("Engine.warmup: only on an idle engine (no request queued or "
                                "running).")
-        idle = self._lanes([])
-        variants = [(idle, 0), (idle, 1), (idle, self.decode_steps), (None, 1),
-                    (None, self.decode_steps)]
+        variants = [(None, 1), (None, self.decode_steps)]
+        for width in self._lane_buckets():
+            idle = self._lanes([], width)
+            variants += [(idle, 0), (idle, 1), (idle, self.decode_steps)]
         for lanes, k in variants:
             self.state, record = _step(self.model, self.params, self.dparams, self.state,
                                        lanes, eos_ids=self.eos_ids, impl=self.impl,
@@ -701,9 +712,8 @@ class Engine:
         n = self.spec.max_seqs
         cache = kv_cache.free(self.state.cache, jnp.zeros((n,), bool))
         empty = np.nonzero(np.asarray(jax.device_get(cache.lengths)) == 0)[0]
-        if self.prefix is not None and empty.size >= 2:  # empty into empty; lengths kept
-            cache, _ = kv_cache.fork(cache, jnp.int32(empty[:1]), jnp.int32(empty[1:2]))
-            cache, _ = kv_cache.truncate(cache, cache.lengths)
+        if self.prefix is not None and empty.size >= 2:  # empty into empty: no change
+            cache, _ = _share(cache, jnp.int32(empty[0]), jnp.int32(empty[1]), jnp.int32(0))
         self._set_cache(cache)
         self._sync()
 
