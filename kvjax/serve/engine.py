@@ -263,8 +263,8 @@ class Engine:
         self.rows = max_seqs
         self.chunk = chunk_size
         self.decode_steps = decode_steps
-        self.prefill_rows = prefill_rows
-        self.token_budget = token_budget or max_seqs + prefill_rows * chunk_size
+        self.prefill_rows = min(prefill_rows, max_seqs)  # each lane needs its own row
+        self.token_budget = token_budget or max_seqs + self.prefill_rows * chunk_size
         self.eos_ids = setup.check_eos(eos_ids, model.vocab_size)
         self.policy = policy
         n_holders = (2 * max_seqs if prefix_slots is None else prefix_slots) if (

@@ -209,12 +209,13 @@ def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
                     cache=gen.CacheConfig(page_size=PAGE, num_pages=12), decode_steps=4,
                     prefix_slots=1)
     engine.warmup()
-    compiled = engine_mod._step._cache_size(), engine_mod._release._cache_size()
+    programs = (engine_mod._step, engine_mod._release, engine_mod._share)
+    compiled = [f._cache_size() for f in programs]
     prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, suffix=(3, 20),
                                  new=(2, 12))
     got, _ = _drive(engine, prompts, max_new)  # hits, evictions, host stops, bursts
     assert engine.stats["hit_pages"] > 0 and engine.stats["evictions"] > 0, engine.stats
-    assert (engine_mod._step._cache_size(), engine_mod._release._cache_size()) == compiled
+    assert [f._cache_size() for f in programs] == compiled
     for p, m, g in zip(prompts, max_new, got, strict=True):
         assert g == _alone(model, params, p, m, gen.CacheConfig(page_size=PAGE))
     engine.add_request(prompts[0], max_tokens=2)
