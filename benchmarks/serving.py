@@ -153,6 +153,8 @@ def main(argv=None):
                              "trace's; 0: all at once)")
     parser.add_argument("--suffix-dist", choices=("loguniform", "uniform"), default="loguniform",
                         help="how unique suffix lengths are drawn (default loguniform)")
+    parser.add_argument("--prefill-rows", type=int, default=None,
+                        help="prompts the engine prefills per step (default 4; --quick 1)")
     parser.add_argument("--kv-dtype", default="float32", help="cache dtype (default float32)")
     parser.add_argument("--seed", type=int, default=None, help="trace seed (default random)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
@@ -166,6 +168,7 @@ def main(argv=None):
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     system, suffix, new = (128, (8, 64), (4, 32)) if args.quick else (512, (32, 256), (16, 256))
     max_len = system + suffix[1] + new[1]
+    prefill_rows = args.prefill_rows or (1 if args.quick else 4)  # quick: fewer compiles
 
     mach = machine()
     print(f"{mach['cpu']}, {mach['cpus']} cpus; seed {seed}; {n} requests at {rate}/s; "
@@ -182,7 +185,7 @@ def main(argv=None):
 
     def new_engine():
         return Engine(model, params, max_seqs=args.rows, max_seq_len=max_len, chunk_size=CHUNK,
-                      cache=cfg)
+                      cache=cfg, prefill_rows=prefill_rows)
 
     engine = new_engine()
     run_engine(engine, *warm)  # first calls (allocations, caches) outside the timing

@@ -1,72 +1,15 @@
-"""The serving engine: continuous batching, chunked prefill, prefix caching, preemption.
-
-Every request's tokens are checked against `kvjax.generate` run on that request alone
-(the engine's promise), on a tiny random HF Llama (GQA 8:2) with fresh random prompts
-that share a "system prompt", so prefix hits happen.
-"""
+"""The serving engine's tokens: every request's equal `kvjax.generate` run on it alone,
+on a tiny random HF Llama (GQA 8:2) with fresh random prompts that share a "system
+prompt", so prefix hits happen; with preemption, without prefix caching, on KIVI pages,
+and sampled."""
 
 import jax
-import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as hst
 
 import kvjax.generate as gen
-import kvjax.models as models
-from kvjax.cache.policies import StreamingLLM
-from kvjax.serve import Engine, PrefixCache, page_hashes
+from kvjax.serve import Engine
 from kvjax.specs import QuantSpec
-from tests.models import hf_tiny
-from tests.sharding.helpers import make_plan
-
-PAGE = 8
-CHUNK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    m = hf_tiny.build("llama_gqa")
-    d = tmp_path_factory.mktemp("llama_gqa")
-    m.save_pretrained(d)
-    return models.load(str(d))
-
-
-def _workload(rng, vocab, n, system=48, suffix=(3, 30), new=(2, 14)):
-    """n prompts: a shared system prompt (a whole number of chunks) + unique suffixes."""
-    sys_prompt = rng.integers(3, vocab, system).tolist()
-    prompts = [sys_prompt + rng.integers(3, vocab, int(k)).tolist()
-               for k in rng.integers(*suffix, n)]
-    return prompts, [int(k) for k in rng.integers(*new, n)]
-
-
-def _alone(model, params, prompt, max_new, cache, *, key=None, sampling=gen.GREEDY, policy=None):
-    key = jax.random.key(0)[None] if key is None else key
-    r = gen.generate(model, params, [prompt], key=key, max_new_tokens=max_new, cache=cache,
-                     chunk_size=CHUNK, sampling=sampling, policy=policy)
-    return r.sequences()[0]
-
-
-def _drive(engine, prompts, max_new, *, arrive_every=2, check_every=1, **kw):
-    """Adds a request every `arrive_every` steps (rows join mid-decode); runs to the end,
-    checking the invariants; returns each request's tokens and its finish reason."""
-    ids, out, reasons = [], {}, {}
-    pending = list(zip(prompts, max_new, strict=True))
-    step = 0
-    while pending or engine.has_unfinished():
-        if pending and step % arrive_every == 0:
-            p, m = pending.pop(0)
-            ids.append(engine.add_request(p, max_tokens=m, **kw))
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-            if o.finished:
-                assert o.request_id not in reasons, "a request finished twice"
-                reasons[o.request_id] = o.finish_reason
-        if step % check_every == 0:
-            engine.check()
-        step += 1
-        assert step < 2000, "the engine does not finish"
-    engine.check()
-    return [out.get(i, []) for i in ids], [reasons[i] for i in ids]
+from tests.serve.engine_helpers import CHUNK, PAGE, _alone, _drive, _workload
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -105,11 +48,11 @@ def test_kivi_prefix_hits_equal_the_engine_without_them(tiny, rng, bits):
     # Hits need chunk >= residual + page size (see kvjax.serve.engine).
     cfg = gen.CacheConfig(dtype="float32", page_size=PAGE,
                           quant=QuantSpec(bits=bits, group_size=PAGE, residual=PAGE))
-    prompts, max_new = _workload(rng, model.vocab_size, 6, system=64, suffix=(3, 40))
+    prompts, max_new = _workload(rng, model.vocab_size, 4, system=64, suffix=(3, 40))
     runs = []
     for prefix in (True, False):
         engine = Engine(model, params, max_seqs=3, max_seq_len=128, chunk_size=CHUNK, cache=cfg,
-                        prefix_caching=prefix)
+                        prefix_caching=prefix, prefill_rows=1)
         runs.append(_drive(engine, prompts, max_new)[0])
         assert (engine.stats["hit_pages"] > 0) == prefix, engine.stats
     assert runs[0] == runs[1]
@@ -132,181 +75,3 @@ def test_sampled_rows_equal_generate_with_the_same_key(tiny, rng):
         ref = _alone(model, params, p, m, gen.CacheConfig(page_size=PAGE),
                      key=jax.random.key(s)[None], sampling=c)
         assert out[i] == ref
-
-
-def test_stop_ids_cancel_and_eos(tiny, rng):
-    model, params = tiny
-    prompts, _ = _workload(rng, model.vocab_size, 3)
-    cfg = gen.CacheConfig(page_size=PAGE)
-    ref = _alone(model, params, prompts[0], 12, cfg)
-    stop = ref[4]
-    engine = Engine(model, params, max_seqs=2, max_seq_len=128, chunk_size=CHUNK, cache=cfg,
-                    eos_ids=[ref[7]] if ref[7] != stop else ())
-    a = engine.add_request(prompts[0], max_tokens=12, stop_ids=[stop])
-    b = engine.add_request(prompts[1], max_tokens=40)
-    c = engine.add_request(prompts[2], max_tokens=40)  # waits: two rows
-    outs = {}
-    reasons = {}
-    for _ in range(6):
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(o.token_ids)
-            reasons[o.request_id] = o.finish_reason
-    engine.cancel(b)
-    engine.cancel(c)
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(o.token_ids)
-            reasons[o.request_id] = o.finish_reason
-    engine.check()
-    assert outs[a] == ref[: ref.index(stop) + 1] and reasons[a] == "stop"
-    assert reasons[b] == reasons[c] == "cancelled"
-    assert len(outs.get(b, [])) < 40
-    # Every page is back (cached prefixes aside).
-    used = set(np.nonzero(np.asarray(engine.state.cache.lengths))[0].tolist())
-    assert used <= set(engine.prefix.holders)
-
-
-def test_salt_separates_tenants(tiny, rng):
-    model, params = tiny
-    prompts, max_new = _workload(rng, model.vocab_size, 2)
-    prompts[1] = prompts[0][:48] + prompts[1][48:]
-    engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK,
-                    cache=gen.CacheConfig(page_size=PAGE))
-    engine.add_request(prompts[0], max_tokens=2, salt="a")
-    engine.run()
-    engine.add_request(prompts[1], max_tokens=2, salt="b")
-    engine.run()
-    assert engine.stats["hit_pages"] == 0
-    engine.add_request(prompts[1], max_tokens=2, salt="a")
-    engine.run()
-    assert engine.stats["hit_pages"] == 48 // PAGE
-
-
-def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng):
-    model, params = tiny
-    prompts, max_new = _workload(rng, model.vocab_size, 3)
-    policy = StreamingLLM(n_sink=4, window=24)
-    cfg = gen.CacheConfig(page_size=PAGE)
-    engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
-                    policy=policy)
-    got, _ = _drive(engine, prompts, max_new)
-    for p, m, g in zip(prompts, max_new, got, strict=True):
-        assert g == _alone(model, params, p, m, cfg, policy=policy)
-    plan = make_plan((2, 2), ("data", "model"), ("sequences", "heads"))
-    sharded = gen.CacheConfig(page_size=PAGE, plan=plan)
-    engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK, cache=sharded)
-    assert engine.prefix is None  # a slot's pages come from its own shard
-    got, _ = _drive(engine, prompts, max_new)
-    for p, m, g in zip(prompts, max_new, got, strict=True):
-        assert g == _alone(model, params, p, m, cfg)
-
-
-def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
-    from kvjax.serve import engine as engine_mod
-
-    model, params = tiny
-    engine = Engine(model, params, max_seqs=2, max_seq_len=64, chunk_size=CHUNK,
-                    cache=gen.CacheConfig(page_size=PAGE, num_pages=12), decode_steps=4,
-                    prefix_slots=1)
-    engine.warmup()
-    programs = (engine_mod._step, engine_mod._release, engine_mod._share)
-    compiled = [f._cache_size() for f in programs]
-    prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, suffix=(3, 20),
-                                 new=(2, 12))
-    got, _ = _drive(engine, prompts, max_new)  # hits, evictions, host stops, bursts
-    assert engine.stats["hit_pages"] > 0 and engine.stats["evictions"] > 0, engine.stats
-    assert [f._cache_size() for f in programs] == compiled
-    for p, m, g in zip(prompts, max_new, got, strict=True):
-        assert g == _alone(model, params, p, m, gen.CacheConfig(page_size=PAGE))
-    engine.add_request(prompts[0], max_tokens=2)
-    with pytest.raises(RuntimeError, match="idle engine"):
-        engine.warmup()
-
-
-def test_bad_requests_raise_before_anything_runs(tiny):
-    model, params = tiny
-    engine = Engine(model, params, max_seqs=2, max_seq_len=32, chunk_size=CHUNK,
-                    cache=gen.CacheConfig(page_size=PAGE))
-    for kwargs, match in [
-        (dict(prompt_ids=[], max_tokens=4), "non-empty"),
-        (dict(prompt_ids=[1, model.vocab_size], max_tokens=4), "outside the vocabulary"),
-        (dict(prompt_ids=[1, 2], max_tokens=0), "max_tokens"),
-        (dict(prompt_ids=[1] * 30, max_tokens=4), "max_seq_len"),
-        (dict(prompt_ids=[1, 2], max_tokens=4, stop_ids=[-1]), "outside the vocabulary"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            engine.add_request(**kwargs)
-    engine.add_request([1, 2], max_tokens=2, request_id="x")
-    with pytest.raises(ValueError, match="in use"):
-        engine.add_request([1, 2], max_tokens=2, request_id="x")
-    with pytest.raises(ValueError, match="multiple of the page size"):
-        Engine(model, params, chunk_size=12, cache=gen.CacheConfig(page_size=PAGE))
-    with pytest.raises(ValueError, match="cannot hold one request"):
-        Engine(model, params, max_seq_len=64, cache=gen.CacheConfig(page_size=PAGE, num_pages=4))
-
-
-def test_prefix_cache_bookkeeping():
-    ps = 4
-    pc = PrefixCache(ps, [10, 11])
-    toks = np.arange(20, dtype=np.int32)
-    h = page_hashes(toks, ps)
-    assert len(h) == 5 and page_hashes(toks, ps, "s") != h
-    assert pc.match(h, toks) == 0
-    pc.add(10, h[:3], toks)
-    assert pc.match(h, toks) == 3 and pc.holder_of(h, 2) == 10
-    other = toks.copy()
-    other[9] += 1  # page 2 differs: its hash and every later one
-    assert pc.match(page_hashes(other, ps), other) == 2
-    pc.add(11, h, toks)
-    assert pc.new_pages(h) == 0 and pc.lru_slot() == 10
-    pc.remove(10)
-    pc.check()
-    assert pc.match(h, toks) == 5 and pc.free_slot() == 10
-
-
-# ---------------------------------------------------------------------------- invariants
-
-_EVENTS = hst.lists(
-    hst.tuples(hst.sampled_from(["add", "add", "add", "step", "step", "cancel"]),
-               hst.integers(0, 10**6)),
-    min_size=4, max_size=30)
-
-
-@pytest.fixture(scope="module")
-def small_engine(tiny):
-    model, params = tiny
-    # 14 pages: requests of up to 56 tokens, so cached prefixes and preemption are common.
-    return Engine(model, params, max_seqs=3, max_seq_len=56, chunk_size=CHUNK, prefill_rows=2,
-                  cache=gen.CacheConfig(page_size=PAGE, num_pages=14), prefix_slots=3)
-
-
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(events=_EVENTS)
-def test_random_arrivals_cancels_and_finishes_keep_the_invariants(small_engine, events):
-    engine = small_engine
-    vocab = engine.vocab_size
-    system = [5, 9, 17, 33, 65, 7, 11, 13, 21, 3, 4, 6, 8, 10, 12, 14]  # two pages
-    added, finished = [], set()
-    for kind, x in events:
-        r = np.random.default_rng(x)
-        if kind == "add":
-            n = int(r.integers(1, 24))
-            prompt = (system if x % 2 else []) + r.integers(3, vocab, n).tolist()
-            added.append(engine.add_request(prompt, max_tokens=int(r.integers(1, 56 - 40))))
-        elif kind == "cancel" and added:
-            engine.cancel(added[x % len(added)])
-        else:
-            for o in engine.step():
-                if o.finished:
-                    assert o.request_id not in finished
-                    finished.add(o.request_id)
-            engine.check()
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                assert o.request_id not in finished
-                finished.add(o.request_id)
-        engine.check()
-    assert finished == set(added), "a request was lost"
-    assert engine.num_running == 0 and engine.num_waiting == 0

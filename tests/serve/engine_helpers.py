@@ -1,0 +1,49 @@
+"""Shared pieces of the serving-engine tests: the tiny model, workloads, the reference run
+(`kvjax.generate` on one request alone) and a driver that adds requests as it steps."""
+
+import jax
+
+import kvjax.generate as gen
+
+PAGE = 8
+CHUNK = 16
+
+
+def _workload(rng, vocab, n, system=48, suffix=(3, 30), new=(2, 14)):
+    """n prompts: a shared system prompt (a whole number of chunks) + unique suffixes."""
+    sys_prompt = rng.integers(3, vocab, system).tolist()
+    prompts = [sys_prompt + rng.integers(3, vocab, int(k)).tolist()
+               for k in rng.integers(*suffix, n)]
+    return prompts, [int(k) for k in rng.integers(*new, n)]
+
+
+def _alone(model, params, prompt, max_new, cache, *, key=None, sampling=gen.GREEDY, policy=None):
+    key = jax.random.key(0)[None] if key is None else key
+    r = gen.generate(model, params, [prompt], key=key, max_new_tokens=max_new, cache=cache,
+                     chunk_size=CHUNK, sampling=sampling, policy=policy)
+    return r.sequences()[0]
+
+
+def _drive(engine, prompts, max_new, *, arrive_every=2, check_every=1, **kw):
+    """Adds a request every `arrive_every` steps (rows join mid-decode); runs to the end,
+    checking the invariants; returns each request's tokens and its finish reason."""
+    ids, out, reasons = [], {}, {}
+    pending = list(zip(prompts, max_new, strict=True))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % arrive_every == 0:
+            p, m = pending.pop(0)
+            ids.append(engine.add_request(p, max_tokens=m, **kw))
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                assert o.request_id not in reasons, "a request finished twice"
+                reasons[o.request_id] = o.finish_reason
+        if step % check_every == 0:
+            engine.check()
+        step += 1
+        assert step < 2000, "the engine does not finish"
+    engine.check()
+    return [out.get(i, []) for i in ids], [reasons[i] for i in ids]
+
+
