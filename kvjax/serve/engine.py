@@ -113,7 +113,7 @@ class _Request:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Lanes:
-    """One prefill chunk for each of `prefill_rows` lanes (length 0: an idle lane)."""
+    """One prefill chunk per lane (a bucket of lanes up to `prefill_rows`; length 0: idle)."""
 
     tokens: Int[Array, "lanes chunk"]
     lengths: Int[Array, " lanes"]
