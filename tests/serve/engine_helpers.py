@@ -17,11 +17,19 @@ def _workload(rng, vocab, n, system=48, suffix=(3, 30), new=(2, 14)):
     return prompts, [int(k) for k in rng.integers(*new, n)]
 
 
+REF_NEW, REF_TOKENS = 48, 256
+
+
 def _alone(model, params, prompt, max_new, cache, *, key=None, sampling=gen.GREEDY, policy=None):
+    """`generate` on one request alone: its first `max_new` tokens. Every call decodes
+    REF_NEW tokens on a cache of one fixed size (the first tokens do not depend on how many
+    follow), so the references compile once per prompt width, not per request."""
+    assert max_new <= REF_NEW and len(prompt) + REF_NEW <= REF_TOKENS
     key = jax.random.key(0)[None] if key is None else key
-    r = gen.generate(model, params, [prompt], key=key, max_new_tokens=max_new, cache=cache,
+    r = gen.generate(model, params, [prompt], key=key, max_new_tokens=REF_NEW,
+                     cache=cache.build(model, num_seqs=1, max_tokens=REF_TOKENS),
                      chunk_size=CHUNK, sampling=sampling, policy=policy)
-    return r.sequences()[0]
+    return r.sequences()[0][:max_new]
 
 
 def _drive(engine, prompts, max_new, *, arrive_every=2, check_every=1, **kw):
