@@ -74,6 +74,17 @@ def _eos(text: str) -> list[int] | None:
     return _ids(text)
 
 
+def add_kivi_flags(p: argparse.ArgumentParser) -> None:
+    """--kv-bits, --kv-group-size and --kv-residual: a KIVI-quantized cache (also `serve`'s)."""
+    p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), default=None, metavar="BITS",
+                   help="KIVI-quantize the KV cache to 2, 4 or 8 bits (default: full precision)")
+    p.add_argument("--kv-group-size", type=_positive_int, default=32, metavar="G",
+                   help="KIVI group size G (default 32; must divide --page-size)")
+    p.add_argument("--kv-residual", type=int, default=128, metavar="R",
+                   help="KIVI full-precision recent tokens R, a multiple of --page-size "
+                   "(default 128)")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers the `generate` subcommand on `subparsers` and returns its parser."""
     p = subparsers.add_parser(
@@ -115,13 +126,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"KV cache dtype, one of {', '.join(_KV_DTYPES)} (default: the params "
                    "dtype)")
-    p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), default=None, metavar="BITS",
-                   help="KIVI-quantize the KV cache to 2, 4 or 8 bits (default: full precision)")
-    p.add_argument("--kv-group-size", type=_positive_int, default=32, metavar="G",
-                   help="KIVI group size G (default 32; must divide --page-size)")
-    p.add_argument("--kv-residual", type=int, default=128, metavar="R",
-                   help="KIVI full-precision recent tokens R, a multiple of --page-size "
-                   "(default 128)")
+    add_kivi_flags(p)
     p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help="params and activations dtype (default: the checkpoint's)")
     p.add_argument("--page-size", type=_positive_int, default=16, metavar="TOKENS",

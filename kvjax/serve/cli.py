@@ -15,7 +15,7 @@ import importlib.util
 import os
 import sys
 
-from kvjax.generate.cli import _dtype, _positive_int
+from kvjax.generate.cli import _dtype, _positive_int, add_kivi_flags
 
 __all__ = ["add_parser", "run"]
 
@@ -60,17 +60,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="tokens per cache page, a power of two (default 16)")
     p.add_argument("--chunk-size", type=_positive_int, default=64, metavar="TOKENS",
                    help="prefill chunk length, a multiple of --page-size (default 64); a "
-                   "prefix-cache hit covers whole chunks")
+                   "prefix-cache hit covers whole chunks (with --kv-bits, hits need "
+                   "--chunk-size >= --kv-residual + --page-size)")
     p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
                    help="KV cache dtype: float32, bfloat16 or float16 (default: the params "
                    "dtype)")
-    p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), default=None, metavar="BITS",
-                   help="KIVI-quantize the KV cache to 2, 4 or 8 bits (default: full precision)")
-    p.add_argument("--kv-group-size", type=_positive_int, default=32, metavar="G",
-                   help="KIVI group size G (default 32; must divide --page-size)")
-    p.add_argument("--kv-residual", type=int, default=128, metavar="R",
-                   help="KIVI full-precision recent tokens R, a multiple of --page-size "
-                   "(default 128); prefix-cache hits need --chunk-size >= R + --page-size")
+    add_kivi_flags(p)
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep prompts' pages for later requests that share a prefix")
     p.add_argument("--no-warmup", action="store_true",

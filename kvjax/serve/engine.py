@@ -96,13 +96,11 @@ class _Request:
     stop_ids: frozenset[int]
     key: jax.Array
     salt: str | None
-    order: int
     output: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     fed: np.ndarray | None = None  # what the slot must hold: prompt (+ output if preempted)
     done_tokens: int = 0  # tokens of `fed` in the cache
     cached_tokens: int = 0
-    hit_pages: int = 0
     decoding: bool = False
     looked_up: bool = False  # prefix hits attached (or none to look for)
     hashes: list[bytes] | None = None  # the hash chain of `fed`'s full pages
@@ -353,7 +351,7 @@ class Engine:
             raise ValueError(f"request id {rid!r} is in use.")
         req = _Request(id=rid, prompt=prompt, max_tokens=int(max_tokens), sampling=sampling,
                        stop_ids=frozenset(stops), key=_key(int(seed)), salt=salt,
-                       order=len(self._requests), fed=prompt)
+                       fed=prompt)
         self._requests[rid] = req
         self._waiting.append(req)
         return rid
@@ -439,7 +437,6 @@ class Engine:
         holder = self.prefix.holder_of(hashes, j)
         self._share(holder, req.slot, j * self.spec.page_size)
         req.done_tokens = j * self.spec.page_size
-        req.hit_pages = j
         if not req.output:  # a readmitted request's own pages do not count as hits
             req.cached_tokens = req.done_tokens
         self.stats["hit_pages"] += j
