@@ -1,4 +1,4 @@
-"""Byte accounting for KV caches, real-model presets and a paging-waste simulator.
+"""Byte accounting for KV caches, real-model presets, a paging-waste simulator, a host tier.
 
 Pure Python: importing this package does not import JAX.
 """
@@ -20,6 +20,7 @@ from kvjax.memory.accounting import (
     reduction,
     weight_bytes,
 )
+from kvjax.memory.host_tier import HostTier, host_tier_bytes
 from kvjax.memory.paging import PagingWaste, paging_waste
 from kvjax.memory.presets import PRESETS, ModelPreset, get_preset, preset_names
 
@@ -27,6 +28,7 @@ __all__ = [
     "DTYPE_BITS",
     "GB",
     "GiB",
+    "HostTier",
     "KVFormat",
     "ModelPreset",
     "PRESETS",
@@ -40,6 +42,7 @@ __all__ = [
     "elements_per_token_per_layer",
     "format_bytes",
     "get_preset",
+    "host_tier_bytes",
     "kv_format",
     "paging_waste",
     "preset_names",

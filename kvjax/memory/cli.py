@@ -7,6 +7,8 @@ Examples:
   python -m kvjax memory --model mistral-7b --lengths 100,2000,4096 --context 8192
   python -m kvjax memory --model llama-3-8b --kv-dtype int2 --group 32 --residual 128 \
       --budget 16 --length-spread 64 --context 8192
+  python -m kvjax memory --model llama-3-8b --context 131072 --batch 2 --host-fraction 0.9 \
+      --host-bandwidth 55 --hbm-bandwidth 4800
 """
 
 import argparse
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from kvjax.memory import accounting as acc
+from kvjax.memory.host_tier import HostTier, host_tier_bytes
 from kvjax.memory.paging import paging_waste
 from kvjax.memory.presets import PRESETS, ModelPreset, get_preset
 
@@ -55,6 +58,20 @@ def _positive_float(text: str) -> float:
         value = None
     if value is None or not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _host_fraction(text: str) -> Fraction:
+    # Read as an exact decimal, so that e.g. 0.3 of 160 tokens is 48 tokens, not 47.99...
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        value = None
+    if value is None or not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in [0, 1) (the share of each sequence held in host memory; "
+            f"0 = no host tier), got {text!r}"
+        )
     return value
 
 
@@ -102,7 +119,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=(
             "Prints the KV cache bytes per token, per sequence and per batch of a real model, "
             "its weight bytes and the KV/weights ratio; optionally compares MHA/GQA/MQA/MLA "
-            "caches across dtypes and simulates paging waste. "
+            "caches across dtypes, simulates paging waste and splits the cache between the device "
+            "and a host-memory tier. "
             "Decimal units (GB = 10^9 bytes) and binary units (GiB = 2^30 bytes) are both shown."
         ),
         epilog=__doc__.split("\n", 2)[2],
@@ -140,7 +158,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--residual", type=lambda t: _int_at_least(0, t), default=0, metavar="R",
         help="KIVI full-precision tail: the most recent R tokens of each sequence stay bf16 "
-        "(integer KV dtypes only; a multiple of --page-size for --budget; default 0)",
+        "(integer KV dtypes only; a multiple of --page-size for --budget and --host-fraction; "
+        "default 0)",
     )
     p.add_argument(
         "--budget", type=_positive_float, default=None, metavar="GIB",
@@ -178,7 +197,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--page-size", type=_positive_int, default=16, metavar="TOKENS",
-        help="tokens per page for the paging comparison (default 16, as in vLLM)",
+        help="tokens per page for the paging comparison, --budget and the host tier "
+        "(default 16, as in vLLM)",
+    )
+    p.add_argument(
+        "--host-fraction", type=_host_fraction, default=Fraction(0), metavar="F",
+        help="host-memory tier: the oldest share F (0 <= F < 1) of each sequence's --context "
+        "lives in host RAM in whole pages of --page-size tokens, streamed to the device for "
+        "attention: page_size * min(floor(F * context / page_size), "
+        "floor(max(context - R, 0) / page_size)) tokens per sequence, where R is --residual "
+        "(a KIVI cache keeps its bf16 ring of R + page_size recent tokens on the device; only "
+        "its quantized pages move). Prints device and host bytes per sequence and per "
+        "--batch, and the host->device bytes of one decode step, which reads every host "
+        "token of every layer once (default 0: no host tier; not with --lengths, "
+        "--length-spread or --budget)",
+    )
+    p.add_argument(
+        "--host-bandwidth", type=_positive_float, default=None, metavar="GBPS",
+        help="host->device bandwidth in GB/s (10^9 bytes/s), with --hbm-bandwidth and "
+        "--host-fraction > 0: print a lower bound on the decode step time spent reading the "
+        "KV cache only (no weights, no compute): host bytes / host bandwidth + device bytes "
+        "/ HBM bandwidth for the batch, and the larger of the two if the transfer overlaps "
+        "the device reads",
+    )
+    p.add_argument(
+        "--hbm-bandwidth", type=_positive_float, default=None, metavar="GBPS",
+        help="device memory (HBM) bandwidth in GB/s, with --host-bandwidth (see there)",
     )
     p.set_defaults(func=functools.partial(run, parser=p))
     return p
@@ -219,7 +263,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"{args.page_size} for --budget (the tail is flushed a page at a time)"
         )
 
+    _check_host_tier(args, parser)
+
     blocks = [_summary(preset, kv, context, args.batch, args.weight_dtype)]
+    if args.host_fraction > 0:
+        tier = host_tier_bytes(preset.attention, preset.num_layers, context,
+                               host_fraction=args.host_fraction, page_size=args.page_size,
+                               batch=args.batch, fmt=kv)
+        blocks.append(_host_tier(preset, kv, tier, args.host_bandwidth, args.hbm_bandwidth))
     if args.compare:
         blocks.append(_compare(preset, args, context))
     if lengths is not None:
@@ -228,6 +279,45 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         blocks.append(_capacity(preset, args, context, lengths))
     print("\n\n".join(blocks))
     return 0
+
+
+def _check_host_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Rejects host-tier flags that the block would silently ignore or misreport."""
+    bandwidths = [f for f, v in (("--host-bandwidth", args.host_bandwidth),
+                                 ("--hbm-bandwidth", args.hbm_bandwidth)) if v is not None]
+    if args.host_fraction == 0:
+        if bandwidths:
+            parser.error(
+                f"argument {bandwidths[0]}: needs --host-fraction F with 0 < F < 1 (the step "
+                f"time bound is printed with the host tier); add --host-fraction"
+            )
+        return
+    given = f"{float(args.host_fraction):g}"
+    if len(bandwidths) == 1:
+        other = "--hbm-bandwidth" if bandwidths[0] == "--host-bandwidth" else "--host-bandwidth"
+        parser.error(
+            f"argument {bandwidths[0]}: the step time bound adds both terms; give {other} too"
+        )
+    why = {
+        "--lengths": "the host tier covers --batch sequences of --context tokens, not these",
+        "--length-spread": "the host tier covers --batch sequences of --context tokens, not "
+        "these",
+        "--budget": "the capacity table counts device memory only and ignores the host tier",
+    }
+    for flag, value in (("--lengths", args.lengths), ("--length-spread", args.length_spread),
+                        ("--budget", args.budget)):
+        if value is not None:
+            parser.error(
+                f"argument --host-fraction: {given} is not allowed with {flag} ({why[flag]}); "
+                f"run them separately"
+            )
+    kv_residual = _kv_format(args, args.kv_dtype, args.kv_bits).residual
+    if kv_residual % args.page_size:
+        parser.error(
+            f"argument --residual: {kv_residual} must be a multiple of --page-size "
+            f"{args.page_size} with --host-fraction {given} (the bf16 ring is flushed a page "
+            f"at a time)"
+        )
 
 
 def _kv_format(args: argparse.Namespace, dtype: str, bits: int | None = None) -> acc.KVFormat:
@@ -375,6 +465,66 @@ def _summary(
         "",
     ]
     return "\n".join([*head, _table(["quantity", "bytes", "decimal", "binary"], rows)])
+
+
+def _seconds(t: float) -> str:
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if t >= scale:
+            return f"{t / scale:.3f} {unit}"
+    return f"{t / 1e-9:.3f} ns"
+
+
+def _host_tier(
+    preset: ModelPreset, kv: acc.KVFormat, tier: HostTier, host_gbps: float | None,
+    hbm_gbps: float | None,
+) -> str:
+    ps, ctx, b = tier.page_size, tier.context, tier.batch
+    f = f"{float(tier.host_fraction):g}"
+    head = [
+        f"Host tier for {preset.name}: the oldest {f} of each {ctx:,}-token sequence in host "
+        f"memory, in whole {ps}-token pages: {tier.host_pages:,} pages = "
+        f"{tier.host_tokens:,} tokens per sequence; {tier.device_tokens:,} stay on the device.",
+        f"Rule: host tokens = page_size * min(floor(F * context / page_size), "
+        f"floor(max(context - R, 0) / page_size)), R = --residual {kv.residual}: {ps} * min("
+        f"{math.floor(tier.host_fraction * ctx / ps):,}, {tier.movable_pages:,}).",
+    ]
+    if kv.residual:
+        head.append(
+            f"KIVI: the bf16 ring of residual {kv.residual} + {ps} tokens stays on the device; "
+            f"only the {tier.movable_pages:,} quantized pages can move"
+            + (" (this caps the host pages)." if tier.capped else ".")
+        )
+    head += [
+        f"Each host token costs {_n(acc.bytes_per_token(preset.attention, preset.num_layers, kv))}"
+        f" B: {kv.describe()}; device + host = KV per sequence above. Every decode step "
+        "reads every host token of every layer once, for the whole batch.",
+        "",
+    ]
+    def row(label: str, tokens: int, n: Fraction) -> list[str]:
+        return [label, f"{tokens:,}", *_bytes_row("", n)[1:]]
+
+    rows = [
+        row("device per sequence", tier.device_tokens, tier.device_bytes),
+        row("host per sequence", tier.host_tokens, tier.host_bytes),
+        row(f"device per batch ({b} seqs)", b * tier.device_tokens, tier.batch_device_bytes),
+        row(f"host per batch ({b} seqs)", b * tier.host_tokens, tier.batch_host_bytes),
+        row("host->device per decode step", b * tier.host_tokens, tier.transfer_bytes_per_step),
+    ]
+    text = "\n".join([*head, _table(["tier", "tokens", "bytes", "decimal", "binary"], rows)])
+    if host_gbps is None or hbm_gbps is None:
+        return text
+    t_host, t_hbm = tier.step_seconds(host_gbps=host_gbps, hbm_gbps=hbm_gbps)
+    lines = [
+        "",
+        "Decode step time, lower bound on reading the KV cache only (no weights, no compute):",
+        f"  host->device  {acc.format_bytes(tier.batch_host_bytes)} / {host_gbps:g} GB/s = "
+        f"{_seconds(t_host)}",
+        f"  device (HBM)  {acc.format_bytes(tier.batch_device_bytes)} / {hbm_gbps:g} GB/s = "
+        f"{_seconds(t_hbm)}",
+        f"  sum (transfer, then device reads): {_seconds(t_host + t_hbm)}",
+        f"  max (transfer fully overlapped with device reads): {_seconds(max(t_host, t_hbm))}",
+    ]
+    return "\n".join([text, *lines])
 
 
 def _cache_key(spec) -> tuple:
