@@ -25,6 +25,7 @@ the table writes nothing, and a traced layer outside the cache writes nothing an
 reads NaN (indexing would clamp it to another layer).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -37,8 +38,8 @@ from kvjax.attention import scores as kscores
 from kvjax.attention import xla as xla_path
 from kvjax.attention import xla_quantized
 from kvjax.attention.pages import QuantizedLayerView, Selection
+from kvjax.cache import host, paged, quantized
 from kvjax.cache import page_table as pt
-from kvjax.cache import paged, quantized
 from kvjax.cache import quant as kquant
 from kvjax.cache.state import LayerView, PagedKVCache
 from kvjax.specs import CacheSpec
@@ -137,7 +138,8 @@ def reserve(
 
 @functools.partial(jax.jit, donate_argnames="cache")
 def _fork(cache, src, dst):
-    return _kind(cache).fork(cache, src, dst)
+    new, status = _kind(cache).fork(cache, src, dst)
+    return host.after_fork(new, src, dst, status), status
 
 
 def fork(
@@ -183,7 +185,7 @@ def fork(
 
 @functools.partial(jax.jit, donate_argnames="cache", static_argnames="scrub")
 def _free(cache, seqs, scrub):
-    return _kind(cache).free(cache, seqs, scrub=scrub)
+    return host.after_free(_kind(cache).free(cache, seqs, scrub=scrub), seqs)
 
 
 def free(
@@ -202,7 +204,11 @@ def free(
 
 @functools.partial(jax.jit, donate_argnames="cache")
 def _truncate(cache, new_lengths):
-    return _kind(cache).truncate(cache, new_lengths)
+    allowed = host.truncate_allowed(cache, new_lengths)
+    new, status = _kind(cache).truncate(cache, jnp.where(allowed, new_lengths, cache.lengths))
+    status = dataclasses.replace(
+        status, code=jnp.where(allowed, status.code, pt.BAD_TRUNCATE).astype(jnp.int32))
+    return host.after_truncate(new, new_lengths, status), status
 
 
 def truncate(
@@ -400,8 +406,6 @@ def _rows_view(view: QuantizedLayerView, seq_ids) -> QuantizedLayerView:
     """The view of the batch rows `seq_ids` (tables, lengths, tails)."""
     if seq_ids is None:
         return view
-    import dataclasses
-
     return dataclasses.replace(
         view, block_tables=view.block_tables[seq_ids], quant_lengths=view.quant_lengths[seq_ids],
         lengths=view.lengths[seq_ids], tail_k=view.tail_k[:, seq_ids],
@@ -485,6 +489,15 @@ def attend(
 def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sliding_window,
             kw):
     """`attend` after its checks: the op of the cache's page kind."""
+    if cache.host is not None and cache.host.stream_pages > 0:
+        if selection is not None:
+            raise ValueError("attend: a selection does not combine with host-resident pages "
+                             "(a host tier with stream_pages > 0).")
+        dev = _attend(host.device_part(cache), layer, q, q_lengths, seq_ids, None, scale,
+                      soft_cap, sliding_window, kw)
+        return host.merge(dev, host.attend_host(
+            cache, layer, q, q_lengths, seq_ids, scale=scale, soft_cap=soft_cap,
+            sliding_window=sliding_window))
     spec = cache.spec
     mla = spec.is_mla
     q_len = (q[0] if mla else q).shape[1]

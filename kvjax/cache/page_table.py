@@ -43,6 +43,8 @@ __all__ = [
     "free",
     "truncate",
     "unshare",
+    "assign_entries",
+    "vacate_entries",
     "check_invariants",
     "check_reserve_counts",
     "check_fork_pairs",
@@ -362,6 +364,53 @@ def reserve(
     return table, copy, status
 
 
+def assign_entries(
+    table: PageTable, want: Bool[Array, "max_seqs max_pages"]
+) -> tuple[PageTable, Int[Array, "max_seqs max_pages"], AllocStatus]:
+    """Puts a fresh page (refcount 1) at every flagged block-table entry.
+
+    For entries the caller fills itself (a page brought back from another tier);
+    lengths do not change. All or nothing: OUT_OF_PAGES changes nothing.
+
+    Returns:
+      (table, pages, status): `pages` holds the new page at each flagged entry and
+      `num_pages` elsewhere (and everywhere on failure).
+    """
+    sink = jnp.int32(table.num_pages)
+    flat = want.reshape(-1)
+    pages_needed = jnp.sum(flat, dtype=jnp.int32)
+    ok = pages_needed <= table.num_free
+    fresh = _pop(table, jnp.cumsum(flat, dtype=jnp.int32) - 1)
+    new = jnp.where(ok & flat, fresh, sink).reshape(want.shape)
+    status = AllocStatus(code=jnp.where(ok, OK, OUT_OF_PAGES).astype(jnp.int32),
+                         pages_needed=pages_needed, pages_free=table.num_free)
+    table = dataclasses.replace(
+        table,
+        block_tables=jnp.where(new < sink, new, table.block_tables),
+        refcounts=table.refcounts.at[new.reshape(-1)].set(1, mode="drop"),
+        num_free=table.num_free - jnp.where(ok, pages_needed, 0),
+    )
+    return table, new, status
+
+
+def vacate_entries(
+    table: PageTable, drop: Bool[Array, "max_seqs max_pages"]
+) -> tuple[PageTable, Int[Array, " entries"]]:
+    """Drops the flagged entries' references and marks them `num_pages` (held elsewhere).
+
+    The sequences keep their lengths: an entry holding `num_pages` stands for a page
+    that lives in another tier (`kvjax.cache.host`); freeing, forking and truncating
+    skip it. Pages whose count reaches zero return to the free stack.
+
+    Returns:
+      (table, released): the pages that became free, padded with `num_pages`.
+    """
+    table, released = _release(table, drop)
+    table = dataclasses.replace(
+        table, block_tables=jnp.where(drop, table.num_pages, table.block_tables))
+    return table, released
+
+
 def fork(
     table: PageTable, src: Int[Array, " n"], dst: Int[Array, " n"]
 ) -> tuple[PageTable, AllocStatus]:
@@ -554,8 +603,12 @@ def unshare(
     return table, copy, status
 
 
-def check_invariants(table: PageTable) -> None:
-    """Host-side check of the allocator invariants; raises AssertionError naming a breach."""
+def check_invariants(table: PageTable, elsewhere: np.ndarray | None = None) -> None:
+    """Host-side check of the allocator invariants; raises AssertionError naming a breach.
+
+    `elsewhere` (int[max_seqs], optional): each sequence's leading entries that live in
+    another tier; they must hold `num_pages` and count for no page.
+    """
     bt = np.asarray(table.block_tables)
     lengths = np.asarray(table.lengths)
     rc = np.asarray(table.refcounts)
@@ -570,7 +623,12 @@ def check_invariants(table: PageTable) -> None:
     counts = np.zeros(num_pages, np.int64)
     for s in range(bt.shape[0]):
         n = -(-int(lengths[s]) // ps)
-        row = bt[s, :n]
+        away = 0 if elsewhere is None else int(elsewhere[s])
+        if away and not (bt[s, :away] == num_pages).all():
+            raise AssertionError(f"sequence {s}: its first {away} entries live in another "
+                                 f"tier but hold pages {bt[s, :away]}")
+        row = bt[s, away:n]
+        n -= away
         if ((row < 0) | (row >= num_pages)).any():
             raise AssertionError(f"sequence {s} points outside the pool: {row}")
         if len(set(row.tolist())) != n:

@@ -29,6 +29,7 @@ __all__ = [
     "QuantizedKVPages",
     "QuantizedLatentPages",
     "KIVITail",
+    "HostTier",
     "PagedKVCache",
     "LayerView",
     "Slots",
@@ -116,6 +117,42 @@ class KIVITail:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class HostTier:
+    """Pages held in host memory beside the device pools (see `kvjax.cache.host`).
+
+    Attributes:
+      pages: pools of the cache's page kind (same layout, page axis 2) with the host
+        tier's page count, in host memory.
+      table: the host pages' page table. Row s < max_seqs holds the leading pages of
+        live slot s that live on the host (its length counts their tokens; the device
+        table's entries for them hold the device pool's page count); row max_seqs + r
+        holds parked sequence r (swapped out, or a prefix kept for later).
+      parked_lengths: int32[parked], all tokens of each parked sequence (a KIVI
+        sequence's host row counts its quantized tokens only); 0 marks a free row.
+      tail_a, tail_b: KIVI: the parked sequences' full-precision rings
+        `[layers, heads, parked, ring, width]` in host memory; None otherwise.
+      stream_pages: leading pages per live slot that may live on the host; decode
+        attention streams that many pages of each row back per layer (static).
+    """
+
+    pages: KVPages | LatentPages | QuantizedKVPages | QuantizedLatentPages
+    table: pt.PageTable
+    parked_lengths: Int[Array, " parked"]
+    tail_a: Float[Array, "layers heads parked ring width_a"] | None = None
+    tail_b: Float[Array, "layers heads parked ring width_b"] | None = None
+    stream_pages: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def num_parked(self) -> int:
+        return self.parked_lengths.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.table.num_pages
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """A paged KV cache of any page kind: pools for every layer and the page table.
 
@@ -126,12 +163,14 @@ class PagedKVCache:
         quantized token counts, multiples of the page size).
       spec: the static `CacheSpec` the cache was built from.
       tail: `KIVITail` for a quantized cache, None otherwise.
+      host: `HostTier` when the cache has a host-memory tier (`kvjax.cache.host`).
     """
 
     pages: KVPages | LatentPages | QuantizedKVPages | QuantizedLatentPages
     table: pt.PageTable
     spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
     tail: KIVITail | None = None
+    host: HostTier | None = None
 
     @property
     def is_quantized(self) -> bool:
