@@ -248,6 +248,15 @@ def truncate(
                     f"quantized page; slot {s} holds {q[s]} quantized tokens (pages of {ps}), "
                     f"so its new length must be a multiple of {ps} up to {q[s]} or stay "
                     f"{old[s]}, got {new[s]}.")
+        if cache.host is not None:
+            hl = np.asarray(host.host_pages(cache)) * cache.spec.page_size
+            bad = np.nonzero((new < hl) & (new % cache.spec.page_size != 0))[0]
+            if bad.size:
+                s = int(bad[0])
+                raise ValueError(
+                    f"truncate: slot {s} holds its first {hl[s]} tokens in host pages; a new "
+                    f"length below that must be a whole number of pages "
+                    f"({cache.spec.page_size} tokens), got {new[s]}.")
     # A copy: `truncate(cache, cache.lengths)` must not pass a donated buffer twice.
     return _truncate(cache, jnp.array(new_lengths, jnp.int32, copy=True))
 
@@ -489,15 +498,19 @@ def attend(
 def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sliding_window,
             kw):
     """`attend` after its checks: the op of the cache's page kind."""
+    spec = cache.spec
     if cache.host is not None and cache.host.stream_pages > 0:
         if selection is not None:
             raise ValueError("attend: a selection does not combine with host-resident pages "
                              "(a host tier with stream_pages > 0).")
-        dev = _attend(host.device_part(cache), layer, q, q_lengths, seq_ids, None, scale,
+        # Both parts in float32, so that only the merged result is rounded to q's dtype.
+        q32 = jax.tree.map(lambda x: x.astype(jnp.float32), q)
+        dev = _attend(host.device_part(cache), layer, q32, q_lengths, seq_ids, None, scale,
                       soft_cap, sliding_window, kw)
-        return host.merge(dev, host.attend_host(
-            cache, layer, q, q_lengths, seq_ids, scale=scale, soft_cap=soft_cap,
+        out, lse = host.merge(dev, host.attend_host(
+            cache, layer, q32, q_lengths, seq_ids, scale=scale, soft_cap=soft_cap,
             sliding_window=sliding_window))
+        return out.astype((q[0] if spec.is_mla else q).dtype), lse
     spec = cache.spec
     mla = spec.is_mla
     q_len = (q[0] if mla else q).shape[1]
