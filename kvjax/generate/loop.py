@@ -541,6 +541,14 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
     cache, impl, plan = setup.prepare_cache(model, cache, impl, num_seqs=num_seqs or batch,
                                             max_tokens=int(total.max()) + extra_tokens)
     seq_ids = setup.check_slots(seq_ids, batch, cache.spec)
+    if policy is not None and cache.host is not None and cache.host.stream_pages > 0:
+        from kvjax.cache.policies import UndefinedCombination
+
+        raise UndefinedCombination(
+            f"{type(policy).__name__} reads and moves each slot's pages by position; a "
+            f"cache whose slots keep pages on the host (host tier with stream_pages="
+            f"{cache.host.stream_pages}) does not combine with a policy. Attach the tier "
+            f"with stream_pages=0 (swaps only) or decode without the policy.")
     if policy is None:
         setup.check_room(cache, seq_ids, lengths, n_forced + max_new)
     forced = None

@@ -349,3 +349,23 @@ def test_bad_arguments_name_what_was_given():
     status.raise_if_error()
     host.check(cache)
     assert int(host.host_pages(cache)[0]) == 1
+
+
+def test_a_policy_keeps_a_swap_tier_and_refuses_host_resident_pages(gqa):
+    from kvjax.cache.policies import StreamingLLM, UndefinedCombination
+
+    model, params = gqa
+    spec = _spec(model, "float32", None)
+    p1, p2, _ = _prompts(int(np.random.default_rng().integers(1 << 30)))
+    policy = StreamingLLM(n_sink=4, window=40)
+    want = generate(model, params, [p1[:120]], key=jax.random.key(0), max_new_tokens=12,
+                    cache=kc.init_cache(spec), policy=policy)
+    swaps = host.attach(kc.init_cache(spec), 8, parked=1, stream_pages=0)
+    got = generate(model, params, [p1[:120]], key=jax.random.key(0), max_new_tokens=12,
+                   cache=swaps, policy=policy)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.cache.host is not None and _memory_kinds(got.cache) == {"pinned_host"}
+    streaming = host.attach(kc.init_cache(spec), 8, parked=1, stream_pages=4)
+    with pytest.raises(UndefinedCombination, match="stream_pages=4"):
+        generate(model, params, [p2], key=jax.random.key(0), max_new_tokens=4,
+                 cache=streaming, policy=policy)

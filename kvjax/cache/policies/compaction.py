@@ -23,6 +23,7 @@ layer, because a page id stands for the same slots in every layer; see
 `pyramidkv.py` for how the smaller layers read fewer pages instead.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -115,7 +116,7 @@ def compact(
     code = jnp.where(grows, pt.BAD_TRUNCATE, jnp.where(status.ok, t_status.code, status.code))
     status = pt.AllocStatus(code=code.astype(jnp.int32), pages_needed=status.pages_needed,
                             pages_free=status.pages_free)
-    return PagedKVCache(pages=pages, table=table, spec=spec), released, status
+    return dataclasses.replace(cache, pages=pages, table=table), released, status
 
 
 def keep_heavy_and_recent(
