@@ -80,7 +80,7 @@ def attach(
     """The cache with an empty host tier of `num_pages` pages in host memory.
 
     Args:
-      cache: a cache of any page kind whose page table is not sharded.
+      cache: a cache of any page kind on one device (not laid out by a sharding plan).
       num_pages: pages of the host pool (same page size and layout as the device's).
       parked: rows for whole sequences held on the host (`swap_out`).
       stream_pages: leading pages per live slot that may live on the host (`move`);
@@ -88,7 +88,7 @@ def attach(
         what you offload. 0: live slots keep all their pages on the device.
 
     Raises:
-      ValueError: a bad count, a sharded page table, or a cache that has a tier already.
+      ValueError: a bad count, a sharded cache, or a cache that has a tier already.
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"attach: expected a kvjax PagedKVCache, got {type(cache).__name__}.")
@@ -97,6 +97,12 @@ def attach(
     if not isinstance(cache.table, pt.PageTable) or type(cache.table) is not pt.PageTable:
         raise ValueError("attach: a host tier needs an unsharded page table (the cache's pages "
                          "are sharded over a context axis).")
+    spread = {len(x.sharding.device_set) for x in jax.tree.leaves(cache.pages)
+              if hasattr(x, "sharding")}
+    if spread - {1}:
+        raise ValueError("attach: a host tier is built for a cache on one device; this cache's "
+                         "pools are sharded over a mesh (a sharding plan), which the tier does "
+                         "not support yet.")
     spec = cache.spec
     for name, v, lo in (("num_pages", num_pages, 1), ("parked", parked, 0),
                         ("stream_pages", stream_pages, 0)):

@@ -249,7 +249,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["fill", "move", "swap_out", "swap_in",
 
 
 @pytest.mark.parametrize("quant", [False, True], ids=["f32", "int4"])
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, seed=st.integers(0, 2**31 - 1))
 def test_random_interleavings_keep_both_tiers_and_every_byte(quant, ops, seed):
     rng = np.random.default_rng(seed)
@@ -327,6 +327,11 @@ def test_bad_arguments_name_what_was_given():
         host.move(plain, 0, 1)
     with pytest.raises(ValueError, match="stream_pages must be below"):
         host.attach(plain, 4, stream_pages=6)
+    mesh = jax.make_mesh((8,), ("model",))
+    spread = jax.tree.map(lambda x: jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())), plain)
+    with pytest.raises(ValueError, match="sharded over a mesh"):
+        host.attach(spread, 4)
     cache = host.attach(plain, 6, parked=1, stream_pages=3)
     with pytest.raises(ValueError, match="host tier already"):
         host.attach(cache, 4)
