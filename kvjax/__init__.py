@@ -21,6 +21,7 @@ _EXPORTS = {
     "MLASpec": "kvjax.specs",
     "CacheSpec": "kvjax.specs",
     "QuantSpec": "kvjax.specs",
+    "RecurrentSpec": "kvjax.specs",
     "PagedKVCache": "kvjax.cache",
     "CacheFullError": "kvjax.cache",
     "init_cache": "kvjax.cache",

@@ -12,7 +12,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["AttentionSpec", "MLASpec", "CacheSpec", "QuantSpec", "canonical_dtype"]
+__all__ = ["AttentionSpec", "MLASpec", "CacheSpec", "QuantSpec", "RecurrentSpec",
+           "canonical_dtype"]
 
 _CACHE_DTYPES = ("float32", "bfloat16", "float16")
 _QUANT_BITS = (2, 4, 8)
@@ -236,6 +237,46 @@ class QuantSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RecurrentSpec:
+    """Fixed-size per-sequence state of a hybrid model's linear-attention layers.
+
+    Gated DeltaNet layers (Qwen3-Next) keep, per sequence slot, the last
+    `conv_width` inputs of their causal convolution and a delta-rule state of
+    `heads x key_dim x value_dim`; neither grows with the context.
+
+    Args:
+      num_layers: linear-attention layers.
+      conv_dim: channels of the causal convolution.
+      conv_width: inputs it keeps (kernel size - 1).
+      heads, key_dim, value_dim: the delta-rule state's shape per slot.
+      dtype: element type of both states (float32 by default, as transformers keeps them).
+    """
+
+    num_layers: int
+    conv_dim: int
+    conv_width: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
+
+    def __post_init__(self):
+        for name in ("num_layers", "conv_dim", "conv_width", "heads", "key_dim", "value_dim"):
+            _positive_int("RecurrentSpec", name, getattr(self, name))
+        dtype = canonical_dtype(self.dtype)
+        if dtype.name not in _CACHE_DTYPES:
+            raise ValueError(f"RecurrentSpec.dtype must be one of {_CACHE_DTYPES}, got "
+                             f"{dtype.name}.")
+        object.__setattr__(self, "dtype", dtype)
+
+    def bytes_per_seq(self) -> int:
+        """Bytes of one slot's state, over every linear layer."""
+        per_layer = (self.conv_dim * self.conv_width
+                     + self.heads * self.key_dim * self.value_dim)
+        return self.num_layers * per_layer * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheSpec:
     """Shape and layout of a paged KV cache.
 
@@ -250,6 +291,8 @@ class CacheSpec:
       dtype: element type of the pages: float32, bfloat16 or float16.
       quant: if set, the cache stores low-bit codes (see `QuantSpec`); `dtype`
         is then the type of the full-precision tail and of MLA's k_rope.
+      recurrent: a hybrid model's per-slot linear-attention state (`RecurrentSpec`);
+        `num_layers` then counts the full-attention layers, which hold pages.
     """
 
     attention: AttentionSpec | MLASpec
@@ -260,8 +303,12 @@ class CacheSpec:
     max_pages_per_seq: int
     dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
     quant: QuantSpec | None = None
+    recurrent: RecurrentSpec | None = None
 
     def __post_init__(self):
+        if self.recurrent is not None and not isinstance(self.recurrent, RecurrentSpec):
+            raise ValueError(f"CacheSpec.recurrent must be a RecurrentSpec or None, got "
+                             f"{type(self.recurrent).__name__}.")
         if not isinstance(self.attention, AttentionSpec | MLASpec):
             raise ValueError(
                 f"CacheSpec.attention must be an AttentionSpec or MLASpec, got "

@@ -21,6 +21,7 @@ from kvjax.cache.ops import (
     write,
 )
 from kvjax.cache.page_table import AllocStatus, CacheFullError, PageTable
+from kvjax.cache.recurrent import read_state, write_state
 from kvjax.cache.state import (
     KIVITail,
     KVPages,
@@ -30,6 +31,7 @@ from kvjax.cache.state import (
     QuantizedKVPages,
     QuantizedLatentPages,
     QuantPool,
+    RecurrentState,
     Slots,
 )
 
@@ -42,6 +44,7 @@ __all__ = [
     "LayerView",
     "PageTable",
     "PagedKVCache",
+    "RecurrentState",
     "QuantLayer",
     "QuantPool",
     "QuantizedKVPages",
@@ -59,7 +62,9 @@ __all__ = [
     "paged",
     "quant",
     "quantized",
+    "read_state",
     "reserve",
     "truncate",
     "write",
+    "write_state",
 ]

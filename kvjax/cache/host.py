@@ -97,6 +97,9 @@ def attach(
     if not isinstance(cache.table, pt.PageTable) or type(cache.table) is not pt.PageTable:
         raise ValueError("attach: a host tier needs an unsharded page table (the cache's pages "
                          "are sharded over a context axis).")
+    if cache.recurrent is not None:
+        raise ValueError("attach: a hybrid model's cache (recurrent state per slot) does not "
+                         "take a host tier yet: a swapped-out slot would lose its state.")
     spread = {len(x.sharding.device_set) for x in jax.tree.leaves(cache.pages)
               if hasattr(x, "sharding")}
     if spread - {1}:

@@ -38,7 +38,7 @@ from kvjax.attention import scores as kscores
 from kvjax.attention import xla as xla_path
 from kvjax.attention import xla_quantized
 from kvjax.attention.pages import QuantizedLayerView, Selection
-from kvjax.cache import host, paged, quantized
+from kvjax.cache import host, paged, quantized, recurrent
 from kvjax.cache import page_table as pt
 from kvjax.cache import quant as kquant
 from kvjax.cache.state import LayerView, PagedKVCache
@@ -64,7 +64,10 @@ def init_cache(spec: CacheSpec) -> PagedKVCache:
     """An empty cache for `spec` (any page kind): zeroed pools, no sequence, every page free."""
     if not isinstance(spec, CacheSpec):
         raise TypeError(f"init_cache: expected a CacheSpec, got {type(spec).__name__}.")
-    return paged.init_cache(spec) if spec.quant is None else quantized.init_cache(spec)
+    cache = paged.init_cache(spec) if spec.quant is None else quantized.init_cache(spec)
+    if spec.recurrent is None:
+        return cache
+    return dataclasses.replace(cache, recurrent=recurrent.init_state(spec))
 
 
 def _kind(cache: PagedKVCache):
@@ -139,6 +142,7 @@ def reserve(
 @functools.partial(jax.jit, donate_argnames="cache")
 def _fork(cache, src, dst):
     new, status = _kind(cache).fork(cache, src, dst)
+    new = recurrent.fork_rows(new, src, dst, status.ok)
     return host.after_fork(new, src, dst, status), status
 
 
@@ -185,7 +189,8 @@ def fork(
 
 @functools.partial(jax.jit, donate_argnames="cache", static_argnames="scrub")
 def _free(cache, seqs, scrub):
-    return host.after_free(_kind(cache).free(cache, seqs, scrub=scrub), seqs)
+    cache = recurrent.free_rows(_kind(cache).free(cache, seqs, scrub=scrub), seqs)
+    return host.after_free(cache, seqs)
 
 
 def free(
@@ -205,9 +210,14 @@ def free(
 @functools.partial(jax.jit, donate_argnames="cache")
 def _truncate(cache, new_lengths):
     allowed = host.truncate_allowed(cache, new_lengths)
+    if cache.recurrent is not None:
+        # A recurrent state cannot be rolled back: a sequence keeps its length or ends.
+        allowed &= jnp.all((new_lengths == cache.lengths) | (new_lengths == 0))
     new, status = _kind(cache).truncate(cache, jnp.where(allowed, new_lengths, cache.lengths))
     status = dataclasses.replace(
         status, code=jnp.where(allowed, status.code, pt.BAD_TRUNCATE).astype(jnp.int32))
+    ended = status.ok & (new_lengths == 0) & (cache.lengths > 0)
+    new = recurrent.free_rows(new, ended)
     return host.after_truncate(new, new_lengths, status), status
 
 
@@ -248,6 +258,14 @@ def truncate(
                     f"quantized page; slot {s} holds {q[s]} quantized tokens (pages of {ps}), "
                     f"so its new length must be a multiple of {ps} up to {q[s]} or stay "
                     f"{old[s]}, got {new[s]}.")
+        if cache.recurrent is not None:
+            bad = np.nonzero((new != old) & (new != 0))[0]
+            if bad.size:
+                s = int(bad[0])
+                raise ValueError(
+                    f"truncate: a hybrid model's cache keeps a recurrent state per slot, "
+                    f"which cannot be rolled back; slot {s} can keep its {old[s]} tokens or "
+                    f"end (0), got {new[s]}.")
         if cache.host is not None:
             hl = np.asarray(host.host_pages(cache)) * cache.spec.page_size
             bad = np.nonzero((new < hl) & (new % cache.spec.page_size != 0))[0]

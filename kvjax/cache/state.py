@@ -30,6 +30,7 @@ __all__ = [
     "QuantizedLatentPages",
     "KIVITail",
     "HostTier",
+    "RecurrentState",
     "PagedKVCache",
     "LayerView",
     "Slots",
@@ -117,6 +118,21 @@ class KIVITail:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class RecurrentState:
+    """A hybrid model's linear-attention state, one row per sequence slot (axis 1).
+
+    Attributes:
+      conv: the causal convolution's last inputs `[layers, max_seqs, conv_dim, width]`
+        (oldest first).
+      ssm: the delta-rule state `[layers, max_seqs, heads, key_dim, value_dim]`.
+    """
+
+    conv: Float[Array, "layers max_seqs conv_dim width"]
+    ssm: Float[Array, "layers max_seqs heads key_dim value_dim"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class HostTier:
     """Pages held in host memory beside the device pools (see `kvjax.cache.host`).
 
@@ -164,6 +180,7 @@ class PagedKVCache:
       spec: the static `CacheSpec` the cache was built from.
       tail: `KIVITail` for a quantized cache, None otherwise.
       host: `HostTier` when the cache has a host-memory tier (`kvjax.cache.host`).
+      recurrent: `RecurrentState` when the spec has a `RecurrentSpec` (hybrid models).
     """
 
     pages: KVPages | LatentPages | QuantizedKVPages | QuantizedLatentPages
@@ -171,6 +188,7 @@ class PagedKVCache:
     spec: CacheSpec = dataclasses.field(metadata=dict(static=True))
     tail: KIVITail | None = None
     host: HostTier | None = None
+    recurrent: RecurrentState | None = None
 
     @property
     def is_quantized(self) -> bool:
