@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.cache import PagedKVCache, init_cache
 from kvjax.cache import page_table as pt
 from kvjax.cache import sharded_table as st
-from kvjax.cache.state import KIVITail
+from kvjax.cache.state import KIVITail, RecurrentState
 from kvjax.sharding.mesh import ShardingPlan
 from kvjax.specs import CacheSpec
 
@@ -104,7 +104,22 @@ def cache_shardings(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
     if abstract.tail is not None:
         ring = NamedSharding(plan.mesh, P(None, pspec[1], None, None, None))
         tail = KIVITail(a=ring, b=ring, lengths=rep, pending=rep)
-    return dataclasses.replace(abstract, pages=pages, table=table, tail=tail)
+    recurrent = None
+    if abstract.recurrent is not None:
+        recurrent = _recurrent_shardings(plan, spec)
+    return dataclasses.replace(abstract, pages=pages, table=table, tail=tail,
+                               recurrent=recurrent)
+
+
+def _recurrent_shardings(plan: ShardingPlan, spec: CacheSpec) -> RecurrentState:
+    """A hybrid cache's linear-attention state: the delta-rule state's heads over `model`
+    under the "heads" strategy when the axis divides them; the small conv state (its
+    channels mix the q, k and v heads) replicated."""
+    m = plan.axis_size("model")
+    heads = ("model" if "heads" in plan.strategies and m > 1
+             and spec.recurrent.heads % m == 0 else None)
+    return RecurrentState(conv=NamedSharding(plan.mesh, P()),
+                          ssm=NamedSharding(plan.mesh, P(None, None, heads, None, None)))
 
 
 def _build(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:

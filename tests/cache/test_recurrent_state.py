@@ -74,3 +74,22 @@ def test_bad_layers_and_caches_are_named():
     with pytest.raises(ValueError, match="RecurrentSpec.heads must be a positive int"):
         kvx.RecurrentSpec(num_layers=1, conv_dim=4, conv_width=3, heads=0, key_dim=4,
                           value_dim=4)
+
+
+def test_a_sharded_hybrid_cache_splits_the_state_over_heads():
+    import jax
+
+    from kvjax import sharding as kvs
+
+    mesh = kvs.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    plan = kvs.ShardingPlan(mesh=mesh, strategies=("heads", "sequences"))
+    cache = kvs.init_sharded_cache(_spec().replace(num_pages=16), plan)
+    assert cache.recurrent.ssm.sharding.spec[2] == "model"
+    assert cache.recurrent.ssm.addressable_shards[0].data.shape == (3, 4, 1, 4, 5)
+    rng = np.random.default_rng()
+    cache, _ = kc.reserve(cache, jnp.array([5, 3, 4, 0]))
+    conv, ssm = _random_state(rng, 4)
+    cache = kc.write_state(cache, 2, conv, ssm)
+    cache, status = kc.fork(cache, jnp.array([2]), jnp.array([3]))   # within a data shard
+    status.raise_if_error()
+    np.testing.assert_array_equal(kc.read_state(cache, 2, jnp.array([3]))[1], ssm[2:3])
