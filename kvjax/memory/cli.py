@@ -9,6 +9,8 @@ Examples:
       --budget 16 --length-spread 64 --context 8192
   python -m kvjax memory --model llama-3-8b --context 131072 --batch 2 --host-fraction 0.9 \
       --host-bandwidth 55 --hbm-bandwidth 4800
+  python -m kvjax memory --model qwen3-next-80b-a3b --context 262144 --compare
+  python -m kvjax memory --model deepseek-v3.2 --context 131072 --batch 4
 """
 
 import argparse
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from kvjax.memory import accounting as acc
+from kvjax.memory import indexer as dsa
+from kvjax.memory import linear_state as gdn
 from kvjax.memory.host_tier import HostTier, host_tier_bytes
 from kvjax.memory.paging import paging_waste
 from kvjax.memory.presets import PRESETS, ModelPreset, get_preset
@@ -26,6 +30,9 @@ __all__ = ["add_parser", "run"]
 
 _DEFAULT_CONTEXT = 4096
 _COMPARE_DTYPES = ("bf16", "int8", "int4", "int2")
+# The --budget, --lengths and --host-fraction blocks price KV pages only.
+_KV_ONLY = "; not for {}, whose state or indexer keys it would leave out".format(
+    " or ".join(p.name for p in PRESETS.values() if p.is_hybrid or p.indexer is not None))
 _UNITS_LINE = (
     "units: decimal kB/MB/GB/TB = 10^3/10^6/10^9/10^12 bytes; "
     "binary KiB/MiB/GiB/TiB = 2^10/2^20/2^30/2^40 bytes"
@@ -121,6 +128,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "its weight bytes and the KV/weights ratio; optionally compares MHA/GQA/MQA/MLA "
             "caches across dtypes, simulates paging waste and splits the cache between the device "
             "and a host-memory tier. "
+            "For a hybrid model (qwen3-next-80b-a3b) it also prints the fixed linear-attention "
+            "state beside the KV of the full-attention layers; for a DeepSeek Sparse Attention "
+            "model (deepseek-v3.2) the lightning indexer's key cache beside the MLA latent cache "
+            "and the bytes one decode step reads with DSA against dense MLA. "
             "Decimal units (GB = 10^9 bytes) and binary units (GiB = 2^30 bytes) are both shown."
         ),
         epilog=__doc__.split("\n", 2)[2],
@@ -130,7 +141,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--model", type=_model, metavar="NAME",
         help=f"model preset, case-insensitive; one of: {', '.join(PRESETS)}",
     )
-    p.add_argument("--list", action="store_true", help="list the model presets and exit")
+    p.add_argument(
+        "--list", action="store_true",
+        help="list the model presets (kind, layers, heads, params, KV bytes per token and any "
+        "fixed state or indexer cache) and exit",
+    )
     p.add_argument(
         "--context", type=_positive_int, default=None, metavar="TOKENS",
         help=f"tokens per sequence (default {_DEFAULT_CONTEXT}); with --lengths, the length a "
@@ -168,7 +183,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "bf16, paged bf16 and paged int8/int4/int2 caches in kvjax's layout (quantized "
         "pages with scale/zero per group of --group elements, default min(32, --page-size), "
         "plus a bf16 ring "
-        "of --residual + --page-size tokens per sequence)",
+        "of --residual + --page-size tokens per sequence)" + _KV_ONLY,
     )
     p.add_argument(
         "--scale-bits", type=_positive_int, default=16, metavar="BITS",
@@ -182,13 +197,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--compare", action="store_true",
         help="compare bytes per token of MHA (kv_heads = q_heads), the model's own cache, MQA "
         f"and an MLA variant (d_c = 4*head_dim, d_rope = head_dim/2) across "
-        f"{', '.join(_COMPARE_DTYPES)}",
+        f"{', '.join(_COMPARE_DTYPES)}; for a hybrid model instead compare its state + KV per "
+        "sequence and per batch with a dense GQA model of the same width (every layer full "
+        "attention with the same KV heads, head_dim and KV dtype)",
+    )
+    p.add_argument(
+        "--state-dtype", type=_dtype, default=None, metavar="DTYPE",
+        help="hybrid models only: dtype of the Gated DeltaNet recurrent state (default "
+        f"{gdn.RECURRENT_STATE_DTYPE}, as transformers keeps it)",
+    )
+    p.add_argument(
+        "--conv-dtype", type=_dtype, default=None, metavar="DTYPE",
+        help="hybrid models only: dtype of the Gated DeltaNet conv state (default "
+        f"{gdn.CONV_STATE_DTYPE}, the activations' dtype in transformers)",
+    )
+    p.add_argument(
+        "--indexer-dtype", type=_dtype, default=None, metavar="DTYPE",
+        help="DSA models only: dtype of the lightning indexer's cached keys (default "
+        f"{dsa.INDEXER_DTYPE}, as transformers caches them; DeepSeek's kernels use fp8 plus a "
+        "float32 scale per block, not counted here)",
     )
     spread = p.add_mutually_exclusive_group()
     spread.add_argument(
         "--lengths", type=_lengths, default=None, metavar="L1,L2,...",
         help="comma-separated sequence lengths: print the memory a contiguous cache reserves "
-        "against a paged one and against what the tokens use",
+        "against a paged one and against what the tokens use" + _KV_ONLY,
     )
     spread.add_argument(
         "--length-spread", type=_positive_int, default=None, metavar="N",
@@ -210,7 +243,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "its quantized pages move). Prints device and host bytes per sequence and per "
         "--batch, and the host->device bytes of one decode step, which reads every host "
         "token of every layer once (default 0: no host tier; not with --lengths, "
-        "--length-spread or --budget)",
+        "--length-spread or --budget" + _KV_ONLY + ")",
     )
     p.add_argument(
         "--host-bandwidth", type=_positive_float, default=None, metavar="GBPS",
@@ -264,15 +297,28 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
 
     _check_host_tier(args, parser)
+    _check_state_flags(args, parser, preset)
 
     blocks = [_summary(preset, kv, context, args.batch, args.weight_dtype)]
+    if preset.is_hybrid:
+        hybrid = gdn.hybrid_cache_bytes(
+            preset, context, batch=args.batch, fmt=kv,
+            conv_dtype=args.conv_dtype or gdn.CONV_STATE_DTYPE,
+            state_dtype=args.state_dtype or gdn.RECURRENT_STATE_DTYPE,
+        )
+        blocks.append(_hybrid(preset, kv, hybrid, args))
+    if preset.indexer is not None:
+        indexed = dsa.dsa_cache_bytes(preset, context, batch=args.batch, fmt=kv,
+                                      indexer_dtype=args.indexer_dtype or dsa.INDEXER_DTYPE)
+        blocks.append(_dsa(preset, kv, indexed, args.indexer_dtype or dsa.INDEXER_DTYPE))
     if args.host_fraction > 0:
         tier = host_tier_bytes(preset.attention, preset.num_layers, context,
                                host_fraction=args.host_fraction, page_size=args.page_size,
                                batch=args.batch, fmt=kv)
         blocks.append(_host_tier(preset, kv, tier, args.host_bandwidth, args.hbm_bandwidth))
     if args.compare:
-        blocks.append(_compare(preset, args, context))
+        blocks.append(_hybrid_compare(preset, kv, hybrid) if preset.is_hybrid
+                      else _compare(preset, args, context))
     if lengths is not None:
         blocks.append(_paging(preset, kv, lengths, args.context, args.page_size))
     if args.budget is not None:
@@ -318,6 +364,33 @@ def _check_host_tier(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             f"{args.page_size} with --host-fraction {given} (the bf16 ring is flushed a page "
             f"at a time)"
         )
+
+
+def _check_state_flags(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, preset: ModelPreset
+) -> None:
+    """Rejects state/indexer flags a preset has no use for, and blocks that would miss them."""
+    for flag, value, needs, what in (
+        ("--state-dtype", args.state_dtype, preset.is_hybrid, "linear-attention state"),
+        ("--conv-dtype", args.conv_dtype, preset.is_hybrid, "linear-attention state"),
+        ("--indexer-dtype", args.indexer_dtype, preset.indexer is not None,
+         "DSA lightning indexer"),
+    ):
+        if value is not None and not needs:
+            parser.error(f"argument {flag}: {preset.name} has no {what}; drop {flag}")
+    if not (preset.is_hybrid or preset.indexer is not None):
+        return
+    extra = ("the linear-attention state" if preset.is_hybrid
+             else "the lightning indexer's key cache")
+    for flag, given in (("--budget", args.budget is not None),
+                        ("--lengths", args.lengths is not None),
+                        ("--length-spread", args.length_spread is not None),
+                        ("--host-fraction", args.host_fraction > 0)):
+        if given:
+            parser.error(
+                f"argument {flag}: not available for {preset.name} yet: that block counts KV "
+                f"pages only and would leave out {extra}; run without {flag}"
+            )
 
 
 def _kv_format(args: argparse.Namespace, dtype: str, bits: int | None = None) -> acc.KVFormat:
@@ -419,6 +492,19 @@ def _geometry(preset: ModelPreset) -> str:
 
 
 def _describe(preset: ModelPreset) -> str:
+    params = _params(preset.num_params) + " params"
+    if preset.active_params is not None:
+        params += f" ({_params(preset.active_params)} active)"
+    if preset.is_hybrid:
+        g = preset.linear_attention
+        return (
+            f"{preset.name}: hybrid {preset.label}, {preset.num_layers} layers: "
+            f"{preset.kv_layers} full attention (every {preset.full_attention_interval}th; "
+            f"{preset.q_heads} query heads, {preset.kv_heads} KV heads, head_dim "
+            f"{preset.head_dim}) and {preset.linear_layers} Gated DeltaNet ({g.num_key_heads} "
+            f"key heads, {g.num_value_heads} value heads, head dims {g.key_head_dim}/"
+            f"{g.value_head_dim}, conv kernel {g.conv_kernel}), {params}"
+        )
     if preset.is_mla:
         heads = (
             f"{preset.q_heads} query heads, MLA latent d_c {preset.kv_lora_rank}, "
@@ -429,10 +515,11 @@ def _describe(preset: ModelPreset) -> str:
             f"{preset.q_heads} query heads, {preset.kv_heads} KV heads, "
             f"head_dim {preset.head_dim}"
         )
-    return (
-        f"{preset.name}: {preset.kind}, {preset.num_layers} layers, {heads}, "
-        f"{_params(preset.num_params)} params"
-    )
+    if preset.indexer is not None:
+        ix = preset.indexer
+        heads += (f", DSA lightning indexer ({ix.n_heads} heads, head_dim {ix.head_dim}, "
+                  f"top-{ix.topk})")
+    return f"{preset.name}: {preset.label}, {preset.num_layers} layers, {heads}, {params}"
 
 
 def _bytes_row(label: str, n: int | Fraction) -> list[str]:
@@ -443,15 +530,17 @@ def _summary(
     preset: ModelPreset, kv: acc.KVFormat, context: int, batch: int, weight_dtype: str
 ) -> str:
     spec = preset.attention
-    layers = preset.num_layers
+    layers = preset.kv_layers
     per_layer = acc.bytes_per_token_per_layer(spec, kv)
     per_token = acc.bytes_per_token(spec, layers, kv)
     per_seq = acc.bytes_per_sequence(spec, layers, context, kv)
     per_batch = acc.bytes_per_batch(spec, layers, context, batch, kv)
     weights = acc.weight_bytes(preset.num_params, weight_dtype)
+    which = f"{layers} layers" if layers == preset.num_layers else (
+        f"{layers} full-attention layers of {preset.num_layers}")
     rows = [
         _bytes_row("KV per token per layer", per_layer),
-        _bytes_row(f"KV per token ({layers} layers)", per_token),
+        _bytes_row(f"KV per token ({which})", per_token),
         _bytes_row(f"KV per sequence ({context:,} tokens)", per_seq),
         _bytes_row(f"KV per batch ({batch} x {context:,} tokens)", per_batch),
         _bytes_row(f"model weights ({weight_dtype}, {preset.num_params:,} params)", weights),
@@ -525,6 +614,124 @@ def _host_tier(
         f"  max (transfer fully overlapped with device reads): {_seconds(max(t_host, t_hbm))}",
     ]
     return "\n".join([text, *lines])
+
+
+def _percent(part: Fraction, whole: Fraction) -> str:
+    return f"{100 * float(part / whole):.2f}%" if whole else "-"
+
+
+def _hybrid(
+    preset: ModelPreset, kv: acc.KVFormat, h: gdn.HybridCacheBytes, args: argparse.Namespace
+) -> str:
+    g = preset.linear_attention
+    conv_dtype = args.conv_dtype or gdn.CONV_STATE_DTYPE
+    state_dtype = args.state_dtype or gdn.RECURRENT_STATE_DTYPE
+    conv_rows, conv_cols = g.conv_state_shape
+    heads, dk, dv = g.recurrent_state_shape
+    ctx, b = h.context, h.batch
+    head = [
+        f"Hybrid cache of {preset.name}: {h.kv_layers} full-attention layers (every "
+        f"{preset.full_attention_interval}th) keep a KV cache that grows with the context; "
+        f"{h.linear_layers} Gated DeltaNet layers keep a fixed state per sequence.",
+        f"State per layer and sequence: conv {conv_rows:,} channels (2 x {g.num_key_heads} key "
+        f"heads x {g.key_head_dim} + {g.num_value_heads} value heads x {g.value_head_dim}) x "
+        f"(kernel {g.conv_kernel} - 1) = {g.conv_state_elements:,} elements in {conv_dtype}; "
+        f"recurrent {heads} value heads x {dk} x {dv} = {g.recurrent_state_elements:,} "
+        f"elements in {state_dtype}.",
+        f"KV: {kv.describe()}.",
+        "",
+    ]
+    rows = [
+        _bytes_row("conv state per layer", h.conv_bytes_per_layer),
+        _bytes_row("recurrent state per layer", h.recurrent_bytes_per_layer),
+        _bytes_row(f"state per sequence ({h.linear_layers} layers, any context)", h.state_bytes),
+        _bytes_row(f"KV per sequence ({h.kv_layers} layers, {ctx:,} tokens)", h.kv_bytes),
+        _bytes_row("state + KV per sequence", h.total_bytes),
+        _bytes_row(f"state per batch ({b} seqs)", h.batch_state_bytes),
+        _bytes_row(f"KV per batch ({h.kv_layers} layers, {b} x {ctx:,} tokens)",
+                   h.batch_kv_bytes),
+        _bytes_row("state + KV per batch", h.batch_total_bytes),
+        ["state share of state + KV", _percent(h.state_bytes, h.total_bytes), "", ""],
+    ]
+    tail = (f"\nThe state equals the KV of {_n(h.breakeven_tokens)} tokens "
+            f"({_n(h.state_bytes)} / {_n(h.kv_bytes_per_token)} B per token); beyond that the "
+            "KV dominates.")
+    return "\n".join([*head, _table(["quantity", "bytes", "decimal", "binary"], rows)]) + tail
+
+
+def _hybrid_compare(preset: ModelPreset, kv: acc.KVFormat, h: gdn.HybridCacheBytes) -> str:
+    head = [
+        f"Hybrid vs dense GQA for {preset.name}: the dense model has all {h.num_layers} layers "
+        f"full attention with the same {preset.kv_heads} KV heads, head_dim {preset.head_dim} "
+        f"and KV {kv.describe()}; {h.context:,} tokens per sequence, batch {h.batch}.",
+        "",
+    ]
+
+    def row(label: str, n: Fraction, batch_n: Fraction) -> list[str]:
+        return [label, _n(n), acc.format_bytes(n, binary=True), _n(batch_n),
+                acc.format_bytes(batch_n, binary=True), _percent(n, h.dense_kv_bytes)]
+
+    rows = [
+        row(f"dense GQA: KV of {h.num_layers} layers", h.dense_kv_bytes, h.batch_dense_kv_bytes),
+        row(f"hybrid: KV of {h.kv_layers} full-attention layers", h.kv_bytes, h.batch_kv_bytes),
+        row(f"hybrid: state of {h.linear_layers} Gated DeltaNet layers", h.state_bytes,
+            h.batch_state_bytes),
+        row("hybrid: state + KV", h.total_bytes, h.batch_total_bytes),
+    ]
+    headers = ["cache", "per sequence", "binary", f"per batch ({h.batch})", "binary",
+               "of dense"]
+    saved = h.batch_dense_kv_bytes - h.batch_total_bytes
+    tail = (f"\nhybrid / dense: {float(h.total_bytes / h.dense_kv_bytes):.4f} "
+            f"({float(h.dense_kv_bytes / h.total_bytes):.2f}x smaller); saves {_n(saved)} B = "
+            f"{acc.format_bytes(saved, binary=True)} per batch.")
+    return "\n".join([*head, _table(headers, rows)]) + tail
+
+
+def _dsa(preset: ModelPreset, kv: acc.KVFormat, d: dsa.DSACacheBytes, indexer_dtype: str) -> str:
+    ix, layers, ctx, b = preset.indexer, preset.num_layers, d.context, d.batch
+    head = [
+        f"DeepSeek Sparse Attention cache of {preset.name}: every one of the {layers} layers "
+        f"caches the MLA latent ({preset.kv_lora_rank} + {preset.qk_rope_head_dim} = "
+        f"{preset.kv_lora_rank + preset.qk_rope_head_dim} elements per token, {kv.describe()}) "
+        f"and the lightning indexer's key ({ix.head_dim} elements per token, shared by its "
+        f"{ix.n_heads} heads, {indexer_dtype}).",
+        "",
+    ]
+    rows = [
+        _bytes_row(f"latent per token ({layers} layers)", d.latent_bytes_per_token),
+        _bytes_row(f"indexer keys per token ({layers} layers)", d.indexer_bytes_per_token),
+        _bytes_row(f"latent per sequence ({ctx:,} tokens)", d.latent_bytes),
+        _bytes_row(f"indexer keys per sequence ({ctx:,} tokens)", d.indexer_bytes),
+        _bytes_row("latent + indexer per sequence", d.total_bytes),
+        _bytes_row(f"latent per batch ({b} x {ctx:,} tokens)", d.batch_latent_bytes),
+        _bytes_row(f"indexer keys per batch ({b} x {ctx:,} tokens)", d.batch_indexer_bytes),
+        _bytes_row("latent + indexer per batch", d.batch_total_bytes),
+        ["indexer / latent", _percent(d.indexer_bytes_per_token, d.latent_bytes_per_token),
+         "", ""],
+    ]
+    reads = [
+        f"One decode step reads, in every layer: dense MLA the whole latent cache ({ctx:,} "
+        f"tokens); DSA the top-{ix.topk} tokens of it ({d.selected:,} here) plus all {ctx:,} "
+        "indexer keys to score them.",
+        "",
+    ]
+
+    def read_row(label: str, n: Fraction, batch_n: Fraction) -> list[str]:
+        return [label, _n(n), acc.format_bytes(n, binary=True), _n(batch_n),
+                acc.format_bytes(batch_n, binary=True)]
+
+    read_rows = [
+        read_row("dense MLA: whole latent cache", d.dense_read_bytes, d.batch_dense_read_bytes),
+        read_row(f"DSA: top-{ix.topk} latent + all indexer keys", d.dsa_read_bytes,
+                 d.batch_dsa_read_bytes),
+    ]
+    read_headers = ["decode step reads", "per sequence", "binary", f"per batch ({b})", "binary"]
+    ratio = d.dsa_read_bytes / d.dense_read_bytes if d.dense_read_bytes else None
+    tail = "" if ratio is None else f"\nDSA / dense MLA reads: {float(ratio):.4f} " + (
+        f"({float(1 / ratio):.2f}x fewer bytes)" if ratio < 1 else
+        f"(the context is within top-{ix.topk}: DSA reads all of it plus the indexer keys)")
+    return "\n".join([*head, _table(["quantity", "bytes", "decimal", "binary"], rows), "",
+                      *reads, _table(read_headers, read_rows)]) + tail
 
 
 def _cache_key(spec) -> tuple:
@@ -620,12 +827,23 @@ def _paging(
 def _list_presets() -> str:
     rows = []
     for p in PRESETS.values():
-        per_token = acc.bytes_per_token(p.attention, p.num_layers, "bf16")
+        per_token = acc.bytes_per_token(p.attention, p.kv_layers, "bf16")
         heads = f"MLA d_c {p.kv_lora_rank}+{p.qk_rope_head_dim}" if p.is_mla else str(p.kv_heads)
+        layers = str(p.num_layers) if p.kv_layers == p.num_layers else (
+            f"{p.num_layers} ({p.kv_layers} KV)")
+        other = ""
+        if p.is_hybrid:
+            state = gdn.linear_state_bytes(p.linear_attention, p.linear_layers)
+            other = (f"{p.linear_layers}-layer state {acc.format_bytes(state, binary=True)}/seq "
+                     f"({gdn.CONV_STATE_DTYPE} conv, {gdn.RECURRENT_STATE_DTYPE} recurrent)")
+        if p.indexer is not None:
+            keys = dsa.indexer_bytes_per_token(p.indexer, p.num_layers)
+            other = f"indexer keys {_n(keys)} B/token ({dsa.INDEXER_DTYPE})"
         rows.append([
-            p.name, p.kind, str(p.num_layers), str(p.q_heads), heads, str(p.head_dim),
+            p.name, p.label, layers, str(p.q_heads), heads, str(p.head_dim),
             _params(p.num_params), _n(per_token), acc.format_bytes(per_token, binary=True),
+            other,
         ])
     headers = ["model", "kind", "layers", "q heads", "kv heads", "head_dim", "params",
-               "KV B/token bf16", "binary"]
+               "KV B/token bf16", "binary", "besides the KV cache"]
     return _table(headers, rows, left=2)

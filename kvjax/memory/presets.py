@@ -16,6 +16,32 @@ Where the numbers come from:
   papers and model cards (236B, 15.7B, 671B): every expert must be resident,
   so the total, not the activated count, is what occupies memory.
 
+Two presets are read from transformers' own config classes, whose defaults are
+those models' configs (transformers 5.x: `Qwen3NextConfig()`,
+`DeepseekV32Config()`); `tests/memory/test_memory_hybrid_dsa.py` compares them
+field by field when transformers is installed:
+
+* `qwen3-next-80b-a3b`, a hybrid: of `num_hidden_layers` = 48 layers, layer i
+  is full attention when (i + 1) % `full_attention_interval` (4) == 0 (the
+  config's `layer_types`), so 12 gated GQA attention layers with a paged KV
+  cache (`num_attention_heads` 16, `num_key_value_heads` 2, `head_dim` 256,
+  which the config sets explicitly: hidden_size is 2048) and 36 Gated DeltaNet
+  layers with a fixed state (`linear_num_key_heads` 16,
+  `linear_num_value_heads` 32, `linear_key_head_dim` 128,
+  `linear_value_head_dim` 128, `linear_conv_kernel_dim` 4); see
+  `linear_state`.
+* `deepseek-v3.2`: DeepSeek-V3's MLA geometry (the config's values equal
+  `deepseek-v3`'s) plus DSA's lightning indexer (`index_n_heads` 64,
+  `index_head_dim` 128, `index_topk` 2048) in every layer (`layer_types` are
+  all "indexed_attention"); see `indexer`.
+
+Their parameter counts are the exact totals of the transformers model built
+from those configs (the multi-token-prediction layers, which transformers does
+not build, are left out, as for `deepseek-v3`). `active_params` counts what a
+decode step reads in full: every weight except the routed experts and the input
+embedding table (one row is read), plus `num_experts_per_tok` routed experts
+per MoE layer. The model cards quote 80B / 3B and 671B / 37B.
+
 For MLA models `kv_heads` and `head_dim` describe the multi-head attention the
 latent cache replaces: `kv_heads` is the config's `num_key_value_heads`
 (= `num_attention_heads`) and `head_dim` is the paper's per-head d_h
@@ -26,6 +52,9 @@ itself is described by the MLA fields and `attention` returns an `MLASpec`.
 import dataclasses
 import types
 from collections.abc import Mapping
+
+from kvjax.memory.indexer import IndexerSpec
+from kvjax.memory.linear_state import GatedDeltaNetSpec
 
 __all__ = ["PRESETS", "ModelPreset", "get_preset", "preset_names"]
 
@@ -51,6 +80,13 @@ class ModelPreset:
       qk_rope_head_dim: MLA decoupled rotary key width d_h^R.
       qk_nope_head_dim: MLA per-head non-rotary query/key width.
       v_head_dim: MLA per-head value width.
+      active_params: parameters a decode step reads in full (MoE models), or None.
+      full_attention_interval: hybrid models: every this-many-th layer (layers
+        i with (i + 1) % interval == 0) is full attention with a KV cache; the
+        others are linear attention. None: every layer is full attention.
+      linear_attention: hybrid models: the linear-attention layers' state
+        geometry; given together with `full_attention_interval`.
+      indexer: DSA models: the lightning indexer, present in every layer.
     """
 
     name: str
@@ -67,6 +103,10 @@ class ModelPreset:
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
     v_head_dim: int | None = None
+    active_params: int | None = None
+    full_attention_interval: int | None = None
+    linear_attention: GatedDeltaNetSpec | None = None
+    indexer: IndexerSpec | None = None
 
     def __post_init__(self):
         given = [f for f in _MLA_FIELDS if getattr(self, f) is not None]
@@ -78,10 +118,48 @@ class ModelPreset:
             )
         if self.q_lora_rank is not None and not given:
             raise ValueError(f"ModelPreset {self.name!r}: q_lora_rank is only for MLA presets.")
+        if (self.full_attention_interval is None) != (self.linear_attention is None):
+            raise ValueError(
+                f"ModelPreset {self.name!r}: a hybrid preset needs both full_attention_interval "
+                f"and linear_attention; got {self.full_attention_interval!r} and "
+                f"{self.linear_attention!r}."
+            )
+        interval = self.full_attention_interval
+        if interval is not None and not (
+            isinstance(interval, int) and 2 <= interval <= self.num_layers
+        ):
+            raise ValueError(
+                f"ModelPreset {self.name!r}: full_attention_interval must be an int in "
+                f"[2, num_layers={self.num_layers}], got {interval!r}."
+            )
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True if some layers are linear attention with a fixed state instead of a KV cache."""
+        return self.linear_attention is not None
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """'full_attention' or 'linear_attention' per layer, as transformers' `layer_types`."""
+        n = self.full_attention_interval
+        return tuple(
+            "linear_attention" if n is not None and (i + 1) % n else "full_attention"
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with a KV cache: all of them, or a hybrid's full-attention layers."""
+        return self.layer_types.count("full_attention")
+
+    @property
+    def linear_layers(self) -> int:
+        """Layers with a fixed linear-attention state instead of a KV cache."""
+        return self.num_layers - self.kv_layers
 
     @property
     def attention(self):
@@ -104,8 +182,14 @@ class ModelPreset:
         return AttentionSpec(q_heads=self.q_heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
 
     @property
+    def label(self) -> str:
+        """`kind`, plus '+GDN' for a Gated DeltaNet hybrid and '+DSA' for an indexer."""
+        return (self.kind + ("+GDN" if self.is_hybrid else "")
+                + ("+DSA" if self.indexer is not None else ""))
+
+    @property
     def kind(self) -> str:
-        """'MHA', 'GQA', 'MQA' or 'MLA'."""
+        """'MHA', 'GQA', 'MQA' or 'MLA': the attention of the layers with a KV cache."""
         if self.is_mla:
             return "MLA"
         if self.kv_heads == self.q_heads:
@@ -119,6 +203,25 @@ def _hf(repo: str, extra: str = "") -> str:
 
 
 _DENSE_PARAMS = "params: exact count implied by the config (= model card / safetensors size)"
+
+
+def _transformers(config: str, repo: str, fields: str) -> str:
+    return (f"transformers 5.x {config}() defaults (its docstring checkpoint: "
+            f"huggingface.co/{repo}): {fields}")
+
+
+_DEEPSEEK_V3 = ModelPreset(
+    name="deepseek-v3",
+    num_layers=61, hidden_size=7168, q_heads=128, kv_heads=128, head_dim=128,
+    num_params=671_000_000_000, vocab=129_280,
+    kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+    v_head_dim=128,
+    source=_hf(
+        "deepseek-ai/DeepSeek-V3",
+        "params: 671B total (37B activated; the 685B on the hub adds the 14B MTP "
+        "module) from DeepSeek-V3, arXiv 2412.19437",
+    ),
+)
 
 _PRESET_LIST = (
     ModelPreset(
@@ -207,16 +310,41 @@ _PRESET_LIST = (
             "Appendix B",
         ),
     ),
+    _DEEPSEEK_V3,
+    # DeepseekV32Config's MLA fields equal DeepSeek-V3's, so the preset extends it.
+    dataclasses.replace(
+        _DEEPSEEK_V3,
+        name="deepseek-v3.2",
+        num_params=671_877_929_216, active_params=37_477_128_448,
+        indexer=IndexerSpec(n_heads=64, head_dim=128, topk=2048),
+        source=_transformers(
+            "DeepseekV32Config", "deepseek-ai/DeepSeek-V3.2-Exp",
+            "num_hidden_layers 61 (layer_types: all indexed_attention), num_attention_heads 128, "
+            "kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, "
+            "q_lora_rank 1536 (= deepseek-v3); index_n_heads 64, index_head_dim 128, "
+            "index_topk 2048; params: exact count of DeepseekV32ForCausalLM (no MTP); active: "
+            "non-expert weights less the embedding table + num_experts_per_tok 8 of "
+            "n_routed_experts 256 in each of 58 MoE layers",
+        ),
+    ),
     ModelPreset(
-        name="deepseek-v3",
-        num_layers=61, hidden_size=7168, q_heads=128, kv_heads=128, head_dim=128,
-        num_params=671_000_000_000, vocab=129_280,
-        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128,
-        source=_hf(
-            "deepseek-ai/DeepSeek-V3",
-            "params: 671B total (37B activated; the 685B on the hub adds the 14B MTP "
-            "module) from DeepSeek-V3, arXiv 2412.19437",
+        name="qwen3-next-80b-a3b",
+        num_layers=48, hidden_size=2048, q_heads=16, kv_heads=2, head_dim=256,
+        num_params=79_674_391_296, active_params=3_563_764_480, vocab=151_936,
+        full_attention_interval=4,
+        linear_attention=GatedDeltaNetSpec(
+            num_key_heads=16, num_value_heads=32, key_head_dim=128, value_head_dim=128,
+            conv_kernel=4,
+        ),
+        source=_transformers(
+            "Qwen3NextConfig", "Qwen/Qwen3-Next-80B-A3B-Instruct",
+            "num_hidden_layers 48, full_attention_interval 4 (layer_types: every 4th layer "
+            "full_attention), num_attention_heads 16, num_key_value_heads 2, head_dim 256, "
+            "linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128, "
+            "linear_value_head_dim 128, linear_conv_kernel_dim 4, vocab_size 151936; params: "
+            "exact count of Qwen3NextForCausalLM (no MTP); active: non-expert weights less the "
+            "embedding table + num_experts_per_tok 10 of num_experts 512 in each of 48 MoE "
+            "layers",
         ),
     ),
 )
