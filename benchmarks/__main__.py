@@ -23,6 +23,11 @@ and fails only on wrong results, never on speed):
   kvbits    decode tokens/s through `kvjax.generate` on bf16, KIVI int4 and int2 caches,
             batch 8 x 4K context, 8 KV heads x 128, ratios to bf16 in one run
             (benchmarks/kv_bits.py)
+  offload   decode with 0% / 50% / 90% of every row's context in host memory (the
+            host tier, kvjax.cache.host), bf16 and KIVI int4 caches: step time against
+            host bytes / host->device bandwidth + device bytes / read bandwidth, all
+            measured in the run; greedy tokens equal to the all-device run's
+            (benchmarks/offload.py)
   serving   a Poisson trace of requests sharing a 512-token system prompt through the
             continuous-batching engine (prefix caching) and through static batches of
             `kvjax.generate`: throughput, time to first token, prefix hit rate
@@ -62,8 +67,8 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/__main__.py` as well as `python -m benchmarks`
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "serving", "capacity",
-            "kernels")
+SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "offload", "serving",
+            "capacity", "kernels")
 
 
 def cpu_flags() -> list[str]:
@@ -167,6 +172,15 @@ def _kvbits(quick, out):
                  + ["--out", str(out)])
 
 
+def _offload(quick, out):
+    from benchmarks import offload
+    # Quick: the bf16 cache only (the int4 trials would double the section's compile time;
+    # tests/test_benchmark_offload.py runs both).
+    if offload.main((["--quick", "--caches", "bf16"] if quick else []) + ["--json", str(out)]):
+        raise RuntimeError("offload: a trial failed, or greedy tokens with host-resident pages "
+                           "differ from the all-device run's")
+
+
 def _serving(quick, out):
     from benchmarks import serving
     if serving.main((["--quick"] if quick else []) + ["--out", str(out)]):
@@ -201,6 +215,7 @@ RUNNERS = dict(
     decode=_decode,
     e2e=_e2e,
     kvbits=_kvbits,
+    offload=_offload,
     serving=_serving,
     capacity=_capacity,
     kernels=_kernels,

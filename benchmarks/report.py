@@ -143,8 +143,39 @@ def serving(d):
                       "makespan (s)"], rows))
 
 
+def offload(d):
+    bw, run = d["bandwidth"], d["run"]
+
+    def tier(s):
+        return "–" if not s else f"{s['median']:.1f}"
+
+    rows = []
+    for r in d["rows"]:
+        if "step_median_s" not in r:
+            rows.append([r["cache"], f"{100 * r['host_fraction']:.0f}%",
+                         "failed" if r["errors"] else "not timed", "", "", "", ""])
+            continue
+        rows.append([r["cache"], f"{100 * r['host_share']:.0f}%",
+                     f"{r['host_kv_bytes'] / 1e6:.0f} / {r['device_kv_bytes'] / 1e6:.0f}",
+                     f"{r['step_median_s'] * 1e3:.1f} ({r['step_min_s'] * 1e3:.1f}–"
+                     f"{r['step_max_s'] * 1e3:.1f})",
+                     f"{r['bound_s'] * 1e3:.1f}", f"{r['step_over_bound']:.2f}",
+                     "–" if r.get("step_vs_0") is None else f"{r['step_vs_0']:.2f}x"])
+    return (f"Batch {run['batch']} x {run['context']} tokens, page {run['page_size']}, "
+            f"{d['plan']['params'] / 1e6:.1f}M-parameter Llama (random weights, "
+            f"{d['plan']['weight_bytes_read'] / 1e6:.0f} MB read per step). Bandwidth: "
+            f"device_put to pinned_host {bw['put_d2h_GBps']:.1f} GB/s and back "
+            f"{bw['put_h2d_GBps']:.1f}, host.move out {tier(bw['tier_move_out_GBps'])} and back "
+            f"{tier(bw['tier_move_in_GBps'])}, streaming read {bw['read_GBps']:.1f}. Bound = host "
+            f"KV bytes / {bw['h2d_for_bound_GBps']:.1f} GB/s + (weights + device KV bytes) / "
+            f"read. Greedy tokens equal to the all-device run's: "
+            f"{'yes' if d['ok'] else 'NO'}.\n\n"
+            + _table(["cache", "on host", "host / device KV MB", "step ms (min–max)",
+                      "bound ms", "step / bound", "vs 0%"], rows))
+
+
 SECTION_TABLES = dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e, serving=serving,
-                      capacity=capacity)
+                      capacity=capacity, offload=offload)
 
 
 def load_run(folder: Path) -> dict:

@@ -22,8 +22,8 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = json.loads((tmp_path / "run.json").read_text())
     sections = run["sections"]
-    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "kvbits", "serving",
-                             "capacity"}
+    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "kvbits", "offload",
+                             "serving", "capacity"}
     assert all(s["status"] == "ok" for s in sections.values()), {
         k: s.get("error", "")[-2000:] for k, s in sections.items()}
     roof = sections["roofline"]["data"]
@@ -50,6 +50,8 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     # KIVI pages read fewer bytes than bf16 pages for the same context.
     read = [kvb[c]["kv_bytes_read"] for c in ("int2", "int4", "bf16")]
     assert read == sorted(set(read)), read
+    off = sections["offload"]["data"]  # host-resident pages decode the all-device tokens
+    assert off["ok"] and {r["host_fraction"] for r in off["rows"]} == {0.0, 0.5, 0.9}
     cap = sections["capacity"]["data"]
     assert len(cap["layouts"]) == 5 and all(r["sequences"] > 0 for r in cap["layouts"])
 

@@ -1,0 +1,88 @@
+"""benchmarks/offload.py: its CPU quick run, the GPU preset's toy-size run, and the GPU plan.
+
+The script checks its own results (greedy tokens with host-resident pages equal the
+all-device run's; the bf16 tier's bytes equal `kvjax.memory.host_tier_bytes`) and exits
+non-zero otherwise; these tests check that it ran, what it wrote, and that the H200
+preset resolves its sizes without allocating. Nothing about speed is asserted.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import offload  # noqa: E402
+
+
+def _run(args, tmp_path, child_env):
+    out = tmp_path / "offload.json"
+    env = dict(child_env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "benchmarks/offload.py", *args, "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_quick_run_checks_tokens_and_writes_json(tmp_path, child_env):
+    d, stdout = _run(["--quick", "--seed", "3"], tmp_path, child_env)
+    assert d["ok"] and d["finished"] and not d["failures"]
+    assert d["machine"]["cpu"] and d["machine"]["backend"] == "cpu"
+    rows = {(r["cache"], r["host_fraction"]): r for r in d["rows"]}
+    assert set(rows) == {(c, f) for c in ("bf16", "int4") for f in (0.0, 0.5, 0.9)}
+    for cache in ("bf16", "int4"):
+        host = [rows[cache, f]["host_kv_bytes"] for f in (0.0, 0.5, 0.9)]
+        dev = [rows[cache, f]["device_kv_bytes"] for f in (0.0, 0.5, 0.9)]
+        assert host[0] == 0 < host[1] < host[2] and dev[0] > dev[1] > dev[2] > 0
+        for f in (0.0, 0.5, 0.9):
+            r = rows[cache, f]
+            assert r["step_median_s"] > 0 and r["steps_timed"] >= 3
+            assert r["bound_s"] == pytest.approx(r["bound_host_s"] + r["bound_device_s"])
+            assert r["step_over_bound"] == pytest.approx(r["step_median_s"] / r["bound_s"])
+    # Every trial (warm-up included) decoded the reference's tokens.
+    assert all(t["tokens_same_as_reference"] == 1.0 for t in d["trials"])
+    assert all(t["accounted_host_bytes"] == t["host_kv_bytes"] for t in d["trials"]
+               if t["cache"] == "bf16")
+    bw = d["bandwidth"]
+    assert min(bw["put_d2h_GBps"], bw["put_h2d_GBps"], bw["read_GBps"]) > 0
+    assert bw["tier_move_out_GBps"]["median"] > 0 and bw["tier_move_in_GBps"]["median"] > 0
+    assert "step/bound" in stdout and "bf16" in stdout
+
+
+def test_gpu_preset_at_toy_size_runs_on_cpu(tmp_path, child_env):
+    d, stdout = _run(["--gpu", "--quick", "--seed", "4"], tmp_path, child_env)
+    assert d["ok"] and d["run"]["preset"] == "gpu_quick" and d["run"]["caches"] == ["bf16"]
+    # The context is twice the device budget of bf16 KV over the batch: at 50% each tier
+    # holds the budget.
+    half = next(r for r in d["rows"] if r["host_fraction"] == 0.5)
+    assert half["host_kv_bytes"] == d["run"]["budget_bytes"]
+    assert half["device_kv_bytes"] == d["run"]["budget_bytes"]
+    assert "device budget" in stdout and ("within 1.3x" in stdout)
+
+
+def test_gpu_plan_resolves_llama3_8b_shapes_without_allocating(capsys):
+    before = len(jax.live_arrays())
+    assert offload.main(["--gpu", "--plan"]) == 0
+    assert len(jax.live_arrays()) == before
+    text = capsys.readouterr().out
+    assert "32 layers, 32/8 heads x 128" in text and "batch 8 x 32768 tokens" in text
+    _, run = offload.parse(["--gpu"])
+    pl = offload.plan(run)
+    bf16 = pl["caches"]["bf16"]
+    # 32 layers x 2 x 8 heads x 128 x 2 bytes = 128 KiB per token; 2 x 16 GiB of context.
+    assert run.batch * run.context * 128 * 1024 == 2 * 16 * 2**30
+    assert bf16["shares"]["1/2"]["host_pool_bytes"] == 16 * 2**30
+    assert pl["params"] > 8.0e9
+
+
+def test_bad_flags_are_refused():
+    for argv in (["--fractions", "0,1"], ["--caches", "fp8"], ["--batch", "0"],
+                 ["--page-size", "48"], ["--context", "16"]):
+        with pytest.raises(SystemExit) as e:
+            offload.parse(argv)
+        assert e.value.code == 2, argv
