@@ -3,6 +3,7 @@
 Examples:
   python -m kvjax serve --model ./TinyLlama-1.1B-Chat
   python -m kvjax serve --model ./llama --port 8080 --max-seqs 16 --kv-bits 4 --kv-residual 64
+  python -m kvjax serve --model ./llama --num-pages 2048 --host-pages 16384 --host-rows 32
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "TinyLlama-1.1B-Chat", "prompt": "Paged caches are", "max_tokens": 32}'
 
@@ -68,6 +69,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_kivi_flags(p)
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep prompts' pages for later requests that share a prefix")
+    p.add_argument("--host-pages", type=_positive_int, default=None, metavar="PAGES",
+                   help="add a host-memory tier of PAGES pages (pinned host RAM, the KV "
+                   "pool's page kind and size): a request preempted for lack of pages is "
+                   "swapped there and back instead of recomputed, and evicted cached prefixes "
+                   "park there until a later hit brings them back (default: no host tier)")
+    p.add_argument("--host-rows", type=_positive_int, default=None, metavar="N",
+                   help="with --host-pages: sequences the host tier holds at once, swapped "
+                   "requests and parked prefixes together (default 2 x --max-seqs); when it "
+                   "is full, parked prefixes are dropped first and a request that does not "
+                   "fit is recomputed")
     p.add_argument("--no-warmup", action="store_true",
                    help="start serving before the engine's programs are compiled (the first "
                    "requests then wait for the compiles)")
@@ -115,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     if args.chunk_size % args.page_size:
         print(f"error: --chunk-size ({args.chunk_size}) must be a multiple of --page-size "
               f"({args.page_size})", file=sys.stderr)
+        return 2
+    if args.host_rows is not None and args.host_pages is None:
+        print("error: --host-rows needs --host-pages", file=sys.stderr)
         return 2
     if not 0 <= args.port < 65536:
         print(f"error: --port must lie in [0, 65535], got {args.port}", file=sys.stderr)
@@ -165,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(model, params, max_seqs=args.max_seqs, max_seq_len=max_seq_len,
                         cache=cache, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching,
+                        host_pages=args.host_pages or 0, host_rows=args.host_rows,
                         eos_ids=[t for t in _eos_ids(args.model, hf, tokenizer)
                                  if t < model.vocab_size])
     except (ValueError, TypeError) as e:
@@ -182,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
           f"http://{args.host}:{args.port}/v1 ({args.max_seqs} sequences of up to "
           f"{max_seq_len} tokens, {spec.num_pages} pages of {spec.page_size} tokens, "
           f"{spec.dtype.name}" + ("" if args.kv_bits is None else f", KIVI int{args.kv_bits}")
-          + ")",
+          + ("" if args.host_pages is None else
+             f"; host tier of {args.host_pages} pages, {engine.host_rows} rows") + ")",
           file=sys.stderr)
     app = create_app(engine, tokenizer, model_name=name)
     try:

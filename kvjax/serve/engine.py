@@ -29,6 +29,15 @@ preempting the most recently admitted request (its pages are freed; it waits aga
 with its prompt and the tokens it produced so far, recomputed when it is readmitted,
 so nothing is lost). A step therefore never runs out of pages.
 
+With a host tier (`host_pages`, `host_rows`; `kvjax.cache.host`), preemption swaps
+instead: the request's sequence moves to a parked row of a host-memory page pool
+(`swap_out`) and its decoding row's state to the host, and both come back
+(`swap_in`, into any free row) when the pool has room, so it continues where it
+stopped without recomputing anything. Evicted prefix holders move to parked rows
+too, and a later hit brings them back before sharing them. When the host tier is
+full, parked prefixes are dropped least recently used first; a swapped request is
+never dropped, and a request the tier cannot take is preempted by recompute.
+
 Tokens of a request equal those of `kvjax.generate` run on that request alone with
 the same `chunk_size` (greedy, or sampled with the same key: row i's step s samples
 with `fold_in(key, s)`): chunks start at the same positions, and a prefix hit covers
@@ -48,9 +57,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, UInt32
 
 from kvjax import cache as kv_cache
+from kvjax.cache import host
 from kvjax.cache.page_table import PageTable
 from kvjax.cache.policies.base import CachePolicy
 from kvjax.generate import loop, setup
@@ -106,6 +116,12 @@ class _Request:
     hashes: list[bytes] | None = None  # the hash chain of `fed`'s full pages
     admitted: int = 0  # admission counter (preemption picks the latest)
     cancelled: bool = False
+    # While swapped out to the host tier: its parked row, the tokens and device-table
+    # tokens (KIVI: quantized) it held, and its decoding row's state (None: prefilling).
+    parked: int | None = None
+    parked_tokens: int = 0
+    parked_table: int = 0
+    row_state: "_Row | None" = None
 
 
 @jax.tree_util.register_dataclass
@@ -122,6 +138,47 @@ class _Lanes:
     count: Int[Array, " lanes"]  # tokens the request produced before (preemption)
     max_new: Int[Array, " lanes"]
     sampling: RowSampling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One decoding row's state, kept on the host while its sequence is swapped out (the
+    cache holds the rest: its tokens, and on KIVI its tail)."""
+
+    last: Int[Array, ""]
+    position: Int[Array, ""]
+    num_generated: Int[Array, ""]
+    max_new: Int[Array, ""]
+    done: Bool[Array, ""]
+    key_data: UInt32[Array, " key_words"]
+    sampling: RowSampling  # one row's settings (scalars)
+
+
+@jax.jit
+def _take_row(state: DecodeState, slot: Int[Array, ""]) -> _Row:
+    rs = state.row_sampling
+    return _Row(last=state.last[slot], position=state.position[slot],
+                num_generated=state.num_generated[slot], max_new=state.max_new[slot],
+                done=state.done[slot], key_data=jax.random.key_data(state.keys[slot]),
+                sampling=RowSampling(temperature=rs.temperature[slot], top_k=rs.top_k[slot],
+                                     top_p=rs.top_p[slot]))
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def _put_row(state: DecodeState, slot: Int[Array, ""], row: _Row) -> DecodeState:
+    """Row `slot` takes a state `_take_row` saved (the inverse of `_take_row`)."""
+    rs, r = state.row_sampling, row.sampling
+    key = jax.random.wrap_key_data(row.key_data, impl=jax.random.key_impl(state.keys))
+    return dataclasses.replace(
+        state, last=state.last.at[slot].set(row.last),
+        position=state.position.at[slot].set(row.position),
+        num_generated=state.num_generated.at[slot].set(row.num_generated),
+        max_new=state.max_new.at[slot].set(row.max_new), done=state.done.at[slot].set(row.done),
+        keys=state.keys.at[slot].set(key),
+        row_sampling=RowSampling(temperature=rs.temperature.at[slot].set(r.temperature),
+                                 top_k=rs.top_k.at[slot].set(r.top_k),
+                                 top_p=rs.top_p.at[slot].set(r.top_p)))
 
 
 def _admit(state: DecodeState, lanes: _Lanes, last_logits, ok, eos_ids) -> DecodeState:
@@ -185,7 +242,10 @@ def _share(cache, src: Int[Array, ""], dst: Int[Array, ""], length: Int[Array, "
     the length before; the status is returned for the record."""
     kind = kv_cache.ops._kind(cache)
     cache, st = kind.fork(cache, src[None], dst[None])
-    cache, st2 = kind.truncate(cache, cache.lengths.at[dst].set(length))
+    cache = host.after_fork(cache, src[None], dst[None], st)  # no-ops without a host tier
+    new_lengths = cache.lengths.at[dst].set(length)
+    cache, st2 = kind.truncate(cache, new_lengths)
+    cache = host.after_truncate(cache, new_lengths, st2)
     return cache, loop._first_error(st, st2)
 
 
@@ -227,6 +287,22 @@ class Engine:
       policy: a cache policy (eviction / page selection), as in `kvjax.generate`.
       decode_steps: decode steps per call while no prompt waits for a row or a prefill
         lane (one `lax.scan`; tokens then stream in groups of up to this many).
+      host_pages: pages of a host-memory tier (`kvjax.cache.host`, pinned host memory,
+        the cache's page kind and size); 0 (default): no host tier. With one, preemption
+        swaps requests to the host instead of recomputing them, and evicted cached
+        prefixes move to the host, from where a later hit brings them back. Not with a
+        cache policy (its per-slot state is not swapped) nor a sharding plan.
+      host_rows: parked rows of the host tier: swapped requests and cached prefixes it
+        holds at once (default 2 * max_seqs; only with `host_pages`).
+
+    Attributes:
+      stats: counters (`collections.Counter`): steps, calls, prefill_tokens,
+        decode_tokens, hit_pages, evictions (prefix holders leaving the device),
+        preemptions (requests whose computed tokens were dropped, to be recomputed),
+        requeues (requests sent back before they held anything); with a host tier also
+        swaps and swap_ins (requests), prefix_parks (holders moved to the host),
+        host_prefix_hits (hits served by bringing a parked prefix back) and
+        host_prefix_drops (parked prefixes forgotten for room).
     """
 
     def __init__(self, model: Model, params, *, max_seqs: int = 8, max_seq_len: int = 2048,
@@ -234,7 +310,7 @@ class Engine:
                  prefill_rows: int = 4, token_budget: int | None = None,
                  prefix_caching: bool = True, prefix_slots: int | None = None,
                  eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None,
-                 decode_steps: int = 8):
+                 decode_steps: int = 8, host_pages: int = 0, host_rows: int | None = None):
         cfg = cache if cache is not None else setup.CacheConfig()
         if not isinstance(cfg, setup.CacheConfig):
             raise TypeError(f"cache must be a kvjax.generate.CacheConfig, got "
@@ -249,6 +325,19 @@ class Engine:
             raise ValueError(f"Engine: chunk_size ({chunk_size}) must be a multiple of the page "
                              f"size ({ps}), so prefix hits end on chunk boundaries.")
         setup.check_policy(policy)
+        for name, v, lo in (("host_pages", host_pages, 0), ("host_rows", host_rows, 1)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer)
+                                  or v < lo):
+                raise ValueError(f"Engine: {name} must be an int >= {lo}, got {v!r}.")
+        if host_rows is not None and not host_pages:
+            raise ValueError("Engine: host_rows needs a host tier; give host_pages too.")
+        if host_pages and policy is not None:
+            raise ValueError("Engine: a host tier does not combine with a cache policy (the "
+                             "policy's per-slot state is not swapped); drop host_pages or the "
+                             "policy.")
+        if host_pages and cfg.plan is not None:
+            raise ValueError("Engine: a host tier does not combine with a sharding plan; drop "
+                             "host_pages or the plan.")
         if policy is not None and prefix_caching:
             prefix_caching = False  # eviction rewrites pages a prefix would share
         sharded = cfg.plan is not None and (cfg.plan.data_shards > 1
@@ -278,6 +367,10 @@ class Engine:
                              f"give more pages or a shorter max_seq_len.")
         kv, impl, plan = setup.prepare_cache(model, cfg, impl, num_seqs=slots,
                                              max_tokens=max_seq_len)
+        self.host_rows = 0
+        if host_pages:
+            self.host_rows = int(2 * max_seqs if host_rows is None else host_rows)
+            kv = host.attach(kv, int(host_pages), parked=self.host_rows)
         self.spec = kv.spec
         self.impl = impl
         self.params = setup.shard_for_plan(model, params, plan)
@@ -301,12 +394,20 @@ class Engine:
             keys=jax.random.split(jax.random.key(0), max_seqs), status=loop._ok_status(kv),
             step=jnp.int32(0), policy_state=pstate,
             row_sampling=jax.tree.map(jnp.asarray, RowSampling.of([GREEDY] * max_seqs)))
+        if self.host_rows:
+            # The host pools are committed to their device (placed with a memory kind) and
+            # jit keys its programs on placement: commit the rest of the state there too, or
+            # a step on the fresh state would compile apart from the same step later on.
+            place = jax.tree.leaves(kv.host.pages)[0].sharding.with_memory_kind("device")
+            self.state = jax.tree.map(
+                lambda x: x if x.committed else jax.device_put(x, place), self.state)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}  # slot -> request
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._admissions = itertools.count(1)
         self._pending_out: list[RequestOutput] = []
+        self._swapped: dict[int, _Request] = {}  # parked row -> request swapped out there
         self.stats = collections.Counter()
         self._sync()
 
@@ -378,10 +479,19 @@ class Engine:
 
     def _sync(self) -> None:
         c = self.state.cache
-        lengths, quant, free = jax.device_get((c.lengths, c.table.lengths, c.table.num_free))
+        self._mirror(jax.device_get((c.lengths, c.table.lengths, c.table.num_free,
+                                     self._host_free_array())))
+
+    def _host_free_array(self):
+        c = self.state.cache
+        return None if c.host is None else c.host.table.num_free
+
+    def _mirror(self, got) -> None:
+        lengths, quant, free, host_free = got
         self._lengths = np.array(lengths)
         self._quant = np.array(quant)
         self._free_pages = int(np.min(free))  # a sharded pool: the emptiest shard
+        self._host_free = 0 if host_free is None else int(host_free)
 
     def _set_cache(self, cache) -> None:
         self.state = dataclasses.replace(self.state, cache=cache)
@@ -393,7 +503,12 @@ class Engine:
 
     def _pages_for(self, slot: int, n: int) -> int:
         """Pages slot's sequence allocates to take n more tokens."""
-        ps, L, q = self.spec.page_size, int(self._lengths[slot]), int(self._quant[slot])
+        return self._growth(int(self._lengths[slot]), int(self._quant[slot]), n)
+
+    def _growth(self, L: int, q: int, n: int) -> int:
+        """Pages a sequence of L tokens (q of them in its page table) allocates to take n
+        more tokens."""
+        ps = self.spec.page_size
         if self.spec.quant is None:
             return -(-(L + n) // ps) - (-(-L // ps))
         new_q = max(kv_cache.quantized.quantized_tokens(self.spec, L + n), q)
@@ -435,6 +550,15 @@ class Engine:
         if j == 0:
             return
         holder = self.prefix.holder_of(hashes, j)
+        if holder is None:  # only a parked row holds them: bring it back first
+            holder = self._unpark_prefix(self.prefix.parked_of(hashes, j))
+            if holder is not None:
+                self.stats["host_prefix_hits"] += 1
+            else:  # no room for it on the device: the longest hit held there
+                j = self._usable_hit(req, self.prefix.match(hashes, req.fed, parked=False))
+                if j == 0:
+                    return
+                holder = self.prefix.holder_of(hashes, j)
         self._share(holder, req.slot, j * self.spec.page_size)
         req.done_tokens = j * self.spec.page_size
         if not req.output:  # a readmitted request's own pages do not count as hits
@@ -455,15 +579,143 @@ class Engine:
         self._share(req.slot, holder, n * ps)
         self.prefix.add(holder, hashes, req.fed, req.salt)
 
-    def _evict_holder(self) -> bool:
+    def _evict_holder(self, protect: int | None = None) -> bool:
+        """Evicts the least recently used cached prefix from the device: to a parked row
+        when the host tier has room for it (dropping older parked prefixes, never the row
+        `protect`), else forgotten. False when no holder is left."""
         slot = self.prefix.lru_slot() if self.prefix is not None else None
         if slot is None:
             return False
+        self.stats["evictions"] += 1
+        if self.host_rows:
+            pages = len(self.prefix.holders[slot]) // self.spec.page_size
+            row = self._host_room(pages, protect=protect)
+            if row is not None and self._swap_out(slot, row):
+                self.prefix.park(slot, row)
+                self.stats["prefix_parks"] += 1
+                return True
         self.prefix.remove(slot)
         self._free_slots([slot])
-        self.stats["evictions"] += 1
         self._sync()
         return True
+
+    def _unpark_prefix(self, row: int) -> int | None:
+        """Brings the prefix parked in `row` back into a free holder slot, evicting other
+        holders if need be; returns the slot, or None when the pool has no room for it."""
+        pages = len(self.prefix.parked[row]) // self.spec.page_size
+        if self.prefix.free_slot() is None:
+            self._evict_holder(protect=row)
+        while self._free_pages < pages and self._evict_holder(protect=row):
+            pass
+        slot = self.prefix.free_slot()
+        if slot is None or self._free_pages < pages or not self._swap_in(row, slot):
+            return None
+        self.prefix.unpark(row, slot)
+        return slot
+
+    # ------------------------------------------------------------------ host tier
+
+    def _swap_out(self, slot: int, row: int) -> bool:
+        """Slot's sequence to parked row `row` (the slot is empty after); False (nothing
+        changed) when the host pool is short."""
+        cache, st = host.swap_out(self.state.cache, slot, row)
+        self._set_cache(cache)
+        self._sync()
+        return int(st.code) == 0
+
+    def _swap_in(self, row: int, slot: int) -> bool:
+        """Parked row `row` into the empty slot; False (nothing changed) when the pool is
+        short."""
+        cache, st = host.swap_in(self.state.cache, row, slot)
+        self._set_cache(cache)
+        self._sync()
+        return int(st.code) == 0
+
+    def _drop_row(self, row: int) -> None:
+        self._set_cache(host.drop_parked(self.state.cache, row))
+
+    def _host_room(self, pages: int, protect: int | None = None) -> int | None:
+        """A free parked row with `pages` free host pages, made by dropping parked
+        prefixes (least recently used first, never the row `protect`) if it takes that;
+        None, with nothing dropped, when dropping them all would not do. Swapped requests
+        are never dropped."""
+        ps = self.spec.page_size
+        parked = self.prefix.parked if self.prefix is not None else {}
+        used = set(self._swapped) | set(parked)
+        free_rows = [r for r in range(self.host_rows) if r not in used]
+        free, drop = self._host_free, []
+        for r, toks in parked.items():  # least recently used first
+            if (free_rows or drop) and free >= pages:
+                break
+            if r != protect:
+                drop.append(r)
+                free += len(toks) // ps
+        if not ((free_rows or drop) and free >= pages):
+            return None
+        for r in drop:
+            self._drop_row(r)
+            self.prefix.drop_parked(r)
+            self.stats["host_prefix_drops"] += 1
+        if drop:
+            self._sync()
+        return free_rows[0] if free_rows else drop[0]
+
+    def _swap_request(self, req: _Request) -> bool:
+        """Preempts a running request by swapping its sequence (and decoding row) to the
+        host tier; False (nothing changed) when the tier cannot take it."""
+        slot = req.slot
+        L, q = int(self._lengths[slot]), int(self._quant[slot])
+        row = self._host_room(-(-q // self.spec.page_size))
+        if row is None:
+            return False
+        saved = jax.device_get(_take_row(self.state, jnp.int32(slot))) if (
+            req.decoding) else None
+        if not self._swap_out(slot, row):
+            return False
+        rows = np.zeros((self.rows,), bool)
+        rows[slot] = True
+        self.state = _release(self.state, jnp.asarray(rows))  # the row stops (slot empty)
+        del self._running[slot]
+        req.parked, req.parked_tokens, req.parked_table, req.row_state = row, L, q, saved
+        req.slot = None
+        self._swapped[row] = req
+        self._waiting.appendleft(req)
+        self.stats["swaps"] += 1
+        return True
+
+    def _resume(self, req: _Request, slot: int) -> bool:
+        """Swaps a swapped-out request back into row `slot` when the pool can take it and
+        the pages it will allocate next (any time while nothing else runs); it continues
+        where it stopped. False (nothing changed) otherwise."""
+        ps = self.spec.page_size
+        need = -(-req.parked_table // ps)
+        if self._running:
+            ahead = self.decode_steps if req.decoding else min(
+                self.chunk, len(req.fed) - req.done_tokens)
+            need += self._growth(req.parked_tokens, req.parked_table, ahead)
+        while self._free_pages < need and self._evict_holder():
+            pass
+        if self._free_pages < need or not self._swap_in(req.parked, slot):
+            return False
+        del self._swapped[req.parked]
+        self._waiting.popleft()
+        req.parked, req.slot = None, slot
+        req.admitted = next(self._admissions)
+        self._running[slot] = req
+        if req.row_state is not None:
+            self.state = _put_row(self.state, jnp.int32(slot), req.row_state)
+            req.row_state = None
+        self.stats["swap_ins"] += 1
+        return True
+
+    def _unswap(self, req: _Request) -> None:
+        """Forgets a swapped-out request's parked row; it will be recomputed."""
+        self._drop_row(req.parked)
+        del self._swapped[req.parked]
+        self._sync()
+        req.parked, req.row_state = None, None
+        self._to_recompute(req)
+        self.stats["preemptions"] += 1
 
     # ------------------------------------------------------------------ scheduling
 
@@ -471,15 +723,28 @@ class Engine:
         free_rows = [s for s in range(self.rows) if s not in self._running]
         while self._waiting and free_rows:
             req = self._waiting[0]
+            if req.parked is not None:
+                if self._resume(req, free_rows[0]):
+                    free_rows.pop(0)
+                    continue
+                if self._running:
+                    break
+                # Nothing runs and the pool still cannot take it back (the pool holds a
+                # request of max_seq_len, so this is a safety net): recompute it instead.
+                self._unswap(req)
             # Admit when the pool can take the prompt but for the pages a prefix hit will
-            # share (their holder is marked used, so eviction takes others first).
+            # share (their holder is marked used, so eviction takes others first); a hit
+            # on a parked prefix needs the pages that bring it back.
             need = -(-len(req.fed) // self.spec.page_size)
             if self.prefix is not None:
                 hashes = self._hashes(req)
                 hit = self._usable_hit(req, self.prefix.match(hashes, req.fed))
                 if hit:
-                    self.prefix.holder_of(hashes, hit)
-                    need -= hit
+                    if self.prefix.holder_of(hashes, hit) is not None:
+                        need -= hit
+                    else:
+                        row = self.prefix.parked_of(hashes, hit)
+                        need += len(self.prefix.parked[row]) // self.spec.page_size - hit
             while self._free_pages < need and self._evict_holder():
                 pass
             if self._free_pages < need and self._running:
@@ -543,18 +808,30 @@ class Engine:
                       for r, n in lanes))
 
     def _preempt(self) -> None:
-        """Frees the most recently admitted request; it waits again, first in line."""
+        """Preempts the most recently admitted request; it waits again, first in line. With
+        a host tier that has room, its sequence is swapped out; else its pages are freed
+        and it is recomputed when readmitted."""
         req = max(self._running.values(), key=lambda r: r.admitted)
+        held = bool(self._lengths[req.slot])
+        if self.host_rows and held and self._swap_request(req):
+            return
         del self._running[req.slot]
         rows = np.zeros((self.rows,), bool)
         rows[req.slot] = True
         self.state = _release(self.state, jnp.asarray(rows))
+        req.slot = None
+        self._to_recompute(req)
+        # A request admitted this step may hold nothing yet: it loses no work.
+        self.stats["preemptions" if held else "requeues"] += 1
+        self._waiting.appendleft(req)
+        self._sync()
+
+    def _to_recompute(self, req: _Request) -> None:
+        """A request without pages will be recomputed: its prompt and the tokens it
+        produced so far."""
         req.fed = np.concatenate([req.prompt, np.asarray(req.output, np.int32)])
         req.hashes = None
-        req.slot, req.decoding, req.done_tokens = None, False, 0
-        self._waiting.appendleft(req)
-        self.stats["preemptions"] += 1
-        self._sync()
+        req.decoding, req.done_tokens = False, 0
 
     def _lane_buckets(self) -> list[int]:
         """Lane counts a step is compiled for: powers of two up to `prefill_rows` (and it):
@@ -604,6 +881,11 @@ class Engine:
         self._pending_out = []
         for r in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(r)
+            if r.parked is not None:
+                self._drop_row(r.parked)
+                del self._swapped[r.parked]
+                r.parked = None
+                self._sync()
             self._finish(r, "cancelled")
         # Cancelled rows first: their pages serve this step.
         gone = [r for r in self._running.values() if r.cancelled]
@@ -633,10 +915,10 @@ class Engine:
                                    self._lanes(lanes) if lanes else None, eos_ids=self.eos_ids,
                                    impl=self.impl, policy=self.policy, decode=steps)
         st, c = self.state, self.state.cache
-        record, code, lengths, quant, free = jax.device_get(
-            (record, st.status.code, c.lengths, c.table.lengths, c.table.num_free))
-        self._lengths, self._quant = np.array(lengths), np.array(quant)
-        self._free_pages = int(np.min(free))
+        record, code, *mirrored = jax.device_get(
+            (record, st.status.code, c.lengths, c.table.lengths, c.table.num_free,
+             self._host_free_array()))
+        self._mirror(mirrored)
         if int(code) != 0:
             # The page check above makes this unreachable; say so loudly if it is not.
             err = jax.device_get(st.status)
@@ -691,8 +973,9 @@ class Engine:
     def warmup(self) -> None:
         """Compiles every program a step may run (the step with and without prefill lanes,
         with 0, 1 and `decode_steps` decode steps; the bookkeeping of frees, forks and
-        truncations), by running each on no-op arguments, so that no request waits for a
-        compile. Only on an idle engine (every run leaves the state as it was)."""
+        truncations; with a host tier, its swaps of every copy width and the decoding
+        rows' save and restore), by running each on no-op arguments, so that no request
+        waits for a compile. Only on an idle engine (every run leaves the state as it was)."""
         if self._running or self._waiting:
             raise RuntimeError("Engine.warmup: only on an idle engine (no request queued or "
                                "running).")
@@ -712,7 +995,25 @@ class Engine:
         if self.prefix is not None and empty.size >= 2:  # empty into empty: no change
             cache, _ = _share(cache, jnp.int32(empty[0]), jnp.int32(empty[1]), jnp.int32(0))
         self._set_cache(cache)
+        if self.host_rows:
+            self._warm_host(int(empty[0]))
         self._sync()
+
+    def _warm_host(self, slot: int) -> None:
+        """Runs the host tier's programs on the empty `slot` and a free parked row: a swap
+        of nothing changes nothing, whatever width its program copies."""
+        used = set(self._swapped) | set(self.prefix.parked if self.prefix is not None else ())
+        free = [r for r in range(self.host_rows) if r not in used]
+        if free:
+            s, r = jnp.int32(slot), jnp.int32(free[0])
+            mp = self.spec.max_pages_per_seq
+            cache = self.state.cache
+            for k in sorted({host._bucket(n, mp) for n in range(mp + 1)}):
+                cache, _ = host._swap_out(cache, s, r, k=k)
+                cache, _ = host._swap_in(cache, r, s, k=k)
+            self._set_cache(host.drop_parked(cache, free[0]))
+        saved = jax.device_get(_take_row(self.state, jnp.int32(0)))  # as a swap keeps it
+        self.state = _put_row(self.state, jnp.int32(0), saved)
 
     def run(self) -> dict[str, list[int]]:
         """Steps until every request is done; returns each request's tokens."""
@@ -724,9 +1025,13 @@ class Engine:
 
     def check(self) -> None:
         """AssertionError unless the cache's invariants hold, every page is free or held by
-        a request or a cached prefix, and the prefix cache agrees with its holders."""
+        a request or a cached prefix, and the prefix cache agrees with its holders; with a
+        host tier, also the tier's invariants (`kvjax.cache.host.check`) and that every
+        parked row belongs to exactly one swapped request or one parked prefix."""
         cache = self.state.cache
         kv_cache.check_invariants(cache)
+        if self.host_rows:
+            self._check_host()
         lengths = np.asarray(cache.lengths)
         users = set(self._running)
         holders = set(self.prefix.holders) if self.prefix is not None else set()
@@ -742,6 +1047,35 @@ class Engine:
                     if lengths[s] != len(toks) or len(toks) % ps:
                         raise AssertionError(f"holder {s} holds {lengths[s]} tokens, its "
                                              f"entries {len(toks)}")
+
+    def _check_host(self) -> None:
+        cache = self.state.cache
+        host.check(cache)
+        tokens = np.asarray(host.parked_lengths(cache))
+        owners: dict[int, list[str]] = collections.defaultdict(list)
+        want: dict[int, int] = {}
+        waiting = {id(r) for r in self._waiting}
+        for row, req in self._swapped.items():
+            owners[row].append(f"request {req.id!r}")
+            want[row] = req.parked_tokens
+            if req.parked != row or req.slot is not None or id(req) not in waiting:
+                raise AssertionError(f"request {req.id!r} swapped out to row {row} is not "
+                                     f"waiting there (row {req.parked}, slot {req.slot})")
+        for row, toks in (self.prefix.parked if self.prefix is not None else {}).items():
+            owners[row].append("a cached prefix")
+            want[row] = len(toks)
+        for r in range(self.host_rows):
+            held = owners.get(r, [])
+            if bool(tokens[r]) != bool(held) or len(held) > 1:
+                raise AssertionError(f"parked row {r} holds {tokens[r]} tokens and belongs to "
+                                     f"{held or 'nobody'}")
+            if held and tokens[r] != want[r]:
+                raise AssertionError(f"parked row {r} holds {tokens[r]} tokens, its owner "
+                                     f"({held[0]}) {want[r]}")
+        lost = [r.id for r in self._waiting if r.parked is not None
+                and self._swapped.get(r.parked) is not r]
+        if lost:
+            raise AssertionError(f"requests {lost} wait on parked rows not recorded as theirs")
 
     def __repr__(self) -> str:
         return (f"Engine(rows={self.rows}, chunk={self.chunk}, pages={self.spec.num_pages}, "

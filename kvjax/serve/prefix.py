@@ -20,8 +20,14 @@ pages no other holder or request holds go back to the pool. A holder registered
 after another with the same system prompt shares that prompt's pages, so evicting
 the older one returns only its own suffix pages.
 
+With a host tier (`kvjax.cache.host`), an evicted holder can move to a *parked row*
+of the host pool instead of being forgotten (`park`): its entries stay, now naming
+the row, so a later prompt still matches them; the engine brings the row back into
+a free holder slot (`unpark`) before it shares the pages. Parked holders are
+forgotten least-recently-used first when the host tier needs room (`drop_parked`).
+
 This module is host-side bookkeeping (hashes, holders, LRU order); the engine runs
-the forks, truncations and frees on the device cache.
+the forks, truncations, frees and swaps on the cache.
 """
 
 import dataclasses
@@ -58,7 +64,11 @@ class _Holder:
 class _Entry:
     depth: int  # page index in the chain
     tokens: tuple[int, ...]  # the page's token ids
-    holders: set[int]
+    holders: set[int]  # holder slots (device)
+    parked: set[int] = dataclasses.field(default_factory=set)  # parked rows (host)
+
+    def empty(self) -> bool:
+        return not self.holders and not self.parked
 
 
 class PrefixCache:
@@ -74,6 +84,7 @@ class PrefixCache:
         self.slots = tuple(int(s) for s in slots)
         self._free = list(reversed(self.slots))
         self._holders: dict[int, _Holder] = {}
+        self._parked: dict[int, _Holder] = {}  # host row -> holder parked there
         self._entries: dict[bytes, _Entry] = {}
         self._clock = 0
 
@@ -86,8 +97,17 @@ class PrefixCache:
         """Each occupied holder slot and the token ids its pages hold."""
         return {s: h.tokens for s, h in self._holders.items()}
 
-    def match(self, hashes: Sequence[bytes], tokens: np.ndarray) -> int:
-        """Pages of a prompt (its `hashes`, its `tokens`) found cached, from the first on.
+    @property
+    def parked(self) -> dict[int, np.ndarray]:
+        """Each parked row (host tier) and the token ids its pages hold, least recently
+        used first."""
+        rows = sorted(self._parked, key=lambda r: self._parked[r].last_used)
+        return {r: self._parked[r].tokens for r in rows}
+
+    def match(self, hashes: Sequence[bytes], tokens: np.ndarray, *,
+              parked: bool = True) -> int:
+        """Pages of a prompt (its `hashes`, its `tokens`) found cached, from the first on
+        (held by a holder slot, or by a parked row unless `parked` is False).
 
         A hash that matches but names other token ids (a collision) ends the match.
         """
@@ -96,17 +116,31 @@ class PrefixCache:
         for i, h in enumerate(hashes):
             e = self._entries.get(h)
             if e is None or e.depth != i or e.tokens != tuple(
-                    int(t) for t in tokens[i * ps: (i + 1) * ps]):
+                    int(t) for t in tokens[i * ps: (i + 1) * ps]) or (
+                    not parked and not e.holders):
                 break
             n = i + 1
         return n
 
-    def holder_of(self, hashes: Sequence[bytes], n: int) -> int:
-        """A holder slot holding the first `n` pages of this chain; marks it used."""
+    def holder_of(self, hashes: Sequence[bytes], n: int) -> int | None:
+        """A holder slot holding the first `n` pages of this chain, marked used; None when
+        only parked rows hold them."""
         holders = self._entries[hashes[n - 1]].holders
+        if not holders:
+            return None
         slot = max(holders, key=lambda s: self._holders[s].last_used)
         self.touch(slot)
         return slot
+
+    def parked_of(self, hashes: Sequence[bytes], n: int) -> int | None:
+        """A parked row holding the first `n` pages of this chain, marked used; or None."""
+        rows = self._entries[hashes[n - 1]].parked
+        if not rows:
+            return None
+        row = max(rows, key=lambda r: self._parked[r].last_used)
+        self._clock += 1
+        self._parked[row].last_used = self._clock
+        return row
 
     def touch(self, slot: int) -> None:
         self._clock += 1
@@ -152,33 +186,72 @@ class PrefixCache:
     def remove(self, slot: int) -> None:
         """Forgets holder `slot` (the engine frees the slot on the device)."""
         holder = self._holders.pop(slot)
+        self._forget(holder, lambda e: e.holders.discard(slot))
+        self._free.append(slot)
+
+    def _forget(self, holder: _Holder, unlink) -> None:
+        for h in holder.hashes:
+            e = self._entries[h]
+            unlink(e)
+            if e.empty():
+                del self._entries[h]
+
+    def park(self, slot: int, row: int) -> None:
+        """Records that holder `slot`'s pages moved to parked row `row` (the engine ran
+        the swap); the slot is free again, the entries stay and name the row."""
+        if row in self._parked:
+            raise ValueError(f"parked row {row} already holds a prefix.")
+        holder = self._holders.pop(slot)
         for h in holder.hashes:
             e = self._entries[h]
             e.holders.discard(slot)
-            if not e.holders:
-                del self._entries[h]
+            e.parked.add(row)
+        self._parked[row] = holder
         self._free.append(slot)
 
+    def unpark(self, row: int, slot: int) -> None:
+        """Records that parked row `row` came back into the free holder `slot`."""
+        if slot not in self._free:
+            raise ValueError(f"holder slot {slot} is not free.")
+        holder = self._parked.pop(row)
+        for h in holder.hashes:
+            e = self._entries[h]
+            e.parked.discard(row)
+            e.holders.add(slot)
+        self._free.remove(slot)
+        self._clock += 1
+        holder.last_used = self._clock
+        self._holders[slot] = holder
+
+    def drop_parked(self, row: int) -> None:
+        """Forgets the prefix parked in `row` (the engine drops the row on the host)."""
+        holder = self._parked.pop(row)
+        self._forget(holder, lambda e: e.parked.discard(row))
+
     def check(self) -> None:
-        """AssertionError unless every holder's hashes are the hash chain of its tokens,
-        every entry's tokens are its holders' tokens at its depth, and every holder's
-        pages are entries naming it."""
+        """AssertionError unless every holder's (slot or parked row) hashes are the hash
+        chain of its tokens, every entry's tokens are its holders' tokens at its depth,
+        and every holder's pages are entries naming it."""
         ps = self.page_size
-        for slot, holder in self._holders.items():
-            if page_hashes(holder.tokens, ps, holder.salt) != holder.hashes:
-                raise AssertionError(f"holder {slot}'s hashes are not its tokens' hash chain")
-            for i, h in enumerate(holder.hashes):
-                e = self._entries.get(h)
-                if e is None or slot not in e.holders:
-                    raise AssertionError(f"holder {slot} page {i} has no entry naming it")
+        for where, holders, field in (("holder", self._holders, "holders"),
+                                      ("parked row", self._parked, "parked")):
+            for key, holder in holders.items():
+                if page_hashes(holder.tokens, ps, holder.salt) != holder.hashes:
+                    raise AssertionError(f"{where} {key}'s hashes are not its tokens' hash "
+                                         f"chain")
+                for i, h in enumerate(holder.hashes):
+                    e = self._entries.get(h)
+                    if e is None or key not in getattr(e, field):
+                        raise AssertionError(f"{where} {key} page {i} has no entry naming it")
         for e in self._entries.values():
-            if not e.holders:
+            if e.empty():
                 raise AssertionError("an entry has no holder")
-            for slot in e.holders:
-                page = self._holders[slot].tokens[e.depth * ps: (e.depth + 1) * ps]
+            for key, holder in [(s, self._holders[s]) for s in e.holders] + [
+                    (r, self._parked[r]) for r in e.parked]:
+                page = holder.tokens[e.depth * ps: (e.depth + 1) * ps]
                 if tuple(int(t) for t in page) != e.tokens:
                     raise AssertionError(f"entry at depth {e.depth} disagrees with holder "
-                                         f"{slot}'s tokens")
+                                         f"{key}'s tokens")
         if set(self._free) & set(self._holders) or (
                 len(self._free) + len(self._holders) != len(self.slots)):
             raise AssertionError("holder slots are lost or both free and used")

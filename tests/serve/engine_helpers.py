@@ -2,6 +2,8 @@
 (`kvjax.generate` on one request alone) and a driver that adds requests as it steps."""
 
 import jax
+import numpy as np
+from hypothesis import strategies as hst
 
 import kvjax.generate as gen
 
@@ -55,3 +57,41 @@ def _drive(engine, prompts, max_new, *, arrive_every=2, check_every=1, **kw):
     return [out.get(i, []) for i in ids], [reasons[i] for i in ids]
 
 
+
+
+_EVENTS = hst.lists(
+    hst.tuples(hst.sampled_from(["add", "add", "add", "step", "step", "cancel"]),
+               hst.integers(0, 10**6)),
+    min_size=4, max_size=30)
+
+
+def _random_events(engine, events, max_seq_len=56):
+    """Replays hypothesis `_EVENTS` (adds of random prompts, half of them behind a two-page
+    system prompt; steps; cancels) on an idle engine, then runs it dry: `check()` after
+    every step, every request finishes exactly once, none is lost."""
+    vocab = engine.vocab_size
+    system = [5, 9, 17, 33, 65, 7, 11, 13, 21, 3, 4, 6, 8, 10, 12, 14]  # two pages
+    added, finished = [], set()
+
+    def step():
+        for o in engine.step():
+            if o.finished:
+                assert o.request_id not in finished, "a request finished twice"
+                finished.add(o.request_id)
+        engine.check()
+
+    for kind, x in events:
+        r = np.random.default_rng(x)
+        if kind == "add":
+            n = int(r.integers(1, 24))
+            prompt = (system if x % 2 else []) + r.integers(3, vocab, n).tolist()
+            added.append(engine.add_request(
+                prompt, max_tokens=int(r.integers(1, max_seq_len - 40))))
+        elif kind == "cancel" and added:
+            engine.cancel(added[x % len(added)])
+        else:
+            step()
+    while engine.has_unfinished():
+        step()
+    assert finished == set(added), "a request was lost"
+    assert engine.num_running == 0 and engine.num_waiting == 0

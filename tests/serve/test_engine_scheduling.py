@@ -5,12 +5,19 @@ sequences that must keep every invariant and lose no request."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as hst
 
 import kvjax.generate as gen
 from kvjax.cache.policies import StreamingLLM
 from kvjax.serve import Engine, PrefixCache, page_hashes
-from tests.serve.engine_helpers import CHUNK, PAGE, _alone, _drive, _workload
+from tests.serve.engine_helpers import (
+    _EVENTS,
+    CHUNK,
+    PAGE,
+    _alone,
+    _drive,
+    _random_events,
+    _workload,
+)
 from tests.sharding.helpers import make_plan
 
 
@@ -147,12 +154,6 @@ def test_prefix_cache_bookkeeping():
 
 # ---------------------------------------------------------------------------- invariants
 
-_EVENTS = hst.lists(
-    hst.tuples(hst.sampled_from(["add", "add", "add", "step", "step", "cancel"]),
-               hst.integers(0, 10**6)),
-    min_size=4, max_size=30)
-
-
 @pytest.fixture(scope="module")
 def small_engine(tiny):
     model, params = tiny
@@ -165,29 +166,4 @@ def small_engine(tiny):
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(events=_EVENTS)
 def test_random_arrivals_cancels_and_finishes_keep_the_invariants(small_engine, events):
-    engine = small_engine
-    vocab = engine.vocab_size
-    system = [5, 9, 17, 33, 65, 7, 11, 13, 21, 3, 4, 6, 8, 10, 12, 14]  # two pages
-    added, finished = [], set()
-    for kind, x in events:
-        r = np.random.default_rng(x)
-        if kind == "add":
-            n = int(r.integers(1, 24))
-            prompt = (system if x % 2 else []) + r.integers(3, vocab, n).tolist()
-            added.append(engine.add_request(prompt, max_tokens=int(r.integers(1, 56 - 40))))
-        elif kind == "cancel" and added:
-            engine.cancel(added[x % len(added)])
-        else:
-            for o in engine.step():
-                if o.finished:
-                    assert o.request_id not in finished
-                    finished.add(o.request_id)
-            engine.check()
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                assert o.request_id not in finished
-                finished.add(o.request_id)
-        engine.check()
-    assert finished == set(added), "a request was lost"
-    assert engine.num_running == 0 and engine.num_waiting == 0
+    _random_events(small_engine, events)

@@ -403,7 +403,7 @@ def test_cli_serves_health_and_models(checkpoint):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvjax", "serve", "--model", str(checkpoint), "--port",
          str(port), "--max-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--page-size", "8",
-         "--chunk-size", "16", "--log-level", "warning", "--no-warmup"],
+         "--chunk-size", "16", "--log-level", "warning", "--no-warmup", "--host-pages", "32"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
@@ -423,6 +423,7 @@ def test_cli_serves_health_and_models(checkpoint):
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert f"serving it as {checkpoint.name!r}" in err
+        assert "host tier of 32 pages, 4 rows" in err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -436,7 +437,7 @@ def test_help_lists_every_flag():
     for flag in ("--model", "--host", "--port", "--served-model-name", "--max-seqs",
                  "--max-seq-len", "--num-pages", "--page-size", "--chunk-size", "--kv-dtype",
                  "--kv-bits", "--kv-group-size", "--kv-residual", "--no-prefix-caching",
-                 "--dtype", "--log-level", "--no-warmup"):
+                 "--dtype", "--log-level", "--no-warmup", "--host-pages", "--host-rows"):
         assert flag in r.stdout, flag
 
 
@@ -444,6 +445,7 @@ def test_help_lists_every_flag():
     (["--page-size", "12"], "--page-size must be a power of two"),
     (["--page-size", "8", "--chunk-size", "20"], "--chunk-size (20) must be a multiple"),
     (["--port", "70000"], "--port must lie in"),
+    (["--host-rows", "4"], "--host-rows needs --host-pages"),
 ])
 def test_cli_flag_errors(checkpoint, capsys, args, message):
     assert main(["serve", "--model", str(checkpoint), *args]) == 2
