@@ -33,10 +33,32 @@ VARIANTS = {
                              original_max_position_embeddings=64))),
 }
 
+# Hybrid (non-Llama-family) variants, built by the same `build`. Qwen3-Next: three Gated
+# DeltaNet layers then a full one, sparse MoE with a shared expert, GQA in both mixers
+# (2 key heads for 4 value heads), partial rotary; and alternating layers with dense
+# MLPs, q/k/v/o biases, tied embeddings and a kernel-3 convolution (a pattern that
+# repeats: the scanned path).
+HYBRID_VARIANTS = {
+    "qwen3_next_moe": (T.Qwen3NextConfig, dict(
+        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24)),
+    "qwen3_next_dense": (T.Qwen3NextConfig, dict(
+        num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, attention_bias=True,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=12,
+        linear_value_head_dim=8, linear_conv_kernel_dim=3, num_experts=0,
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                             partial_rotary_factor=0.5))),
+}
+
 
 def build(name: str, seed: int = 0):
     """A tiny random float32 HF causal LM for variant `name`, in eval mode."""
-    cls, extra = VARIANTS[name]
+    cls, extra = {**VARIANTS, **HYBRID_VARIANTS}[name]
     config = cls(**{**_COMMON, **extra}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
