@@ -1,5 +1,6 @@
-"""`python -m kvjax.backends.cpu --compiler C++ [--march M]`: compile the kernels' sources
-with another compiler without loading them (CI's aarch64 cross-compile check)."""
+"""`python -m kvjax.backends.cpu --compiler C++ [--march M] [--opt=-O0] [--no-link]`: compile
+the kernels' sources with another compiler, e.g. a cross compiler for aarch64, without
+loading them (CI's aarch64 check is tests/backends/test_cpu_cross_compile.py)."""
 
 import sys
 

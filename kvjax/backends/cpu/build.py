@@ -16,9 +16,13 @@ build fails or `CpuOptions.kernels` is False, `available()` is False,
 `unavailable_reason()` says why, a failed build warns once with the compiler's message,
 and the kernel choices (`kvjax.backends.cpu.choose`) fall back to the XLA path.
 
-`python -m kvjax.backends.cpu --compiler aarch64-linux-gnu-g++ --march armv8-a`
-compiles the sources with another compiler without loading them (CI's cross-compile
-check of the portable path).
+On an ARM host (aarch64 / arm64) "native" becomes `-mcpu=native`, which GCC and Clang
+both take there (Clang before 15, Apple's included, rejects `-march=native` on ARM);
+x86 hosts get `-march=native` as before. `compile_sources` also takes a command with
+arguments and no `-march` at all: tests/backends/test_cpu_cross_compile.py compiles the
+sources for aarch64 with zig's Clang (`python -m ziglang c++ -target aarch64-linux-gnu`),
+and `python -m kvjax.backends.cpu --compiler aarch64-linux-gnu-g++ --march armv8-a`
+does the same with any cross compiler, without loading the result.
 """
 
 import argparse
@@ -28,12 +32,14 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -42,7 +48,7 @@ import jaxlib
 from kvjax.backends.cpu import options as options_mod
 
 __all__ = ["Library", "available", "unavailable_reason", "load", "library", "library_path",
-           "TARGETS", "SOURCES", "compile_sources"]
+           "TARGETS", "SOURCES", "compile_sources", "compile_flags"]
 
 # Largest first: one compiler process per file, so the longest ones start first.
 SOURCES = ("quantized_decode_f32.cc", "quantized_decode_bf16.cc", "quantized_decode_f16.cc",
@@ -58,15 +64,35 @@ TARGETS = {
     "KvjaxWriteRows": "write_rows",
     "KvjaxCopyPages": "copy_pages",
 }
-_COMMON_FLAGS = ("-O3", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17")
+_COMMON_FLAGS = ("-ffp-contract=fast", "-fPIC", "-std=c++17")
+_ARM_MACHINES = ("aarch64", "arm64")
 _HERE = Path(__file__).parent
 _ISA_BITS = {0: "avx2", 1: "fma", 2: "f16c", 3: "avx512f", 4: "avx512bw", 5: "avx512vl",
              6: "avx512vnni", 7: "avx512vbmi", 8: "avx512fp16", 16: "neon", 17: "fp16"}
 _POOL_CODES = {"own": 0, "xla": 1, "std": 2}
 
 
-def _flags(march: str) -> tuple[str, ...]:
-    return (*_COMMON_FLAGS, f"-march={march}")
+def _target_flags(march: str | None, machine: str) -> tuple[str, ...]:
+    if march is None:  # the compiler's default target (generic x86-64, armv8-a, ...)
+        return ()
+    if march == "native" and machine.lower() in _ARM_MACHINES:
+        # GCC and Clang take -mcpu=native on ARM; Clang < 15 (Apple clang 14) rejects
+        # -march=native there ("the clang compiler does not support '-march=native'").
+        return ("-mcpu=native",)
+    return (f"-march={march}",)
+
+
+def compile_flags(march: str | None, *, opt: str = "-O3",
+                  machine: str | None = None) -> tuple[str, ...]:
+    """The flags each source is compiled with (the link adds `-shared`).
+
+    Args:
+      march: the `-march=` value (None: no target flag, the compiler's default target).
+        "native" on an ARM `machine` is passed as `-mcpu=native`.
+      opt: the optimization flag (builds use -O3; the cross-compile check -O0).
+      machine: the host's `platform.machine()` (default: this one's).
+    """
+    return (opt, *_COMMON_FLAGS, *_target_flags(march, machine or platform.machine()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,24 +159,31 @@ def library_path(opts: options_mod.CpuOptions | None = None) -> Path:
         h.update(name.encode())
         h.update((_HERE / name).read_bytes())
     cxx = _resolve(opts.compiler) or opts.compiler
-    h.update(f"{jaxlib.__version__}|{cxx}|{' '.join(_flags(opts.march))}|"
+    h.update(f"{jaxlib.__version__}|{cxx}|{' '.join(compile_flags(opts.march))}|"
              f"{platform.machine()}".encode())
     h.update(_cpu_flags().encode())
     return opts.cache_path / f"kvjax_cpu_kernels-{h.hexdigest()[:20]}.so"
 
 
-def compile_sources(compiler: str, march: str, out_dir: Path, *, link: bool = True) -> Path:
+def compile_sources(compiler: str | Sequence[str], march: str | None, out_dir: Path, *,
+                    link: bool = True, opt: str = "-O3") -> Path:
     """Compiles the sources (in parallel, one compiler process per file) into `out_dir`
     and, with `link`, links `out_dir/lib.so`; returns the library's (or last object's) path.
+
+    Args:
+      compiler: a compiler's name or path, or a command with leading arguments
+        (`[sys.executable, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu"]`).
+      march, opt: as in `compile_flags` (for this host's machine).
 
     Raises:
       RuntimeError: no such compiler, or a compile / link step failed (its stderr tail).
     """
-    cxx = _resolve(compiler)
+    argv = [compiler] if isinstance(compiler, str) else list(compiler)
+    cxx = _resolve(argv[0]) if argv else None
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH; set "
                            f"CpuOptions.compiler or CXX)")
-    flags = _flags(march)
+    flags = (*argv[1:], *compile_flags(march, opt=opt))
     objs, procs = [], []
     for src in SOURCES:
         obj = os.path.join(out_dir, src + ".o")
@@ -168,7 +201,7 @@ def compile_sources(compiler: str, march: str, out_dir: Path, *, link: bool = Tr
     if not link:
         return Path(objs[-1])
     lib = os.path.join(out_dir, "lib.so")
-    cmd = [cxx, *flags, *objs, "-o", lib]
+    cmd = [cxx, *flags, "-shared", *objs, "-o", lib]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
@@ -285,17 +318,25 @@ def main(argv=None) -> int:
         description="Compile the CPU kernels' sources with a given compiler and -march "
                     "(without loading them): a cross-compile check.")
     parser.add_argument("--compiler", required=True,
-                        help="C++ compiler, e.g. aarch64-linux-gnu-g++")
-    parser.add_argument("--march", default="native", help="the -march= value (default native)")
+                        help="C++ compiler command, shell-quoted, e.g. aarch64-linux-gnu-g++ "
+                             "or 'python -m ziglang c++ -target aarch64-linux-gnu'")
+    parser.add_argument("--march", default="native",
+                        help="the -march= value (default native; 'none': no target flag, "
+                             "the compiler's default target)")
+    parser.add_argument("--opt", default="-O3",
+                        help="optimization flag, as --opt=-O0 (default -O3)")
     parser.add_argument("--no-link", action="store_true", help="compile objects only")
     args = parser.parse_args(argv)
+    march = None if args.march == "none" else args.march
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            out = compile_sources(args.compiler, args.march, Path(tmp), link=not args.no_link)
+            out = compile_sources(shlex.split(args.compiler), march, Path(tmp),
+                                  link=not args.no_link, opt=args.opt)
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 1
-        print(f"compiled {len(SOURCES)} sources with {args.compiler} -march={args.march}: "
+        print(f"compiled {len(SOURCES)} sources with {args.compiler} "
+              f"{' '.join(compile_flags(march, opt=args.opt))}: "
               f"{out.name} {out.stat().st_size} bytes")
     return 0
 
