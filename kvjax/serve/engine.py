@@ -264,6 +264,12 @@ def _key(seed: int) -> jax.Array:
     return key if high == 0 else jax.random.fold_in(key, high)
 
 
+def _has_recurrent_state(model: Model) -> bool:
+    """Whether the model's cache keeps a recurrent state per slot (hybrid models)."""
+    spec = model.make_cache_spec(page_size=16, num_pages=1, max_seqs=1, max_pages_per_seq=1)
+    return spec.recurrent is not None
+
+
 class Engine:
     """Serves requests that arrive at any time on one paged cache (see the module doc).
 
@@ -340,6 +346,13 @@ class Engine:
                              "host_pages or the plan.")
         if policy is not None and prefix_caching:
             prefix_caching = False  # eviction rewrites pages a prefix would share
+        if _has_recurrent_state(model):
+            # A hit would need the linear layers' state at the prefix's end, which the cache
+            # does not keep (only the state at each sequence's current end).
+            prefix_caching = False
+            if host_pages:
+                raise ValueError("Engine: a host tier does not take a hybrid model's cache "
+                                 "(its recurrent state is not swapped); drop host_pages.")
         sharded = cfg.plan is not None and (cfg.plan.data_shards > 1
                                             or cfg.plan.context_shards > 1)
         if sharded:
