@@ -24,8 +24,14 @@ script measures, on the machine it runs on:
    reads; host->device is the faster of the two measured host->device copies), and
    the ratio step / bound;
 3. a check that fails the run: the greedy tokens at every host share equal those
-   at 0%, for the same cache format. (The bf16 host bytes are also checked against
-   `kvjax.memory.host_tier_bytes`.)
+   at 0%, for the same cache format, or differ only at a near tie: a random model's
+   next-token distribution is nearly flat, and on CPU the KIVI kernel's integer
+   arithmetic (device pages) and the host part's float32 dequantization round
+   differently, so a tie within ~1e-5 nats can flip. Differing tokens are therefore
+   teacher-forced through both shares (`kvjax.generate.score`) and pass only if every
+   log-probability agrees within TIE_NATS (1e-3) and the flipped pair was that close
+   under the reference. The bf16 host bytes are also checked against
+   `kvjax.memory.host_tier_bytes`.
 
 Each trial builds a fresh cache, writes the same random K/V into it through the
 cache's own `reserve` / `write` (no prompt processing: the context is random keys
@@ -109,6 +115,11 @@ PRESETS = dict(
 )
 
 CACHES = {"bf16": None, "int4": 4}
+# Differing greedy tokens pass only as a near tie: teacher-forced log-probabilities within
+# this many nats. The KIVI CPU kernel's integer logits and values (kvjax's documented
+# ~1e-5 relative error) against the host part's float32 dequantization moved them by
+# ~5e-5 on the default run; a dropped or misplaced page moves them by far more.
+TIE_NATS = 1e-3
 TABLE_TOKENS = 1021  # rows of the random K/V table the fill reads from (prime: no aliasing)
 
 
@@ -299,22 +310,31 @@ def move_all(cache, rows: int, n: int):
     return cache
 
 
-def trial(run: Run, model, params, table, name: str, n: int, first, new_tokens: int) -> dict:
-    """One fresh cache: fill, move n pages per row out, decode, move them back."""
+def prepare(run: Run, model, table, name: str, n: int):
+    """A fresh cache holding the filled context, n pages of every row on the host
+    (n = 0: no host tier); returns (cache, seconds the move to the host took)."""
     b = run.batch
     cache = cache_config(name, run.page_size).build(model, num_seqs=b, max_tokens=room(run))
     cache = fill(cache, table, run.context)
-    out = dict(move_out_s=None, move_in_s=None)
-    if n:
-        cache = host.attach(cache, b * n, stream_pages=n)
-        jax.block_until_ready(cache)
-        t0 = time.perf_counter()
-        cache = move_all(cache, b, n)
-        out["move_out_s"] = time.perf_counter() - t0
-        host.check(cache)
-        got = np.asarray(host.host_pages(cache))[:b]
-        if not (got == n).all():
-            raise AssertionError(f"host.move left {got.tolist()} host pages per row, not {n}")
+    if not n:
+        return cache, None
+    cache = host.attach(cache, b * n, stream_pages=n)
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    cache = move_all(cache, b, n)
+    seconds = time.perf_counter() - t0
+    host.check(cache)
+    got = np.asarray(host.host_pages(cache))[:b]
+    if not (got == n).all():
+        raise AssertionError(f"host.move left {got.tolist()} host pages per row, not {n}")
+    return cache, seconds
+
+
+def trial(run: Run, model, params, table, name: str, n: int, first, new_tokens: int) -> dict:
+    """One fresh cache: fill, move n pages per row out, decode, move them back."""
+    b = run.batch
+    cache, move_out = prepare(run, model, table, name, n)
+    out = dict(move_out_s=move_out, move_in_s=None)
     out["device_kv_bytes"], out["host_kv_bytes"] = live_bytes(cache, b)
     out["moved_bytes"] = out["host_kv_bytes"]
     times, tokens = [], []
@@ -339,18 +359,63 @@ def trial(run: Run, model, params, table, name: str, n: int, first, new_tokens: 
     return out
 
 
-def check_trial(run: Run, config: LlamaConfig, t: dict, ref_tokens: dict) -> list[str]:
-    """The trial's greedy tokens against its cache format's first trial (the reference),
+def near_tie(run: Run, model, params, table, first, name: str, refs: tuple[int, np.ndarray],
+             n: int, toks: np.ndarray) -> dict:
+    """Whether greedy tokens that differ from the reference's flipped at a near tie.
+
+    Teacher-forced log-probabilities (`kvjax.generate.score`, the same step function):
+    the reference tokens under the reference share and under this one, and, at each
+    differing row's first differing step s, the margin by which the reference share
+    preferred its token r over this share's token a (lp(r) - lp(a) >= 0). A tie is
+    when both the margin and every per-step difference stay within TIE_NATS.
+    """
+    n_ref, ref = refs
+    rows = np.nonzero((toks != ref).any(axis=1))[0]
+    steps = {int(b): int(np.argmax(toks[b] != ref[b])) for b in rows}
+    alt = [ref[b, : steps[b]].tolist() + [int(toks[b, steps[b]])] if b in steps
+           else ref[b, :1].tolist() for b in range(run.batch)]
+
+    def score(pages, continuations):
+        cache, _ = prepare(run, model, table, name, pages)
+        return gen.score(model, params, first, continuations, cache=cache,
+                         free_finished=False).logprobs
+
+    lp_ref, lp_here = score(n_ref, ref.tolist()), score(n, ref.tolist())
+    lp_alt = score(n_ref, alt)
+    margins = {b: float(lp_ref[b, s] - lp_alt[b, s]) for b, s in steps.items()}
+    drift = float(np.max(np.abs(lp_ref - lp_here)))
+    return dict(rows=[int(b) for b in rows], first_steps=steps, margins_nats=margins,
+                max_logprob_diff_nats=drift,
+                tie=bool(drift <= TIE_NATS and max(margins.values()) <= TIE_NATS))
+
+
+def tokens_verdict(t: dict) -> str:
+    if t["tokens_same_as_reference"] == 1.0:
+        return "same"
+    return "near tie" if t["near_tie"]["tie"] else "DIFFER"
+
+
+def check_trial(run: Run, config: LlamaConfig, t: dict, ref_tokens: dict, diagnose) -> list[str]:
+    """The trial's greedy tokens against its cache format's first trial (the reference;
+    differing tokens go to `diagnose`, which says whether they flipped at a near tie),
     and a bf16 tier's bytes against `kvjax.memory.host_tier_bytes`; returns failures."""
     failures = []
     where = f"round {t['round']} {t['cache']} {float(t['fraction']):.0%}"
     toks = t.pop("tokens")
-    ref = ref_tokens.setdefault(t["cache"], toks)
+    n_ref, ref = ref_tokens.setdefault(t["cache"], (t["host_pages"], toks))
     same = float(np.mean(toks == ref))
     t.update(tokens=toks.tolist(), tokens_same_as_reference=same)
     if same != 1.0:
-        failures.append(f"{where}: greedy tokens differ from the reference's "
-                        f"({100 * same:.0f}% same)")
+        t["near_tie"] = d = diagnose(t["cache"], (n_ref, ref), t["host_pages"], toks)
+        print(f"{where}: greedy tokens differ in rows {d['rows']} from steps "
+              f"{list(d['first_steps'].values())}; reference margins "
+              f"{[f'{m:.2g}' for m in d['margins_nats'].values()]} nats, teacher-forced "
+              f"log-probabilities within {d['max_logprob_diff_nats']:.2g} nats: "
+              f"{'a near tie' if d['tie'] else 'NOT a near tie'} (limit {TIE_NATS:g})",
+              flush=True)
+        if not d["tie"]:
+            failures.append(f"{where}: greedy tokens differ from the reference's "
+                            f"({100 * same:.0f}% same), not at a near tie")
     if t["cache"] == "bf16":
         acct = host_tier_bytes(attention_spec(config), config.num_layers, run.context,
                                host_fraction=t["fraction"], page_size=run.page_size,
@@ -394,7 +459,9 @@ def summarize(run: Run, weight_bytes: int, probes: list[dict], trials: list[dict
             ok_ts = [t for t in ts if "error" not in t]
             timed = [t for t in ok_ts if t["round"] > 0]
             row = dict(cache=name, host_fraction=float(f), host_pages_per_row=ts[0]["host_pages"],
-                       trials=len(ts), errors=[t["error"] for t in ts if "error" in t])
+                       trials=len(ts), errors=[t["error"] for t in ts if "error" in t],
+                       tokens_same=all(t.get("tokens_same_as_reference") == 1.0 for t in ok_ts),
+                       near_ties=sum(bool(t.get("near_tie", {}).get("tie")) for t in ok_ts))
             if not timed:
                 rows.append(row)
                 continue
@@ -438,7 +505,7 @@ def print_table(run: Run, summary: dict) -> None:
           f"streaming read {bw['read_GBps']:.1f}. Bound uses host->device "
           f"{bw['h2d_for_bound_GBps']:.1f} ({bw['h2d_for_bound_from']}) and the read.")
     hdr = ["cache", "host", "host MB", "device MB (KV+w)", "step ms (min-max)", "bound ms",
-           "step/bound", f"<= {run.within}x", "vs 0%"]
+           "step/bound", f"<= {run.within}x", "vs 0%", "tokens"]
     lines = []
     for r in summary["rows"]:
         if "step_median_s" not in r:
@@ -455,7 +522,9 @@ def print_table(run: Run, summary: dict) -> None:
             f"{r['bound_s'] * 1e3:.2f} = {r['bound_host_s'] * 1e3:.2f} + "
             f"{r['bound_device_s'] * 1e3:.2f}",
             f"{r['step_over_bound']:.2f}", "yes" if r["within"] else "no",
-            "–" if r["step_vs_0"] is None else f"{r['step_vs_0']:.2f}x"])
+            "–" if r["step_vs_0"] is None else f"{r['step_vs_0']:.2f}x",
+            "same" if r["tokens_same"] else "near tie" if r["near_ties"] == r["trials"]
+            else "DIFFER"])
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *lines, strict=True)]
     for line in [hdr, *lines]:
         print("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)))
@@ -625,7 +694,13 @@ def main(argv=None):
     probes = [probe()]
     print(f"probe: {', '.join(f'{k} {v:.1f}' for k, v in probes[0].items())}", flush=True)
 
-    trials, ref_tokens, failures = [], {}, []
+    trials, ref_tokens, failures, ties = [], {}, [], {}
+
+    def diagnose(name, refs, n, toks):  # the same tokens again: the same verdict
+        key = (name, n, toks.tobytes())
+        if key not in ties:
+            ties[key] = near_tie(run, model, params, table, first, name, refs, n, toks)
+        return ties[key]
     state = dict(rounds_timed=0, stopped_early=None)
 
     def save(final: bool):
@@ -639,7 +714,7 @@ def main(argv=None):
                                 "and pinned_host memory; read: jitted jnp.sum, float32"),
             probes=probes, rounds_timed=state["rounds_timed"],
             stopped_early=state["stopped_early"], **summary,
-            trials=[{k: v for k, v in t.items() if k != "tokens"} for t in trials],
+            trials=trials,
             wall_s=time.perf_counter() - started)
         with open(out, "w") as f:
             json.dump(result, f, indent=1, default=str)
@@ -676,12 +751,12 @@ def main(argv=None):
                 print(t["error"], file=sys.stderr, flush=True)
             trials.append(t)
             if "error" not in t:
-                failures += check_trial(run, config, t, ref_tokens)
+                failures += check_trial(run, config, t, ref_tokens, diagnose)
                 print(f"round {rnd}{' (warm-up)' if rnd == 0 else ''} {name:4s} host "
                       f"{float(f):4.0%} ({n} pages/row): {time.perf_counter() - c0:6.1f} s; "
                       f"step {1e3 * float(np.median(t['step_s'])):.2f} ms; moves out / back "
                       f"{t['move_out_s'] or 0:.3f} / {t['move_in_s'] or 0:.3f} s; tokens "
-                      f"{'same' if t['tokens_same_as_reference'] == 1.0 else 'DIFFER'}",
+                      f"{tokens_verdict(t)}",
                       flush=True)
             save(final=False)
         probes.append(probe())
