@@ -1,6 +1,8 @@
 """Every lever through the one decode engine: the composition matrix.
 
-    family   {Llama GQA, Qwen2 (q/k/v bias, tied embeddings), DeepSeek-V2 (MLA + MoE)}
+    family   {Llama GQA, Qwen2 (q/k/v bias, tied embeddings), DeepSeek-V2 (MLA + MoE),
+              Qwen3-Next (Gated DeltaNet + gated full attention; policies, page kinds and
+              sharding act on the full-attention layers, the recurrent state is per slot)}
   x cache    {float32, bfloat16, KIVI int8, int4, int2}
   x policy   {none, StreamingLLM, H2O, SnapKV, PyramidKV, Quest}
   x devices  {1, 8 with heads+sequences, 8 with context}
@@ -16,7 +18,7 @@ forward with the policy's selection, the policy's hooks) one step at a time from
 Python, without the jitted loop.
 
 The cells are one `slow` sweep: by default a daily sample that covers every value of
-every axis runs; `--slow` (or KVJAX_SLOW=1) runs all 1080 cells.
+every axis runs; `--slow` (or KVJAX_SLOW=1) runs all 1440 cells.
 """
 
 import functools
@@ -35,6 +37,7 @@ from kvjax.cache.policies.base import to_slots
 from kvjax.generate import setup
 from kvjax.models import deepseek as ds
 from kvjax.models import llama
+from kvjax.models import qwen3_next as q3n
 from kvjax.models.base import get_family
 from kvjax.rope import RopeConfig
 from kvjax.specs import QuantSpec
@@ -44,7 +47,7 @@ PROMPT_LENS = (27, 19)
 NEW = 6
 CHUNK = 16
 
-FAMILIES = ("llama", "qwen2", "deepseek")
+FAMILIES = ("llama", "qwen2", "deepseek", "qwen3_next")
 CACHES = ("float32", "bfloat16", "int8", "int4", "int2")
 POLICIES = ("none", "streaming_llm", "h2o", "snapkv", "pyramidkv", "quest")
 DEVICES = ("1", "8:heads+sequences", "8:context")
@@ -78,6 +81,13 @@ def _model(family: str):
                                    num_layers=2, q_heads=8, kv_heads=4, head_dim=16, rope=rope,
                                    qkv_bias=True, tie_word_embeddings=True,
                                    architecture="Qwen2ForCausalLM")
+    elif family == "qwen3_next":
+        config = q3n.Qwen3NextConfig(
+            vocab_size=96, hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+            layer_types=("linear_attention", "full_attention", "linear_attention"),
+            q_heads=8, kv_heads=4, head_dim=16, rope=RopeConfig(theta=10000.0, dim=8),
+            linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16)
     else:
         config = ds.DeepseekConfig(vocab_size=96, hidden_size=48, intermediate_size=64,
                                    num_layers=2, num_heads=8, kv_lora_rank=16,
@@ -85,7 +95,7 @@ def _model(family: str):
                                    first_k_dense_replace=1, n_routed_experts=4,
                                    num_experts_per_tok=2, moe_intermediate_size=32,
                                    n_shared_experts=1)
-    fam = get_family("deepseek" if family == "deepseek" else "llama")
+    fam = get_family(family if family in ("deepseek", "qwen3_next") else "llama")
     params = fam.init_params(config, jax.random.key(SEED))
     # Larger weights than init's spread the logits (greedy ties unlikely).
     params = jax.tree.map(
