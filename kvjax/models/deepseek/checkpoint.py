@@ -15,7 +15,7 @@ import numpy as np
 from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.params import DeepseekParams, param_shapes
 
-__all__ = ["params_from_hf"]
+__all__ = ["params_from_hf", "read_tensor"]
 
 
 def params_from_hf(
@@ -44,17 +44,7 @@ def params_from_hf(
     buffers = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), param_shapes(config))
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        try:
-            t = get_tensor(name)
-        except KeyError as e:
-            raise KeyError(f"params_from_hf: checkpoint has no tensor {name!r}.") from e
-        t = np.asarray(t)
-        if t.shape != shape:
-            raise ValueError(f"params_from_hf: tensor {name!r} has shape {t.shape}, expected "
-                             f"{shape} for this config.")
-        if t.dtype.name.startswith("float8"):
-            t = _dequantize_fp8(name, t, get_tensor, config.fp8_block_size)
-        return t
+        return read_tensor(get_tensor, name, shape, config.fp8_block_size)
 
     c = config
     h, nh = c.hidden_size, c.num_heads
@@ -132,6 +122,26 @@ def params_from_hf(
         out.append(jnp.asarray(leaves[j]))
         leaves[j] = None
     return jax.tree.unflatten(treedef, out)
+
+
+def read_tensor(get_tensor: Callable[[str], np.ndarray], name: str, shape: tuple[int, ...],
+                fp8_block: tuple[int, int]) -> np.ndarray:
+    """One checkpoint tensor as a NumPy array of `shape`; block-FP8 weights dequantized.
+
+    Raises:
+      KeyError: the checkpoint has no tensor `name`. ValueError: its shape is not `shape`.
+    """
+    try:
+        t = get_tensor(name)
+    except KeyError as e:
+        raise KeyError(f"params_from_hf: checkpoint has no tensor {name!r}.") from e
+    t = np.asarray(t)
+    if t.shape != shape:
+        raise ValueError(f"params_from_hf: tensor {name!r} has shape {t.shape}, expected "
+                         f"{shape} for this config.")
+    if t.dtype.name.startswith("float8"):
+        t = _dequantize_fp8(name, t, get_tensor, fp8_block)
+    return t
 
 
 def _dequantize_fp8(name: str, w: np.ndarray, get_tensor, block: tuple[int, int]) -> np.ndarray:

@@ -11,7 +11,7 @@ import numpy as np
 from kvjax.rope import RopeConfig, softmax_scale_multiplier
 from kvjax.specs import MLASpec, canonical_dtype
 
-__all__ = ["DeepseekConfig", "ARCHITECTURES"]
+__all__ = ["DeepseekConfig", "ARCHITECTURES", "hf_fields"]
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _SCORING = ("softmax", "sigmoid")
@@ -203,60 +203,69 @@ class DeepseekConfig:
                 f"DeepseekConfig.from_hf: model_type {model_type!r} (architectures {arch!r})"
                 f" is not a DeepSeek-V2/V3 model; supported architectures: {ARCHITECTURES}."
             )
-        v3 = model_type == "deepseek_v3"
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                          ("moe_layer_freq", 1)):
-            if key in c and c[key] not in (want, None):
-                raise ValueError(f"DeepseekConfig.from_hf: {key}={c[key]!r} is not supported "
-                                 f"(only {want!r}).")
-        missing = [k for k in _REQUIRED if c.get(k) is None]
-        if missing:
-            raise ValueError(f"DeepseekConfig.from_hf: config.json lacks {missing}; a "
-                             f"{model_type} config needs every one of {list(_REQUIRED)}.")
-        # num_key_value_heads is meaningless for MLA (kv_b_proj expands every head from the
-        # latent), so it is not read.
-        heads = c["num_attention_heads"]
-        scoring = "sigmoid" if v3 else "softmax"
-        if c.get("scoring_func") not in (None, scoring):
-            raise ValueError(f"DeepseekConfig.from_hf: scoring_func={c['scoring_func']!r} is not "
-                             f"what {model_type} uses ({scoring!r}).")
-        topk_method = "noaux_tc" if v3 else (c.get("topk_method") or "greedy")
-        if v3 and c.get("topk_method") not in (None, "noaux_tc"):
-            raise ValueError(f"DeepseekConfig.from_hf: topk_method={c['topk_method']!r} is not "
-                             f"supported for deepseek_v3 (only 'noaux_tc').")
-        rope = RopeConfig.from_hf(c, c["qk_rope_head_dim"],
-                                  interleaved=bool(c.get("rope_interleave", True)) if v3 else True)
-        fp8_block = (128, 128)
-        quant = c.get("quantization_config")
-        if quant:
-            if quant.get("quant_method") != "fp8":
-                raise ValueError(
-                    f"DeepseekConfig.from_hf: quantization_config quant_method="
-                    f"{quant.get('quant_method')!r} is not supported (only block 'fp8', which "
-                    f"is dequantized on load)."
-                )
-            fp8_block = tuple(int(b) for b in quant.get("weight_block_size") or (128, 128))
-        n_experts = c.get("n_routed_experts") or 0
-        first_dense = c.get("first_k_dense_replace")
-        fields = dict(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
-            num_heads=heads, kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
-            qk_rope_head_dim=c["qk_rope_head_dim"], qk_nope_head_dim=c["qk_nope_head_dim"],
-            v_head_dim=c["v_head_dim"], rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
-            rope=rope,
-            first_k_dense_replace=(3 if v3 else 0) if first_dense is None else first_dense,
-            n_routed_experts=n_experts,
-            num_experts_per_tok=c.get("num_experts_per_tok") or 0,
-            moe_intermediate_size=c.get("moe_intermediate_size") or 0,
-            n_shared_experts=c.get("n_shared_experts") or 0,
-            scoring_func=scoring, topk_method=topk_method,
-            n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
-            routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
-            norm_topk_prob=bool(c.get("norm_topk_prob", v3)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
-            fp8_block_size=fp8_block,
-        )
+        fields = hf_fields(c, model_type, v3=model_type == "deepseek_v3")
         fields.update(overrides)
         return cls(**fields)
+
+
+def hf_fields(c: dict, model_type: str, *, v3: bool) -> dict:
+    """`DeepseekConfig`'s fields from a DeepSeek `config.json` (parsed) of `model_type`;
+    `v3`: DeepSeek-V3's routing (sigmoid, noaux_tc) and rope layout (`rope_interleave`).
+
+    Raises ValueError naming any setting this implementation does not support.
+    """
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                      ("moe_layer_freq", 1)):
+        if key in c and c[key] not in (want, None):
+            raise ValueError(f"DeepseekConfig.from_hf: {key}={c[key]!r} is not supported "
+                             f"(only {want!r}).")
+    missing = [k for k in _REQUIRED if c.get(k) is None]
+    if missing:
+        raise ValueError(f"DeepseekConfig.from_hf: config.json lacks {missing}; a "
+                         f"{model_type} config needs every one of {list(_REQUIRED)}.")
+    # num_key_value_heads is meaningless for MLA (kv_b_proj expands every head from the
+    # latent), so it is not read.
+    heads = c["num_attention_heads"]
+    scoring = "sigmoid" if v3 else "softmax"
+    if c.get("scoring_func") not in (None, scoring):
+        raise ValueError(f"DeepseekConfig.from_hf: scoring_func={c['scoring_func']!r} is not "
+                         f"what {model_type} uses ({scoring!r}).")
+    topk_method = "noaux_tc" if v3 else (c.get("topk_method") or "greedy")
+    if v3 and c.get("topk_method") not in (None, "noaux_tc"):
+        raise ValueError(f"DeepseekConfig.from_hf: topk_method={c['topk_method']!r} is not "
+                         f"supported for {model_type} (only 'noaux_tc').")
+    rope = RopeConfig.from_hf(c, c["qk_rope_head_dim"],
+                              interleaved=bool(c.get("rope_interleave", True)) if v3 else True)
+    fp8_block = (128, 128)
+    quant = c.get("quantization_config")
+    if quant:
+        if quant.get("quant_method") != "fp8":
+            raise ValueError(
+                f"DeepseekConfig.from_hf: quantization_config quant_method="
+                f"{quant.get('quant_method')!r} is not supported (only block 'fp8', which "
+                f"is dequantized on load)."
+            )
+        fp8_block = tuple(int(b) for b in quant.get("weight_block_size") or (128, 128))
+    n_experts = c.get("n_routed_experts") or 0
+    first_dense = c.get("first_k_dense_replace")
+    fields = dict(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+        num_heads=heads, kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
+        qk_rope_head_dim=c["qk_rope_head_dim"], qk_nope_head_dim=c["qk_nope_head_dim"],
+        v_head_dim=c["v_head_dim"], rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
+        rope=rope,
+        first_k_dense_replace=(3 if v3 else 0) if first_dense is None else first_dense,
+        n_routed_experts=n_experts,
+        num_experts_per_tok=c.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=c.get("moe_intermediate_size") or 0,
+        n_shared_experts=c.get("n_shared_experts") or 0,
+        scoring_func=scoring, topk_method=topk_method,
+        n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
+        routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
+        norm_topk_prob=bool(c.get("norm_topk_prob", v3)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
+        fp8_block_size=fp8_block,
+    )
+    return fields

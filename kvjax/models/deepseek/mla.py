@@ -27,8 +27,8 @@ from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.params import DeepseekLayerParams
 from kvjax.rope import apply_rope, rope_cos_sin
 
-__all__ = ["rope_tables", "mla_inputs", "absorb_query", "output", "mla_attention_naive",
-           "LATENT_NORM_EPS"]
+__all__ = ["rope_tables", "q_lora", "mla_inputs", "absorb_query", "output",
+           "mla_attention_naive", "LATENT_NORM_EPS"]
 
 # transformers builds q_a_layernorm / kv_a_layernorm without passing rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -39,8 +39,16 @@ def rope_tables(config: DeepseekConfig, positions: Int[Array, "batch q_len"]):
     return rope_cos_sin(positions, config.rope, jnp.float32)
 
 
-def mla_inputs(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin):
+def q_lora(p: DeepseekLayerParams, x):
+    """The normalised low-rank query `q_a_layernorm(q_a_proj(x))` [B,T,q_lora_rank] (a
+    config with `q_lora_rank`); DeepSeek-V3.2's indexer reads it too."""
+    return layers.rms_norm(layers.linear(x, p.q_a_proj, None), p.q_a_norm, LATENT_NORM_EPS)
+
+
+def mla_inputs(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin, q_resid=None):
     """Query parts and the new latents of one layer.
+
+    `q_resid`: `q_lora(p, x)` when the caller has it already (else computed here).
 
     Returns q_nope [B,T,H,dn], q_rope [B,T,H,dr] (rotated), c_kv [B,T,dc]
     (normalised), k_rope [B,T,dr] (rotated).
@@ -50,7 +58,7 @@ def mla_inputs(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin):
     if c.q_lora_rank is None:
         q = layers.linear(x, p.q_proj, None)
     else:
-        q_a = layers.rms_norm(layers.linear(x, p.q_a_proj, None), p.q_a_norm, LATENT_NORM_EPS)
+        q_a = q_lora(p, x) if q_resid is None else q_resid
         q = layers.linear(q_a, p.q_b_proj, None)
     q = q.reshape(b, t, c.num_heads, c.qk_head_dim)
     q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]

@@ -23,7 +23,7 @@ from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.params import DeepseekLayerParams, DeepseekParams
 from kvjax.specs import CacheSpec, canonical_dtype
 
-__all__ = ["cache_spec", "forward", "forward_dense"]
+__all__ = ["cache_spec", "forward", "forward_dense", "run_decoder", "check_forward_args"]
 
 
 def cache_spec(
@@ -56,7 +56,9 @@ def _attention(p: DeepseekLayerParams, config: DeepseekConfig, x, cos, sin, cach
     return mla.output(p, config, out.astype(x.dtype)), cache, q
 
 
-def _check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids):
+def check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids):
+    """`forward`'s argument checks (shapes, dtypes, the cache's geometry); raises
+    ValueError / TypeError naming what was given and what the model needs."""
     if tokens.ndim != 2 or positions.shape != tokens.shape:
         raise ValueError(f"forward: tokens and positions must both be [batch, q_len]; got "
                          f"{tokens.shape} and {positions.shape}.")
@@ -123,8 +125,41 @@ def forward(
       updated cache), plus, with `observe`, the queries of every layer
       [layers, batch, q_len, heads, d_c + d_rope].
     """
-    _check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids)
+    check_forward_args(config, tokens, positions, cache, q_lengths, seq_ids)
     check_logits_at(logits_at, tokens.shape)
+
+    def attention(p, h, cos, sin, cache, layer, rows):
+        return _attention(p, config, h, cos, sin, cache, layer, rows, impl, select)
+
+    return run_decoder(params, config, tokens, positions, cache, attention,
+                       q_lengths=q_lengths, seq_ids=seq_ids, observe=observe,
+                       logits_at=logits_at)
+
+
+def run_decoder(
+    params: DeepseekParams,
+    config: DeepseekConfig,
+    tokens: Int[Array, "batch q_len"],
+    positions: Int[Array, "batch q_len"],
+    cache: PagedKVCache,
+    attention: Callable,
+    *,
+    q_lengths: Int[Array, " batch"],
+    seq_ids: Int[Array, " batch"] | None = None,
+    observe: bool = False,
+    logits_at: Int[Array, "batch k"] | None = None,
+):
+    """The decoder around a layer's attention: embeddings, the dense and MoE layer groups
+    (one `lax.scan` each), the final norm and the LM head (arguments checked by the caller).
+
+    `attention(p, h, cos, sin, cache, layer, rows) -> (out [batch, q_len, hidden], cache,
+    q)` is one layer's attention on the cache, `h` the normed hidden states, `rows` the
+    keyword arguments `q_lengths` and `seq_ids` of the cache operations, `q` the queries
+    `observe` stacks. `forward` passes MLA's; DeepSeek-V3.2 its sparse attention.
+
+    Returns:
+      As `forward`.
+    """
     q_lengths = q_lengths.astype(jnp.int32)
     rows = dict(q_lengths=q_lengths, seq_ids=seq_ids)
     cos, sin = mla.rope_tables(config, positions)
@@ -136,8 +171,8 @@ def forward(
         def body(carry, xs):
             x, cache = carry
             p, i = xs
-            attn, cache, q = _attention(p, config, layers.rms_norm(x, p.input_norm, eps), cos,
-                                        sin, cache, offset + i, rows, impl, select)
+            attn, cache, q = attention(p, layers.rms_norm(x, p.input_norm, eps), cos, sin,
+                                       cache, offset + i, rows)
             x = x + attn
             x = x + mlp_fn(p, layers.rms_norm(x, p.post_norm, eps))
             return (x, cache), (q if observe else None)

@@ -32,7 +32,7 @@ from kvjax.models import layers
 from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.params import MoEParams, SwiGLUParams
 
-__all__ = ["moe", "route", "swiglu"]
+__all__ = ["moe", "route", "swiglu", "experts"]
 
 
 def swiglu(x: Float[Array, "*batch hidden"], p: SwiGLUParams) -> Float[Array, "*batch hidden"]:
@@ -82,8 +82,12 @@ def _moe_impl(config: DeepseekConfig, num_tokens: int) -> str:
     return "dense" if jax.default_backend() == "cpu" else "ragged"
 
 
-def _experts(config: DeepseekConfig, ex: SwiGLUParams, x, weights, idx):
-    """Routed-expert output for tokens x [N, hidden] with top-k (weights, idx)."""
+def experts(config, ex: SwiGLUParams, x, weights, idx):
+    """Routed-expert output for tokens x [N, hidden] with top-k (weights, idx).
+
+    `config` is anything with `num_experts_per_tok`, `n_routed_experts` and `moe_impl`
+    (a `DeepseekConfig`, or another family's stand-in: Qwen3-Next shares this dispatch).
+    """
     n, h = x.shape
     k, e = config.num_experts_per_tok, config.n_routed_experts
     impl = _moe_impl(config, n)
@@ -121,7 +125,7 @@ def moe(p: MoEParams, config: DeepseekConfig, x: Float[Array, "batch q_len hidde
     xf = x.reshape(b * t, h)
     logits = layers.linear(xf.astype(jnp.float32), p.router.T, None)
     weights, idx = route(config, logits, p.bias)
-    out = _experts(config, p.experts, xf, weights, idx)
+    out = experts(config, p.experts, xf, weights, idx)
     if p.shared is not None:
         out = out + swiglu(xf, p.shared)
     return out.reshape(b, t, h)

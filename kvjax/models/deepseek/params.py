@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 from kvjax.models.deepseek.config import DeepseekConfig
 
 __all__ = ["SwiGLUParams", "MoEParams", "DeepseekLayerParams", "DeepseekParams", "init_params",
-           "param_shapes"]
+           "param_shapes", "init_from_shapes"]
 
 
 @jax.tree_util.register_dataclass
@@ -129,18 +129,24 @@ def init_params(config: DeepseekConfig, key: jax.Array, *, std: float = 0.02) ->
     are drawn in the order of their sorted path names, so a key gives the same
     weights whatever the pytree's field order.
     """
+    return init_from_shapes(param_shapes(config), key, std=std)
+
+
+def init_from_shapes(shapes, key: jax.Array, *, std: float = 0.02):
+    """`init_params` of any params pytree given by its `jax.ShapeDtypeStruct` leaves: a
+    leaf named `*bias` starts at 0, one whose name holds "norm" at 1, others normal(0, std)."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     rng = np.random.default_rng(np.asarray(key, np.uint32).ravel())
-    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     out = [None] * len(flat)
     for i in sorted(range(len(flat)), key=lambda i: _path_names(flat[i][0])):
         path, sds = flat[i]
         name = _path_names(path)[-1]
-        if "norm" in name:
-            x = np.ones(sds.shape, np.float32)
-        elif name == "bias":
+        if name.endswith("bias"):
             x = np.zeros(sds.shape, np.float32)
+        elif "norm" in name:
+            x = np.ones(sds.shape, np.float32)
         else:
             x = (std * rng.standard_normal(sds.shape)).astype(np.float32)
         out[i] = jnp.asarray(x).astype(sds.dtype)

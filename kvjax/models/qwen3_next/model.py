@@ -153,7 +153,7 @@ def _moe(p: MoEParams, c: Qwen3NextConfig, x):
     # transformers rounds the routing weights to the activation dtype.
     weights = weights.astype(x.dtype).astype(jnp.float32)
     dispatch = _Dispatch(c.num_experts_per_tok, c.num_experts, c.moe_impl)
-    out = ds_moe._experts(dispatch, p.experts, xf, weights, idx.astype(jnp.int32))
+    out = ds_moe.experts(dispatch, p.experts, xf, weights, idx.astype(jnp.int32))
     if p.shared is not None:
         shared = layers.swiglu(xf, p.shared.gate, p.shared.up, p.shared.down)
         out = out + jax.nn.sigmoid(layers.linear(xf, p.shared_gate, None)) * shared
