@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["AttentionSpec", "MLASpec", "CacheSpec", "QuantSpec", "RecurrentSpec",
-           "canonical_dtype"]
+           "IndexerCacheSpec", "canonical_dtype"]
 
 _CACHE_DTYPES = ("float32", "bfloat16", "float16")
 _QUANT_BITS = (2, 4, 8)
@@ -277,6 +277,38 @@ class RecurrentSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexerCacheSpec:
+    """The key cache of DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2).
+
+    Beside MLA's latent, every layer caches one indexer key per token (shared by all
+    indexer heads), `head_dim` wide. The keys live in a pool of their own beside the
+    latent pool, with the same page ids: one block table and one allocator serve both.
+    They are never quantized (a KIVI cache quantizes the latent only), so the token
+    selection sees the keys the model computed.
+
+    Args:
+      head_dim: width of one indexer key (`index_head_dim`).
+      dtype: element type of the keys, float32, bfloat16 or float16 (the model's
+        dtype, as transformers caches them; it does not follow the latent pages').
+    """
+
+    head_dim: int
+    dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
+
+    def __post_init__(self):
+        _positive_int("IndexerCacheSpec", "head_dim", self.head_dim)
+        dtype = canonical_dtype(self.dtype)
+        if dtype.name not in _CACHE_DTYPES:
+            raise ValueError(f"IndexerCacheSpec.dtype must be one of {_CACHE_DTYPES}, got "
+                             f"{dtype.name}.")
+        object.__setattr__(self, "dtype", dtype)
+
+    def bytes_per_token(self, num_layers: int) -> int:
+        """Bytes of one token's indexer keys over `num_layers` layers."""
+        return num_layers * self.head_dim * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheSpec:
     """Shape and layout of a paged KV cache.
 
@@ -293,6 +325,8 @@ class CacheSpec:
         is then the type of the full-precision tail and of MLA's k_rope.
       recurrent: a hybrid model's per-slot linear-attention state (`RecurrentSpec`);
         `num_layers` then counts the full-attention layers, which hold pages.
+      indexer: an MLA cache's lightning-indexer keys (`IndexerCacheSpec`, DeepSeek-V3.2):
+        a third pool beside the latent pools, sharing their pages.
     """
 
     attention: AttentionSpec | MLASpec
@@ -304,8 +338,17 @@ class CacheSpec:
     dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
     quant: QuantSpec | None = None
     recurrent: RecurrentSpec | None = None
+    indexer: IndexerCacheSpec | None = None
 
     def __post_init__(self):
+        if self.indexer is not None:
+            if not isinstance(self.indexer, IndexerCacheSpec):
+                raise ValueError(f"CacheSpec.indexer must be an IndexerCacheSpec or None, got "
+                                 f"{type(self.indexer).__name__}.")
+            if not isinstance(self.attention, MLASpec):
+                raise ValueError("CacheSpec.indexer: indexer keys sit beside an MLA latent "
+                                 "cache; this cache's attention is "
+                                 f"{type(self.attention).__name__}, not MLASpec.")
         if self.recurrent is not None and not isinstance(self.recurrent, RecurrentSpec):
             raise ValueError(f"CacheSpec.recurrent must be a RecurrentSpec or None, got "
                              f"{type(self.recurrent).__name__}.")
@@ -354,6 +397,14 @@ class CacheSpec:
         h = self.attention.cache_heads
         base = (self.num_layers, h, self.num_pages, self.page_size)
         return (*base, w0), (*base, w1)
+
+    @property
+    def index_pool_shape(self) -> tuple[int, ...] | None:
+        """Shape of the indexer key pool `[layers, 1, pages, page_size, index_head_dim]`
+        (None without an indexer)."""
+        if self.indexer is None:
+            return None
+        return (self.num_layers, 1, self.num_pages, self.page_size, self.indexer.head_dim)
 
     def replace(self, **changes) -> "CacheSpec":
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,8 @@ Full-precision pages are plain arrays (`[kv_heads, pages, page_size, width]`, or
 cache's whole pools with `layer=`). KIVI-quantized pages are packed codes with their
 scales and zeros (`QuantLayer`), read together with the sequence's full-precision tail
 ring (`QuantizedLayerView`). A `Selection` names the pages a decode step reads instead
-of each sequence's own block table (page-selecting cache policies such as Quest).
+of each sequence's own block table (page-selecting cache policies such as Quest); a
+`TokenSelection` names single tokens per query (DeepSeek Sparse Attention's indexer).
 
 These are the types the attention layer takes; `kvjax.cache` builds them from a cache
 (`kvjax.cache.layer_view`) and re-exports them.
@@ -15,7 +16,7 @@ import dataclasses
 import jax
 from jaxtyping import Array, Float, Int, UInt8
 
-__all__ = ["QuantLayer", "QuantizedLayerView", "Selection"]
+__all__ = ["QuantLayer", "QuantizedLayerView", "Selection", "TokenSelection"]
 
 
 @jax.tree_util.register_dataclass
@@ -117,3 +118,24 @@ class Selection:
         if seq_ids is None:
             return self
         return Selection(block_tables=self.block_tables[seq_ids], lengths=self.lengths[seq_ids])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenSelection:
+    """Which cached tokens each query of one layer reads (DeepSeek Sparse Attention).
+
+    Attributes:
+      positions: int32[batch, q_len, k], positions in each row's sequence that query t
+        of row b attends to, in any order; -1 marks an unused entry (a query that sees
+        fewer than k tokens). Rows are the batch rows of the call (not cache slots).
+        Every position must be visible to its query (cached, and not after it): the
+        selection is made that way (`kvjax.cache.indexer_topk`), attention does not
+        mask it again.
+    """
+
+    positions: Int[Array, "batch q_len k"]
+
+    @property
+    def k(self) -> int:
+        return self.positions.shape[-1]

@@ -100,6 +100,10 @@ def attach(
     if cache.recurrent is not None:
         raise ValueError("attach: a hybrid model's cache (recurrent state per slot) does not "
                          "take a host tier yet: a swapped-out slot would lose its state.")
+    if cache.spec.indexer is not None:
+        raise ValueError("attach: a cache with lightning-indexer keys (DeepSeek-V3.2, "
+                         "CacheSpec.indexer) does not take a host tier yet: the tier's pools "
+                         "and streamed attention cover the latent pages only.")
     spread = {len(x.sharding.device_set) for x in jax.tree.leaves(cache.pages)
               if hasattr(x, "sharding")}
     if spread - {1}:

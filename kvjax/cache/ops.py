@@ -9,7 +9,10 @@
     cache, status = fork(cache, src, dst)                  # share pages (no copy)
     cache = free(cache, seqs)                              # pages return to the pool
 
-A model calls only `write` and `attend`; which page kind the cache holds
+A model calls only `write` and `attend` (and a DeepSeek-V3.2 model, whose MLA cache holds
+lightning-indexer keys beside the latents, `indexer_topk` for the tokens each query
+attends to: `write(..., index_keys=)`, then `attend(..., selection=TokenSelection)`);
+which page kind the cache holds
 (full-precision K/V or MLA latents, KIVI-quantized K/V or latents) decides, here and
 nowhere else, which implementation runs: `kvjax.cache.paged` for full-precision pages,
 `kvjax.cache.quantized` for KIVI pages, and the matching `kvjax.attention` op.
@@ -35,9 +38,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import attention as kattn
 from kvjax.attention import scores as kscores
+from kvjax.attention import sparse as ksparse
 from kvjax.attention import xla as xla_path
 from kvjax.attention import xla_quantized
-from kvjax.attention.pages import QuantizedLayerView, Selection
+from kvjax.attention.pages import QuantizedLayerView, Selection, TokenSelection
 from kvjax.cache import host, paged, quantized, recurrent
 from kvjax.cache import page_table as pt
 from kvjax.cache import quant as kquant
@@ -46,6 +50,7 @@ from kvjax.specs import CacheSpec
 
 __all__ = [
     "init_cache",
+    "indexer_topk",
     "reserve",
     "fork",
     "free",
@@ -361,6 +366,7 @@ def write(
     *,
     q_lengths: Int[Array, " batch"],
     seq_ids: Int[Array, " batch"] | None = None,
+    index_keys: Float[Array, "batch q_len d_index"] | None = None,
 ) -> PagedKVCache:
     """Writes one layer's new tokens (reserved by the last `reserve`) into the cache.
 
@@ -374,6 +380,9 @@ def write(
       q_lengths: int32[batch], real tokens per row: row b's token t (t < q_lengths[b])
         goes to position `lengths[seq_b] - q_lengths[b] + t`; later tokens are padding.
       seq_ids: int32[batch], distinct cache slots of the rows (default every slot in order).
+      index_keys: the tokens' lightning-indexer keys `[batch, q_len, d_index]`, given
+        exactly when the cache has an indexer (`CacheSpec.indexer`); cast to its dtype
+        and stored beside the latents, in the same pages (never quantized).
 
     Returns:
       The cache with the tokens written (a quantized cache also quantizes the pages they
@@ -407,12 +416,24 @@ def write(
                              f" (the real tokens of row {r}).")
     if seq_ids is not None:
         seq_ids = _slot_ids("write", seq_ids, batch, spec)
+    if (index_keys is None) != (spec.indexer is None):
+        raise ValueError(
+            "write: " + ("the cache holds lightning-indexer keys (CacheSpec.indexer); give "
+                         "index_keys=[batch, q_len, d_index]" if spec.indexer is not None else
+                         "index_keys given, but the cache has no indexer (CacheSpec.indexer)")
+            + ".")
+    if index_keys is not None:
+        index_keys = jnp.asarray(index_keys).astype(spec.indexer.dtype)
+        want = (batch, q_len, spec.indexer.head_dim)
+        if index_keys.shape != want:
+            raise ValueError(f"write: index_keys must be [batch, q_len, d_index] = {want}, got "
+                             f"{index_keys.shape}.")
     if cache.tail is not None:
         _check_kivi_values(cache, a, b, seq_ids)
-        return quantized.write_layer(cache, layer, a, b, seq_ids)
+        return quantized.write_layer(cache, layer, a, b, seq_ids, index_keys=index_keys)
     positions, valid = _positions(cache, q_lengths, q_len, seq_ids)
     slots = paged.token_slots(cache, positions, valid, seq_ids)
-    return paged.write_layer(cache, layer, slots, a, b)
+    return paged.write_layer(cache, layer, slots, a, b, index_keys=index_keys)
 
 
 def layer_view(
@@ -446,7 +467,7 @@ def attend(
     *,
     q_lengths: Int[Array, " batch"],
     seq_ids: Int[Array, " batch"] | None = None,
-    selection: Selection | None = None,
+    selection: Selection | TokenSelection | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -468,7 +489,9 @@ def attend(
       seq_ids: int32[batch], the rows' cache slots (default every slot in order).
       selection: decode only: the pages to read instead of each sequence's own
         (`kvjax.attention.Selection`, one row per slot; on a quantized cache, quantized
-        pages, the tail being read besides).
+        pages, the tail being read besides). Or, on an MLA cache, decode and prefill
+        alike: the tokens each query reads (`kvjax.attention.TokenSelection`, one row
+        per batch row, from `indexer_topk`): attention over those tokens only.
       scale: logit scale (default 1/sqrt(head_dim); MLA needs it given).
       soft_cap, sliding_window: as in `kvjax.attention.paged_decode_attention` (MHA/GQA/MQA).
       impl, interpret: the attention implementation (`kvjax.attention.IMPLS` or a
@@ -501,7 +524,15 @@ def attend(
     q_lengths = _rows_vector("attend", "q_lengths", q_lengths, q0.shape[0])
     if seq_ids is not None:
         seq_ids = _slot_ids("attend", seq_ids, q0.shape[0], spec, distinct=False)
-    if selection is not None and q_len != 1:
+    if isinstance(selection, TokenSelection):
+        if not mla:
+            raise ValueError("attend: a TokenSelection (DeepSeek Sparse Attention) applies to "
+                             "MLA caches.")
+        want = (q0.shape[0], q_len)
+        if selection.positions.ndim != 3 or selection.positions.shape[:2] != want:
+            raise ValueError(f"attend: TokenSelection positions must be [batch, q_len, k] with "
+                             f"[batch, q_len] = {want}, got {selection.positions.shape}.")
+    elif selection is not None and q_len != 1:
         raise ValueError(f"attend: a selection applies to decode (q_len 1), got q_len {q_len}.")
     if scale is None:
         if mla:
@@ -517,6 +548,8 @@ def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sli
             kw):
     """`attend` after its checks: the op of the cache's page kind."""
     spec = cache.spec
+    if isinstance(selection, TokenSelection):
+        return _attend_tokens(cache, layer, q, seq_ids, selection, scale, kw)
     if cache.host is not None and cache.host.stream_pages > 0:
         if selection is not None:
             raise ValueError("attend: a selection does not combine with host-resident pages "
@@ -578,6 +611,97 @@ def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sli
                                            scale=scale, **kw)
     return kattn.paged_prefill_attention(q, *pools, lengths, tables, q_lengths, scale=scale,
                                          soft_cap=soft_cap, sliding_window=sliding_window, **kw)
+
+
+def _attend_tokens(cache, layer, q, seq_ids, selection, scale, kw):
+    """MLA attention over a `TokenSelection` of each row's tokens, on either page kind."""
+    if cache.host is not None:
+        raise ValueError("attend: a TokenSelection does not combine with a host tier.")
+    if cache.tail is not None:
+        view = _rows_view(quantized.layer_view(cache, layer, whole_pools=True), seq_ids)
+        return ksparse.quantized_mla_sparse_attention(q[0], q[1], view, selection, scale=scale,
+                                                      **kw)
+    pools = paged._pools(cache.pages)
+    tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
+    return ksparse.mla_sparse_attention(q[0], q[1], *pools, tables, selection, scale=scale,
+                                        layer=layer, **kw)
+
+
+def indexer_topk(
+    cache: PagedKVCache,
+    layer: int | Int[Array, ""],
+    q: Float[Array, "batch q_len index_heads d_index"],
+    weights: Float[Array, "batch q_len index_heads"],
+    *,
+    topk: int,
+    scale: float,
+    q_lengths: Int[Array, " batch"],
+    seq_ids: Int[Array, " batch"] | None = None,
+    impl="auto",
+) -> TokenSelection | None:
+    """The lightning indexer's choice: each query's `topk` best cached tokens (DeepSeek-V3.2).
+
+    Scores every token of the row's sequence visible to the query (the new tokens
+    written, causal) by `sum_h weights[h] * relu(scale * q[h] . k_index)` against the
+    cache's indexer keys (`kvjax.attention.indexer_scores`; on a KIVI cache the keys
+    of its quantized pages and of its full-precision tail ring), and keeps the
+    `min(topk, seen)` best (ties: the earlier position).
+
+    Args:
+      cache: a cache with an indexer (`CacheSpec.indexer`) holding the queries' tokens.
+      layer: the layer.
+      q: indexer queries (rotated) `[batch, q_len, index_heads, d_index]`.
+      weights: per-head weights `[batch, q_len, index_heads]`.
+      topk: tokens per query (`index_topk`, static).
+      scale: the score scale (`index_head_dim ** -0.5`).
+      q_lengths, seq_ids: as in `attend`.
+      impl: as in `attend` (a `ShardedAttention` scores each device's pages).
+
+    Returns:
+      A `TokenSelection` for `attend`, or None when no sequence can hold more than
+      `topk` tokens (every query then attends to all it sees: dense attention is the
+      same set, read without scoring).
+
+    Raises:
+      ValueError / TypeError: a cache without an indexer, a layer outside it, or
+        queries, weights, q_lengths or seq_ids of the wrong shape or dtype.
+    """
+    spec = cache.spec
+    if spec.indexer is None:
+        raise ValueError("indexer_topk: the cache holds no indexer keys; build it from a "
+                         "spec with indexer=IndexerCacheSpec(...) (a DeepSeek-V3.2 model's "
+                         "make_cache_spec).")
+    paged.check_layer(spec, layer)
+    if isinstance(topk, bool) or not isinstance(topk, int | np.integer) or topk < 1:
+        raise ValueError(f"indexer_topk: topk must be a positive int, got {topk!r}.")
+    if q.ndim != 4 or q.shape[-1] != spec.indexer.head_dim:
+        raise ValueError(f"indexer_topk: q must be [batch, q_len, index_heads, "
+                         f"{spec.indexer.head_dim}], got {q.shape}.")
+    batch, q_len = q.shape[:2]
+    q_lengths = _rows_vector("indexer_topk", "q_lengths", q_lengths, batch)
+    if seq_ids is not None:
+        seq_ids = _slot_ids("indexer_topk", seq_ids, batch, spec, distinct=False)
+    if spec.max_tokens_per_seq <= topk:
+        return None
+    lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    q_pos = jnp.where(t < q_lengths[:, None], lengths[:, None] - q_lengths[:, None] + t, -1)
+    tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
+    key_lengths = cache.table.lengths if seq_ids is None else cache.table.lengths[seq_ids]
+    scores = ksparse.indexer_scores(q, weights, cache.pages.index_k, tables, key_lengths, q_pos,
+                                    scale=scale, impl=impl, layer=layer)
+    if cache.tail is None:
+        return ksparse.select_topk(scores, topk)
+    ring = quantized.tail_capacity(spec)
+    ring_keys = cache.tail.c[layer, 0]
+    if seq_ids is not None:
+        ring_keys = ring_keys[seq_ids]
+    tail = ksparse.tail_indexer_scores(q, weights, ring_keys, key_lengths, lengths, q_pos,
+                                       scale=scale)
+    cols = jnp.broadcast_to(jnp.arange(scores.shape[-1], dtype=jnp.int32), (batch,
+                                                                           scores.shape[-1]))
+    positions = jnp.concatenate([cols, ksparse.tail_positions(key_lengths, ring)], axis=1)
+    return ksparse.select_topk(jnp.concatenate([scores, tail], axis=-1), topk, positions)
 
 
 def attention_probs(

@@ -33,6 +33,7 @@ __all__ = [
     "set_rows",
     "set_pages",
     "copy_pages",
+    "all_pools",
 ]
 
 
@@ -41,7 +42,12 @@ def init_cache(spec: CacheSpec) -> PagedKVCache:
     shape_a, shape_b = spec.pool_shapes
     a = jnp.zeros(shape_a, spec.dtype)
     b = jnp.zeros(shape_b, spec.dtype)
-    pages = LatentPages(c_kv=a, k_rope=b) if spec.is_mla else KVPages(k=a, v=b)
+    if spec.is_mla:
+        index_k = (None if spec.indexer is None
+                   else jnp.zeros(spec.index_pool_shape, spec.indexer.dtype))
+        pages = LatentPages(c_kv=a, k_rope=b, index_k=index_k)
+    else:
+        pages = KVPages(k=a, v=b)
     table = pt.init_page_table(
         num_pages=spec.num_pages, max_seqs=spec.max_seqs,
         max_pages_per_seq=spec.max_pages_per_seq, page_size=spec.page_size,
@@ -254,6 +260,7 @@ def write_layer(
     slots: Slots,
     a: Float[Array, "batch q_len heads width_a"],
     b: Float[Array, "batch q_len heads width_b"],
+    index_keys: Float[Array, "batch q_len d_index"] | None = None,
 ) -> PagedKVCache:
     """Writes one layer's new tokens into the pools at `slots`.
 
@@ -265,6 +272,8 @@ def write_layer(
       a, b: K and V `[batch, q_len, kv_heads, head_dim]` for MHA/GQA/MQA; for MLA
         c_KV `[batch, q_len, d_c]` and k_rope `[batch, q_len, d_rope]` (a head
         axis of 1 may be present or not). Must have the cache's dtype.
+      index_keys: the tokens' indexer keys `[batch, q_len, d_index]` in the indexer's
+        dtype, exactly when the cache has an indexer (`CacheSpec.indexer`).
     """
     spec = cache.spec
     check_layer(spec, layer)
@@ -272,9 +281,16 @@ def write_layer(
     if spec.is_mla:
         a = a[:, :, None] if a.ndim == 3 else a
         b = b[:, :, None] if b.ndim == 3 else b
-    pools = _pools(cache.pages)
     names = ("c_kv", "k_rope") if spec.is_mla else ("k", "v")
-    for name, pool, x in zip(names, pools, (a, b), strict=True):
+    xs = [a, b]
+    if (index_keys is None) != (spec.indexer is None):
+        raise ValueError("write_layer: give index_keys exactly when the cache has an indexer "
+                         f"(CacheSpec.indexer is {spec.indexer}).")
+    if index_keys is not None:
+        names += ("index_k",)
+        xs.append(index_keys[:, :, None] if index_keys.ndim == 3 else index_keys)
+    pools = [getattr(cache.pages, n) for n in names]
+    for name, pool, x in zip(names, pools, xs, strict=True):
         want = (*slots.page.shape, pool.shape[1], pool.shape[4])
         if x.shape != want:
             raise ValueError(
@@ -286,13 +302,20 @@ def write_layer(
                 f"write_layer: {name} has dtype {x.dtype} but the cache was built for "
                 f"{pool.dtype}; cast it first."
             )
-    new = [_scatter_tokens(pool, layer, slots, x) for pool, x in zip(pools, (a, b), strict=True)]
-    pages = type(cache.pages)(*new)
-    return dataclasses.replace(cache, pages=pages)
+    new = {n: _scatter_tokens(pool, layer, slots, x)
+           for n, pool, x in zip(names, pools, xs, strict=True)}
+    return dataclasses.replace(cache, pages=dataclasses.replace(cache.pages, **new))
 
 
 def _pools(pages) -> tuple[jax.Array, jax.Array]:
-    return tuple(getattr(pages, f.name) for f in dataclasses.fields(pages))
+    """The two pools attention reads: K and V, or MLA's c_KV and k_rope."""
+    return tuple(getattr(pages, f.name) for f in dataclasses.fields(pages)[:2])
+
+
+def all_pools(pages) -> dict[str, jax.Array]:
+    """Every pool of full-precision pages by field name (with MLA's indexer keys, if any)."""
+    return {f.name: getattr(pages, f.name) for f in dataclasses.fields(pages)
+            if getattr(pages, f.name) is not None}
 
 
 def layer_view(cache: PagedKVCache, layer: int | Int[Array, ""]) -> LayerView:

@@ -146,6 +146,8 @@ def init_cache(spec: CacheSpec) -> PagedKVCache:
                                                                               strict=True)),
             k_rope=jnp.zeros((spec.num_layers, 1, spec.num_pages, spec.page_size, wb),
                              spec.dtype),
+            index_k=(None if spec.indexer is None
+                     else jnp.zeros(spec.index_pool_shape, spec.indexer.dtype)),
         )
     else:
         pages = QuantizedKVPages(
@@ -160,6 +162,9 @@ def init_cache(spec: CacheSpec) -> PagedKVCache:
         b=jnp.zeros((spec.num_layers, heads, spec.max_seqs, ring, wb), spec.dtype),
         lengths=jnp.zeros((spec.max_seqs,), jnp.int32),
         pending=jnp.zeros((2, spec.max_seqs), jnp.int32),
+        c=(None if spec.indexer is None else jnp.zeros(
+            (spec.num_layers, 1, spec.max_seqs, ring, spec.indexer.head_dim),
+            spec.indexer.dtype)),
     )
     table = pt.init_page_table(
         num_pages=spec.num_pages, max_seqs=spec.max_seqs,
@@ -257,7 +262,8 @@ def fork(
         status, code=jnp.where(ok, pt.OK, pt.BAD_FORK).astype(jnp.int32))
     tail = KIVITail(a=copy_ring(t.a), b=copy_ring(t.b),
                     lengths=t.lengths.at[tgt].set(t.lengths[s], mode="drop"),
-                    pending=t.pending.at[:, tgt].set(0, mode="drop"))
+                    pending=t.pending.at[:, tgt].set(0, mode="drop"),
+                    c=None if t.c is None else copy_ring(t.c))
     return dataclasses.replace(cache, table=table, tail=tail), status
 
 
@@ -273,11 +279,12 @@ def free(
     """
     cache = paged.free(cache, seqs, scrub=scrub)
     t = cache.tail
-    a, b = t.a, t.b
+    a, b, c = t.a, t.b, t.c
     if scrub:
-        a, b = (jnp.where(seqs[None, None, :, None, None], 0, x) for x in (a, b))
+        a, b, c = (None if x is None else jnp.where(seqs[None, None, :, None, None], 0, x)
+                   for x in (a, b, c))
     tail = KIVITail(a=a, b=b, lengths=jnp.where(seqs, 0, t.lengths),
-                    pending=jnp.where(seqs[None, :], 0, t.pending))
+                    pending=jnp.where(seqs[None, :], 0, t.pending), c=c)
     return dataclasses.replace(cache, tail=tail)
 
 
@@ -340,6 +347,7 @@ def write_layer(
     a: Float[Array, "batch q_len heads width_a"],
     b: Float[Array, "batch q_len heads width_b"],
     seq_ids: Int[Array, " batch"] | None = None,
+    index_keys: Float[Array, "batch q_len d_index"] | None = None,
 ) -> PagedKVCache:
     """Writes one layer's tokens reserved by the last `reserve`, flushing completed pages.
 
@@ -362,11 +370,25 @@ def write_layer(
         cache is concrete; under jit, missing tokens would be read as padding).
       seq_ids: int32[batch], distinct slots; a row whose slot is outside [0, max_seqs)
         writes nothing (a negative id does not wrap to another slot).
+      index_keys: the tokens' indexer keys `[batch, q_len, d_index]` in the indexer's
+        dtype, exactly when the cache has one (`CacheSpec.indexer`): kept in full
+        precision, flushed into the `index_k` pages with the latent's pages and held in
+        the tail ring `c` meanwhile.
 
     Returns:
       The updated cache.
     """
     spec = cache.spec
+    if (index_keys is None) != (spec.indexer is None):
+        raise ValueError("write_layer: give index_keys exactly when the cache has an indexer "
+                         f"(CacheSpec.indexer is {spec.indexer}).")
+    if index_keys is not None:
+        index_keys = index_keys[:, :, None] if index_keys.ndim == 3 else index_keys
+        want = (*a.shape[:2], 1, spec.indexer.head_dim)
+        if index_keys.shape != want or index_keys.dtype != spec.indexer.dtype:
+            raise ValueError(f"write_layer: index_keys must be {spec.indexer.dtype.name}"
+                             f"{list(want)}, got {index_keys.dtype.name}"
+                             f"{list(index_keys.shape)}.")
     if spec.is_mla:
         a = a[:, :, None] if a.ndim == 3 else a
         b = b[:, :, None] if b.ndim == 3 else b
@@ -451,16 +473,22 @@ def write_layer(
         return dataclasses.replace(pool, codes=put(pool.codes, codes),
                                    scale=put(pool.scale, scale), zero=put(pool.zero, zero))
 
+    def put_full(pool, full):  # full-precision pages [heads, batch, f, ps, w]
+        full = jnp.moveaxis(full, 0, 2)
+        return paged.set_pages(pool, layer, page_ids.reshape(-1),
+                               full.reshape(-1, *full.shape[2:]))
+
     def flush_all(pages):
         full_a = assemble(cache.tail.a, a)
         full_b = assemble(cache.tail.b, b)
         if spec.is_mla:
             c_kv = list(pages.c_kv)
             c_kv[gi] = flush(c_kv[gi], full_a)
-            rope = jnp.moveaxis(full_b, 0, 2)
-            k_rope = paged.set_pages(pages.k_rope, layer, page_ids.reshape(-1),
-                                     rope.reshape(-1, *rope.shape[2:]))
-            return QuantizedLatentPages(c_kv=tuple(c_kv), k_rope=k_rope)
+            index_k = pages.index_k
+            if index_keys is not None:
+                index_k = put_full(index_k, assemble(cache.tail.c, index_keys))
+            return QuantizedLatentPages(c_kv=tuple(c_kv), k_rope=put_full(pages.k_rope, full_b),
+                                        index_k=index_k)
         k, v = list(pages.k), list(pages.v)
         k[gi] = flush(k[gi], full_a)
         v[gi] = flush(v[gi], full_b)
@@ -481,6 +509,9 @@ def write_layer(
         a=paged.set_rows(cache.tail.a, layer, *rows, a.reshape(-1, *a.shape[2:])),
         b=paged.set_rows(cache.tail.b, layer, *rows, b.reshape(-1, *b.shape[2:])),
     )
+    if index_keys is not None:
+        tail = dataclasses.replace(tail, c=paged.set_rows(
+            cache.tail.c, layer, *rows, index_keys.reshape(-1, *index_keys.shape[2:])))
     return dataclasses.replace(cache, pages=pages, tail=tail)
 
 
@@ -595,10 +626,13 @@ def drop_pages(
         return jnp.take_along_axis(x, idx[None, None, :, :, None], axis=3)
 
     t = cache.tail
-    a, b = jax.lax.cond(jnp.any(shift > 0), lambda: (rotate(t.a), rotate(t.b)),
-                        lambda: (t.a, t.b))
-    tail = KIVITail(a=a, b=b, lengths=jnp.where(ok, new_len, lengths).astype(jnp.int32),
-                    pending=jnp.where((shift > 0)[None, :], 0, t.pending))
+    rings = (t.a, t.b) if t.c is None else (t.a, t.b, t.c)
+    rings = jax.lax.cond(jnp.any(shift > 0), lambda: tuple(rotate(x) for x in rings),
+                         lambda: rings)
+    tail = KIVITail(a=rings[0], b=rings[1],
+                    lengths=jnp.where(ok, new_len, lengths).astype(jnp.int32),
+                    pending=jnp.where((shift > 0)[None, :], 0, t.pending),
+                    c=rings[2] if len(rings) == 3 else None)
     table = jax.tree.map(lambda n, o: jnp.where(ok, n, o), table, cache.table)
     src = jnp.where(ok, src, jnp.where(j < lengths[:, None], j, -1))
     return dataclasses.replace(cache, pages=pages, table=table, tail=tail), src, status

@@ -6,6 +6,10 @@
     QuantizedKVPages        KIVI codes + scales + zeros of K (per channel) and V (per token)
     QuantizedLatentPages    KIVI codes + scales + zeros of c_KV, full-precision k_rope
 
+An MLA cache with a lightning indexer (DeepSeek-V3.2, `CacheSpec.indexer`) holds a
+third pool in its latent pages, `index_k`: one indexer key per token, with the latent
+pools' page ids (one block table for both), full precision on every kind.
+
 The page axis is always axis 2 of every pool, so paging operations (copy-on-write,
 scrubbing) and sharding treat all pools alike. A quantized cache also carries a
 `KIVITail`: the full-precision ring of each sequence's most recent tokens and the
@@ -49,10 +53,12 @@ class KVPages:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LatentPages:
-    """MLA latent pools, all layers: normalised c_KV and the shared rotary key."""
+    """MLA latent pools, all layers: normalised c_KV and the shared rotary key, and with a
+    lightning indexer (`CacheSpec.indexer`) its keys, in the pages of the same ids."""
 
     c_kv: Float[Array, "layers 1 pages page_size d_c"]
     k_rope: Float[Array, "layers 1 pages page_size d_rope"]
+    index_k: Float[Array, "layers 1 pages page_size d_index"] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -87,10 +93,12 @@ class QuantizedKVPages:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedLatentPages:
-    """MLA: quantized c_KV pools (per token, channel groups) and the full-precision k_rope."""
+    """MLA: quantized c_KV pools (per token, channel groups) and the full-precision k_rope
+    (and indexer keys, with a lightning indexer)."""
 
     c_kv: tuple[QuantPool, ...]
     k_rope: Float[Array, "layers 1 pages page_size d_rope"]
+    index_k: Float[Array, "layers 1 pages page_size d_index"] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -108,12 +116,16 @@ class KIVITail:
         the newly quantized tokens (the next write quantizes [Q - pending[1], Q)). One
         array rather than two fields, so that no jitted step can return one buffer for
         two leaves (XLA merges identical outputs), which donation would reject.
+      c: with a lightning indexer, the ring of the tail tokens' indexer keys
+        `[layers, 1, max_seqs, ring, d_index]` (flushed into `index_k` pages with the
+        latent); None otherwise.
     """
 
     a: Float[Array, "layers heads max_seqs ring width_a"]
     b: Float[Array, "layers heads max_seqs ring width_b"]
     lengths: Int[Array, " max_seqs"]
     pending: Int[Array, "2 max_seqs"]
+    c: Float[Array, "layers 1 max_seqs ring d_index"] | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -19,6 +19,12 @@ with plain `interpret=True` on CPU) on the pages it holds:
     last page of a sequence are full, so the visible tokens are a prefix of the
     compacted list). When every row's pages sit on one device the prefill op runs
     directly.
+  * DeepSeek Sparse Attention: each device scores the tokens of the indexer-key pages
+    it holds (-inf elsewhere) and a `pmax` over the page axes gives every device the
+    scores of all tokens (each lives on one device), so every device selects the same
+    tokens; attention over them gathers, per device, the selected tokens its pages
+    hold, and the partial results are merged like the dense ones (a KIVI tail ring,
+    replicated, is added after the merge). Queries are replicated over `model`.
   * A KIVI cache's quantized pages are attended per device like full-precision
     pages (with an empty tail); after the merge, every device adds the full-precision
     tail of its heads (`merge_with_tail`), which is replicated over the page axes.
@@ -45,6 +51,7 @@ from jaxtyping import Array, Float, Int
 
 from kernels_pallas.quantized_attention import reference as qref
 from kvjax import attention as kattn
+from kvjax.attention import sparse
 from kvjax.attention.pages import QuantizedLayerView, QuantLayer, Selection
 from kvjax.sharding.mesh import ShardingPlan
 
@@ -179,6 +186,9 @@ class ShardedAttention:
             "mla_selected_decode_attention": self._mla_selected,
             "quantized_selected_decode_attention": self._quantized_selected,
             "quantized_mla_selected_decode_attention": self._quantized_mla_selected,
+            "indexer_scores": self._indexer_scores,
+            "mla_sparse_attention": self._mla_sparse,
+            "quantized_mla_sparse_attention": self._quantized_mla_sparse,
         }
         if op not in fns:
             raise NotImplementedError(f"ShardedAttention: no sharded version of {op}.")
@@ -529,6 +539,81 @@ class ShardedAttention:
                                              sliding_window=None, interpret=interpret)
         return out[:, 0], lse[:, 0]
 
+
+    # -- DeepSeek Sparse Attention ---------------------------------------------------------
+
+    def _page_map(self, body, arrays, pools, others, out_specs):
+        """shard_map of `body(arrays, pools, others)`: `arrays` and `others` replicated,
+        `pools` 5-D with their pages over the page axes."""
+        page = self._page_entry()
+        in_specs = (jax.tree.map(lambda _: P(), arrays),
+                    tuple(P(None, None, page, None, None) for _ in pools),
+                    jax.tree.map(lambda _: P(), others))
+        return jax.shard_map(body, mesh=self.plan.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)(arrays, tuple(pools), others)
+
+    def _indexer_scores(self, q, weights, key_pages, block_tables, key_lengths, q_pos, *,
+                        scale, layer=None, interpret=None):
+        del interpret
+        if layer is None:
+            key_pages = key_pages[None]
+        (key_pages,), layer = _whole((key_pages,), layer)
+        axes = self.plan.page_axes
+
+        def body(arrays, pools, others):
+            n = pools[0].shape[2]
+            s = sparse._indexer_scores(*arrays, pools[0], *others[:3], scale=scale,
+                                       layer=others[3], page_range=(self._shard_info(n), n))
+            return lax.pmax(s, axes) if axes else s
+
+        others = (block_tables.astype(jnp.int32), key_lengths.astype(jnp.int32),
+                  q_pos.astype(jnp.int32), layer)
+        return self._page_map(body, (q, weights), (key_pages,), others, P())
+
+    def _mla_sparse(self, q_latent, q_rope, latent_pages, rope_pages, block_tables, selection,
+                    *, scale, layer=None, interpret=None):
+        del interpret
+        if layer is None:
+            latent_pages, rope_pages = latent_pages[None], rope_pages[None]
+        pools, layer = _whole((latent_pages, rope_pages), layer)
+
+        def body(arrays, pools, others):
+            n = pools[0].shape[2]
+            out, lse = sparse._mla_sparse(*arrays, *pools, *others[:2], scale=scale,
+                                          layer=others[2], page_range=(self._shard_info(n), n))
+            return _merge(out, lse, self.plan.page_axes)
+
+        others = (block_tables.astype(jnp.int32), selection, layer)
+        out, lse = self._page_map(body, (q_latent, q_rope), pools, others, (P(), P()))
+        return out.astype(q_latent.dtype), lse
+
+    def _quantized_mla_sparse(self, q_latent, q_rope, view, selection, *, scale,
+                              interpret=None):
+        del interpret
+        k_arr, v_arr, layer, rope_layer = self._quant_pools(view)
+
+        def body(arrays, pools, others):
+            bt, ql, lens, sel, layer_l, rope_l = others
+            n = pools[0].shape[2]
+            k = dataclasses.replace(view.k, codes=pools[0], scale=pools[1], zero=pools[2],
+                                    layer=layer_l)
+            local = QuantizedLayerView(k=k, v=pools[3], tail_k=arrays[2], tail_v=arrays[3],
+                                       block_tables=bt, quant_lengths=ql, lengths=lens,
+                                       layer=rope_l)
+            out, lse = sparse._quantized_mla_sparse(
+                arrays[0], arrays[1], local, sel, scale=scale,
+                page_range=(self._shard_info(n), n), with_tail=False)
+            return _merge(out, lse, self.plan.page_axes)
+
+        others = (view.block_tables.astype(jnp.int32), view.quant_lengths.astype(jnp.int32),
+                  view.lengths.astype(jnp.int32), selection, layer, rope_layer)
+        # The tails ride along unused inside (the local view needs arrays of their shape).
+        tails = (view.tail_k[:, :, :1], view.tail_v[:, :, :1])
+        out, lse = self._page_map(body, (q_latent, q_rope, *tails), (*k_arr, *v_arr), others,
+                                  (P(), P()))
+        tail = sparse._tail_part(q_latent, q_rope, view, selection.positions, scale)
+        out, lse = kattn.merge_attention_states(out, lse, *tail)
+        return out.astype(q_latent.dtype), lse
 
 def sharded_paged_decode_attention(
     plan: ShardingPlan,

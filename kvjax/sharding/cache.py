@@ -10,7 +10,9 @@ fallback and for MLA's single latent head) and `page_axes` the data and/or
 context axes (`ShardingPlan.page_axes`, data-major, so pool shard k = d * C + c
 holds page ids [k * n, (k + 1) * n), n = num_pages / (D * C)).
 
-A KIVI cache's tail rings `[layers, heads, max_seqs, ring, width]` split their heads
+An MLA cache's lightning-indexer key pool (DeepSeek-V3.2) is one more pool of the
+same layout, sharded like the latent pool. A KIVI cache's tail rings `[layers, heads,
+max_seqs, ring, width]` (the indexer keys' ring too) split their heads
 like the pools and are replicated over the page axes (a ring is at most residual +
 page_size tokens per slot); its token counts are replicated.
 
@@ -103,7 +105,8 @@ def cache_shardings(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
     tail = None
     if abstract.tail is not None:
         ring = NamedSharding(plan.mesh, P(None, pspec[1], None, None, None))
-        tail = KIVITail(a=ring, b=ring, lengths=rep, pending=rep)
+        tail = KIVITail(a=ring, b=ring, lengths=rep, pending=rep,
+                        c=None if abstract.tail.c is None else ring)
     recurrent = None
     if abstract.recurrent is not None:
         recurrent = _recurrent_shardings(plan, spec)

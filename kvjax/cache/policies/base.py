@@ -44,7 +44,13 @@ Two kinds of results:
     (on KIVI pages a selection names quantized pages; the tail is read besides).
 
 A combination that is not defined (a policy on a page kind it cannot act on) raises
-`UndefinedCombination` from `init_state`, naming the combination and what works.
+`UndefinedCombination` from `init_state`, naming the combination and what works. On a
+cache with lightning-indexer keys (DeepSeek-V3.2's sparse attention) the policies that
+score tokens by attention (H2O, SnapKV, PyramidKV) or select pages (Quest, PyramidKV)
+refuse (`refuse_indexer`): the model's attention reads only the indexer's top-k tokens,
+so dense attention scores describe attention it never computes, and a page selection
+would compete with the indexer's token selection. StreamingLLM's positional eviction
+is defined: the indexer keys move with their tokens.
 """
 
 import dataclasses
@@ -67,11 +73,21 @@ __all__ = [
     "active_rows",
     "to_slots",
     "score_scale",
+    "refuse_indexer",
 ]
 
 
 class UndefinedCombination(ValueError):
     """A policy was given a page kind (or setting) on which its method is not defined."""
+
+
+def refuse_indexer(policy: str, cache: PagedKVCache, why: str) -> None:
+    """`UndefinedCombination` naming `policy` and `why`, if the cache holds indexer keys."""
+    if cache.spec.indexer is not None:
+        raise UndefinedCombination(
+            f"{policy} on DeepSeek Sparse Attention (a cache with lightning-indexer keys, "
+            f"CacheSpec.indexer): {why} StreamingLLM (positional eviction) composes with it; "
+            f"or decode without a policy: the indexer already bounds what each step reads.")
 
 
 def full_selection(cache: PagedKVCache) -> Selection:

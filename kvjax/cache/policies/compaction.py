@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.cache import page_table as pt
-from kvjax.cache.paged import _pools, allocator, copy_pages, set_drop
+from kvjax.cache.paged import all_pools, allocator, copy_pages, set_drop
 from kvjax.cache.state import PagedKVCache
 
 __all__ = ["compact", "keep_heavy_and_recent", "only_rows"]
@@ -103,13 +103,14 @@ def compact(
     src_off = src % ps
     dst_page = jnp.where(ok & moved, bt[s_idx, j // ps], spec.num_pages)
     dst_off = j % ps
-    new_pools = []
-    for i, pool in enumerate(_pools(pages)):
+    new_pools = {}
+    # Every pool moves with its tokens (an MLA cache's indexer keys too).
+    for i, (name, pool) in enumerate(all_pools(pages).items()):
         vals = pool[l_idx, h_idx, src_page, src_off]  # [layers, seqs, heads, budget, width]
         if i == 0 and rerotate_keys is not None:
             vals = rerotate_keys(vals, j - keep)
-        new_pools.append(set_drop(pool, (l_idx, h_idx, dst_page, dst_off), vals))
-    pages = type(pages)(*new_pools)
+        new_pools[name] = set_drop(pool, (l_idx, h_idx, dst_page, dst_off), vals)
+    pages = dataclasses.replace(pages, **new_pools)
 
     table, released, t_status = allocator(table).truncate(
         table, jnp.where(ok, new_lengths, table.lengths))

@@ -48,12 +48,18 @@ from kvjax.cache.policies.base import (
     UndefinedCombination,
     active_rows,
     ok_status,
+    refuse_indexer,
     score_scale,
 )
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
 from kvjax.cache.state import PagedKVCache
 
 __all__ = ["H2O", "H2OState", "check_budget", "evict_lowest_pages"]
+
+# Why the attention-scoring policies refuse DeepSeek Sparse Attention (`refuse_indexer`).
+_DENSE_SCORES = ("it ranks tokens by each layer's dense attention probabilities, which a DSA "
+                 "model never computes (its attention reads only the indexer's top-k tokens), "
+                 "so the ranking would describe another model.")
 
 
 @jax.tree_util.register_dataclass
@@ -150,6 +156,7 @@ class H2O(CachePolicy):
         return self.budget // 2 if self.recent is None else self.recent
 
     def init_state(self, cache: PagedKVCache) -> H2OState:
+        refuse_indexer("H2O", cache, _DENSE_SCORES)
         spec = cache.spec
         if cache.is_quantized:
             if self.recent is not None:

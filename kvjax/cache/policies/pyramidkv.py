@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.policies.base import CachePolicy, Selection, ok_status
+from kvjax.cache.policies.base import CachePolicy, Selection, ok_status, refuse_indexer
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
-from kvjax.cache.policies.h2o import evict_lowest_pages, require_kivi_budget
+from kvjax.cache.policies.h2o import _DENSE_SCORES, evict_lowest_pages, require_kivi_budget
 from kvjax.cache.policies.snapkv import _check_snap, kivi_page_votes, snapkv_scores
 from kvjax.cache.state import PagedKVCache
 
@@ -104,6 +104,9 @@ class PyramidKV(CachePolicy):
         return tuple(b_max - int((b_max - r) // page_size) * page_size for r in raw)
 
     def init_state(self, cache: PagedKVCache) -> PyramidState:
+        refuse_indexer("PyramidKV", cache, _DENSE_SCORES.replace(
+            "model.", "model, and its per-layer page selection would compete with the "
+            "indexer's token selection."))
         spec = cache.spec
         skip = jnp.zeros((spec.num_layers, spec.max_seqs), jnp.int32)
         if cache.is_quantized:

@@ -53,6 +53,7 @@ from kvjax.cache.policies.base import (
     Selection,
     active_rows,
     ok_status,
+    refuse_indexer,
 )
 from kvjax.cache.state import PagedKVCache
 
@@ -156,6 +157,9 @@ class Quest(CachePolicy):
         return (cache.pages.k_rope,) if cache.spec.is_mla else ()
 
     def init_state(self, cache: PagedKVCache) -> QuestState:
+        refuse_indexer("Quest", cache, "its page selection would be a second choice of what "
+                       "decode reads, competing with the indexer's token selection (which "
+                       "one wins is not defined).")
         spec = cache.spec
         width = sum(p.shape[4] for p in self._summarised(cache))
         shape = (spec.num_layers, spec.attention.cache_heads, spec.num_pages, width)

@@ -36,9 +36,9 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.cache import ops
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.policies.base import CachePolicy, ok_status, score_scale
+from kvjax.cache.policies.base import CachePolicy, ok_status, refuse_indexer, score_scale
 from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
-from kvjax.cache.policies.h2o import evict_lowest_pages, require_kivi_budget
+from kvjax.cache.policies.h2o import _DENSE_SCORES, evict_lowest_pages, require_kivi_budget
 from kvjax.cache.state import PagedKVCache
 
 __all__ = ["SnapKV", "snapkv_scores"]
@@ -132,6 +132,7 @@ class SnapKV(CachePolicy):
         _check_snap("SnapKV", self.budget, self.window, self.kernel, self.pooling)
 
     def init_state(self, cache: PagedKVCache) -> None:
+        refuse_indexer("SnapKV", cache, _DENSE_SCORES)
         if cache.is_quantized:
             require_kivi_budget("SnapKV", self.budget, cache)
         return None
