@@ -151,6 +151,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("llama", "kvjax.models.llama"),
     "DeepseekV2ForCausalLM": ("deepseek", "kvjax.models.deepseek"),
     "DeepseekV3ForCausalLM": ("deepseek", "kvjax.models.deepseek"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "kvjax.models.deepseek_v32"),
     "Qwen3NextForCausalLM": ("qwen3_next", "kvjax.models.qwen3_next"),
 }
 _FAMILIES: dict[str, Family] = {}
@@ -195,7 +196,8 @@ def _module_family(name: str, module_path: str) -> Family:
 
 
 def get_family(name: str) -> Family:
-    """The registered family called `name` ("llama", "deepseek", "qwen3_next")."""
+    """The registered family called `name` ("llama", "deepseek", "deepseek_v32",
+    "qwen3_next")."""
     if name not in _FAMILIES:
         paths = {fam: mod for fam, mod in _ARCHITECTURES.values()}
         if name not in paths:

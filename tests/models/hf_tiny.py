@@ -56,9 +56,31 @@ HYBRID_VARIANTS = {
 }
 
 
+# DeepSeek-V3.2 (MLA + MoE + the lightning indexer). "v32_moe": a dense first layer then
+# MoE, YaRN rope (its attention factor scales the indexer's rotation too), index_topk 8
+# below the contexts; "v32_dense": dense MLPs, tied embeddings, index_topk 64 above them
+# (every query selects all it sees).
+DSA_VARIANTS = {
+    "v32_moe": (T.DeepseekV32Config, dict(
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=12, first_k_dense_replace=1,
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5,
+        index_topk=8, index_head_dim=16, index_n_heads=16,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=64, mscale=0.707,
+                             mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))),
+    "v32_dense": (T.DeepseekV32Config, dict(
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=2,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        tie_word_embeddings=True, index_topk=64, index_head_dim=24, index_n_heads=4)),
+}
+
+
 def build(name: str, seed: int = 0):
     """A tiny random float32 HF causal LM for variant `name`, in eval mode."""
-    cls, extra = {**VARIANTS, **HYBRID_VARIANTS}[name]
+    cls, extra = {**VARIANTS, **HYBRID_VARIANTS, **DSA_VARIANTS}[name]
     config = cls(**{**_COMMON, **extra}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
