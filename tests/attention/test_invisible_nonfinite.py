@@ -54,6 +54,17 @@ def _jit(fn, **static):
     return jax.jit(functools.partial(fn, **static))
 
 
+def _tpu(impl, fn, *args, **kw):
+    """A TPU kernel in interpret mode: plain ("tpu") or the TPU interpreter. The
+    interpreter's callbacks run JAX ops while its kernel runs; called eagerly, the ops
+    dispatched after the kernel (the tail merge, the comparisons) can queue ahead of
+    them and wait on the kernel for ever, so the interpreter runs as one jitted program
+    whose result is ready before anything else is dispatched."""
+    if impl != "tpu_interpreter":
+        return fn(*args, interpret=True, **kw)
+    return jax.block_until_ready(_jit(fn, interpret=interpret_params(), **kw)(*args))
+
+
 def _tables(rng, lengths, page_size, max_pages):
     """Block tables over a pool whose page 0 no sequence owns, garbage past each length.
 
@@ -165,9 +176,8 @@ def _gqa_decode(impl, rng, q, k, v, lengths, tables, window, soft_cap):
         return paged_gpu.paged_decode_attention(
             q, k, v, lengths, tables, block_sizes=BlockSizes(block_tokens=16, num_splits=2),
             interpret=True, **kw)
-    interpret = interpret_params() if impl == "tpu_interpreter" else True
-    return paged_tpu.paged_decode_attention(q, k, v, lengths, tables, interpret=interpret,
-                                            block_sizes=BlockSizes(block_tokens=2 * PS), **kw)
+    return _tpu(impl, paged_tpu.paged_decode_attention, q, k, v, lengths, tables,
+                block_sizes=BlockSizes(block_tokens=2 * PS), **kw)
 
 
 GQA_DECODE_IMPLS = [
@@ -210,7 +220,9 @@ def test_gqa_decode(rng, full_sweeps, impl, dtype, window, soft_cap):
         _check_rows(clean, poisoned, rows, ref, TOL[dtype])
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "xla_layer"])
+@pytest.mark.parametrize("impl", [
+    "reference", "xla", "xla_layer", pytest.param("cpu", marks=needs_cpu_kernel),
+    pytest.param("cpu_layer", marks=needs_cpu_kernel)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, 3.0)])
 def test_gqa_prefill(rng, impl, window, soft_cap):
     kv_heads, q_heads, head_dim, q_len = 2, 4, 32, 5
@@ -229,6 +241,9 @@ def test_gqa_prefill(rng, impl, window, soft_cap):
         if impl == "xla_layer":
             return xla.paged_prefill_attention(q, _stack_layer(rng, k), _stack_layer(rng, v),
                                                *args, layer=1, block_tokens=2 * PS, **kw)
+        if impl == "cpu_layer":
+            return cpu_backend.paged_prefill_attention(
+                q, _stack_layer(rng, k), _stack_layer(rng, v), *args, layer=1, **kw)
         return _jit(attention.paged_prefill_attention, impl=impl, **kw)(q, k, v, *args)
 
     clean, ref = run(impl, k, v), run("reference", k, v)
@@ -257,10 +272,8 @@ def _mla_decode(impl, rng, ql, qr, lat, rope, lengths, tables, scale):
         return mla_gpu.mla_decode_attention(
             ql, qr, lat, rope, lengths, tables, scale=scale, interpret=True,
             block_sizes=BlockSizes(block_tokens=16, num_splits=2))
-    interpret = interpret_params() if impl == "tpu_interpreter" else True
-    return mla_tpu.mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=scale,
-                                        interpret=interpret,
-                                        block_sizes=BlockSizes(block_tokens=2 * PS))
+    return _tpu(impl, mla_tpu.mla_decode_attention, ql, qr, lat, rope, lengths, tables,
+                scale=scale, block_sizes=BlockSizes(block_tokens=2 * PS))
 
 
 @pytest.mark.parametrize("impl", GQA_DECODE_IMPLS)
@@ -380,9 +393,8 @@ def _gqa_quant(impl, rng, args, kw):
     if impl == "gpu":
         return qgpu.quantized_attention(
             *args, **kw, interpret=True, block_sizes=BlockSizes(block_tokens=QPS, num_splits=2))
-    interpret = interpret_params() if impl == "tpu_interpreter" else True
-    return qtpu.quantized_attention(*args, **kw, interpret=interpret,
-                                    block_sizes=BlockSizes(block_tokens=QPS))
+    return _tpu(impl, qtpu.quantized_attention, *args, **kw,
+                block_sizes=BlockSizes(block_tokens=QPS))
 
 
 _QUANT_CASES = [  # bits, head_dim, q_len, window, soft_cap, dtype, scale_dtype
@@ -444,9 +456,8 @@ def _mla_quant(impl, rng, args, kw):
     if impl == "gpu":
         return qgpu.quantized_mla_attention(
             *args, **kw, interpret=True, block_sizes=BlockSizes(block_tokens=QPS, num_splits=2))
-    interpret = interpret_params() if impl == "tpu_interpreter" else True
-    return qtpu.quantized_mla_attention(*args, **kw, interpret=interpret,
-                                        block_sizes=BlockSizes(block_tokens=QPS))
+    return _tpu(impl, qtpu.quantized_mla_attention, *args, **kw,
+                block_sizes=BlockSizes(block_tokens=QPS))
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "xla_layer", "tpu", "tpu_interpreter",
