@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention (DSA): the lightning indexer's scores, top-k, and MLA over them.
 
-DeepSeek-V3.2 (arXiv 2512.02556) keeps V3's latent cache and adds, per layer, a
-"lightning indexer": `index_n_heads` small query heads score every cached token
+DeepSeek-V3.2 (first released as DeepSeek-V3.2-Exp) keeps V3's latent cache and adds,
+per layer, a "lightning indexer": `index_n_heads` small query heads score every cached token
 against one cached indexer key per token, and each query then attends to its
 `index_topk` best tokens only. The ops here take pages (pools and block tables),
 never cache objects (`kvjax.cache.indexer_topk` and `kvjax.cache.attend` build their
@@ -113,23 +113,56 @@ def _token_rows(block_tables, positions, page_size, base, first, n, below=None):
 
 def _attend(logits, ok, values):
     """Masked softmax attention: logits f32 [B, T, H, k], ok bool [B, T, k], values f32
-    [B, T, k, w] -> (out f32 [B, T, H, w], lse f32 [B, T, H]); no key: 0 and -inf."""
+    [B, T, k, w] (per query) or [B, k, w] (shared by a row's queries) -> (out f32
+    [B, T, H, w], lse f32 [B, T, H]); no key: 0 and -inf."""
     logits = jnp.where(ok[:, :, None, :], logits, NEG_INF)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(m == NEG_INF, 0.0, m)
     p = jnp.exp(logits - m)
     den = jnp.sum(p, axis=-1)
-    out = jnp.einsum("bthk,btkw->bthw", p, values, precision=_HI,
-                     preferred_element_type=jnp.float32)
+    spec = "bthk,btkw->bthw" if values.ndim == 4 else "bthk,bkw->bthw"
+    out = jnp.einsum(spec, p, values, precision=_HI, preferred_element_type=jnp.float32)
     out = out / jnp.where(den > 0, den, 1.0)[..., None]
     lse = jnp.where(den > 0, m[..., 0] + jnp.log(jnp.where(den > 0, den, 1.0)), NEG_INF)
     return out, lse
 
 
 def _mla_logits(q_latent, q_rope, c, r, scale):
+    """Absorbed MLA logits [B, T, H, k] against keys [c, r], per query [B, T, k, w] or
+    shared by a row's queries [B, k, w]."""
     f32 = jnp.float32
-    return (jnp.einsum("bthc,btkc->bthk", q_latent.astype(f32), c, precision=_HI)
-            + jnp.einsum("bthr,btkr->bthk", q_rope.astype(f32), r, precision=_HI)) * f32(scale)
+    spec = "bthc,btkc->bthk" if c.ndim == 4 else "bthc,bkc->bthk"
+    return (jnp.einsum(spec, q_latent.astype(f32), c, precision=_HI)
+            + jnp.einsum(spec, q_rope.astype(f32), r, precision=_HI)) * f32(scale)
+
+
+# Bytes of float32 gathered rows a prefill chunk materialises at once: queries are taken
+# in blocks that keep [block, k, d_c + d_rope] under this.
+QUERY_BLOCK_BYTES = 64 << 20
+
+
+def _by_query_blocks(fn, q_latent, q_rope, positions, width):
+    """`fn(q_latent, q_rope, positions) -> (out, lse)` over blocks of queries (a `lax.map`)
+    when one call would gather more than QUERY_BLOCK_BYTES of rows; decode runs as is."""
+    batch, q_len = positions.shape[:2]
+    block = max(1, QUERY_BLOCK_BYTES // (4 * batch * positions.shape[2] * width))
+    if q_len <= block:
+        return fn(q_latent, q_rope, positions)
+    n = -(-q_len // block)
+    pad = n * block - q_len
+
+    def split(x, fill):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape(batch, n, block, *x.shape[2:]), 1, 0)
+
+    out, lse = jax.lax.map(lambda a: fn(*a), (split(q_latent, 0), split(q_rope, 0),
+                                               split(positions, -1)))
+
+    def join(x):
+        x = jnp.moveaxis(x, 0, 1)
+        return x.reshape(batch, n * block, *x.shape[3:])[:, :q_len]
+
+    return join(out), join(lse)
 
 
 def _block_pages(max_pages: int, page_size: int) -> int:
@@ -302,10 +335,15 @@ def _mla_sparse(q_latent, q_rope, latent_pages, rope_pages, block_tables, select
     c_flat, base, num_pages, ps = _flat(latent_pages, layer)
     r_flat, _, _, _ = _flat(rope_pages, layer)
     first, n = _page_filter(page_range, num_pages)
-    rows, ok = _token_rows(block_tables, selection.positions, ps, base, first, n)
-    c = _take_rows(c_flat, rows)  # [B, T, k, d_c]
-    r = _take_rows(r_flat, rows)
-    out, lse = _attend(_mla_logits(q_latent, q_rope, c, r, scale), ok, c)
+
+    def attend(q_latent, q_rope, positions):
+        rows, ok = _token_rows(block_tables, positions, ps, base, first, n)
+        c = _take_rows(c_flat, rows)  # [B, T, k, d_c]
+        r = _take_rows(r_flat, rows)
+        return _attend(_mla_logits(q_latent, q_rope, c, r, scale), ok, c)
+
+    out, lse = _by_query_blocks(attend, q_latent, q_rope, selection.positions,
+                                c_flat.shape[-1] + r_flat.shape[-1])
     return out.astype(q_latent.dtype), lse
 
 
@@ -392,10 +430,7 @@ def _tail_part(q_latent, q_rope, view: QuantizedLayerView, positions, scale):
     t = jnp.arange(q_len)[None, :, None]
     chosen = jnp.zeros((batch, q_len, ring + 1), bool).at[b, t, slot].set(True)[..., :ring]
     ok = chosen & (t_pos < view.lengths[:, None])[:, None, :]
-    c = jnp.broadcast_to(tail_c[:, None].astype(jnp.float32), (batch, q_len, ring,
-                                                                tail_c.shape[-1]))
-    r = jnp.broadcast_to(tail_r[:, None].astype(jnp.float32), (batch, q_len, ring,
-                                                                tail_r.shape[-1]))
+    c, r = tail_c.astype(jnp.float32), tail_r.astype(jnp.float32)  # shared by the queries
     return _attend(_mla_logits(q_latent, q_rope, c, r, scale), ok, c)
 
 
@@ -403,7 +438,10 @@ def _quantized_mla_sparse(q_latent, q_rope, view, selection, *, scale, page_rang
                           with_tail=True, interpret=None):
     del interpret
     pos = selection.positions
-    out, lse = _quantized_pages_part(q_latent, q_rope, view, pos, scale, page_range)
+    width = view.tail_k.shape[-1] + view.tail_v.shape[-1]
+    out, lse = _by_query_blocks(
+        lambda ql, qr, p: _quantized_pages_part(ql, qr, view, p, scale, page_range), q_latent,
+        q_rope, pos, width)
     if with_tail:
         out, lse = merge_attention_states(out, lse, *_tail_part(q_latent, q_rope, view, pos,
                                                                  scale))

@@ -22,6 +22,7 @@ from kvjax.attention import (
     mla_sparse_attention,
     quantized_mla_sparse_attention,
     select_topk,
+    sparse,
 )
 from kvjax.cache import quantized
 from kvjax.specs import CacheSpec, IndexerCacheSpec, MLASpec, QuantSpec
@@ -120,8 +121,12 @@ def _selection(rng, q_pos, k, upto):
     return sel
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mla_over_a_token_selection(rng, dtype):
+@pytest.mark.parametrize("dtype,blocked", [("float32", False), ("bfloat16", False),
+                                           ("float32", True)])
+def test_mla_over_a_token_selection(rng, dtype, blocked, monkeypatch):
+    """`blocked`: queries taken two at a time (a long prefill chunk's path)."""
+    if blocked:
+        monkeypatch.setattr(sparse, "QUERY_BLOCK_BYTES", 2 * 4 * len(LENGTHS) * 6 * 24)
     heads, dc, dr, k, q_len = 4, 16, 8, 6, 3
     latent, tables, c = _paged(rng, dc, dtype, layers=2)
     rope, _, _ = _paged(np.random.default_rng(0), dr, dtype, layers=2)

@@ -2,7 +2,7 @@
 
 Every layer adds a lightning indexer to MLA: small query heads score every cached
 token against one cached indexer key per token, and attention reads only each
-query's `index_topk` best tokens (arXiv 2512.02556). The cache holds the indexer
+query's `index_topk` best tokens (DeepSeek-V3.2-Exp). The cache holds the indexer
 keys beside the latent pages (`CacheSpec.indexer`: a third pool with the same page
 ids), so paging, forks, copy-on-write, KIVI latents and sharding plans carry them.
 
