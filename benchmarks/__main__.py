@@ -28,6 +28,10 @@ and fails only on wrong results, never on speed):
             host bytes / host->device bandwidth + device bytes / read bandwidth, all
             measured in the run; greedy tokens equal to the all-device run's
             (benchmarks/offload.py)
+  dsa       DeepSeek Sparse Attention: one DeepSeek-V3.2 layer's decode step, sparse MLA
+            (indexer + top-k + the selected latent rows) vs dense MLA at a 32K context:
+            bytes read counted from the compiled programs = kvjax.memory's hand figures,
+            step times; selection and output checked in float64 (benchmarks/dsa.py)
   serving   a Poisson trace of requests sharing a 512-token system prompt through the
             continuous-batching engine (prefix caching) and through static batches of
             `kvjax.generate`: throughput, time to first token, prefix hit rate
@@ -67,8 +71,8 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # `python benchmarks/__main__.py` as well as `python -m benchmarks`
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "offload", "serving",
-            "capacity", "kernels")
+SECTIONS = ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "offload", "dsa",
+            "serving", "capacity", "kernels")
 
 
 def cpu_flags() -> list[str]:
@@ -181,6 +185,11 @@ def _offload(quick, out):
                            "differ from the all-device run's")
 
 
+def _dsa(quick, out):
+    from benchmarks import dsa
+    dsa.main((["--quick"] if quick else []) + ["--out", str(out)])
+
+
 def _serving(quick, out):
     from benchmarks import serving
     if serving.main((["--quick"] if quick else []) + ["--out", str(out)]):
@@ -216,6 +225,7 @@ RUNNERS = dict(
     e2e=_e2e,
     kvbits=_kvbits,
     offload=_offload,
+    dsa=_dsa,
     serving=_serving,
     capacity=_capacity,
     kernels=_kernels,

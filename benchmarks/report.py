@@ -174,8 +174,22 @@ def offload(d):
                       "bound ms", "step / bound", "vs 0%"], rows))
 
 
+def dsa(d):
+    rows = [[r["label"].strip(), f"{r['bytes_counted'] / 1e6:.2f}",
+             f"{r['step_median_s'] * 1e3:.2f} ({r['step_min_s'] * 1e3:.2f}–"
+             f"{r['step_max_s'] * 1e3:.2f})"] for r in d["rows"]]
+    g = d["geometry"]
+    return (f"One DeepSeek-V3.2 layer ({g['q_heads']} heads, latent {g['d_c']} + "
+            f"{g['d_rope']}, indexer {g['index_heads']} x {g['index_dim']}, top-{g['topk']}), "
+            f"batch {d['batch']} x {d['context']} tokens, bf16 pages of {d['page_size']}. "
+            f"Bytes counted from the compiled programs, equal to kvjax.memory's figures; "
+            f"DSA / dense: {d['ratios']['bytes_dsa_over_dense']:.3f} of the bytes, "
+            f"{d['ratios']['time_dsa_over_dense_xla']:.2f}x the XLA step time.\n\n"
+            + _table(["program", "MB read", "step ms (min–max)"], rows))
+
+
 SECTION_TABLES = dict(roofline=roofline, paging=paging, pool=pool, e2e=e2e, serving=serving,
-                      capacity=capacity, offload=offload)
+                      capacity=capacity, offload=offload, dsa=dsa)
 
 
 def load_run(folder: Path) -> dict:
@@ -255,6 +269,14 @@ def summary_rows(run: dict) -> list[list[str]]:
             rows.append([f"decode tokens/s through `generate`, KIVI caches / bf16 cache (batch "
                          f"{kvb['batch']} x {kvb['context']} tokens)",
                          f"bf16 {by['bf16']['tokens_per_s']:.0f} tokens/s; " + ", ".join(q)])
+    sparse = _data(run, "dsa")
+    if sparse:
+        by = {r["program"]: r for r in sparse["rows"]}
+        rows.append([f"DeepSeek Sparse Attention, one V3.2 layer's decode step at "
+                     f"{sparse['context']} tokens: sparse / dense MLA",
+                     f"{sparse['ratios']['bytes_dsa_over_dense']:.2f}x the bytes read, "
+                     f"{by['dsa']['step_median_s'] * 1e3:.1f} vs "
+                     f"{by['dense']['step_median_s'] * 1e3:.1f} ms (XLA path)"])
     srv = _data(run, "serving")
     if srv:
         e = srv["runs"]["engine"]

@@ -23,7 +23,7 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     run = json.loads((tmp_path / "run.json").read_text())
     sections = run["sections"]
     assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "kvbits", "offload",
-                             "serving", "capacity"}
+                             "dsa", "serving", "capacity"}
     assert all(s["status"] == "ok" for s in sections.values()), {
         k: s.get("error", "")[-2000:] for k, s in sections.items()}
     roof = sections["roofline"]["data"]
@@ -52,6 +52,10 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     assert read == sorted(set(read)), read
     off = sections["offload"]["data"]  # host-resident pages decode the all-device tokens
     assert off["ok"] and {r["host_fraction"] for r in off["rows"]} == {0.0, 0.5, 0.9}
+    dsa = sections["dsa"]["data"]  # checked itself: counted bytes = memory's, float64 refs
+    assert dsa["ok"] and {r["program"] for r in dsa["rows"]} >= {"dense", "dsa"}
+    assert all(r["bytes_counted"] == r["bytes_hand"] for r in dsa["rows"])
+    assert dsa["ratios"]["bytes_dsa_over_dense"] < 1
     cap = sections["capacity"]["data"]
     assert len(cap["layouts"]) == 5 and all(r["sequences"] > 0 for r in cap["layouts"])
 
