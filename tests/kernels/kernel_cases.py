@@ -31,6 +31,14 @@ ref_decode = jax.jit(
 ref_mla = jax.jit(mla_ref.mla_decode_attention, static_argnames=("scale",))
 
 
+def interpreted(fn, *args, **static):
+    """`fn(*args, **static)` as one jitted program, blocked until ready: the way to run a
+    kernel under the TPU interpreter. The interpreter's callbacks run JAX ops while its
+    kernel runs; called eagerly, ops dispatched after the kernel (a tail merge, the
+    comparisons) can queue ahead of them and wait on the kernel for ever."""
+    return jax.block_until_ready(jax.jit(functools.partial(fn, **static))(*args))
+
+
 def edge_lengths(page_size: int, max_pages: int) -> list[int]:
     """The lengths at and around page boundaries, plus a full table."""
     return [1, page_size - 1, page_size, page_size + 1, max_pages * page_size]

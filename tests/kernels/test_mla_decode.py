@@ -11,7 +11,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import assert_close, mla_case, native_flavours, ref_mla
+from kernel_cases import assert_close, interpreted, mla_case, native_flavours, ref_mla
 
 from kernels_pallas.mla_decode import gpu, tpu
 from kernels_pallas.paged_attention.block_sizes import BlockSizes
@@ -29,8 +29,10 @@ def run_mla(kernel, *args, block_pages=None, num_splits=None, **kwargs):
         return gpu.mla_decode_attention(*args, block_sizes=bs, interpret=kernel == "gpu", **kwargs)
     if kernel == "tpu_native":
         return tpu.mla_decode_attention(*args, block_sizes=bs, **kwargs)
-    interpret = interpret_params() if kernel == "tpu_interpreter" else True
-    return tpu.mla_decode_attention(*args, block_sizes=bs, interpret=interpret, **kwargs)
+    if kernel == "tpu_interpreter":  # one jitted program (see interpreted())
+        return interpreted(tpu.mla_decode_attention, *args, block_sizes=bs,
+                           interpret=interpret_params(), **kwargs)
+    return tpu.mla_decode_attention(*args, block_sizes=bs, interpret=True, **kwargs)
 
 
 # (kernel, q_heads, d_c, d_rope, page_size, dtype, block_pages, num_splits): page sizes

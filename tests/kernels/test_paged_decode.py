@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from kernel_cases import assert_close, gqa_case, gqa_ratios, native_flavours, ref_decode
+from kernel_cases import (
+    assert_close,
+    gqa_case,
+    gqa_ratios,
+    interpreted,
+    native_flavours,
+    ref_decode,
+)
 
 from kernels_pallas.paged_attention import gpu, tpu
 from kernels_pallas.paged_attention.block_sizes import BlockSizes
@@ -32,8 +39,10 @@ def run_kernel(kernel, *args, block_pages=None, num_splits=None, **kwargs):
                                           **kwargs)
     if kernel == "tpu_native":
         return tpu.paged_decode_attention(*args, block_sizes=bs, **kwargs)
-    interpret = tpu.interpret_params() if kernel == "tpu_interpreter" else True
-    return tpu.paged_decode_attention(*args, block_sizes=bs, interpret=interpret, **kwargs)
+    if kernel == "tpu_interpreter":  # one jitted program (see interpreted())
+        return interpreted(tpu.paged_decode_attention, *args, block_sizes=bs,
+                           interpret=tpu.interpret_params(), **kwargs)
+    return tpu.paged_decode_attention(*args, block_sizes=bs, interpret=True, **kwargs)
 
 
 # (ratio, head_dim, page_size, dtype, block_pages, num_splits): every ratio, head_dim,

@@ -37,7 +37,7 @@ from kernels_pallas.paged_attention.tpu import interpret_params
 from kernels_pallas.quantized_attention import gpu as qgpu
 from kernels_pallas.quantized_attention import reference as qref
 from kernels_pallas.quantized_attention import tpu as qtpu
-from tests.kernels.kernel_cases import make_tables, native_flavours
+from tests.kernels.kernel_cases import interpreted, make_tables, native_flavours
 
 PS, G, MAX_PAGES, RING = 16, 16, 4, 32
 RATIOS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (4, 1)}
@@ -109,6 +109,8 @@ def _kernel(kind, mla):
                       "gpu": (qgpu, True), "tpu_native": (qtpu, False),
                       "gpu_native": (qgpu, False)}[kind]
     fn = mod.quantized_mla_attention if mla else mod.quantized_attention
+    if kind == "tpu_interpreter":  # one jitted program (see interpreted())
+        return functools.partial(interpreted, fn, interpret=interpret)
     return functools.partial(fn, interpret=interpret)
 
 
