@@ -17,6 +17,9 @@ the lengths as constants), in the pools' dtype (XLA:CPU gathers bf16 through a f
 view, which is not a read of the cache), per pool (latent, rotary key, indexer keys;
 block-table reads are left out). They must equal `kvjax.memory.indexer`'s hand figures
 for one layer. Step times: medians over repeats after a warm-up, every call blocked on.
+On a CPU both steps are bound by arithmetic rather than bytes (128 query heads share
+each latent row, about 280 kFLOP per attended token), so the GB/s column is bytes over
+step time, not a bandwidth reached.
 
 The run checks itself: each query's selection is the top-k of the indexer scores
 recomputed in float64 NumPy from the same bf16 keys (a swap allowed only at a near tie),
