@@ -2,23 +2,25 @@
 
     family   {Llama GQA, Qwen2 (q/k/v bias, tied embeddings), DeepSeek-V2 (MLA + MoE),
               Qwen3-Next (Gated DeltaNet + gated full attention; policies, page kinds and
-              sharding act on the full-attention layers, the recurrent state is per slot)}
+              sharding act on the full-attention layers, the recurrent state is per slot),
+              DeepSeek-V3.2 (MLA + MoE + the lightning indexer: top-k sparse attention)}
   x cache    {float32, bfloat16, KIVI int8, int4, int2}
   x policy   {none, StreamingLLM, H2O, SnapKV, PyramidKV, Quest}
   x devices  {1, 8 with heads+sequences, 8 with context}
   x entry    {generate, stream, sample_n, beam_search}
 
-Each cell runs through `kvjax.generate` and must either give the right tokens or
-raise the documented `UndefinedCombination` (the list `UNDEFINED` below; it is empty:
-every cell is defined). Lossless cells (float32 cache, no policy; any sharding) give
-the greedy tokens of the single-device float32 run. Lossy cells (bf16 or KIVI pages,
-or a policy) equal, token for token, a step-by-step reference that drives the same
-public cache and policy operations (`kvjax.cache.reserve / fork / free`, the model's
-forward with the policy's selection, the policy's hooks) one step at a time from
+Each cell runs through `kvjax.generate` and must either give the right tokens or raise
+the documented `UndefinedCombination` (the list `UNDEFINED` below: DeepSeek-V3.2 with
+H2O, SnapKV, PyramidKV or Quest, whose token scores or page selections would compete
+with the indexer's own; docs/models.md). Lossless cells (float32 cache, no policy; any
+sharding) give the greedy tokens of the single-device float32 run. Lossy cells (bf16 or
+KIVI pages, or a policy) equal, token for token, a step-by-step reference that drives
+the same public cache and policy operations (`kvjax.cache.reserve / fork / free`, the
+model's forward with the policy's selection, the policy's hooks) one step at a time from
 Python, without the jitted loop.
 
 The cells are one `slow` sweep: by default a daily sample that covers every value of
-every axis runs; `--slow` (or KVJAX_SLOW=1) runs all 1440 cells.
+every axis runs; `--slow` (or KVJAX_SLOW=1) runs all 1800 cells.
 """
 
 import functools
@@ -36,6 +38,7 @@ from kvjax.cache.policies import H2O, PyramidKV, Quest, SnapKV, StreamingLLM
 from kvjax.cache.policies.base import to_slots
 from kvjax.generate import setup
 from kvjax.models import deepseek as ds
+from kvjax.models import deepseek_v32 as v32
 from kvjax.models import llama
 from kvjax.models import qwen3_next as q3n
 from kvjax.models.base import get_family
@@ -47,7 +50,7 @@ PROMPT_LENS = (27, 19)
 NEW = 6
 CHUNK = 16
 
-FAMILIES = ("llama", "qwen2", "deepseek", "qwen3_next")
+FAMILIES = ("llama", "qwen2", "deepseek", "qwen3_next", "deepseek_v32")
 CACHES = ("float32", "bfloat16", "int8", "int4", "int2")
 POLICIES = ("none", "streaming_llm", "h2o", "snapkv", "pyramidkv", "quest")
 DEVICES = ("1", "8:heads+sequences", "8:context")
@@ -55,8 +58,10 @@ ENTRIES = ("generate", "stream", "sample_n", "beam_search")
 # Fresh weights and prompts per session (the compiled programs do not depend on them);
 # a failing cell replays with KVJAX_TEST_SEED.
 SEED = int(os.environ.get("KVJAX_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
-# Cells whose combination is undefined, each raising UndefinedCombination (none).
-UNDEFINED: set[tuple[str, ...]] = set()
+# Cells whose combination is undefined, each raising UndefinedCombination.
+UNDEFINED: set[tuple[str, ...]] = {
+    ("deepseek_v32", c, p, d, e) for c in CACHES for p in ("h2o", "snapkv", "pyramidkv", "quest")
+    for d in DEVICES for e in ENTRIES}
 
 # Budgets that make every policy act on these prompts (27 + 6 tokens at most), and that
 # a KIVI cache (page 8, tail of up to R + 7 = 15 tokens) can hold.
@@ -88,6 +93,14 @@ def _model(family: str):
             q_heads=8, kv_heads=4, head_dim=16, rope=RopeConfig(theta=10000.0, dim=8),
             linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=16)
+    elif family == "deepseek_v32":
+        # index_topk 16 < the prompts (19, 27 tokens): decode reads a selection.
+        config = v32.DeepseekV32Config(
+            vocab_size=96, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=8,
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+            v_head_dim=8, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, index_n_heads=4, index_head_dim=8,
+            index_topk=16)
     else:
         config = ds.DeepseekConfig(vocab_size=96, hidden_size=48, intermediate_size=64,
                                    num_layers=2, num_heads=8, kv_lora_rank=16,
@@ -95,7 +108,7 @@ def _model(family: str):
                                    first_k_dense_replace=1, n_routed_experts=4,
                                    num_experts_per_tok=2, moe_intermediate_size=32,
                                    n_shared_experts=1)
-    fam = get_family(family if family in ("deepseek", "qwen3_next") else "llama")
+    fam = get_family(family if family in ("deepseek", "qwen3_next", "deepseek_v32") else "llama")
     params = fam.init_params(config, jax.random.key(SEED))
     # Larger weights than init's spread the logits (greedy ties unlikely).
     params = jax.tree.map(
