@@ -163,8 +163,11 @@ def test_matches_transformers(name, root, rng, full_sweeps):
         _assert_greedy(m, p, res.tokens[i].tolist(), _hf_greedy(m, p))
 
 
-def test_cli_generate_matches_transformers(root, rng, capsys):
-    m, _, _, d = _case("v32_moe", root)
+@pytest.mark.parametrize("name", ["v32_moe", "v32_dense"])
+def test_cli_generate_matches_transformers(name, root, rng, capsys, full_sweeps):
+    if name != "v32_moe":
+        _slow_only(full_sweeps)
+    m, _, _, d = _case(name, root)
     prompt = _prompts(rng, (11,))[0]
     assert main(["generate", "--model", d, "--prompt-ids", ",".join(map(str, prompt)),
                  "--max-new-tokens", str(NEW), "--page-size", str(PAGE), "--eos-id", "none",
