@@ -2,16 +2,18 @@
 
 Each function has the signature of the op's reference and runs the kernel when it
 takes the inputs (`kvjax.backends.cpu.quantized_supported` / `mla_supported`: static
-shapes and dtypes), the XLA path otherwise (chunked prefill, mixed dtypes).
+shapes and dtypes), the XLA path otherwise (KIVI and MLA prefill chunks, mixed dtypes).
 """
 
 from kvjax.attention import xla as xla_path
 from kvjax.attention import xla_quantized
 from kvjax.backends import cpu
 
-__all__ = ["paged_decode_attention", "quantized_attention", "mla_decode_attention"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "quantized_attention",
+           "mla_decode_attention"]
 
 paged_decode_attention = cpu.paged_decode_attention
+paged_prefill_attention = cpu.paged_prefill_attention
 
 
 def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, tail_v,

@@ -14,9 +14,9 @@ Implementations:
   "pallas": the Pallas kernels (`kernels_pallas/*/{tpu,gpu}.py`): the GPU kernel on a
     GPU backend, the TPU kernel otherwise (interpreted on CPU). Paged prefill has no
     kernel yet: its "pallas" entry runs the "xla" path;
-  "cpu": the C++ CPU kernels (`kvjax.backends.cpu`) for GQA, MLA and KIVI decode; the
-    other ops' "cpu" entries run the "xla" path, so a model given impl="cpu" also
-    prefills;
+  "cpu": the C++ CPU kernels (`kvjax.backends.cpu`) for GQA decode and chunked prefill,
+    MLA and KIVI decode; the other ops' "cpu" entries run the "xla" path, so a model
+    given impl="cpu" also prefills on every cache kind;
   "auto": resolved here, in one place, for the default backend (`auto_impl`).
 
 An entry that `takes_layer` is handed a cache's whole pools plus the layer index and
@@ -106,7 +106,7 @@ def _register_builtin() -> None:
     }
     cpu_ops = {
         "paged_decode_attention": cpu_impls.paged_decode_attention,
-        "paged_prefill_attention": xla_path.paged_prefill_attention,
+        "paged_prefill_attention": cpu_impls.paged_prefill_attention,
         "mla_decode_attention": cpu_impls.mla_decode_attention,
         "mla_prefill_attention": xla_path.mla_prefill_attention,
         "quantized_attention": cpu_impls.quantized_attention,
@@ -124,7 +124,8 @@ _register_builtin()
 # Ops with a Pallas kernel of their own: "auto" picks "pallas" for them on TPU and GPU.
 PALLAS_KERNEL_OPS = pallas_impls.KERNEL_OPS
 # Ops with a C++ CPU kernel: "auto" picks "cpu" for them on CPU when the kernels built.
-CPU_KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention", "quantized_attention")
+CPU_KERNEL_OPS = ("paged_decode_attention", "paged_prefill_attention", "mla_decode_attention",
+                  "quantized_attention")
 
 
 def auto_impl(op: str, dtype=None) -> str:

@@ -39,7 +39,8 @@ def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform,
     with cpu_options.override(kernels=False):
         assert registry.auto_impl("paged_decode_attention") == want
         assert registry.auto_impl("mla_decode_attention") == want
-        # No prefill kernel yet: prefill stays on the XLA path everywhere.
+        # No Pallas prefill kernel yet, and the C++ CPU kernels are off here: prefill
+        # stays on the XLA path.
         assert registry.auto_impl("paged_prefill_attention") == "xla"
 
 

@@ -110,11 +110,39 @@ def test_paged_decode(rng, march, dtype, q_heads, kv_heads, head_dim, page_size)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_paged_prefill(rng, march, dtype):
+    """The prefill kernel's register blocks and softmax on this build: GQA 2, a head dim
+    that is not a multiple of the vector width, chunks crossing key blocks and pages, a
+    window on one call."""
+    batch, q_heads, kv_heads, head_dim, ps, max_pages, q_len = 2, 4, 2, 40, 16, 8, 70
+    num_pages = batch * max_pages
+    tables = rng.permutation(num_pages).reshape(batch, max_pages)
+    lengths = jnp.asarray([100, 70], jnp.int32)
+    q_lengths = jnp.asarray([70, 61], jnp.int32)
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    args = (draw(batch, q_len, q_heads, head_dim), draw(kv_heads, num_pages, ps, head_dim),
+            draw(kv_heads, num_pages, ps, head_dim), lengths, jnp.asarray(tables, jnp.int32),
+            q_lengths)
+    tol = 2e-5 if dtype == jnp.float32 else 1e-2
+    for kw in ({}, dict(sliding_window=30)):
+        got = cpu.paged_prefill_attention(*args, item_rows=24, **kw)
+        want = jax.jit(functools.partial(paged_ref.paged_prefill_attention, **kw))(*args)
+        np.testing.assert_allclose(np.asarray(got[0], np.float32),
+                                   np.asarray(want[0], np.float32), rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-5,
+                                   atol=2e-5)
+
+
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 100])
 def test_matmul(rng, march, w_dtype, rows):
-    """Every register-block height of both builds (rows 1-8 one block, 13 and 32 several),
-    columns with a scalar tail; against float64 (float32 sums of K products)."""
+    """Every register-block height of both builds (rows 1-8 one block, 13 and 32 several;
+    100 rows the packed many-row path, row panels with a remainder), columns with a scalar
+    tail; against float64 (float32 sums of K products)."""
     k, n = 200, 1000 + 13
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((k, n)), w_dtype)

@@ -98,6 +98,56 @@ def test_soft_cap_sliding_window_scale(rng, dtype):
         _close(got, reference(*args, **kw), dtype)
 
 
+prefill_reference = jax.jit(paged_ref.paged_prefill_attention,
+                            static_argnames=("scale", "soft_cap", "sliding_window"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,page_size,item_rows", [
+    (4, 4, 64, 16, 192), (8, 2, 40, 7, 9), (6, 1, 128, 16, 5)],
+    ids=["mha-d64", "gqa4-d40-ps7", "mqa6-d128-small-items"])
+def test_prefill_matches_reference(rng, dtype, q_heads, kv_heads, head_dim, page_size,
+                                   item_rows):
+    """Chunks continuing a sequence (and one starting it), an idle row, a row of one query,
+    key blocks crossing pages and the causal diagonal; work items of a few rows (query
+    blocks cut inside a GQA group's positions) and of the whole chunk."""
+    q_len, max_pages = 70, 12
+    lengths = np.array([70, 150, 3, 0, max_pages * page_size])
+    q_lengths = np.array([70, 70, 1, 0, 45])
+    _, k, v, lengths, tables = _case(rng, batch=5, q_heads=q_heads, kv_heads=kv_heads,
+                                     head_dim=head_dim, page_size=page_size,
+                                     max_pages=max_pages, dtype=dtype, lengths=lengths)
+    q = jnp.asarray(rng.standard_normal((5, q_len, q_heads, head_dim)), dtype)
+    args = (q, k, v, lengths, tables, jnp.asarray(q_lengths, jnp.int32))
+    got = jax.jit(functools.partial(cpu_kernels.paged_prefill_attention,
+                                    item_rows=item_rows))(*args)
+    _close(got, prefill_reference(*args), dtype if dtype != jnp.float16 else jnp.bfloat16)
+    out, lse = got
+    assert np.all(np.asarray(out[3], np.float32) == 0.0) and np.all(np.isneginf(lse[3]))
+    assert np.all(np.isneginf(lse[2, 1:])) and np.all(np.isneginf(lse[4, 45:]))
+
+
+@needs_kernel
+def test_prefill_window_soft_cap_and_layer(rng):
+    """Sliding windows shorter than a key block and than the chunk, a soft cap, a scale,
+    and a layer of whole pools read in place: equal to the reference."""
+    layers = 3
+    _, k, v, lengths, tables = _case(rng, batch=3, q_heads=8, kv_heads=2, head_dim=64,
+                                     page_size=16, max_pages=10, dtype=jnp.float32,
+                                     lengths=[160, 97, 40])
+    q = jnp.asarray(rng.standard_normal((3, 40, 8, 64)), jnp.float32)
+    q_lengths = jnp.asarray([40, 33, 40], jnp.int32)
+    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), jnp.float32).at[1].set(k)
+    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), jnp.float32).at[1].set(v)
+    for kw in (dict(sliding_window=5), dict(sliding_window=70, soft_cap=4.0, scale=0.2)):
+        want = prefill_reference(q, k, v, lengths, tables, q_lengths, **kw)
+        _close(attention.paged_prefill_attention(q, k, v, lengths, tables, q_lengths,
+                                                 impl="cpu", **kw), want, jnp.float32)
+        _close(attention.paged_prefill_attention(q, k_all, v_all, lengths, tables, q_lengths,
+                                                 impl="cpu", layer=1, **kw), want, jnp.float32)
+
+
 @needs_kernel
 def test_jit_and_layers_scan_read_pools_in_place(rng):
     """Under jit, whole pools + a traced layer inside a scan over layers (how the models
@@ -150,14 +200,15 @@ def test_choose_decides_each_op():
     those in place), for a matmul of more rows than the kernel serves or over several
     devices; the options switch each decision."""
     lib = cpu_kernels.library()
-    for op in ("paged_decode", "quantized_decode", "mla_decode", "paged_decode_attention",
-               "quantized_attention", "mla_decode_attention"):
+    for op in ("paged_decode", "paged_prefill", "quantized_decode", "mla_decode",
+               "paged_decode_attention", "paged_prefill_attention", "quantized_attention",
+               "mla_decode_attention"):
         rule = policy._MEASURED[policy.ALIASES.get(op, op)].get(lib.isa_class)
         for dtype in (jnp.float32, jnp.bfloat16):
             choice = cpu_kernels.choose(op, dtype=dtype)
             want = rule == "all" or (rule == "16-bit" and dtype == jnp.bfloat16)
             assert choice.use_kernel == want and lib.isa_class in choice.reason, choice
-    for op in ("paged_prefill_attention", "mla_prefill_attention", "quantized_mla_attention"):
+    for op in ("mla_prefill_attention", "quantized_mla_attention"):
         assert not cpu_kernels.choose(op).use_kernel
     with pytest.raises(ValueError, match="unknown op"):
         cpu_kernels.choose("no_such_op")

@@ -10,11 +10,13 @@ buffer), and keep the online softmax in float32;
 (sequence, KV head) work items are spread over the caller and XLA's intra-op thread
 pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), over
 KIVI-quantized pages and their tail ring (`quantized_kernel.h`) and MLA decode
-in absorbed form (`mla_decode.cc`). Prefill stays on the XLA path. The same library
-holds the decode step's other CPU pieces: a small-M matmul (`matmul.py`, used by
-`kvjax.models.layers.linear`) and in-place row writes and page copies for 16-bit
-cache pools (`write_rows`, `copy_pages`; `write_rows.cc`), which XLA:CPU would do by
-widening or copying the whole pool.
+in absorbed form (`mla_decode.cc`); GQA/MQA chunked prefill over full-precision pages
+(`paged_prefill.cc`: causal flash attention, each query block reading only the keys it
+sees). KIVI and MLA prefill stay on the XLA path. The same library holds the model's
+other CPU pieces: a matmul (`matmul.py`, used by `kvjax.models.layers.linear`; a few
+rows streamed at memory speed, many rows as a packed GEMM) and in-place row writes and
+page copies for 16-bit cache pools (`write_rows`, `copy_pages`; `write_rows.cc`), which
+XLA:CPU would do by widening or copying the whole pool.
 
 `kvjax.attention` registers them as `impl="cpu"`; `choose(op)` says whether "auto"
 should take the kernel for an op on this CPU and build (measured rules, `policy.py`),
@@ -40,8 +42,9 @@ from kvjax.backends.cpu.policy import Choice, choose, unstack_layers_for
 
 __all__ = ["available", "unavailable_reason", "library", "Library", "CpuOptions", "get_options",
            "set_options", "override", "choose", "Choice", "unstack_layers_for",
-           "paged_decode_attention", "quantized_attention", "quantized_supported",
-           "mla_decode_attention", "mla_supported", "write_rows", "copy_pages"]
+           "paged_decode_attention", "paged_prefill_attention", "PREFILL_ITEM_ROWS",
+           "quantized_attention", "quantized_supported", "mla_decode_attention", "mla_supported",
+           "write_rows", "copy_pages"]
 
 
 def _as_pools(pages, layer):
@@ -111,6 +114,82 @@ def _paged_decode(q, k_pages, v_pages, lengths, block_tables, layer, *, scale, s
     )
     return out.astype(q.dtype), lse
 
+
+
+# Query rows per work item of the prefill kernel (benchmarks/attention.py --cpu-choice).
+PREFILL_ITEM_ROWS = 192
+
+
+def paged_prefill_attention(
+    q: Float[Array, "batch q_len q_heads head_dim"],
+    k_pages: Float[Array, "*layers kv_heads pages page_size head_dim"],
+    v_pages: Float[Array, "*layers kv_heads pages page_size v_head_dim"],
+    lengths: Int[Array, " batch"],
+    block_tables: Int[Array, "batch max_pages"],
+    q_lengths: Int[Array, " batch"],
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    layer: int | Int[Array, ""] | None = None,
+    item_rows: int | None = None,
+) -> tuple[Float[Array, "batch q_len q_heads v_head_dim"], Float[Array, "batch q_len q_heads"]]:
+    """Chunked-prefill attention with the CPU kernel; the reference's signature and semantics.
+
+    Causal flash attention over the pages (`paged_prefill.cc`): each block of query
+    positions reads only the keys it can see, in float32.
+
+    Args:
+      q: [batch, q_len, q_heads, head_dim] float32 or bfloat16.
+      k_pages, v_pages: [kv_heads, pages, page_size, width] float32, bfloat16 or float16,
+        or with `layer` a cache's whole pools [layers, ...] read in place.
+      lengths: int32[batch], tokens in the cache, the new ones included.
+      block_tables: int32[batch, max_pages].
+      q_lengths: int32[batch], real queries per row (query t sits at position
+        lengths - q_lengths + t; queries past q_lengths are padding: output 0, lse -inf).
+      scale, soft_cap, sliding_window: as in the reference.
+      layer: an int or traced int32 scalar, or None.
+      item_rows: query rows (positions x query heads per KV head) per work item (default
+        `PREFILL_ITEM_ROWS`): each item gathers the keys it sees once for its rows.
+
+    Returns:
+      (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
+
+    Raises:
+      ValueError: item_rows < 1. RuntimeError: the kernels are unavailable
+        (`unavailable_reason()`).
+    """
+    item_rows = PREFILL_ITEM_ROWS if item_rows is None else int(item_rows)
+    if item_rows < 1:
+        raise ValueError(f"paged_prefill_attention: item_rows must be >= 1, got {item_rows}.")
+    return _paged_prefill(q, k_pages, v_pages, lengths, block_tables, q_lengths, layer,
+                          scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                          item_rows=item_rows, target=load().target("paged_prefill"))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "item_rows",
+                                             "target"))
+def _paged_prefill(q, k_pages, v_pages, lengths, block_tables, q_lengths, layer, *, scale,
+                   soft_cap, sliding_window, item_rows, target):
+    batch, q_len, q_heads, head_dim = q.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    k_pools, layer_idx = _as_pools(k_pages, layer)
+    v_pools, _ = _as_pools(v_pages, layer)
+    v_head_dim = v_pools.shape[-1]
+    call = jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((batch, q_len, q_heads, v_head_dim), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_len, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, lse = call(
+        q.astype(jnp.float32), k_pools, v_pools, layer_idx, lengths.astype(jnp.int32),
+        block_tables.astype(jnp.int32), q_lengths.astype(jnp.int32),
+        scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
+        window=np.int64(sliding_window or 0), item_rows=np.int64(item_rows),
+    )
+    return out.astype(q.dtype), lse
 
 
 def quantized_supported(q, k_scale, k_zero, v_scale, v_zero, tail_k, tail_v) -> bool:

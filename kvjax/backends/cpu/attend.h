@@ -40,8 +40,8 @@ __attribute__((always_inline)) inline void softmax_step(v16 s, v16i visible, flo
                                                        float& m, v16& lsum, float& alpha,
                                                        float* probs) {
   if (soft_cap > 0.0f) s = soft_cap * vtanh(s / soft_cap);
-  s = visible ? s : splat(kNegInf);
-  if (any(s > splat(m))) {
+  s = select(visible, s, splat(kNegInf));
+  if (any(gt(s, splat(m)))) {
     const float m_new = hmax(s);  // > m; finite (a visible lane exceeds m)
     alpha = std::exp(m - m_new);  // 0 on the first chunk (m = -inf)
     lsum *= splat(alpha);
@@ -80,7 +80,7 @@ void attend(const Tuning& tuning, const float* qs, int64_t G, int64_t Dp_rt, int
     if (ahead > 0 && c0 + ahead * kLanes < hi) prefetch(c0 + ahead * kLanes);
     const Chunk ch = load(c0);
     const v16 pos = iota + static_cast<float>(c0);
-    const v16i visible = (pos >= static_cast<float>(lo)) & (pos < static_cast<float>(hi));
+    const v16i visible = ge(pos, splat(static_cast<float>(lo))) & lt(pos, splat(static_cast<float>(hi)));
 
     for (int64_t g = 0; g < G; ++g) {
       v16 part[kLanes];
@@ -354,7 +354,7 @@ void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt,
       if (!located(pf)) prefetch(c0 + (ahead + 1) * kLanes);
     }
     const v16 pos = iota + static_cast<float>(c0);
-    const v16i visible = (pos >= static_cast<float>(lo)) & (pos < static_cast<float>(hi));
+    const v16i visible = ge(pos, splat(static_cast<float>(lo))) & lt(pos, splat(static_cast<float>(hi)));
     for (int64_t g = 0; g < G; ++g) {
       const v16 s = chunk_scores(ch, parts[cur] + g * kLanes, g);
       softmax_step(s, visible, soft_cap, m[g], lsum[g], alpha[g], probs + g * kLanes);

@@ -52,12 +52,14 @@ __all__ = ["Library", "available", "unavailable_reason", "load", "library", "lib
 
 # Largest first: one compiler process per file, so the longest ones start first.
 SOURCES = ("quantized_decode_f32.cc", "quantized_decode_bf16.cc", "quantized_decode_f16.cc",
-           "paged_decode.cc", "mla_decode.cc", "matmul.cc", "quantized_decode.cc",
+           "paged_decode.cc", "paged_prefill.cc", "mla_decode.cc", "matmul.cc",
+           "quantized_decode.cc",
            "write_rows.cc", "config.cc")
-_HEADERS = ("common.h", "attend.h", "quantized_decode.h", "quantized_kernel.h")
+_HEADERS = ("common.h", "native.h", "attend.h", "quantized_decode.h", "quantized_kernel.h")
 # FFI symbol in the library -> the op's name (its target is "kvjax_<name>_<library hash>").
 TARGETS = {
     "KvjaxPagedDecode": "paged_decode",
+    "KvjaxPagedPrefill": "paged_prefill",
     "KvjaxQuantizedDecode": "quantized_decode",
     "KvjaxMlaDecode": "mla_decode",
     "KvjaxMatmul": "matmul",

@@ -1,4 +1,6 @@
-// Small-M matmul on CPU: y[M, N] = x[M, K] @ w[K, N], float32 accumulation.
+// Matmul on CPU: y[M, N] = x[M, K] @ w[K, N], float32 accumulation. A few rows (decode)
+// stream w at memory speed; many rows (the `packed` attribute > 0: prefill, training)
+// run the packed GEMM at the end of this file.
 //
 // Decode multiplies a few activation rows (batch x new tokens) by every weight matrix
 // once per step, so the op is bound by reading w; XLA:CPU's dot streams those weights
@@ -20,37 +22,24 @@
 // left by 16 gives the even columns as float32, masking the low half the odd ones; the
 // two accumulators are interleaved back at the store. x and y are float32 (the Python
 // wrapper casts). Columns past the last whole vector (float32) or two (bf16) run a
-// scalar loop.
+// scalar loop. Stacked weights work the same in the packed GEMM.
 
-#include "common.h"
+#include "native.h"
 
 namespace kvjax {
 namespace {
 
-// The register blocks use the target's own vector width (kNat floats: 16 with AVX-512, 8
-// with AVX/AVX2, 4 elsewhere): GCC lowers the 64-byte vectors of common.h on a 32-byte
-// target through the stack (most FMAs of an AVX2 build read a spilled operand), which
-// made this kernel slower than XLA's dot on AVX2-only CPUs. Rows per register block:
-// MR accumulators of NV vectors, NV weight vectors and a broadcast fit the register file
-// (32 zmm: 8 rows x 2-3 vectors; 16 ymm: 6 rows x 2 vectors).
-#if defined(__AVX512F__)
-#define KVJAX_NAT 16
+// Rows per register block: MR accumulators of NV vectors of the target's width
+// (native.h), NV weight vectors and a broadcast fit the register file (32 zmm: 8 rows x
+// 2-3 vectors; 16 ymm: 6 rows x 2 vectors). With the 64-byte vectors of common.h an AVX2
+// build spilled, and ran slower than XLA's dot on AVX2-only CPUs.
+#if KVJAX_NAT == 16
 constexpr int kMaxRows = 8;
-#elif defined(__AVX__)
-#define KVJAX_NAT 8
+#elif KVJAX_NAT == 8
 constexpr int kMaxRows = 6;
 #else
-#define KVJAX_NAT 4
 constexpr int kMaxRows = 4;
 #endif
-constexpr int kNat = KVJAX_NAT;
-typedef float vn __attribute__((vector_size(4 * kNat)));
-typedef int32_t vni __attribute__((vector_size(4 * kNat)));
-typedef float vnu __attribute__((vector_size(4 * kNat), aligned(4), may_alias));
-typedef int32_t vniu __attribute__((vector_size(4 * kNat), aligned(2), may_alias));
-
-inline vn loadn(const float* p) { return *reinterpret_cast<const vnu*>(p); }
-inline void storen(float* p, vn x) { *reinterpret_cast<vnu*>(p) = x; }
 
 constexpr int64_t kMinParallelBytes = 256 << 10;  // smaller weights: caller thread only
 
@@ -61,19 +50,6 @@ struct MatmulArgs {
   int64_t M, K, N;
   int64_t ahead;   // rows prefetched ahead (0: none)
 };
-
-// x[0] in all lanes, loaded as a broadcast (`vn{} + v` would add 0.0f first, an extra
-// instruction per row and step that the compiler must keep for -0.0f).
-inline vn broadcast(const float* p) {
-  const float v = *p;
-#if KVJAX_NAT == 16
-  return vn{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
-#elif KVJAX_NAT == 8
-  return vn{v, v, v, v, v, v, v, v};
-#else
-  return vn{v, v, v, v};
-#endif
-}
 
 inline void prefetch_l2(const void* p) { prefetch_line<1>(p); }
 
@@ -309,9 +285,142 @@ void run(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t tile_vectors, int64
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Many rows (prefill, training): a packed, cache-blocked GEMM. The op is compute-bound
+// there, so the work is keeping the FMA units busy: w is packed once per call into panels
+// of kPackCols columns ([K / kc][N / kPackCols][kc][kPackCols], bf16 widened, the last
+// panel zero-padded), shared by all workers; each work item is a block of kPackRowBlock
+// rows of x, packed kc columns at a time into row panels ([kPackRows][kc] transposed to
+// [kc][kPackRows], zero-padded) that stay in L2 while every column panel of w (in L3 or
+// L2) passes through one register block of kPackRows x kPackVecs vectors. The register
+// block: 12 x 2 zmm on AVX-512 (24 accumulators of its 32 registers), 6 x 2 ymm on AVX2
+// (12 of 16), 4 x 2 elsewhere.
+
+#if KVJAX_NAT == 16
+constexpr int kPackRows = 12;
+#elif KVJAX_NAT == 8
+constexpr int kPackRows = 6;
+#else
+constexpr int kPackRows = 4;
+#endif
+constexpr int kPackVecs = 2;
+constexpr int kPackCols = kPackVecs * kNat;
+constexpr int64_t kPackRowBlock = 8 * kPackRows;  // rows of x per work item
+
+// One register block: rows [0, rows) x columns [0, cols) of y (row stride ldy) from the
+// packed x panel a ([kc][kPackRows]) and w panel b ([kc][kPackCols]); adds to y unless
+// `first`.
+template <int MR>
+inline void packed_block(int64_t kc, const float* __restrict a, const float* __restrict b,
+                         float* y, int64_t ldy, bool first, int rows, int cols) {
+  vn acc[MR][kPackVecs];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kPackVecs; ++v) acc[m][v] = vn{};
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < kc; ++k) {
+    vn bv[kPackVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kPackVecs; ++v) bv[v] = loadn(b + k * kPackCols + v * kNat);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const vn xb = broadcast(a + k * MR + m);
+#pragma GCC unroll 4
+      for (int v = 0; v < kPackVecs; ++v) acc[m][v] += xb * bv[v];
+    }
+  }
+  if (rows == MR && cols == kPackCols) {
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int v = 0; v < kPackVecs; ++v) {
+        float* p = y + m * ldy + v * kNat;
+        storen(p, first ? acc[m][v] : acc[m][v] + loadn(p));
+      }
+    return;
+  }
+  alignas(64) float tile[MR * kPackCols];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kPackVecs; ++v) storen(tile + m * kPackCols + v * kNat, acc[m][v]);
+  for (int m = 0; m < rows; ++m)
+    for (int j = 0; j < cols; ++j)
+      y[m * ldy + j] = first ? tile[m * kPackCols + j] : y[m * ldy + j] + tile[m * kPackCols + j];
+}
+
+// w rows [k0, k0 + kc), column panel p, widened into dst [kc][kPackCols] (zero-padded).
+template <typename T>
+void pack_w(const MatmulArgs& a, int64_t k0, int64_t kc, int64_t p, float* dst) {
+  const T* w = static_cast<const T*>(a.w);
+  const int64_t c0 = p * kPackCols, cols = std::min<int64_t>(kPackCols, a.N - c0);
+  for (int64_t k = 0; k < kc; ++k) {
+    const T* row = w + (k0 + k) * a.N + c0;
+    float* out = dst + k * kPackCols;
+    if (cols == kPackCols) {
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(out, row, kPackCols * sizeof(float));
+      } else {
+        widen_bf16(reinterpret_cast<const uint16_t*>(row), out, kPackCols);
+      }
+    } else {
+      for (int64_t j = 0; j < kPackCols; ++j) out[j] = j < cols ? to_float(row[j]) : 0.0f;
+    }
+  }
+}
+
+template <typename T>
+void run_packed(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
+  const int64_t M = a.M, K = a.K, N = a.N;
+  const int64_t kc_step = std::max<int64_t>(1, kc_max);
+  const int64_t panels = (N + kPackCols - 1) / kPackCols;
+  const int64_t kblocks = (K + kc_step - 1) / kc_step;
+  // Packed w: for k block kb, panel p at ((kb * panels + p) * kc_step) * kPackCols.
+  thread_local Scratch wbuf;
+  float* wp = wbuf.get(kblocks * panels * kc_step * kPackCols);
+  parallel_for(pool, kblocks * panels, [&](int64_t i, int) {
+    const int64_t kb = i / panels, p = i % panels;
+    const int64_t k0 = kb * kc_step, kc = std::min(kc_step, K - k0);
+    pack_w<T>(a, k0, kc, p, wp + (kb * panels + p) * kc_step * kPackCols);
+  });
+  const int64_t items = (M + kPackRowBlock - 1) / kPackRowBlock;
+  parallel_for(pool, items, [&](int64_t item, int) {
+    thread_local Scratch xbuf;
+    const int64_t r0 = item * kPackRowBlock, nrows = std::min(kPackRowBlock, M - r0);
+    const int64_t groups = (nrows + kPackRows - 1) / kPackRows;
+    float* xp = xbuf.get(groups * kc_step * kPackRows);
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      const int64_t k0 = kb * kc_step, kc = std::min(kc_step, K - k0);
+      // x rows [r0, r0 + nrows), columns [k0, k0 + kc) as [groups][kc][kPackRows].
+      for (int64_t g = 0; g < groups; ++g) {
+        float* dst = xp + g * kc * kPackRows;
+        for (int m = 0; m < kPackRows; ++m) {
+          const int64_t r = r0 + g * kPackRows + m;
+          if (r < r0 + nrows) {
+            const float* src = a.x + r * K + k0;
+            for (int64_t k = 0; k < kc; ++k) dst[k * kPackRows + m] = src[k];
+          } else {
+            for (int64_t k = 0; k < kc; ++k) dst[k * kPackRows + m] = 0.0f;
+          }
+        }
+      }
+      for (int64_t p = 0; p < panels; ++p) {
+        const float* b = wp + (kb * panels + p) * kc_step * kPackCols;
+        const int cols = static_cast<int>(std::min<int64_t>(kPackCols, N - p * kPackCols));
+        for (int64_t g = 0; g < groups; ++g) {
+          const int rows = static_cast<int>(std::min<int64_t>(kPackRows, nrows - g * kPackRows));
+          packed_block<kPackRows>(kc, xp + g * kc * kPackRows, b,
+                                  a.y + (r0 + g * kPackRows) * N + p * kPackCols, N, kb == 0,
+                                  rows, cols);
+        }
+      }
+    }
+  });
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> layer, int64_t tile_vectors, int64_t block,
-                      int64_t panel, int64_t ahead, ffi::ResultBuffer<ffi::F32> y) {
+                      int64_t panel, int64_t ahead, int64_t packed,
+                      ffi::ResultBuffer<ffi::F32> y) {
   // w is [K, N], or stacked layers [L, K, N] of which `layer` (clamped) is used in place.
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const size_t wr = wd.size();
@@ -339,12 +448,18 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     std::fill(a.y, a.y + a.M * a.N, 0.0f);
     return ffi::Error::Success();
   }
-  if (dt == ffi::F32) {
-    run<float>(&pool, a, tile_vectors, block, panel);
-  } else if (dt == ffi::BF16) {
-    run<Bf16>(&pool, a, tile_vectors, block, panel);
-  } else {
+  if (dt != ffi::F32 && dt != ffi::BF16)
     return ffi::Error::InvalidArgument("kvjax matmul: w must be float32 or bfloat16");
+  if (packed > 0) {
+    if (dt == ffi::F32) {
+      run_packed<float>(&pool, a, packed);
+    } else {
+      run_packed<Bf16>(&pool, a, packed);
+    }
+  } else if (dt == ffi::F32) {
+    run<float>(&pool, a, tile_vectors, block, panel);
+  } else {
+    run<Bf16>(&pool, a, tile_vectors, block, panel);
   }
   return ffi::Error::Success();
 }
@@ -362,4 +477,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmul, kvjax::MatmulImpl,
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("panel")
                                   .Attr<int64_t>("ahead")
+                                  .Attr<int64_t>("packed")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y [M, N]

@@ -1,10 +1,13 @@
-"""Small-M matmul on CPU (`matmul.cc`): `x @ w` for a few rows, at memory speed.
+"""Matmul on CPU (`matmul.cc`): `x @ w` for a few rows at memory speed, or for many.
 
 Decode multiplies batch x new-token rows (a handful) by every weight matrix once
 per step: the work is reading the weights. XLA:CPU's dot streams them at about a
 third of the read bandwidth for 8 rows; the kernel reads each
 weight byte once, on all cores, with float32 accumulation, and widens bfloat16
-weights in registers (no converted copy of the weights).
+weights in registers (no converted copy of the weights). For more than `MAX_ROWS`
+rows (prefill, training) the same call runs a packed, cache-blocked GEMM instead
+(`packed`: w widened into column panels once per call, x in row panels, a register
+block of the build's width), compute-bound like XLA's dot there.
 
 `use_kernel(x, w_shape, w_dtype)` says whether `kvjax.backends.linear.linear` takes
 the kernel: `choose("matmul", rows=...)` on the CPU backend (the options, the build's
@@ -43,6 +46,8 @@ TILE_VECTORS = 2
 BLOCK = 512
 PANEL = 32
 AHEAD = 32
+# Rows of w per packed block of the many-row GEMM (0 would mean the streaming kernel).
+PACK_K = 256
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -60,31 +65,34 @@ def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype,
     return choose("matmul", rows=math.prod(x.shape[:-1]), options=options).use_kernel
 
 
-def _kernel(x2, w, layer, target, tile_vectors, block, panel, ahead):
+def _kernel(x2, w, layer, target, tile_vectors, block, panel, ahead, packed):
     call = jax.ffi.ffi_call(
         target,
         jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
         vmap_method="sequential",
     )
     return call(x2.astype(jnp.float32), w, layer, tile_vectors=np.int64(tile_vectors),
-                block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead))
+                block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead),
+                packed=np.int64(packed))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _matmul(x, w, layer, target, tile_vectors, block, panel, ahead):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _matmul(x, w, layer, target, tile_vectors, block, panel, ahead, packed):
     lead = x.shape[:-1]
-    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, target, tile_vectors, block, panel, ahead)
+    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, target, tile_vectors, block, panel, ahead,
+                packed)
     return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
 
 
-def _fwd(x, w, layer, target, tile_vectors, block, panel, ahead):
-    return _matmul(x, w, layer, target, tile_vectors, block, panel, ahead), (x, w, layer)
+def _fwd(x, w, layer, target, tile_vectors, block, panel, ahead, packed):
+    return (_matmul(x, w, layer, target, tile_vectors, block, panel, ahead, packed),
+            (x, w, layer))
 
 
-def _bwd(target, tile_vectors, block, panel, ahead, res, g):
+def _bwd(target, tile_vectors, block, panel, ahead, packed, res, g):
     # The gradients of einsum("...i,io->...o", x, w_l.astype(x.dtype)), each in its
     # primal's dtype; stacked weights get theirs in layer `layer`'s slot.
-    del target, tile_vectors, block, panel, ahead
+    del target, tile_vectors, block, panel, ahead, packed
     x, w, layer = res
     w_l = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     dx = jnp.einsum("...o,io->...i", g, w_l.astype(g.dtype))
@@ -106,6 +114,7 @@ def matmul(
     block: int | None = None,
     panel: int | None = None,
     ahead: int | None = None,
+    packed: int | None = None,
 ) -> Float[Array, "*batch d_out"]:
     """`x @ w` with the CPU kernel, float32 accumulation, result in x's dtype.
 
@@ -116,11 +125,13 @@ def matmul(
         used, read in place (no slice of the stack is formed).
       layer: None, or an int / traced int32 scalar indexing w's first axis (a traced
         index outside [0, layers) is clamped by the kernel; a Python int is checked).
-      tile_vectors, block, panel, ahead: kernel tuning (default: the module constants);
-        tile_vectors in 1..3 (float32 tile width in vectors of the build's width: 16
-        floats with AVX-512, 8 with AVX2, 4 elsewhere), block the column-block width
-        (0: automatic), panel the rows walked per tile before the next tile (0: all),
-        ahead the rows prefetched ahead (0: none).
+      tile_vectors, block, panel, ahead: tuning of the few-row kernel (default: the
+        module constants); tile_vectors in 1..3 (float32 tile width in vectors of the
+        build's width: 16 floats with AVX-512, 8 with AVX2, 4 elsewhere), block the
+        column-block width (0: automatic), panel the rows walked per tile before the
+        next tile (0: all), ahead the rows prefetched ahead (0: none).
+      packed: rows of w per block of the many-row GEMM, or 0 for the few-row kernel
+        (default: `PACK_K` when x has more than `MAX_ROWS` rows, else 0).
 
     Returns:
       [..., d_out] in x's dtype.
@@ -148,6 +159,10 @@ def matmul(
     if min(block, panel, ahead) < 0:
         raise ValueError(
             f"matmul: block, panel and ahead must be >= 0, got {block}, {panel}, {ahead}.")
+    rows = math.prod(x.shape[:-1])
+    packed = (PACK_K if rows > MAX_ROWS else 0) if packed is None else int(packed)
+    if packed < 0:
+        raise ValueError(f"matmul: packed must be >= 0, got {packed}.")
     target = load().target("matmul")
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    return _matmul(x, w, layer, target, tile_vectors, block, panel, ahead)
+    return _matmul(x, w, layer, target, tile_vectors, block, panel, ahead, packed)

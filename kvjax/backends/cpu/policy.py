@@ -25,11 +25,12 @@ from kvjax.backends.cpu import options as options_mod
 
 __all__ = ["Choice", "OPS", "choose", "unstack_layers_for", "MATMUL_MAX_ROWS"]
 
-OPS = ("paged_decode", "quantized_decode", "mla_decode", "matmul", "write_rows", "copy_pages")
+OPS = ("paged_decode", "paged_prefill", "quantized_decode", "mla_decode", "matmul", "write_rows",
+       "copy_pages")
 # The attention registry's op names: those with a kernel, and those the XLA path serves.
-ALIASES = {"paged_decode_attention": "paged_decode", "quantized_attention": "quantized_decode",
-           "mla_decode_attention": "mla_decode"}
-NO_KERNEL = ("paged_prefill_attention", "mla_prefill_attention", "quantized_mla_attention")
+ALIASES = {"paged_decode_attention": "paged_decode", "paged_prefill_attention": "paged_prefill",
+           "quantized_attention": "quantized_decode", "mla_decode_attention": "mla_decode"}
+NO_KERNEL = ("mla_prefill_attention", "quantized_mla_attention")
 
 # Rows (the product of the activation's leading dims) up to which the matmul kernel beat
 # XLA's dot in benchmarks/matmul.py, per ISA class; above, XLA's dot (compute-bound
@@ -44,6 +45,7 @@ MATMUL_MAX_ROWS = {"avx512": 16, "avx2": 32}
 # EPYC Zen 3, native build, load 1.0; 2.0x with float32 FMAs).
 _MEASURED = {
     "paged_decode": {"avx512": "all", "avx2": "all"},
+    "paged_prefill": {"avx512": "all", "avx2": "all"},
     "quantized_decode": {"avx512": "all", "avx2": "all"},
     "mla_decode": {"avx512": "all", "avx2": "16-bit"},
 }
@@ -73,11 +75,12 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
 
     Args:
       op: one of `OPS`: "paged_decode", "quantized_decode", "mla_decode" (attention
-        decode kernels), "matmul" (the small-M matmul of `kvjax.backends.linear`),
-        "write_rows" / "copy_pages" (in-place cache writes); or an attention registry
-        op name ("paged_decode_attention", "quantized_attention",
-        "mla_decode_attention"; the ones without a kernel, "paged_prefill_attention",
-        "mla_prefill_attention", "quantized_mla_attention", answer the XLA path).
+        decode kernels), "paged_prefill" (chunked-prefill attention), "matmul" (the
+        matmul of `kvjax.backends.linear`), "write_rows" / "copy_pages" (in-place cache
+        writes); or an attention registry op name ("paged_decode_attention",
+        "paged_prefill_attention", "quantized_attention", "mla_decode_attention"; the
+        ones without a kernel, "mla_prefill_attention", "quantized_mla_attention",
+        answer the XLA path).
       rows: for "matmul", the activation rows of the call (the product of x's leading
         dims); None: the question is whether the kernel serves decode at all.
       dtype: the pages' (pool's) dtype. For "write_rows" / "copy_pages" the kernel serves

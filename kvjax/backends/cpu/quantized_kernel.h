@@ -258,7 +258,7 @@ inline void int_query_row(const float* q, int64_t D, float* dst) {
   v16 mx{};
   for (int64_t d = 0; d < D; d += kLanes) {
     const v16 x = load16(q + d);
-    mx = vmax(mx, x < 0 ? -x : x);
+    mx = vmax(mx, vabs(x));
   }
   store_int_row([&](int64_t i) { return load16(q + i * kLanes); }, D / kLanes, hmax(mx), dst);
 }
