@@ -15,13 +15,21 @@ each `step()` is one jitted program that
     through `kvjax.generate.prefill`, and for each prompt whose last chunk this was
     samples its first token and makes its row a decoding row, then
   * runs `kvjax.generate.decode_step` on every decoding row (the same step function
-    `generate` loops over: every page kind, policy and sharding plan) — several times in
-    a `lax.scan` (`decode_steps`) unless a prompt still waits for a chunk or a row.
+    `generate` loops over: every page kind, policy and sharding plan) in a
+    `lax.while_loop`: one step while a prompt still waits for a chunk (it starts
+    sooner); while every row is busy, until the first row finishes (the host knows
+    when a row reaches `max_tokens`, the device stops at an EOS), so that a waiting
+    request takes the row in the next call and no row idles for it (`max_decode_steps`
+    at most); else `decode_steps`.
 
 Decode tokens and prefill chunks share a per-step token budget. Scheduling is
 host-side NumPy: the engine reads back a few small arrays per step (each row's new
-token, counts, lengths, free pages), finishes requests (EOS, `max_tokens`, a stop
+tokens, counts, lengths, free pages), finishes requests (EOS, `max_tokens`, a stop
 id, a cancel), frees their pages and admits waiting ones.
+
+Prompts that arrive together with a common prefix are prefilled once: a prompt that
+shares more whole chunks with an earlier prompt still being prefilled than the cache
+holds waits (takes no lane) until that prompt's pages cover them, and then hits them.
 
 Before each step the engine makes sure the pool can supply every page the step may
 allocate: first by evicting cached prefixes (least recently used), then by
@@ -80,7 +88,7 @@ class RequestOutput:
 
     Attributes:
       request_id: the request.
-      token_ids: tokens produced in this step (up to the engine's `decode_steps`; a stop
+      token_ids: tokens produced in this step (up to `max_decode_steps` + 1; a stop
         or EOS token is included).
       finished: the request is done; this is its last output.
       finish_reason: "stop" (an EOS or stop id), "length" (`max_tokens`), "cancelled", or
@@ -104,7 +112,7 @@ class _Request:
     max_tokens: int
     sampling: SamplingConfig
     stop_ids: frozenset[int]
-    key: jax.Array
+    key_data: np.ndarray  # uint32 words of its PRNG key
     salt: str | None
     output: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
@@ -113,6 +121,10 @@ class _Request:
     cached_tokens: int = 0
     decoding: bool = False
     looked_up: bool = False  # prefix hits attached (or none to look for)
+    # While it waits for an earlier prompt to prefill pages it shares: that request, and
+    # the pages of its own prompt it will then find cached.
+    leader: "_Request | None" = None
+    target: int = 0
     hashes: list[bytes] | None = None  # the hash chain of `fed`'s full pages
     admitted: int = 0  # admission counter (preemption picks the latest)
     cancelled: bool = False
@@ -134,7 +146,7 @@ class _Lanes:
     slots: Int[Array, " lanes"]
     start: Int[Array, " lanes"]  # position of the chunk's first token
     last: Bool[Array, " lanes"]  # the prompt's last chunk: sample its first token
-    keys: jax.Array
+    key_data: UInt32[Array, "lanes key_words"]  # each request's PRNG key, as its words
     count: Int[Array, " lanes"]  # tokens the request produced before (preemption)
     max_new: Int[Array, " lanes"]
     sampling: RowSampling
@@ -181,11 +193,14 @@ def _put_row(state: DecodeState, slot: Int[Array, ""], row: _Row) -> DecodeState
                                  top_p=rs.top_p.at[slot].set(r.top_p)))
 
 
-def _admit(state: DecodeState, lanes: _Lanes, last_logits, ok, eos_ids) -> DecodeState:
-    """Rows whose prompt just ended take their first token and start decoding."""
+def _admit(state: DecodeState, lanes: _Lanes, last_logits, ok,
+           eos_ids) -> tuple[DecodeState, Bool[Array, ""]]:
+    """Rows whose prompt just ended take their first token and start decoding; also
+    returns whether one of them finished with it (EOS, or a request of one token)."""
     rows = state.seq_ids.shape[0]
     admit = lanes.last & (lanes.lengths > 0) & ok
-    keys = jax.vmap(jax.random.fold_in)(lanes.keys, lanes.count)
+    lane_keys = jax.random.wrap_key_data(lanes.key_data, impl=jax.random.key_impl(state.keys))
+    keys = jax.vmap(jax.random.fold_in)(lane_keys, lanes.count)
     tok = sample_rows(last_logits, keys, lanes.sampling)
     num = lanes.count + 1
     finished = admit & (loop._is_eos(tok, eos_ids) | (num >= lanes.max_new))
@@ -195,23 +210,33 @@ def _admit(state: DecodeState, lanes: _Lanes, last_logits, ok, eos_ids) -> Decod
         return x.at[tgt].set(v, mode="drop")
 
     rs, ls = state.row_sampling, lanes.sampling
-    return dataclasses.replace(
+    state = dataclasses.replace(
         state, last=put(state.last, tok),
         position=put(state.position, lanes.start + lanes.lengths),
         num_generated=put(state.num_generated, num), max_new=put(state.max_new, lanes.max_new),
-        done=put(state.done, finished), keys=put(state.keys, lanes.keys),
+        done=put(state.done, finished), keys=put(state.keys, lane_keys),
         row_sampling=RowSampling(temperature=put(rs.temperature, ls.temperature),
                                  top_k=put(rs.top_k, ls.top_k), top_p=put(rs.top_p, ls.top_p)))
+    return state, jnp.any(finished)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "decode"),
                    donate_argnames="state")
-def _step(model: Model, params, dparams, state: DecodeState, lanes: _Lanes | None, *,
+def _step(model: Model, params, dparams, state: DecodeState, lanes: _Lanes | None,
+          steps: Int[Array, ""], until_finish: Bool[Array, ""], *,
           eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: int):
     """The engine's step: one prefill chunk per lane (rows whose prompt ends take their
-    first token), then `decode` decode steps over the rows (a `lax.scan`). Returns the
-    state and (last, count, done) [steps, rows] after the lanes and after each decode step."""
-    records = []
+    first token), then up to `steps` (<= `decode`, static) decode steps over the rows, in
+    a `lax.while_loop` that stops once every row is done, and, when `until_finish`, as soon
+    as a row has finished (a waiting request can take its row at once).
+
+    Returns:
+      (state, record, ran): record holds (last, count, done) [rows] after the lanes (when
+      there are lanes) and after each decode step, [lanes? + decode, rows]; only the
+      first `ran` decode steps' entries are filled.
+    """
+    rows = state.seq_ids.shape[0]
+    head = None
     if lanes is not None:
         cache, last_logits, status, _, pstate = prefill(
             model, params, state.cache, lanes.tokens, lanes.lengths, lanes.slots,
@@ -219,20 +244,32 @@ def _step(model: Model, params, dparams, state: DecodeState, lanes: _Lanes | Non
             policy_state=state.policy_state, start_positions=lanes.start)
         state = dataclasses.replace(state, cache=cache, policy_state=pstate,
                                     status=loop._first_error(state.status, status))
-        state = _admit(state, lanes, last_logits, status.code == 0, eos_ids)
-        records.append(jax.tree.map(lambda x: x[None],
-                                    (state.last, state.num_generated, state.done)))
-
-    def one(s, _):
-        s = decode_step(model, dparams, s, sampling=GREEDY, eos_ids=eos_ids,
-                        free_finished=False, impl=impl, policy=policy)
-        return s, (s.last, s.num_generated, s.done)
-
+        state, finished = _admit(state, lanes, last_logits, status.code == 0, eos_ids)
+        head = (state.last[None], state.num_generated[None], state.done[None])
+        stop = until_finish & finished  # that row is free already
+    else:
+        stop = jnp.bool_(False)
+    ran = jnp.int32(0)
+    record = (jnp.zeros((decode, rows), jnp.int32), jnp.zeros((decode, rows), jnp.int32),
+              jnp.zeros((decode, rows), bool))
     if decode:
-        state, rec = jax.lax.scan(one, state, None, length=decode)
-        records.append(rec)
-    record = jax.tree.map(lambda *xs: jnp.concatenate(xs), *records)
-    return state, record
+        def more(c):
+            i, s, stop, _ = c
+            return (i < steps) & ~stop & jnp.any(~s.done)  # no step once every row is done
+
+        def one(c):
+            i, prev, _, rec = c
+            s = decode_step(model, dparams, prev, sampling=GREEDY, eos_ids=eos_ids,
+                            free_finished=False, impl=impl, policy=policy)
+            finished = jnp.any(s.done & ~prev.done)
+            rec = tuple(r.at[i].set(x) for r, x in zip(rec, (s.last, s.num_generated, s.done),
+                                                       strict=True))
+            return i + 1, s, until_finish & finished, rec
+
+        ran, state, _, record = jax.lax.while_loop(more, one, (ran, state, stop, record))
+    if head is not None:
+        record = tuple(jnp.concatenate([h, r]) for h, r in zip(head, record, strict=True))
+    return state, record, ran
 
 
 @functools.partial(jax.jit, donate_argnames="cache")
@@ -247,6 +284,12 @@ def _share(cache, src: Int[Array, ""], dst: Int[Array, ""], length: Int[Array, "
     cache, st2 = kind.truncate(cache, new_lengths)
     cache = host.after_truncate(cache, new_lengths, st2)
     return cache, loop._first_error(st, st2)
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def _free(cache, slots: Bool[Array, " slots"]):
+    """Frees the flagged slots (cached prefixes the engine lets go)."""
+    return kv_cache.free(cache, slots)
 
 
 @functools.partial(jax.jit, donate_argnames="state")
@@ -291,8 +334,11 @@ class Engine:
       eos_ids: tokens that end every request (besides each request's stop ids).
       impl: attention implementation.
       policy: a cache policy (eviction / page selection), as in `kvjax.generate`.
-      decode_steps: decode steps per call while no prompt waits for a row or a prefill
-        lane (one `lax.scan`; tokens then stream in groups of up to this many).
+      decode_steps: decode steps per call while a row is free and no prompt waits for a
+        prefill lane (a request that arrives meanwhile waits at most this many steps).
+      max_decode_steps: decode steps per call at most while every row is busy: such a call
+        ends with the step in which a row finishes, so that a waiting request takes the row
+        at once (default 8 * decode_steps; tokens stream in groups of up to this many).
       host_pages: pages of a host-memory tier (`kvjax.cache.host`, pinned host memory,
         the cache's page kind and size); 0 (default): no host tier. With one, preemption
         swaps requests to the host instead of recomputing them, and evicted cached
@@ -302,8 +348,9 @@ class Engine:
         holds at once (default 2 * max_seqs; only with `host_pages`).
 
     Attributes:
-      stats: counters (`collections.Counter`): steps, calls, prefill_tokens,
-        decode_tokens, hit_pages, evictions (prefix holders leaving the device),
+      stats: counters (`collections.Counter`): steps (decode steps), calls (programs run),
+        prefill_tokens, prefill_chunks (lanes run, each `chunk_size` wide), decode_tokens,
+        hit_pages, evictions (prefix holders leaving the device),
         preemptions (requests whose computed tokens were dropped, to be recomputed),
         requeues (requests sent back before they held anything); with a host tier also
         swaps and swap_ins (requests), prefix_parks (holders moved to the host),
@@ -316,16 +363,21 @@ class Engine:
                  prefill_rows: int = 4, token_budget: int | None = None,
                  prefix_caching: bool = True, prefix_slots: int | None = None,
                  eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None,
-                 decode_steps: int = 8, host_pages: int = 0, host_rows: int | None = None):
+                 decode_steps: int = 8, max_decode_steps: int | None = None,
+                 host_pages: int = 0, host_rows: int | None = None):
         cfg = cache if cache is not None else setup.CacheConfig()
         if not isinstance(cfg, setup.CacheConfig):
             raise TypeError(f"cache must be a kvjax.generate.CacheConfig, got "
                             f"{type(cfg).__name__}.")
         for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
                         ("chunk_size", chunk_size), ("prefill_rows", prefill_rows),
-                        ("decode_steps", decode_steps)):
+                        ("decode_steps", decode_steps),
+                        ("max_decode_steps", 1 if max_decode_steps is None else max_decode_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Engine: {name} must be a positive int, got {v!r}.")
+        if max_decode_steps is not None and max_decode_steps < decode_steps:
+            raise ValueError(f"Engine: max_decode_steps ({max_decode_steps}) must be at least "
+                             f"decode_steps ({decode_steps}).")
         ps = cfg.page_size
         if chunk_size % ps:
             raise ValueError(f"Engine: chunk_size ({chunk_size}) must be a multiple of the page "
@@ -363,6 +415,8 @@ class Engine:
         self.rows = max_seqs
         self.chunk = chunk_size
         self.decode_steps = decode_steps
+        self.max_decode_steps = (8 * decode_steps if max_decode_steps is None
+                                 else max_decode_steps)
         self.prefill_rows = min(prefill_rows, max_seqs)  # each lane needs its own row
         self.token_budget = token_budget or max_seqs + self.prefill_rows * chunk_size
         self.eos_ids = setup.check_eos(eos_ids, model.vocab_size)
@@ -407,6 +461,7 @@ class Engine:
             keys=jax.random.split(jax.random.key(0), max_seqs), status=loop._ok_status(kv),
             step=jnp.int32(0), policy_state=pstate,
             row_sampling=jax.tree.map(jnp.asarray, RowSampling.of([GREEDY] * max_seqs)))
+        self._key_words = jax.random.key_data(self.state.keys).shape[-1]
         if self.host_rows:
             # The host pools are committed to their device (placed with a memory kind) and
             # jit keys its programs on placement: commit the rest of the state there too, or
@@ -464,7 +519,8 @@ class Engine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is in use.")
         req = _Request(id=rid, prompt=prompt, max_tokens=int(max_tokens), sampling=sampling,
-                       stop_ids=frozenset(stops), key=_key(int(seed)), salt=salt,
+                       stop_ids=frozenset(stops),
+                       key_data=np.asarray(jax.random.key_data(_key(int(seed)))), salt=salt,
                        fed=prompt)
         self._requests[rid] = req
         self._waiting.append(req)
@@ -512,7 +568,7 @@ class Engine:
     def _free_slots(self, slots: Sequence[int]) -> None:
         mask = np.zeros((self.spec.max_seqs,), bool)
         mask[list(slots)] = True
-        self._set_cache(kv_cache.free(self.state.cache, jnp.asarray(mask)))
+        self._set_cache(_free(self.state.cache, mask))
 
     def _pages_for(self, slot: int, n: int) -> int:
         """Pages slot's sequence allocates to take n more tokens."""
@@ -535,7 +591,7 @@ class Engine:
             raise AssertionError(f"cannot share {length} tokens of slot {src} (holding "
                                  f"{self._lengths[src]}) with slot {dst} (holding "
                                  f"{self._lengths[dst]})")
-        cache, _ = _share(self.state.cache, jnp.int32(src), jnp.int32(dst), jnp.int32(length))
+        cache, _ = _share(self.state.cache, np.int32(src), np.int32(dst), np.int32(length))
         self._set_cache(cache)
         # Mirrors the device: no page changes hands but those shared (free count unchanged).
         self._lengths[dst] = self._quant[dst] = length
@@ -579,9 +635,13 @@ class Engine:
         self.stats["hit_pages"] += j
 
     def _register_prefix(self, req: _Request) -> None:
-        """Keeps the request's full prompt pages (quantized pages on KIVI) for later ones."""
+        """Keeps the full pages of the request's prompt prefilled so far (quantized pages on
+        KIVI) for later ones."""
         ps = self.spec.page_size
-        n = len(req.fed) // ps if self.spec.quant is None else int(self._quant[req.slot]) // ps
+        # Only the prompt's pages (quantized ones on KIVI, which the decode steps after the
+        # prompt's last chunk may have carried past it).
+        held = req.done_tokens if self.spec.quant is None else int(self._quant[req.slot])
+        n = min(held, len(req.fed)) // ps
         hashes = self._hashes(req)[:n]
         if n == 0 or self._lengths[req.slot] < n * ps or self.prefix.new_pages(hashes) == 0:
             return  # nothing new, or the request already finished and freed its pages
@@ -687,7 +747,7 @@ class Engine:
             return False
         rows = np.zeros((self.rows,), bool)
         rows[slot] = True
-        self.state = _release(self.state, jnp.asarray(rows))  # the row stops (slot empty)
+        self.state = _release(self.state, rows)  # the row stops (slot empty)
         del self._running[slot]
         req.parked, req.parked_tokens, req.parked_table, req.row_state = row, L, q, saved
         req.slot = None
@@ -779,13 +839,50 @@ class Engine:
     def _look_up_prefixes(self) -> None:
         """Prefix hits for the prompts about to take a prefill lane. Looked up this late,
         not at admission, so that a prompt queued behind one with the same prefix finds
-        the pages that one registered when its prefill ended."""
-        waiting = sorted((r for r in self._running.values() if not r.decoding),
-                         key=lambda r: r.admitted)
-        for req in waiting[: self.prefill_rows]:
+        the pages that one registered. A prompt that shares more whole chunks with an
+        earlier prompt still being prefilled than the cache holds waits for them (takes
+        no lane) instead of computing them again: that prompt registers its pages as soon
+        as they cover what a waiting prompt needs (`_register_for_followers`)."""
+        prefilling = sorted((r for r in self._running.values() if not r.decoding),
+                            key=lambda r: r.admitted)
+        lanes = 0
+        for req in prefilling:
+            if lanes == self.prefill_rows:
+                break
             if not req.looked_up:
+                req.leader, req.target = self._leader_for(req, prefilling)
+                if req.leader is not None:
+                    continue
                 req.looked_up = True
                 self._attach_prefix(req)
+            lanes += 1
+
+    def _leader_for(self, req: _Request, prefilling) -> tuple["_Request | None", int]:
+        """An earlier prompt being prefilled that will register more of `req`'s pages than
+        the cache holds now (whole chunks `req` may use), and how many; else (None, 0)."""
+        hashes = self._hashes(req)
+        have = self._usable_hit(req, self.prefix.match(hashes, req.fed))
+        for lead in prefilling:
+            if lead.admitted >= req.admitted or not lead.looked_up:
+                continue
+            theirs = self._hashes(lead)
+            common = 0
+            while (common < min(len(hashes), len(theirs))
+                   and hashes[common] == theirs[common]):
+                common += 1
+            want = self._usable_hit(req, common)
+            if want > have:
+                return lead, want
+        return None, 0
+
+    def _register_for_followers(self, req: _Request) -> None:
+        """Registers the pages `req` has prefilled so far when they cover what a prompt
+        waiting for it needs (its prompt's end registers them in any case)."""
+        ps = self.spec.page_size
+        done = (req.done_tokens if self.spec.quant is None
+                else int(self._quant[req.slot])) // ps
+        if any(r.leader is req and r.target <= done for r in self._running.values()):
+            self._register_prefix(req)
 
     def _plan(self) -> tuple[list[int], list[tuple[_Request, int]]]:
         """This step's decoding rows and prefill lanes (request, tokens) within the budget."""
@@ -794,6 +891,8 @@ class Engine:
         lanes = []
         for req in sorted((r for r in self._running.values() if not r.decoding),
                           key=lambda r: r.admitted):
+            if not req.looked_up:  # waits for an earlier prompt's pages, or for a lane
+                continue
             if len(lanes) == self.prefill_rows or (room < self.chunk and (lanes or decode)):
                 break
             n = min(self.chunk, len(req.fed) - req.done_tokens)
@@ -801,21 +900,41 @@ class Engine:
             room -= self.chunk
         return decode, lanes
 
-    def _decode_steps(self, decode, lanes) -> int:
-        """Decode steps in this call: none without a decoding row; one while a prompt still
-        waits for a chunk or a row (it starts sooner); else several (fewer calls, no host
-        round trip per token)."""
+    def _decode_steps(self, decode, lanes) -> tuple[int, bool]:
+        """Decode steps this call runs at most, and whether it ends as soon as a row
+        finishes (its request is then done and a waiting one can take the row):
+
+          * none without a decoding row;
+          * one while a prompt still waits for a chunk or a lane (it starts sooner);
+          * while every row is busy (or a request waits for pages), until the first row
+            finishes, at most `max_decode_steps`: by length the host knows when, so no step
+            runs past it; by EOS the device stops there;
+          * else `decode_steps` (a request that arrives meanwhile waits at most this long).
+        """
         ending = [r for r, n in lanes if r.done_tokens + n == len(r.fed)]
         if not decode and not ending:
-            return 0
+            return 0, False
         in_lanes = {r.slot for r, _ in lanes}
-        pending = len(ending) < len(lanes) or any(
-            not r.decoding and s not in in_lanes for s, r in self._running.items()) or (
-            self._waiting and len(self._running) < self.rows)
-        return 1 if pending else self.decode_steps
+        if len(ending) < len(lanes) or any(
+                not r.decoding and s not in in_lanes for s, r in self._running.items()):
+            return 1, False
+        if not self._waiting and len(self._running) < self.rows:
+            return self.decode_steps, False
+        left = [self._running[s].max_tokens - len(self._running[s].output) for s in decode]
+        left += [r.max_tokens - len(r.output) - 1 for r in ending]  # after the first token
+        return max(1, min(self.max_decode_steps, *left)), True
 
-    def _pages_needed(self, decode, lanes) -> int:
-        k = self._decode_steps(decode, lanes)
+    def _call_plan(self, decode, lanes) -> tuple[int, bool]:
+        """`_decode_steps`, with fewer steps when the free pages cannot cover them all (the
+        page check then evicts or preempts only if one step does not fit)."""
+        k, until_finish = self._decode_steps(decode, lanes)
+        while k > 1 and self._pages_needed(decode, lanes, k) > self._free_pages:
+            k //= 2
+        return k, until_finish
+
+    def _pages_needed(self, decode, lanes, k: int) -> int:
+        """Pages the call allocates at most: k decode steps of each decoding row, and each
+        lane's chunk (with k steps after it when the prompt ends there)."""
         return (sum(self._pages_for(s, k) for s in decode)
                 + sum(self._pages_for(r.slot, n + (k if r.done_tokens + n == len(r.fed) else 0))
                       for r, n in lanes))
@@ -831,7 +950,7 @@ class Engine:
         del self._running[req.slot]
         rows = np.zeros((self.rows,), bool)
         rows[req.slot] = True
-        self.state = _release(self.state, jnp.asarray(rows))
+        self.state = _release(self.state, rows)
         req.slot = None
         self._to_recompute(req)
         # A request admitted this step may hold nothing yet: it loses no work.
@@ -866,7 +985,7 @@ class Engine:
         last = np.zeros((P,), bool)
         count = np.zeros((P,), np.int32)
         max_new = np.ones((P,), np.int32)
-        keys = [jax.random.key(0)] * P
+        key_data = np.zeros((P, self._key_words), np.uint32)
         configs = [GREEDY] * P
         for i, (r, n) in enumerate(lanes):
             tokens[i, :n] = r.fed[r.done_tokens: r.done_tokens + n]
@@ -875,13 +994,12 @@ class Engine:
             last[i] = r.done_tokens + n == len(r.fed)
             count[i] = len(r.output)
             max_new[i] = r.max_tokens
-            keys[i] = r.key
+            key_data[i] = r.key_data
             configs[i] = r.sampling
-        return _Lanes(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
-                      slots=jnp.asarray(slots), start=jnp.asarray(start),
-                      last=jnp.asarray(last), keys=jnp.stack(keys),
-                      count=jnp.asarray(count), max_new=jnp.asarray(max_new),
-                      sampling=jax.tree.map(jnp.asarray, RowSampling.of(configs)))
+        # One transfer for every field (each jnp.asarray would be a device_put of its own).
+        return jax.device_put(_Lanes(tokens=tokens, lengths=lengths, slots=slots, start=start,
+                                     last=last, key_data=key_data, count=count, max_new=max_new,
+                                     sampling=RowSampling.of(configs)))
 
     def _finish(self, req: _Request, reason: str, tokens: Sequence[int] = ()) -> None:
         self._requests.pop(req.id, None)
@@ -908,12 +1026,13 @@ class Engine:
                 rows[r.slot] = True
                 del self._running[r.slot]
                 self._finish(r, "cancelled")
-            self.state = _release(self.state, jnp.asarray(rows))
+            self.state = _release(self.state, rows)
             self._sync()
         self._admit_waiting()
         self._look_up_prefixes()
         decode, lanes = self._plan()
-        while self._pages_needed(decode, lanes) > self._free_pages:
+        steps, until_finish = self._call_plan(decode, lanes)
+        while self._pages_needed(decode, lanes, steps) > self._free_pages:
             if not self._evict_holder():
                 if len(self._running) <= 1:
                     raise RuntimeError(
@@ -921,15 +1040,17 @@ class Engine:
                         f"the only running request; give the Engine more pages.")
                 self._preempt()
             decode, lanes = self._plan()
+            steps, until_finish = self._call_plan(decode, lanes)
         if not decode and not lanes:
             return self._pending_out
-        steps = self._decode_steps(decode, lanes)
-        self.state, record = _step(self.model, self.params, self.dparams, self.state,
-                                   self._lanes(lanes) if lanes else None, eos_ids=self.eos_ids,
-                                   impl=self.impl, policy=self.policy, decode=steps)
+        self.state, record, ran = _step(
+            self.model, self.params, self.dparams, self.state,
+            self._lanes(lanes) if lanes else None, np.int32(steps), np.bool_(until_finish),
+            eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
+            decode=self.max_decode_steps)
         st, c = self.state, self.state.cache
-        record, code, *mirrored = jax.device_get(
-            (record, st.status.code, c.lengths, c.table.lengths, c.table.num_free,
+        record, ran, code, *mirrored = jax.device_get(
+            (record, ran, st.status.code, c.lengths, c.table.lengths, c.table.num_free,
              self._host_free_array()))
         self._mirror(mirrored)
         if int(code) != 0:
@@ -938,34 +1059,43 @@ class Engine:
             raise RuntimeError(f"engine step failed with allocator status {int(err.code)} "
                                f"({int(err.pages_needed)} pages needed, {int(err.pages_free)} "
                                f"free): a scheduling bug.")
-        self.stats["steps"] += steps
+        self.stats["steps"] += int(ran)
         self.stats["calls"] += 1
         self.stats["prefill_tokens"] += sum(n for _, n in lanes)
+        self.stats["prefill_chunks"] += len(lanes)
         for r, n in lanes:
             r.done_tokens += n
             if r.done_tokens == len(r.fed):
                 r.decoding = True
                 if self.prefix is not None:
                     self._register_prefix(r)
+            elif self.prefix is not None:
+                self._register_for_followers(r)
+        self._deliver(record, (1 if lanes else 0) + int(ran))
+        return self._pending_out
+
+    def _deliver(self, record, entries: int) -> None:
+        """Hands each decoding row's new tokens to its request, finishes the requests that
+        ended and frees their rows. `record`: (last, count, done) [steps, rows] after each
+        step of the call (the lanes' first tokens included), of which `entries` ran."""
+        last, num, done = (x[:entries] for x in record)
         release = np.zeros((self.rows,), bool)
-        last, num, done = record
-        new: dict[int, list[int]] = {}
         for slot, r in list(self._running.items()):
             if not r.decoding:
                 continue
-            toks, reason, count = new.setdefault(slot, []), None, len(r.output)
-            for i in range(last.shape[0]):  # each decode step of the call, in order
-                if int(num[i, slot]) <= count:
-                    continue
-                tok = int(last[i, slot])
-                toks.append(tok)
-                count += 1
-                if tok in r.stop_ids or tok in self.eos_ids:
-                    reason = "stop"  # the row may have run on past a host-side stop id
-                    break
-                if bool(done[i, slot]):
-                    reason = "length"
-                    break
+            # A row produced a token at the steps where its count grew (a row that was
+            # admitted in this call starts from its request's count: the lanes' entry).
+            col = num[:, slot]
+            at = np.flatnonzero(np.diff(col, prepend=len(r.output)) > 0)
+            toks = last[at, slot]
+            reason = None
+            stops = np.isin(toks, [*r.stop_ids, *self.eos_ids]) if toks.size else toks
+            if stops.any():
+                toks = toks[: int(np.argmax(stops)) + 1]  # the row may have run on past a
+                reason = "stop"                           # host-side stop id
+            elif toks.size and done[at[-1], slot]:
+                reason = "length"
+            toks = toks.tolist()
             # Finished rows keep their pages until now (their prompt pages were registered
             # above, even when the request ended in the call that prefilled it).
             release[slot] = reason is not None
@@ -979,34 +1109,32 @@ class Engine:
                     request_id=r.id, token_ids=toks, finished=False, finish_reason=None,
                     prompt_tokens=len(r.prompt), cached_tokens=r.cached_tokens))
         if release.any():
-            self.state = _release(self.state, jnp.asarray(release))
+            self.state = _release(self.state, release)
             self._sync()
-        return self._pending_out
 
     def warmup(self) -> None:
-        """Compiles every program a step may run (the step with and without prefill lanes,
-        with 0, 1 and `decode_steps` decode steps; the bookkeeping of frees, forks and
-        truncations; with a host tier, its swaps of every copy width and the decoding
-        rows' save and restore), by running each on no-op arguments, so that no request
-        waits for a compile. Only on an idle engine (every run leaves the state as it was)."""
+        """Compiles every program a step may run (the step without prefill lanes and with
+        each lane count; the bookkeeping of frees, forks and truncations; with a host tier,
+        its swaps of every copy width and the decoding rows' save and restore), by running
+        each on no-op arguments, so that no request waits for a compile. Only on an idle
+        engine (every run leaves the state as it was)."""
         if self._running or self._waiting:
             raise RuntimeError("Engine.warmup: only on an idle engine (no request queued or "
                                "running).")
-        variants = [(None, 1), (None, self.decode_steps)]
-        for width in self._lane_buckets():
-            idle = self._lanes([], width)
-            variants += [(idle, 0), (idle, 1), (idle, self.decode_steps)]
-        for lanes, k in variants:
-            self.state, record = _step(self.model, self.params, self.dparams, self.state,
-                                       lanes, eos_ids=self.eos_ids, impl=self.impl,
-                                       policy=self.policy, decode=k)
+        # One program per lane width (and one without lanes): the decode steps a call
+        # runs are an argument. Idle lanes and rows that are all done change nothing.
+        for lanes in [None] + [self._lanes([], w) for w in self._lane_buckets()]:
+            self.state, record, _ = _step(
+                self.model, self.params, self.dparams, self.state, lanes, np.int32(1),
+                np.bool_(False), eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
+                decode=self.max_decode_steps)
         jax.block_until_ready(record)
-        self.state = _release(self.state, jnp.zeros((self.rows,), bool))
+        self.state = _release(self.state, np.zeros((self.rows,), bool))
         n = self.spec.max_seqs
-        cache = kv_cache.free(self.state.cache, jnp.zeros((n,), bool))
+        cache = _free(self.state.cache, np.zeros((n,), bool))
         empty = np.nonzero(np.asarray(jax.device_get(cache.lengths)) == 0)[0]
         if self.prefix is not None and empty.size >= 2:  # empty into empty: no change
-            cache, _ = _share(cache, jnp.int32(empty[0]), jnp.int32(empty[1]), jnp.int32(0))
+            cache, _ = _share(cache, np.int32(empty[0]), np.int32(empty[1]), np.int32(0))
         self._set_cache(cache)
         if self.host_rows:
             self._warm_host(int(empty[0]))

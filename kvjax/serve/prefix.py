@@ -63,7 +63,7 @@ class _Holder:
 @dataclasses.dataclass
 class _Entry:
     depth: int  # page index in the chain
-    tokens: tuple[int, ...]  # the page's token ids
+    tokens: bytes  # the page's token ids (int32)
     holders: set[int]  # holder slots (device)
     parked: set[int] = dataclasses.field(default_factory=set)  # parked rows (host)
 
@@ -112,11 +112,11 @@ class PrefixCache:
         A hash that matches but names other token ids (a collision) ends the match.
         """
         ps = self.page_size
+        tokens = np.asarray(tokens, np.int32)
         n = 0
         for i, h in enumerate(hashes):
             e = self._entries.get(h)
-            if e is None or e.depth != i or e.tokens != tuple(
-                    int(t) for t in tokens[i * ps: (i + 1) * ps]) or (
+            if e is None or e.depth != i or e.tokens != tokens[i * ps: (i + 1) * ps].tobytes() or (
                     not parked and not e.holders):
                 break
             n = i + 1
@@ -179,8 +179,7 @@ class PrefixCache:
             e = self._entries.get(h)
             if e is None:
                 e = self._entries[h] = _Entry(
-                    depth=i, tokens=tuple(int(t) for t in tokens[i * ps: (i + 1) * ps]),
-                    holders=set())
+                    depth=i, tokens=tokens[i * ps: (i + 1) * ps].tobytes(), holders=set())
             e.holders.add(slot)
 
     def remove(self, slot: int) -> None:
@@ -249,7 +248,7 @@ class PrefixCache:
             for key, holder in [(s, self._holders[s]) for s in e.holders] + [
                     (r, self._parked[r]) for r in e.parked]:
                 page = holder.tokens[e.depth * ps: (e.depth + 1) * ps]
-                if tuple(int(t) for t in page) != e.tokens:
+                if page.tobytes() != e.tokens:
                     raise AssertionError(f"entry at depth {e.depth} disagrees with holder "
                                          f"{key}'s tokens")
         if set(self._free) & set(self._holders) or (

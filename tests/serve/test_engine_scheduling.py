@@ -27,8 +27,9 @@ def test_stop_ids_cancel_and_eos(tiny, rng):
     cfg = gen.CacheConfig(page_size=PAGE)
     ref = _alone(model, params, prompts[0], 12, cfg)
     stop = ref[4]
+    # At most 8 tokens per call: b is still running when it is cancelled after 6 steps.
     engine = Engine(model, params, max_seqs=2, max_seq_len=128, chunk_size=CHUNK, cache=cfg,
-                    eos_ids=[ref[7]] if ref[7] != stop else ())
+                    eos_ids=[ref[7]] if ref[7] != stop else (), max_decode_steps=8)
     a = engine.add_request(prompts[0], max_tokens=12, stop_ids=[stop])
     b = engine.add_request(prompts[1], max_tokens=40)
     c = engine.add_request(prompts[2], max_tokens=40)  # waits: two rows
@@ -51,6 +52,52 @@ def test_stop_ids_cancel_and_eos(tiny, rng):
     # Every page is back (cached prefixes aside).
     used = set(np.nonzero(np.asarray(engine.state.cache.lengths))[0].tolist())
     assert used <= set(engine.prefix.holders)
+
+
+def test_a_waiting_request_takes_a_row_the_step_it_frees(tiny, rng):
+    """Two rows busy, a third request waiting: the call ends at the decode step where the
+    first row finishes (here by EOS, which only the device sees), not `decode_steps` later,
+    and the waiting request starts in the next call; every request gets generate's tokens."""
+    model, params = tiny
+    prompts, _ = _workload(rng, model.vocab_size, 3, system=0, suffix=(3, CHUNK))
+    cfg = gen.CacheConfig(page_size=PAGE)
+    max_new = [12, 20, 6]
+    refs = [_alone(model, params, p, m, cfg) for p, m in zip(prompts, max_new, strict=True)]
+    eos = refs[0][2]
+    want = [r[: r.index(eos) + 1] if eos in r else r for r in refs]
+    first = min(len(want[0]), len(want[1])) - 1  # decode steps until a row is free
+    assert len(want[0]) < max_new[0] and first < 8  # a row ends by EOS, mid-call
+    engine = Engine(model, params, max_seqs=2, max_seq_len=64, chunk_size=CHUNK, cache=cfg,
+                    decode_steps=8, eos_ids=[eos], prefill_rows=2)
+    ids = [engine.add_request(p, max_tokens=m) for p, m in zip(prompts, max_new, strict=True)]
+    out, before, started = {}, 0, None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == ids[2] and started is None:
+                started = before  # decode steps run before the call that admitted it
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        before = engine.stats["steps"]
+    assert started == first, (started, first)
+    assert [out[i] for i in ids] == want
+
+
+def test_prompts_sharing_a_prefix_wait_for_the_first_to_prefill_it(tiny, rng):
+    """Requests that arrive together with the same system prompt: the first prefills it,
+    the others wait for its pages instead of computing them too (every one hits), and
+    each gets generate's tokens."""
+    model, params = tiny
+    system = 3 * CHUNK  # three chunks
+    prompts, max_new = _workload(rng, model.vocab_size, 4, system=system)
+    cfg = gen.CacheConfig(page_size=PAGE)
+    engine = Engine(model, params, max_seqs=4, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
+                    prefill_rows=4)
+    ids = [engine.add_request(p, max_tokens=m) for p, m in zip(prompts, max_new, strict=True)]
+    out = engine.run()
+    engine.check()
+    assert engine.stats["hit_pages"] == 3 * system // PAGE, engine.stats
+    assert engine.stats["prefill_tokens"] == sum(map(len, prompts)) - 3 * system
+    for i, p, m in zip(ids, prompts, max_new, strict=True):
+        assert out[i] == _alone(model, params, p, m, cfg)
 
 
 def test_salt_separates_tenants(tiny, rng):
@@ -127,6 +174,9 @@ def test_bad_requests_raise_before_anything_runs(tiny):
     engine.add_request([1, 2], max_tokens=2, request_id="x")
     with pytest.raises(ValueError, match="in use"):
         engine.add_request([1, 2], max_tokens=2, request_id="x")
+    with pytest.raises(ValueError, match="max_decode_steps"):
+        Engine(model, params, decode_steps=8, max_decode_steps=4,
+               cache=gen.CacheConfig(page_size=PAGE))
     with pytest.raises(ValueError, match="multiple of the page size"):
         Engine(model, params, chunk_size=12, cache=gen.CacheConfig(page_size=PAGE))
     with pytest.raises(ValueError, match="cannot hold one request"):
