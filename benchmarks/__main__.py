@@ -48,8 +48,9 @@ status, wall and CPU seconds, printed table and data) and <out>/plots.png (one
 panel per section). The default <out> is benchmarks/results/<machine kind>/ (e.g.
 cpu-intel-2core, gpu-nvidia-h200): the latest run per machine kind is what the
 repository keeps. A full run into that folder also rewrites the generated tables of
-README.md and docs/performance.md (`--no-docs` leaves them). The exit status is 0
-only if every section ran and verified its results.
+README.md and docs/performance.md (`--no-docs` leaves them); `--only S --merge` reruns
+sections S into it, keeping the other sections' data, and rewrites them too. The exit
+status is 0 only if every section ran and verified its results.
 """
 
 import argparse
@@ -261,8 +262,15 @@ def main(argv=None):
     p.add_argument("--no-plots", action="store_true", help="skip writing the PNG")
     p.add_argument("--no-docs", action="store_true",
                    help="do not rewrite the tables of README.md and docs/performance.md "
-                        "(only a full run into the default folder rewrites them)")
+                        "(only a full run into the default folder rewrites them, or --merge)")
+    p.add_argument("--merge", action="store_true",
+                   help="with --only, into the default folder: replace those sections of its "
+                        "run.json (the others stay; each merged section records when, on "
+                        "which commit and under which load it ran) and rewrite the docs")
     a = p.parse_args(argv)
+    if a.merge and (not a.only or a.quick or a.out is not None):
+        p.error("--merge needs --only, and neither --quick nor --out (it merges into the "
+                "default folder's run.json)")
 
     import jax  # after argparse: --help stays instant
 
@@ -311,6 +319,13 @@ def main(argv=None):
               flush=True)
 
     summary["load_average_end"] = os.getloadavg()
+    if a.merge and (out_dir / "run.json").exists():
+        merged = json.loads((out_dir / "run.json").read_text())
+        for name, entry in summary["sections"].items():
+            entry["rerun"] = {k: summary[k] for k in ("started", "commit", "load_average_end")}
+            entry["rerun"]["load_average_start"] = machine["load_average_start"]
+            merged["sections"][name] = entry
+        summary = merged
     (out_dir / "run.json").write_text(json.dumps(summary, indent=1, default=str))
     if not a.no_plots:
         try:
@@ -321,7 +336,8 @@ def main(argv=None):
     failed = [n for n, e in summary["sections"].items() if e["status"] != "ok"]
     print(f"\nwrote {out_dir}/run.json; " +
           (f"FAILED: {', '.join(failed)}" if failed else "all sections verified"))
-    if not (a.quick or a.no_docs or failed or a.only) and out_dir == default_out:
+    if not (a.quick or a.no_docs or failed or (a.only and not a.merge)) and (
+            out_dir == default_out):
         from benchmarks import report
         for path in report.update_docs(out_dir):
             print(f"updated {path}")

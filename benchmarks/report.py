@@ -134,13 +134,25 @@ def serving(d):
              f"{f(r['ttft_p90_s'], '.2f')}", f"{f(r['itl_median_ms'], '.1f')} / "
              f"{f(r['itl_p90_ms'], '.1f')}", f"{r['makespan_s']:.1f}"]
             for name, r in d["runs"].items()]
-    return (f"{d['requests']} requests at {d['rate']}/s, {d['rows']} rows, system prompt "
+    text = (f"{d['requests']} requests at {d['rate']}/s, {d['rows']} rows, system prompt "
             f"{d['system']} tokens + {d['suffix'][0]}-{d['suffix'][1]} ({d['suffix_dist']}), "
             f"{d['new_tokens'][0]}-{d['new_tokens'][1]} new tokens; prefix hits "
             f"{d['hit_pages']} of {d['prompt_pages']} prompt pages ({100 * d['hit_rate']:.0f}%); "
-            f"tokens identical {d['identical']}/{d['requests']}.\n\n"
-            + _table(["run", "tokens/s", "TTFT median / p90 (s)", "ITL median / p90 (ms)",
-                      "makespan (s)"], rows))
+            f"tokens identical {d['identical']}/{d['requests']}.")
+    if d.get("repeats"):  # interleaved engine / static replays: medians
+        loads = d["load_averages"]
+        text += (f" Medians of {d['repeats']} interleaved engine / static replays (load average "
+                 f"{min(loads):.1f}-{max(loads):.1f} at their starts); engine / static "
+                 f"{d['speedup']:.2f}x, each pair {min(d['speedups']):.2f}-"
+                 f"{max(d['speedups']):.2f}x.")
+    if d.get("work"):
+        we, ws = d["work"]["engine"], d["work"]["static"]
+        text += (f" Work: engine {we['decode_steps']} decode steps in {we['calls']} calls and "
+                 f"{we['prefill_tokens']} prefill tokens ({we['prefill_chunks']} chunks); static "
+                 f"{ws['decode_steps']} decode steps ({ws['row_steps']} row-steps for "
+                 f"{d['generated_tokens']} tokens) and {ws['prefill_tokens']} prefill tokens.")
+    return text + "\n\n" + _table(["run", "tokens/s", "TTFT median / p90 (s)",
+                                    "ITL median / p90 (ms)", "makespan (s)"], rows)
 
 
 def offload(d):
@@ -208,6 +220,17 @@ def caption(run: dict) -> str:
     commit = f"; commit {run['commit']}" if run.get("commit") else ""
     return (f"{m['cpu']}{flags}, {m['cores']} cores, backend {m['backend']}{device}; "
             f"jax {m['jax']}, Python {m['python']}; {date}{commit}{load}")
+
+
+def _rerun(run, name) -> str:
+    """"; rerun DATE (commit C, load L)" for a section merged in from a later run, else ""."""
+    r = run["sections"][name].get("rerun")
+    if not r:
+        return ""
+    date = datetime.datetime.fromisoformat(r["started"]).strftime("%Y-%m-%d %H:%M UTC")
+    commit = f"commit {r['commit']}, " if r.get("commit") else ""
+    return (f"; rerun {date} ({commit}load average {r['load_average_start'][0]:.1f} at start, "
+            f"{r['load_average_end'][0]:.1f} at end)")
 
 
 def _data(run, name):
@@ -283,8 +306,11 @@ def summary_rows(run: dict) -> list[list[str]]:
         rows.append([f"serving: {srv['requests']} requests sharing a {srv['system']}-token "
                      f"system prompt (Poisson, {srv['rate']}/s), {srv['rows']} rows, tiny GQA "
                      f"model: engine / static `generate` batches",
-                     f"{srv['speedup']:.2f}x tokens/s; prefix hits {100 * srv['hit_rate']:.0f}% "
-                     f"of prompt pages; TTFT p90 {e['ttft_p90_s']:.2f} s"])
+                     f"{srv['speedup']:.2f}x tokens/s"
+                     + (f" (median of {srv['repeats']} interleaved runs)" if srv.get("repeats")
+                        else "")
+                     + f"; prefix hits {100 * srv['hit_rate']:.0f}% of prompt pages; TTFT p90 "
+                       f"{e['ttft_p90_s']:.2f} s" + _rerun(run, "serving")])
     cap = _data(run, "capacity")
     if cap:
         lay = {r["layout"]: r for r in cap["layouts"]}
@@ -334,7 +360,7 @@ def full_report(run: dict, folder: str) -> str:
     out = [f"Machine: {caption(run)}. Data: `{folder}/run.json`, plots `{folder}/plots.png`."]
     tables = dict(SECTION_TABLES, decode=decode_table, kernels=kernels_table)
     for name, sec in run["sections"].items():
-        out.append(f"#### {name} ({sec['status']}, {sec['wall_s']:.0f} s wall)")
+        out.append(f"#### {name} ({sec['status']}, {sec['wall_s']:.0f} s wall{_rerun(run, name)})")
         if sec["status"] == "ok" and name in tables:
             out.append(tables[name](sec["data"]))
         elif sec["status"] != "ok":
