@@ -1,5 +1,6 @@
 """Tiny random HuggingFace models for parity tests (built and saved locally, no download)."""
 
+import numpy as np
 import torch
 import transformers as T
 
@@ -91,3 +92,29 @@ def build(name: str, seed: int = 0):
             if n.endswith("bias") or "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def hf_logits(m, ids) -> np.ndarray:
+    """transformers' float32 logits of every position of `ids`."""
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def hf_greedy(m, prompt, new) -> list[int]:
+    """transformers' `new` greedy tokens after `prompt` (no EOS)."""
+    with torch.no_grad():
+        out = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)).long(),
+                         max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_greedy(m, prompt, ours, ref, tie_tol=1e-4):
+    """Greedy tokens must match; a divergence is accepted only at a true near-tie (fresh
+    random draws can put transformers' own top two logits closer than float32 rounding)."""
+    if ours == ref:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b)
+    top2 = np.sort(hf_logits(m, prompt + ref[:i])[-1])[-2:]
+    assert top2[1] - top2[0] < tie_tol, (
+        f"greedy tokens differ at step {i} (ours {ours[i]}, HF {ref[i]}) although HF's top-2 "
+        f"gap is {top2[1] - top2[0]:.2e}\nours {ours}\nHF   {ref}")

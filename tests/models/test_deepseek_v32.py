@@ -84,27 +84,14 @@ def _prompts(rng, lens=LENS):
 
 
 def _hf_logits(m, ids) -> np.ndarray:
-    with torch.no_grad():
-        return m(torch.tensor([ids])).logits[0].float().numpy()
+    return hf_tiny.hf_logits(m, ids)
 
 
 def _hf_greedy(m, prompt, new=NEW) -> list[int]:
-    with torch.no_grad():
-        out = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)).long(),
-                         max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_tiny.hf_greedy(m, prompt, new)
 
 
-def _assert_greedy(m, prompt, ours, ref, tie_tol=1e-4):
-    """Greedy tokens must match; a divergence is accepted only at a true near-tie (fresh
-    random draws can put transformers' own top two logits closer than float32 rounding)."""
-    if ours == ref:
-        return
-    i = next(j for j, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b)
-    top2 = np.sort(_hf_logits(m, prompt + ref[:i])[-1])[-2:]
-    assert top2[1] - top2[0] < tie_tol, (
-        f"greedy tokens differ at step {i} (ours {ours[i]}, HF {ref[i]}) although HF's top-2 "
-        f"gap is {top2[1] - top2[0]:.2e}\nours {ours}\nHF   {ref}")
+_assert_greedy = hf_tiny.assert_greedy
 
 
 _forward = jax.jit(v32.forward, static_argnames=("config", "impl"), donate_argnames="cache")
