@@ -45,14 +45,16 @@ def test_matmul_matches_float64(rng, rows, k, n, x_dtype, w_dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("w_dtype", [F32, BF16])
-@pytest.mark.parametrize("tile_vectors,block,panel,ahead",
-                         [(1, 16, 5, 0), (2, 64, 7, 3), (3, 96, 0, 40), (3, 0, 1, 1)])
-def test_matmul_tuning_settings(rng, w_dtype, tile_vectors, block, panel, ahead):
-    # Narrow blocks and short panels: many work items, partial sums carried through y.
+@pytest.mark.parametrize("tile_vectors,block,panel,ahead,stream_rows",
+                         [(1, 16, 5, 0, 0), (2, 64, 7, 3, 11), (3, 96, 0, 40, 0),
+                          (3, 0, 1, 1, 32), (0, 48, 13, 2, 0)])
+def test_matmul_tuning_settings(rng, w_dtype, tile_vectors, block, panel, ahead, stream_rows):
+    # Narrow blocks and short panels: many work items, partial sums carried through y; the
+    # next panel prefetched row by row (stream_rows >= 11 rows) or each tile's rows ahead.
     x = jnp.asarray(rng.standard_normal((11, 150)), F32)
     w = jnp.asarray(rng.standard_normal((150, 333)), w_dtype)
     got = cpu_matmul.matmul(x, w, tile_vectors=tile_vectors, block=block, panel=panel,
-                            ahead=ahead)
+                            ahead=ahead, stream_rows=stream_rows)
     _check(got, x, w)
 
 

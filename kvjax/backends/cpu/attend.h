@@ -4,11 +4,17 @@
 
 #include <type_traits>
 
-#include "common.h"
+#include "native.h"
 
 namespace kvjax {
 
 inline int64_t round16(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Vectors of the target's width (native.h) per v16: the register-blocked loops compute in
+// those (GCC keeps arrays of v16 in memory on a 32-byte target and moves every accumulator
+// through the stack: the AVX2 build's logits ran at 15%, its value sums at 8% of its FMA
+// peak).
+constexpr int kHalves = kLanes / kNat;
 
 // One chunk of 16 key/value rows of element type E (float, or uint16_t for bfloat16
 // bits): row j of the keys at k + j * ks, of the values at v + j * vs. Optionally the
@@ -86,14 +92,20 @@ void attend(const Tuning& tuning, const float* qs, int64_t G, int64_t Dp_rt, int
       v16 part[kLanes];
       const float* qg = (ch.q ? ch.q : qs) + g * Dp;
       for (int j0 = 0; j0 < kLanes; j0 += kLogitTokens) {
-        v16 p[kLogitTokens];
-        for (int j = 0; j < kLogitTokens; ++j) p[j] = v16{};
+        // Per-lane partial sums in vectors of the target's width (kHalves per v16).
+        vn p[kLogitTokens][kHalves];
+        for (int j = 0; j < kLogitTokens; ++j)
+          for (int h = 0; h < kHalves; ++h) p[j][h] = vn{};
         for (int64_t d = 0; d < Dp; d += kLanes) {
-          const v16 qv = load16(qg + d);
-          for (int j = 0; j < kLogitTokens; ++j)
-            p[j] += qv * load16(ch.k + (j0 + j) * ch.ks + d);
+          for (int h = 0; h < kHalves; ++h) {
+            const vn qv = loadn(qg + d + h * kNat);
+            for (int j = 0; j < kLogitTokens; ++j)
+              p[j][h] += qv * loadn(ch.k + (j0 + j) * ch.ks + d + h * kNat);
+          }
         }
-        for (int j = 0; j < kLogitTokens; ++j) part[j0 + j] = p[j];
+        for (int j = 0; j < kLogitTokens; ++j)
+          for (int h = 0; h < kHalves; ++h)
+            storen(reinterpret_cast<float*>(part + j0 + j) + h * kNat, p[j][h]);
       }
       v16 s = sum_rows(part);
       if (ch.bias) s += ch.bias[g];
@@ -105,17 +117,16 @@ void attend(const Tuning& tuning, const float* qs, int64_t G, int64_t Dp_rt, int
     for (int64_t g = 0; g < G; ++g) {
       const float* pg = probs + g * kLanes;
       float* ag = acc + g * Dvp;
-      const v16 al = splat(alpha[g]);
       for (int64_t d0 = 0; d0 < Dvp; d0 += kValueVecs * kLanes) {
-        const int64_t nv = std::min<int64_t>(kValueVecs, (Dvp - d0) / kLanes);
-        v16 x[kValueVecs];
-        for (int64_t i = 0; i < nv; ++i) x[i] = load16(ag + d0 + i * kLanes) * al;
+        const int64_t nv = std::min<int64_t>(kValueVecs, (Dvp - d0) / kLanes) * kHalves;
+        vn x[kValueVecs * kHalves];
+        for (int64_t i = 0; i < nv; ++i) x[i] = loadn(ag + d0 + i * kNat) * alpha[g];
         for (int j = 0; j < kLanes; ++j) {
-          const v16 pj = splat(pg[j]);
+          const vn pj = broadcast(pg + j);
           const float* vr = ch.v + j * ch.vs + d0;
-          for (int64_t i = 0; i < nv; ++i) x[i] += pj * load16(vr + i * kLanes);
+          for (int64_t i = 0; i < nv; ++i) x[i] += pj * loadn(vr + i * kNat);
         }
-        for (int64_t i = 0; i < nv; ++i) store16(ag + d0 + i * kLanes, x[i]);
+        for (int64_t i = 0; i < nv; ++i) storen(ag + d0 + i * kNat, x[i]);
       }
     }
   }
@@ -148,6 +159,24 @@ inline void load32(const uint16_t* p, v16& a, v16& b) { bf16_split(p, a, b); }
 inline void load32(const float* p, v16& a, v16& b) {
   a = load16(p);
   b = load16(p + kLanes);
+}
+
+// load32 in vectors of the target's width: the two v16 of load32 as kHalves vectors each.
+inline void load32n(const float* p, vn* a, vn* b) {
+  for (int h = 0; h < kHalves; ++h) {
+    a[h] = loadn(p + h * kNat);
+    b[h] = loadn(p + kLanes + h * kNat);
+  }
+}
+// bfloat16: each kNat int32 lanes hold elements 2i and 2i + 1 of 2 kNat bf16 values, so
+// vector h of the even (odd) part is elements 2i (2i + 1) of the h-th 2 kNat values.
+inline void load32n(const uint16_t* p, vn* a, vn* b) {
+  for (int h = 0; h < kHalves; ++h) {
+    const vni w = *reinterpret_cast<const vniu*>(p + 2 * h * kNat);
+    const vni e = w << 16, o = w & static_cast<int32_t>(0xffff0000u);
+    a[h] = (vn)e;
+    b[h] = (vn)o;
+  }
 }
 
 // To and from the split order of a width that is a multiple of 32.
@@ -211,18 +240,22 @@ inline void chunk_logits(const float* qsplit, int64_t D_rt, const RowChunk<E>& c
       prefetch_row(pf->k + j * pf->ks, D);
       prefetch_row(pf->v + j * pf->vs, pf->vs);  // rows in place: stride = width
     }
-    v16 a[NB];
-    for (int r = 0; r < NB; ++r) a[r] = v16{};
+    vn a[NB][kHalves];
+    for (int r = 0; r < NB; ++r)
+      for (int h = 0; h < kHalves; ++h) a[r][h] = vn{};
     const E* kr = ch.k + j * ch.ks;
     for (int64_t d = 0; d < D; d += 2 * kLanes) {
-      v16 ke, ko;
-      load32(kr + d, ke, ko);
-      for (int r = 0; r < NB; ++r) {
-        a[r] += load16(qsplit + r * D + d) * ke;
-        a[r] += load16(qsplit + r * D + d + kLanes) * ko;
-      }
+      vn ke[kHalves], ko[kHalves];
+      load32n(kr + d, ke, ko);
+      for (int r = 0; r < NB; ++r)
+        for (int h = 0; h < kHalves; ++h) {
+          a[r][h] += loadn(qsplit + r * D + d + h * kNat) * ke[h];
+          a[r][h] += loadn(qsplit + r * D + d + kLanes + h * kNat) * ko[h];
+        }
     }
-    for (int r = 0; r < NB; ++r) parts[r * kLanes + j] = a[r];
+    for (int r = 0; r < NB; ++r)
+      for (int h = 0; h < kHalves; ++h)
+        storen(reinterpret_cast<float*>(parts + r * kLanes + j) + h * kNat, a[r][h]);
   }
 }
 
@@ -233,40 +266,64 @@ inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, cons
                              const RowChunk<E>& ch) {
   const int64_t Dv = DVT ? DVT : Dv_rt;
   for (int64_t d = 0; d < Dv; d += 2 * kLanes) {
-    v16 xe[NB], xo[NB];
-    for (int r = 0; r < NB; ++r) {
-      const v16 al = splat(alpha[r]);
-      xe[r] = load16(acc + r * Dv + d) * al;
-      xo[r] = load16(acc + r * Dv + d + kLanes) * al;
-    }
+    vn xe[NB][kHalves], xo[NB][kHalves];
+    for (int r = 0; r < NB; ++r)
+      for (int h = 0; h < kHalves; ++h) {
+        xe[r][h] = loadn(acc + r * Dv + d + h * kNat) * alpha[r];
+        xo[r][h] = loadn(acc + r * Dv + d + kLanes + h * kNat) * alpha[r];
+      }
     for (int j = 0; j < kLanes; ++j) {
-      v16 ve, vo;
-      load32(ch.v + j * ch.vs + d, ve, vo);
+      vn ve[kHalves], vo[kHalves];
+      load32n(ch.v + j * ch.vs + d, ve, vo);
       for (int r = 0; r < NB; ++r) {
-        const v16 pj = splat(probs[r * kLanes + j]);
-        xe[r] += pj * ve;
-        xo[r] += pj * vo;
+        const vn pj = broadcast(probs + r * kLanes + j);
+        for (int h = 0; h < kHalves; ++h) {
+          xe[r][h] += pj * ve[h];
+          xo[r][h] += pj * vo[h];
+        }
       }
     }
-    for (int r = 0; r < NB; ++r) {
-      store16(acc + r * Dv + d, xe[r]);
-      store16(acc + r * Dv + d + kLanes, xo[r]);
-    }
+    for (int r = 0; r < NB; ++r)
+      for (int h = 0; h < kHalves; ++h) {
+        storen(acc + r * Dv + d + h * kNat, xe[r][h]);
+        storen(acc + r * Dv + d + kLanes + h * kNat, xo[r][h]);
+      }
   }
 }
 
 // Calls fn(std::integral_constant<int, NB>, g0) over blocks of query rows covering [0, G):
-// 8 at a time when G is a multiple of 8, else 4 at a time and the rest one by one.
-template <typename Fn>
+// 8 at a time when G is a multiple of 8, else 4 at a time and the rest one by one; never
+// more than MaxNB at a time (then MaxNB, and the rest one by one).
+template <int MaxNB = 8, typename Fn>
 inline void for_row_blocks(int64_t G, Fn&& fn) {
   int64_t g0 = 0;
-  if (G % 8 == 0) {
-    for (; g0 < G; g0 += 8) fn(std::integral_constant<int, 8>{}, g0);
-    return;
+  if constexpr (MaxNB >= 8) {
+    if (G % 8 == 0) {
+      for (; g0 < G; g0 += 8) fn(std::integral_constant<int, 8>{}, g0);
+      return;
+    }
   }
-  for (; g0 + 4 <= G; g0 += 4) fn(std::integral_constant<int, 4>{}, g0);
+  constexpr int NB = MaxNB < 4 ? MaxNB : 4;
+  for (; g0 + NB <= G; g0 += NB) fn(std::integral_constant<int, NB>{}, g0);
   for (; g0 < G; ++g0) fn(std::integral_constant<int, 1>{}, g0);
 }
+
+// Query rows per register block of rows read in place (RowChunk): chunk_logits keeps NB
+// rows' partial sums (NB v16), chunk_accumulate 2 NB accumulators (two per 32 channels).
+// A v16 is one of AVX-512's 32 zmm registers but two of AVX2's 16 ymm: 8 rows there spilled
+// both loops to the stack (MLA decode, 16 query rows per item, ran at 0.5x of the XLA
+// path on an AVX2 build). Other chunk types (KIVI codes) block their own rows.
+#ifdef __AVX512F__
+constexpr int kLogitRowBlock = 8;
+constexpr int kValueRowBlock = 8;
+#else
+constexpr int kLogitRowBlock = 4;
+constexpr int kValueRowBlock = 2;
+#endif
+template <typename C>
+constexpr bool kRowsInPlace = false;
+template <typename E>
+constexpr bool kRowsInPlace<RowChunk<E>> = true;
 
 // Query row g's logits of a chunk from its 16 partial-sum vectors (chunk_logits), plus the
 // chunk's logit bias when it has one.
@@ -328,8 +385,10 @@ void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt,
   const int64_t first = lo / kLanes * kLanes;
   // The keys of chunk c + 1 are read in iteration c: prefetch `ahead` chunks past that.
   for (int64_t i = 0; i <= ahead; ++i) prefetch(first + i * kLanes);
+  constexpr int logit_rows = kRowsInPlace<C> ? kLogitRowBlock : 8;
+  constexpr int value_rows = kRowsInPlace<C> ? kValueRowBlock : 8;
   auto logits = [&](const C& ch, v16* out_parts, const C* pf) {
-    for_row_blocks(G, [&](auto nb, int64_t g0) {
+    for_row_blocks<logit_rows>(G, [&](auto nb, int64_t g0) {
       chunk_logits<decltype(nb)::value, DT>((ch.q ? ch.q : qsplit) + g0 * D, D, ch,
                                             out_parts + g0 * kLanes, g0 == 0 ? pf : nullptr);
     });
@@ -364,7 +423,7 @@ void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt,
       ch = load(c0 + kLanes);
       logits(ch, parts[cur ^ 1], located(pf) ? &pf : nullptr);
     }
-    for_row_blocks(G, [&](auto nb, int64_t g0) {
+    for_row_blocks<value_rows>(G, [&](auto nb, int64_t g0) {
       chunk_accumulate<decltype(nb)::value, DVT>(acc + g0 * Dv, Dv, alpha + g0,
                                                  probs + g0 * kLanes, now);
     });

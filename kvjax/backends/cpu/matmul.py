@@ -39,13 +39,15 @@ __all__ = ["MAX_ROWS", "matmul", "use_kernel"]
 MAX_ROWS = max(MATMUL_MAX_ROWS.values())
 # Kernel tuning (benchmarks/matmul.py --sweep): tile width in vectors of the build's
 # width (16 floats with AVX-512, 8 with AVX2; float32 weights: the register block is
-# kMaxRows rows x this many vectors; bf16 tiles are two vectors), column-block width
-# (at most; smaller N get about 4 blocks per core; 0: always that), rows per panel (0:
-# all K), rows prefetched ahead.
-TILE_VECTORS = 2
+# kMaxRows rows x this many vectors; bf16 tiles are two vectors; 0: the build's own, 2 on
+# AVX-512, 3 on AVX2), column-block width (at most; smaller N get about 4 blocks per core;
+# 0: always that), rows per panel (0: all K), rows prefetched ahead, and the rows up to
+# which the next panel is prefetched row by row instead (matmul.cc: column_block).
+TILE_VECTORS = 0
 BLOCK = 512
 PANEL = 32
 AHEAD = 32
+STREAM_ROWS = 2
 # Rows of w per packed block of the many-row GEMM (0 would mean the streaming kernel).
 PACK_K = 256
 
@@ -65,7 +67,8 @@ def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype,
     return choose("matmul", rows=math.prod(x.shape[:-1]), options=options).use_kernel
 
 
-def _kernel(x2, w, layer, target, tile_vectors, block, panel, ahead, packed):
+def _kernel(x2, w, layer, target, tuning):
+    tile_vectors, block, panel, ahead, stream_rows, packed = tuning
     call = jax.ffi.ffi_call(
         target,
         jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
@@ -73,26 +76,24 @@ def _kernel(x2, w, layer, target, tile_vectors, block, panel, ahead, packed):
     )
     return call(x2.astype(jnp.float32), w, layer, tile_vectors=np.int64(tile_vectors),
                 block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead),
-                packed=np.int64(packed))
+                stream_rows=np.int64(stream_rows), packed=np.int64(packed))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _matmul(x, w, layer, target, tile_vectors, block, panel, ahead, packed):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul(x, w, layer, target, tuning):
     lead = x.shape[:-1]
-    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, target, tile_vectors, block, panel, ahead,
-                packed)
+    y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, target, tuning)
     return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
 
 
-def _fwd(x, w, layer, target, tile_vectors, block, panel, ahead, packed):
-    return (_matmul(x, w, layer, target, tile_vectors, block, panel, ahead, packed),
-            (x, w, layer))
+def _fwd(x, w, layer, target, tuning):
+    return _matmul(x, w, layer, target, tuning), (x, w, layer)
 
 
-def _bwd(target, tile_vectors, block, panel, ahead, packed, res, g):
+def _bwd(target, tuning, res, g):
     # The gradients of einsum("...i,io->...o", x, w_l.astype(x.dtype)), each in its
     # primal's dtype; stacked weights get theirs in layer `layer`'s slot.
-    del target, tile_vectors, block, panel, ahead, packed
+    del target, tuning
     x, w, layer = res
     w_l = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     dx = jnp.einsum("...o,io->...i", g, w_l.astype(g.dtype))
@@ -114,6 +115,7 @@ def matmul(
     block: int | None = None,
     panel: int | None = None,
     ahead: int | None = None,
+    stream_rows: int | None = None,
     packed: int | None = None,
 ) -> Float[Array, "*batch d_out"]:
     """`x @ w` with the CPU kernel, float32 accumulation, result in x's dtype.
@@ -125,11 +127,13 @@ def matmul(
         used, read in place (no slice of the stack is formed).
       layer: None, or an int / traced int32 scalar indexing w's first axis (a traced
         index outside [0, layers) is clamped by the kernel; a Python int is checked).
-      tile_vectors, block, panel, ahead: tuning of the few-row kernel (default: the
-        module constants); tile_vectors in 1..3 (float32 tile width in vectors of the
-        build's width: 16 floats with AVX-512, 8 with AVX2, 4 elsewhere), block the
-        column-block width (0: automatic), panel the rows walked per tile before the
-        next tile (0: all), ahead the rows prefetched ahead (0: none).
+      tile_vectors, block, panel, ahead, stream_rows: tuning of the few-row kernel
+        (default: the module constants); tile_vectors in 0..3 (float32 tile width in
+        vectors of the build's width: 16 floats with AVX-512, 8 with AVX2, 4 elsewhere;
+        0: the build's own), block the column-block width (0: automatic), panel the rows
+        walked per tile before the next tile (0: all), ahead the rows each tile
+        prefetches ahead (0: none), stream_rows the rows up to which the next panel is
+        prefetched row by row instead.
       packed: rows of w per block of the many-row GEMM, or 0 for the few-row kernel
         (default: `PACK_K` when x has more than `MAX_ROWS` rows, else 0).
 
@@ -151,18 +155,21 @@ def matmul(
         if jnp.dtype(a.dtype) not in _DTYPES:
             raise TypeError(f"matmul: {name} must be float32 or bfloat16, got {a.dtype}.")
     tile_vectors = TILE_VECTORS if tile_vectors is None else int(tile_vectors)
-    if not 1 <= tile_vectors <= 3:
-        raise ValueError(f"matmul: tile_vectors must be 1, 2 or 3, got {tile_vectors}.")
+    if not 0 <= tile_vectors <= 3:
+        raise ValueError(f"matmul: tile_vectors must be 0 (the build's own), 1, 2 or 3, got "
+                         f"{tile_vectors}.")
     block = BLOCK if block is None else int(block)
     panel = PANEL if panel is None else int(panel)
     ahead = AHEAD if ahead is None else int(ahead)
-    if min(block, panel, ahead) < 0:
-        raise ValueError(
-            f"matmul: block, panel and ahead must be >= 0, got {block}, {panel}, {ahead}.")
+    stream_rows = STREAM_ROWS if stream_rows is None else int(stream_rows)
+    if min(block, panel, ahead, stream_rows) < 0:
+        raise ValueError(f"matmul: block, panel, ahead and stream_rows must be >= 0, got "
+                         f"{block}, {panel}, {ahead}, {stream_rows}.")
     rows = math.prod(x.shape[:-1])
     packed = (PACK_K if rows > MAX_ROWS else 0) if packed is None else int(packed)
     if packed < 0:
         raise ValueError(f"matmul: packed must be >= 0, got {packed}.")
     target = load().target("matmul")
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    return _matmul(x, w, layer, target, tile_vectors, block, panel, ahead, packed)
+    return _matmul(x, w, layer, target,
+                   (tile_vectors, block, panel, ahead, stream_rows, packed))
