@@ -222,15 +222,18 @@ def caption(run: dict) -> str:
             f"jax {m['jax']}, Python {m['python']}; {date}{commit}{load}")
 
 
-def _rerun(run, name) -> str:
-    """"; rerun DATE (commit C, load L)" for a section merged in from a later run, else ""."""
+def _rerun(run, name, short: bool = False) -> str:
+    """"; rerun DATE (commit C, load L)" for a section merged in from a later run, else ""
+    (short: the date and the load only)."""
     r = run["sections"][name].get("rerun")
     if not r:
         return ""
     date = datetime.datetime.fromisoformat(r["started"]).strftime("%Y-%m-%d %H:%M UTC")
+    a, b = r["load_average_start"][0], r["load_average_end"][0]
+    if short:
+        return f"; rerun {date[:10]}, load average {a:.1f}-{b:.1f}"
     commit = f"commit {r['commit']}, " if r.get("commit") else ""
-    return (f"; rerun {date} ({commit}load average {r['load_average_start'][0]:.1f} at start, "
-            f"{r['load_average_end'][0]:.1f} at end)")
+    return f"; rerun {date} ({commit}load average {a:.1f} at start, {b:.1f} at end)"
 
 
 def _data(run, name):
@@ -310,7 +313,7 @@ def summary_rows(run: dict) -> list[list[str]]:
                      + (f" (median of {srv['repeats']} interleaved runs)" if srv.get("repeats")
                         else "")
                      + f"; prefix hits {100 * srv['hit_rate']:.0f}% of prompt pages; TTFT p90 "
-                       f"{e['ttft_p90_s']:.2f} s" + _rerun(run, "serving")])
+                       f"{e['ttft_p90_s']:.2f} s" + _rerun(run, "serving", short=True)])
     cap = _data(run, "capacity")
     if cap:
         lay = {r["layout"]: r for r in cap["layouts"]}
