@@ -45,17 +45,29 @@ def test_matmul_matches_float64(rng, rows, k, n, x_dtype, w_dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("w_dtype", [F32, BF16])
-@pytest.mark.parametrize("tile_vectors,block,panel,ahead,stream_rows",
-                         [(1, 16, 5, 0, 0), (2, 64, 7, 3, 11), (3, 96, 0, 40, 0),
-                          (3, 0, 1, 1, 32), (0, 48, 13, 2, 0)])
-def test_matmul_tuning_settings(rng, w_dtype, tile_vectors, block, panel, ahead, stream_rows):
-    # Narrow blocks and short panels: many work items, partial sums carried through y; the
-    # next panel prefetched row by row (stream_rows >= 11 rows) or each tile's rows ahead.
-    x = jnp.asarray(rng.standard_normal((11, 150)), F32)
+@pytest.mark.parametrize("tile_vectors,block,panel,ahead",
+                         [(1, 16, 5, 0), (2, 64, 7, 3), (3, 96, 0, 40), (3, 0, 1, 1),
+                          (0, 48, 13, 2)])
+@pytest.mark.parametrize("rows", [1, 11])
+def test_matmul_tuning_settings(rng, w_dtype, tile_vectors, block, panel, ahead, rows):
+    # Narrow blocks and short panels: many work items, partial sums carried through y; one
+    # row without the sweep takes the tile walk too.
+    x = jnp.asarray(rng.standard_normal((rows, 150)), F32)
     w = jnp.asarray(rng.standard_normal((150, 333)), w_dtype)
     got = cpu_matmul.matmul(x, w, tile_vectors=tile_vectors, block=block, panel=panel,
-                            ahead=ahead, stream_rows=stream_rows)
+                            ahead=ahead, sweep=False)
     _check(got, x, w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("w_dtype", [F32, BF16])
+@pytest.mark.parametrize("k,n", [(40, 1000), (37, 2 * 16 * 4 * 2 + 5), (300, 77), (5, 9)])
+def test_matmul_one_row_sweep(rng, w_dtype, k, n):
+    """One row sweeps whole column ranges: sweeps of 16 rows and a shorter last one, column
+    ranges of whole unrolled steps, single vectors and a scalar tail."""
+    x = jnp.asarray(rng.standard_normal((1, k)), F32)
+    w = jnp.asarray(rng.standard_normal((k, n)), w_dtype)
+    _check(cpu_matmul.matmul(x, w, sweep=True), x, w)
 
 
 @needs_kernel

@@ -41,13 +41,13 @@ MAX_ROWS = max(MATMUL_MAX_ROWS.values())
 # width (16 floats with AVX-512, 8 with AVX2; float32 weights: the register block is
 # kMaxRows rows x this many vectors; bf16 tiles are two vectors; 0: the build's own, 2 on
 # AVX-512, 3 on AVX2), column-block width (at most; smaller N get about 4 blocks per core;
-# 0: always that), rows per panel (0: all K), rows prefetched ahead, and the rows up to
-# which the next panel is prefetched row by row instead (matmul.cc: column_block).
+# 0: always that), rows per panel (0: all K), rows prefetched ahead; and whether one row
+# of x sweeps whole column ranges row by row of w instead (matmul.cc: sweep_columns).
 TILE_VECTORS = 0
 BLOCK = 512
 PANEL = 32
 AHEAD = 32
-STREAM_ROWS = 2
+SWEEP = True
 # Rows of w per packed block of the many-row GEMM (0 would mean the streaming kernel).
 PACK_K = 256
 
@@ -68,7 +68,7 @@ def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype,
 
 
 def _kernel(x2, w, layer, target, tuning):
-    tile_vectors, block, panel, ahead, stream_rows, packed = tuning
+    tile_vectors, block, panel, ahead, sweep, packed = tuning
     call = jax.ffi.ffi_call(
         target,
         jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
@@ -76,7 +76,7 @@ def _kernel(x2, w, layer, target, tuning):
     )
     return call(x2.astype(jnp.float32), w, layer, tile_vectors=np.int64(tile_vectors),
                 block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead),
-                stream_rows=np.int64(stream_rows), packed=np.int64(packed))
+                sweep=np.int64(sweep), packed=np.int64(packed))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -115,7 +115,7 @@ def matmul(
     block: int | None = None,
     panel: int | None = None,
     ahead: int | None = None,
-    stream_rows: int | None = None,
+    sweep: bool | None = None,
     packed: int | None = None,
 ) -> Float[Array, "*batch d_out"]:
     """`x @ w` with the CPU kernel, float32 accumulation, result in x's dtype.
@@ -127,13 +127,13 @@ def matmul(
         used, read in place (no slice of the stack is formed).
       layer: None, or an int / traced int32 scalar indexing w's first axis (a traced
         index outside [0, layers) is clamped by the kernel; a Python int is checked).
-      tile_vectors, block, panel, ahead, stream_rows: tuning of the few-row kernel
-        (default: the module constants); tile_vectors in 0..3 (float32 tile width in
-        vectors of the build's width: 16 floats with AVX-512, 8 with AVX2, 4 elsewhere;
-        0: the build's own), block the column-block width (0: automatic), panel the rows
-        walked per tile before the next tile (0: all), ahead the rows each tile
-        prefetches ahead (0: none), stream_rows the rows up to which the next panel is
-        prefetched row by row instead.
+      tile_vectors, block, panel, ahead, sweep: tuning of the few-row kernel (default:
+        the module constants); tile_vectors in 0..3 (float32 tile width in vectors of
+        the build's width: 16 floats with AVX-512, 8 with AVX2, 4 elsewhere; 0: the
+        build's own), block the column-block width (0: automatic), panel the rows walked
+        per tile before the next tile (0: all), ahead the rows each tile prefetches
+        ahead (0: none); sweep: one row of x sweeps contiguous column ranges row by row
+        of w instead of the tile walk.
       packed: rows of w per block of the many-row GEMM, or 0 for the few-row kernel
         (default: `PACK_K` when x has more than `MAX_ROWS` rows, else 0).
 
@@ -161,10 +161,10 @@ def matmul(
     block = BLOCK if block is None else int(block)
     panel = PANEL if panel is None else int(panel)
     ahead = AHEAD if ahead is None else int(ahead)
-    stream_rows = STREAM_ROWS if stream_rows is None else int(stream_rows)
-    if min(block, panel, ahead, stream_rows) < 0:
-        raise ValueError(f"matmul: block, panel, ahead and stream_rows must be >= 0, got "
-                         f"{block}, {panel}, {ahead}, {stream_rows}.")
+    sweep = SWEEP if sweep is None else bool(sweep)
+    if min(block, panel, ahead) < 0:
+        raise ValueError(
+            f"matmul: block, panel and ahead must be >= 0, got {block}, {panel}, {ahead}.")
     rows = math.prod(x.shape[:-1])
     packed = (PACK_K if rows > MAX_ROWS else 0) if packed is None else int(packed)
     if packed < 0:
@@ -172,4 +172,4 @@ def matmul(
     target = load().target("matmul")
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     return _matmul(x, w, layer, target,
-                   (tile_vectors, block, panel, ahead, stream_rows, packed))
+                   (tile_vectors, block, panel, ahead, sweep, packed))
