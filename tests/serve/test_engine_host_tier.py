@@ -1,7 +1,8 @@
 """The serving engine with a host tier (`Engine(host_pages=..., host_rows=...)`): preempted
 requests are swapped to pinned host memory and back instead of recomputed, evicted prefixes
 park there and are hit from there, and every request's tokens are those of the engine
-without the tier (and of `kvjax.generate` alone), with every program compiled by `warmup`;
+without the tier (on KIVI pages, whose recompute after a preemption may differ, those of
+`kvjax.generate` alone), with every program compiled by `warmup`;
 a tier too small falls back to recompute, and random arrival / cancel sequences keep every
 invariant of both tiers."""
 
@@ -76,7 +77,12 @@ def test_swaps_and_host_prefix_hits_keep_the_tokens(tiny, rng, kind):
     assert s["preemptions"] == 0, s
     assert s["prefix_parks"] > 0 and s["host_prefix_hits"] > 0, s
     assert reasons == ["length"] * n
-    assert got == want
+    if cfg.quant is None:
+        assert got == want
+    else:  # a KIVI request recomputed after a preemption may differ (docs/serving.md): the
+        # engine without the tier is no reference there, generate on each request alone is
+        assert got == [_alone(model, params, p, m, cfg) for p, m in zip(prompts, max_new,
+                                                                       strict=True)]
     assert [len(g) for g in got] == max_new
     tier = engine.state.cache.host
     pools = [tier.pages] + ([tier.tail_a, tier.tail_b] if cfg.quant is not None else [])
