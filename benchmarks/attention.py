@@ -33,8 +33,10 @@ one thread). Writes JSON to benchmarks/results/.
     python benchmarks/attention.py              # B=8, 8 KV heads, 4K tokens
     python benchmarks/attention.py --cpu-choice # each CPU op: XLA vs each kernel build
 
-`--cpu-choice` times, for every CPU op with a C++ kernel (paged decode f32 / bf16, KIVI
-int4 decode, MLA decode, bf16 row writes), the XLA path and the kernel of each build
+`--cpu-choice` times, for every CPU op with a C++ kernel (paged decode and chunked
+prefill f32 / bf16, KIVI int4 decode, MLA decode, bf16 row writes and page copies, the
+matmul at the e2e decode model's shapes: decode rows on weights as cold as in a decode
+step, and a prefill chunk's rows), the XLA path and the kernel of each build
 (`--marches`, default the native build and the AVX2 build `-march=haswell`), all
 interleaved in one run, checks each result against the XLA path's, and prints for each
 build what "auto" picks (`kvjax.backends.cpu.choose`) next to the faster of the two.
@@ -42,6 +44,7 @@ build what "auto" picks (`kvjax.backends.cpu.choose`) next to the faster of the 
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -60,6 +63,7 @@ from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kernels_pallas.quantized_attention import reference as quant_ref  # noqa: E402
 from kvjax.attention import xla, xla_quantized  # noqa: E402
 from kvjax.backends import cpu as cpu_kernels  # noqa: E402
+from kvjax.backends.cpu import matmul as cpu_matmul  # noqa: E402
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -423,8 +427,10 @@ def _cpu_simd_flags():
 
 
 def _choice_cases(quick):
-    """(op, name, make) for the --cpu-choice table: make(build_opts) -> (kernel fn, xla fn,
-    args, dtype); the kernel fn is traced under that build's options."""
+    """(op, name, make) for the --cpu-choice table: make() -> (kernel fn, xla fn, args,
+    dtype, choose kwargs); the kernel fn is traced under each build's options. `args` is a
+    tuple, or a list of tuples that successive calls rotate through (weights as cold as
+    in a decode step, where each is read once per step between the others)."""
     b, h, kvh, d, seq, ps = (4, 8, 4, 64, 256, 16) if quick else (8, 8, 8, 64, 1024, 16)
     rng = np.random.default_rng(0)
     max_pages = seq // ps
@@ -439,9 +445,22 @@ def _choice_cases(quick):
             v = jnp.asarray(rng.standard_normal((kvh, num_pages, ps, d)), dt)
             return ((lambda *a: cpu_kernels.paged_decode_attention(*a)[0]),
                     (lambda *a: xla.paged_decode_attention(*a)[0]),
-                    (q, k, v, lengths, tables), dt)
+                    (q, k, v, lengths, tables), dt, {})
         cases.append(("paged_decode", f"gqa {jnp.dtype(dt).name} b{b} h{h}/{kvh} d{d} "
                                       f"s{seq}", paged))
+    chunk = seq // 4
+    for dt in (F32, jnp.bfloat16):
+        def prefill(dt=dt):
+            # The last chunk of a prompt of `seq` tokens: `chunk` queries per row over all.
+            q = jnp.asarray(rng.standard_normal((b, chunk, h, d)), dt)
+            k = jnp.asarray(rng.standard_normal((kvh, num_pages, ps, d)), dt)
+            v = jnp.asarray(rng.standard_normal((kvh, num_pages, ps, d)), dt)
+            full = jnp.full((b,), seq, jnp.int32)
+            return ((lambda *a: cpu_kernels.paged_prefill_attention(*a)[0]),
+                    (lambda *a: xla.paged_prefill_attention(*a)[0]),
+                    (q, k, v, full, tables, jnp.full((b,), chunk, jnp.int32)), dt, {})
+        cases.append(("paged_prefill", f"gqa {jnp.dtype(dt).name} b{b} x {chunk} q, s{seq}",
+                      prefill))
 
     def quant():
         group, residual, bits = 32, 64, 4
@@ -459,19 +478,20 @@ def _choice_cases(quick):
                 jnp.full((b,), q_tokens, jnp.int32), full, qtables, (full - 1)[:, None])
         kw = dict(k_bits=bits, v_bits=bits, scale=d**-0.5)
         return ((lambda *a: cpu_kernels.quantized_attention(*a, **kw)[0]),
-                (lambda *a: xla_quantized.quantized_attention(*a, **kw)[0]), args, jnp.bfloat16)
+                (lambda *a: xla_quantized.quantized_attention(*a, **kw)[0]), args, jnp.bfloat16,
+                {})
     cases.append(("quantized_decode", f"kivi int4 b{b} h{h}/{kvh} d{d} s{seq}", quant))
+    dc, dr, mh = (128, 32, 8) if quick else (512, 64, 16)
     for dt in (F32, jnp.bfloat16):
         def mla(dt=dt):
-            dc, dr, mh = (128, 32, 8) if quick else (512, 64, 16)
             args = (jnp.asarray(rng.standard_normal((b, mh, dc)), dt),
                     jnp.asarray(rng.standard_normal((b, mh, dr)), dt),
                     jnp.asarray(rng.standard_normal((num_pages, ps, dc)), dt),
                     jnp.asarray(rng.standard_normal((num_pages, ps, dr)), dt), lengths, tables)
             sc = (dc // 4 + dr) ** -0.5
             return ((lambda *a: cpu_kernels.mla_decode_attention(*a, scale=sc)[0]),
-                    (lambda *a: xla.mla_decode_attention(*a, scale=sc)[0]), args, dt)
-        cases.append(("mla_decode", f"mla {jnp.dtype(dt).name} b{b} d_c 512 s{seq}", mla))
+                    (lambda *a: xla.mla_decode_attention(*a, scale=sc)[0]), args, dt, {})
+        cases.append(("mla_decode", f"mla {jnp.dtype(dt).name} b{b} d_c {dc} s{seq}", mla))
 
     def rows():
         layers, heads, pages, width = 8, kvh, num_pages, d
@@ -485,8 +505,30 @@ def _choice_cases(quick):
         # on top of the write; the kernel's own in-place advantage shows under donation.
         return ((lambda p, lyr, a, c, v: cpu_kernels.write_rows(p, lyr, a, c, v)),
                 (lambda p, lyr, a, c, v: p.at[lyr, :, a, c, :].set(v, mode="drop")),
-                (pool, layer, i1, i2, x), jnp.bfloat16)
+                (pool, layer, i1, i2, x), jnp.bfloat16, {})
     cases.append(("write_rows", f"bf16 rows into [8, {kvh}, {num_pages}, {ps}, {d}]", rows))
+
+    def pages():
+        pool = jnp.asarray(rng.standard_normal((8, kvh, num_pages, ps, d)), jnp.bfloat16)
+        src = jnp.asarray(rng.integers(0, num_pages, b), jnp.int32)
+        dst = jnp.asarray(rng.integers(0, num_pages, b), jnp.int32)
+        # Not donated either (reserve's copy-on-write of shared last pages, b of them).
+        return ((lambda p, s_, d_: cpu_kernels.copy_pages(p, s_, d_)),
+                (lambda p, s_, d_: p.at[:, :, d_].set(p[:, :, s_], mode="drop")),
+                (pool, src, dst), jnp.bfloat16, {})
+    cases.append(("copy_pages", f"bf16 {b} pages of [8, {kvh}, {num_pages}, {ps}, {d}]",
+                  pages))
+
+    # The matmul for a prefill chunk's rows (the kernel's packed path; XLA's dot under
+    # "auto"). Its decode rows are judged in the decode step itself (run_cpu_choice: the
+    # rows of benchmarks/matmul.py's decode_ab), where each weight is read once per step.
+    for k_, n_ in ((512, 1408), (1408, 512)):
+        def matmul(k_=k_, n_=n_, m=b * chunk):
+            x = jnp.asarray(rng.standard_normal((m, k_)), F32)
+            w = jnp.asarray(rng.standard_normal((k_, n_)) / np.sqrt(k_), F32)
+            return (cpu_matmul.matmul, (lambda x, w: x @ w), (x, w), F32,
+                    dict(rows=m, devices=1))
+        cases.append(("matmul", f"float32 [{b * chunk},{k_}]x[{k_},{n_}] (prefill)", matmul))
     return cases
 
 
@@ -501,20 +543,42 @@ def run_cpu_choice(marches, repeats, quick):
             lib = cpu_kernels.library()
             builds[march] = (cpu_kernels.get_options(), lib.isa_class)
             print(f"-march={march}: {lib.isa_class} ({' '.join(sorted(lib.isa))})")
-    print(f"{'op':17s} {'case':34s} {'xla ms':>8s} | " + " | ".join(
+    print(f"{'op':17s} {'case':40s} {'xla ms':>8s} | " + " | ".join(
         f"{m + ' ms':>11s} {'vs xla':>6s} {'auto':>6s} {'ok':>4s}" for m in builds))
     rows, all_ok = [], True
     for op, name, make in _choice_cases(quick):
-        ker, xla_fn, args, dt = make()
-        calls = {"xla": (jax.jit(xla_fn), args)}
+        ker, xla_fn, args, dt, choose_kw = make()
+        rotation = args if isinstance(args, list) else [args]
+        args = rotation[0]
+        fns = {"xla": jax.jit(xla_fn)}
         for march in builds:
             with cpu_kernels.override(march=march):
-                calls[march] = (jax.jit(lambda *a, f=ker: f(*a)), args)
-                jax.block_until_ready(calls[march][0](*args))  # traced under this build
-        stats, outs = _time_interleaved(calls, repeats)
+                fns[march] = jax.jit(lambda *a, f=ker: f(*a))
+                jax.block_until_ready(fns[march](*args))  # traced under this build
+        # A rotation runs as bursts of back-to-back calls, one burst per implementation per
+        # round (a decode step calls its matmuls back to back: between two calls of one
+        # implementation there is no other's, whose threads would park the helpers).
+        burst = min(len(rotation), 64)
+        calls = {}
+        for cname, fn in fns.items():
+            turn = itertools.cycle(rotation)
+
+            def run_burst(*_, fn=fn, turn=turn, burst=burst):
+                out = None
+                for _ in range(burst):
+                    out = fn(*next(turn))
+                return out
+            calls[cname] = (run_burst, ())
+        stats, _ = _time_interleaved(calls, repeats)
+        for st in stats.values():
+            for key in ("wall_median_s", "wall_min_s", "wall_max_s", "cpu_median_s",
+                        "cpu_min_s", "cpu_max_s"):
+                st[key] /= burst
+            st["burst"] = burst
+        outs = {cname: fn(*args) for cname, fn in fns.items()}
         want = np.asarray(outs["xla"], np.float32)
         row = dict(op=op, case=name, xla=stats["xla"])
-        line = f"{op:17s} {name:34s} {stats['xla']['wall_median_s'] * 1e3:8.3f} |"
+        line = f"{op:17s} {name:40s} {stats['xla']['wall_median_s'] * 1e3:8.3f} |"
         for march, (opts, isa) in builds.items():
             got = np.asarray(outs[march], np.float32)
             tol = 2e-2 if dt == jnp.bfloat16 else 2e-4
@@ -523,18 +587,53 @@ def run_cpu_choice(marches, repeats, quick):
                 raise AssertionError(f"{op} {name} -march={march}: kernel differs from XLA "
                                      f"by {err:.2e}")
             t, tx = stats[march]["wall_median_s"], stats["xla"]["wall_median_s"]
-            pick = cpu_kernels.choose(op, dtype=dt, options=opts).use_kernel
-            ok = pick == (t < tx)
+            pick = cpu_kernels.choose(op, dtype=dt, options=opts, **choose_kw).use_kernel
+            ok, mark = _auto_ok(pick, t, tx)
             all_ok &= ok
             row[march] = dict(**stats[march], isa_class=isa, speedup=tx / t, max_rel_err=err,
                               auto="kernel" if pick else "xla", auto_is_fastest=ok)
             line += (f" {t * 1e3:11.3f} {tx / t:5.2f}x {'kernel' if pick else 'xla':>6s} "
-                     f"{'yes' if ok else 'NO':>4s} |")
+                     f"{mark:>4s} |")
         rows.append(row)
         print(line)
-    print("auto picks the faster implementation in every row" if all_ok else
+    from benchmarks import matmul as matmul_bench
+
+    # The matmul's decode rows: one decode step of the e2e model with each build's kernel
+    # and with XLA's dot (per-layer weights), in turn; "auto" decides by the step's rows.
+    steps = matmul_bench.decode_ab("float32", repeats, list(builds), (1,) if quick else (1, 8),
+                                   context=256 if quick else 1024, verbose=False)
+    for st in steps:
+        tx = float(np.median(st["xla_step_s"]))
+        name = f"decode step b{st['batch']} s{st['context']} (every projection)"
+        row = dict(op="matmul", case=name, xla=dict(wall_median_s=tx))
+        line = f"{'matmul':17s} {name:40s} {tx * 1e3:8.3f} |"
+        for march, (_, isa) in builds.items():
+            t = float(np.median(st[march]["step_s"]))
+            pick = st[march]["auto"] == "kernel"
+            ok, mark = _auto_ok(pick, t, tx)
+            all_ok &= ok
+            row[march] = dict(wall_median_s=t, isa_class=isa, speedup=tx / t,
+                              auto=st[march]["auto"], auto_is_fastest=ok)
+            line += (f" {t * 1e3:11.3f} {tx / t:5.2f}x {st[march]['auto']:>6s} {mark:>4s} |")
+        rows.append(row)
+        print(line)
+    print(f"auto picks the faster implementation in every row (tie: within "
+          f"{100 * TIE:.0f}%)" if all_ok else
           "auto does NOT pick the faster implementation in some rows (NO)")
     return rows
+
+
+# Two implementations within this fraction of each other are a tie on this shared
+# machine (repeated runs of the same pair moved by that much): either pick is right.
+TIE = 0.05
+
+
+def _auto_ok(pick, t_kernel, t_xla):
+    """(ok, mark): whether "auto"'s pick is the faster of the two, or a tie."""
+    if abs(t_kernel - t_xla) <= TIE * min(t_kernel, t_xla):
+        return True, "tie"
+    ok = pick == (t_kernel < t_xla)
+    return ok, "yes" if ok else "NO"
 
 
 # ----------------------------------------------------------------------------- main

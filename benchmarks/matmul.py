@@ -16,10 +16,12 @@ that is the faster of the two.
     python benchmarks/matmul.py --decode         # one decode step of the e2e model, A/B
 
 `--decode` times one decode step (reserve + forward, cache donated) of the
-decode_e2e.py model (random weights, batch 8, 1K tokens in the cache) compiled
-with the kernel and with XLA's dot (the matmul option is read at trace time),
-calling the two alternately so that both see the same machine load, and checks
-that their logits agree.
+decode_e2e.py model (random weights, batches 1 and 8, 1K tokens in the cache) compiled
+with each build's kernel and with XLA's dot (the matmul option is read at trace time;
+the XLA program gets per-layer weights, as the decode loop gives it), calling them in
+turn so that all see the same machine load, checks that their logits agree, and says
+whether "auto" picks the faster for that many rows: the matmul's choice where it
+matters, in the step (weights read once per step between the others).
 """
 
 import argparse
@@ -97,8 +99,14 @@ def stats(ts):
     return float(med), float((q3 - q1) / med)
 
 
-def decode_ab(dtype, repeats, batch=8, context=1024):
-    """Median decode-step times with and without the kernel, interleaved."""
+def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=True):
+    """One decode step of the e2e model with the kernel and with XLA's dot, per build and
+    batch: median step times, interleaved, and whether "auto" picks the faster.
+
+    The XLA-dot program runs per-layer weights (as the decode loop gives it where the
+    kernel does not run: `kvjax.generate.decode_params`, XLA:CPU would copy each layer's
+    slice of stacked weights every step), the kernel program the stacked weights it reads
+    in place."""
     from kvjax.cache import init_cache, reserve
     from kvjax.models import llama
     from kvjax.models.layers import RopeConfig
@@ -106,47 +114,69 @@ def decode_ab(dtype, repeats, batch=8, context=1024):
     config = llama.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
                                num_layers=8, q_heads=8, kv_heads=8, head_dim=64,
                                rope=RopeConfig(theta=1e4, dim=64), dtype=dtype)
-    params = llama.init_params(config, jax.random.key(0))
-    steps = 2 * (repeats + 1)
-    pages = -(-(context + steps) // 16)
-    spec = llama.cache_spec(config, page_size=16, num_pages=batch * pages, max_seqs=batch,
-                            max_pages_per_seq=pages, dtype=dtype)
-    cache, _ = reserve(init_cache(spec), jnp.full((batch,), context, jnp.int32))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 32000, (batch, 1)), jnp.int32)
+    stacked = llama.init_params(config, jax.random.key(0))
+    unstacked = llama.unstack_layers(stacked)
+    rows = []
+    for batch in batches:
+        steps = 2 * (repeats + 1) * len(marches)
+        pages = -(-(context + steps) // 16)
+        spec = llama.cache_spec(config, page_size=16, num_pages=batch * pages, max_seqs=batch,
+                                max_pages_per_seq=pages, dtype=dtype)
+        cache, _ = reserve(init_cache(spec), jnp.full((batch,), context, jnp.int32))
+        tokens = jnp.asarray(np.random.default_rng(0).integers(3, 32000, (batch, 1)), jnp.int32)
 
-    def step(params, cache, tokens):
-        positions = cache.table.lengths[:, None]
-        cache, _ = reserve(cache, jnp.ones((batch,), jnp.int32))
-        return llama.forward(params, config, tokens, positions, cache,
-                             q_lengths=jnp.ones((batch,), jnp.int32))
+        def step(params, cache, tokens, batch=batch):
+            positions = cache.table.lengths[:, None]
+            cache, _ = reserve(cache, jnp.ones((batch,), jnp.int32))
+            return llama.forward(params, config, tokens, positions, cache,
+                                 q_lengths=jnp.ones((batch,), jnp.int32))
 
-    fns = {}
-    for name, switch in (("kernel", "on"), ("xla", "off")):
-        with cpu.override(matmul=switch):
-            fns[name] = jax.jit(lambda *a: step(*a), donate_argnums=1).lower(
-                params, cache, tokens).compile()
-    # Same state, both programs: the logits must agree (float32 sums in another order;
-    # bf16 activations round after each projection in both, at different points).
-    got = {name: np.asarray(fn(params, jax.tree.map(jnp.copy, cache), tokens)[0], np.float32)
-           for name, fn in fns.items()}
-    tol = 1e-3 if dtype == "float32" else 5e-2
-    err = float(np.abs(got["kernel"] - got["xla"]).max() / np.abs(got["xla"]).max())
-    if err > tol:
-        raise AssertionError(f"kernel and XLA decode logits differ: max rel err {err:.2e}")
-    times = {name: [] for name in fns}
-    for i in range(steps):
-        name = ("kernel", "xla")[i % 2]
-        t0 = time.perf_counter()
-        out, cache = fns[name](params, cache, tokens)
-        out.block_until_ready()
-        if i >= 2:  # the first call of each is a warm-up
-            times[name].append(time.perf_counter() - t0)
-    print(f"decode step, batch {batch}, context {context}, {dtype}: " + ", ".join(
-        f"{n} {np.median(t) * 1e3:.1f} ms (min {np.min(t) * 1e3:.1f})" for n, t in times.items())
-        + f"; xla / kernel {np.median(times['xla']) / np.median(times['kernel']):.2f}x; "
-        f"logits max rel diff {err:.1e}")
-    return [dict(dtype=dtype, batch=batch, context=context, kernel_step_s=times["kernel"],
-                 xla_step_s=times["xla"], logits_max_rel_diff=err)]
+        fns = {}
+        for march in marches:
+            with cpu.override(march=march, matmul="on"):
+                fns[march] = (jax.jit(step, donate_argnums=1).lower(
+                    stacked, cache, tokens).compile(), stacked, cpu.get_options())
+        with cpu.override(matmul="off"):
+            fns["xla"] = (jax.jit(step, donate_argnums=1).lower(
+                unstacked, cache, tokens).compile(), unstacked, None)
+        # Same state, every program: the logits must agree (float32 sums in another order;
+        # bf16 activations round after each projection in both, at different points).
+        got = {name: np.asarray(fn(p, jax.tree.map(jnp.copy, cache), tokens)[0], np.float32)
+               for name, (fn, p, _) in fns.items()}
+        tol = 1e-3 if dtype == "float32" else 5e-2
+        scale = np.abs(got["xla"]).max()
+        for name in marches:
+            err = float(np.abs(got[name] - got["xla"]).max() / scale)
+            if err > tol:
+                raise AssertionError(f"{name} kernel and XLA decode logits differ: max rel err "
+                                     f"{err:.2e}")
+        times = {name: [] for name in fns}
+        names = list(fns)
+        for i in range(steps):
+            name = names[i % len(names)]
+            fn, p, _ = fns[name]
+            t0 = time.perf_counter()
+            out, cache = fn(p, cache, tokens)
+            out.block_until_ready()
+            if i >= len(names):  # the first call of each is a warm-up
+                times[name].append(time.perf_counter() - t0)
+        t_xla = float(np.median(times["xla"]))
+        line = f"decode step, batch {batch}, context {context}, {dtype}: xla {t_xla * 1e3:.2f} ms"
+        row = dict(dtype=dtype, batch=batch, context=context, xla_step_s=times["xla"],
+                   load_average=os.getloadavg())
+        for march in marches:
+            t = float(np.median(times[march]))
+            pick = cpu.choose("matmul", rows=batch, devices=1,
+                              options=fns[march][2]).use_kernel
+            ok = pick == (t < t_xla)
+            row[march] = dict(step_s=times[march], speedup=t_xla / t,
+                              auto="kernel" if pick else "xla", auto_is_fastest=ok)
+            line += (f" | {march} kernel {t * 1e3:.2f} ms ({t_xla / t:.2f}x), auto "
+                     f"{'kernel' if pick else 'xla'}{'' if ok else ' (SLOWER)'}")
+        if verbose:
+            print(line + f"; load average {os.getloadavg()[0]:.1f}")
+        rows.append(row)
+    return rows
 
 
 def main(argv=None):
@@ -167,6 +197,7 @@ def main(argv=None):
                         help="A/B one decode step of the e2e model instead of the shape table")
     parser.add_argument("--decode-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="--decode: params, activations and cache dtype")
+    parser.add_argument("--batches", default="1,8", help="--decode: comma-separated batches")
     parser.add_argument("--sweep-tiles", default="2,3",
                         help="--sweep: comma-separated tile_vectors (float32 only; bf16 uses 2)")
     parser.add_argument("--sweep-ahead", default="16,32,48",
@@ -195,7 +226,8 @@ def main(argv=None):
     results = []
 
     if args.decode:
-        results = decode_ab(args.decode_dtype, repeats)
+        results = decode_ab(args.decode_dtype, repeats, args.marches.split(","),
+                            [int(b) for b in args.batches.split(",")])
     elif args.sweep:
         def ints(text):
             return [int(v) for v in text.split(",")]
