@@ -16,7 +16,9 @@ and fails only on wrong results, never on speed):
   pool      decode step time with the same live tokens in pools 1x / 4x / 16x
             larger (benchmarks/attention.py)
   decode    greedy decode of a 58M Llama, batch 1 and 8 x 1K-token prompts, against
-            the weight + KV read roofline and transformers (benchmarks/decode_e2e.py)
+            the weight + KV read roofline and transformers, end to end with the
+            prompts too (benchmarks/decode_e2e.py); on an AVX-512 CPU once more with the
+            kernels' AVX2 build (-march=haswell)
   e2e       greedy decode vs HuggingFace transformers, Llama and DeepSeek (MLA),
             float32 and bfloat16: tokens/s, peak memory, same tokens
             (benchmarks/e2e_hf.py)
@@ -159,9 +161,21 @@ def _decode(quick, out):
     from benchmarks import decode_e2e
     # Quick: 32 new tokens over 3 repeats, so a step (a difference of two timings) stays
     # positive on a loaded CI machine.
-    decode_e2e.main((["--quick", "--batches", "2", "--repeats", "3", "--new-tokens", "32"]
-                     if quick else [])
-                    + ["--out", str(out)])
+    argv = ["--quick", "--batches", "2", "--repeats", "3", "--new-tokens", "32"] if quick else []
+    # The native build, and on an AVX-512 CPU also the AVX2 code (-march=haswell: the
+    # kernels users' AVX2-only CPUs run; XLA and transformers keep this CPU's own code).
+    # The quick run checks the native build only (the AVX2 build takes a minute to compile).
+    marches = ["native"] + (["haswell"] if not quick and "avx512f" in cpu_flags() else [])
+    runs = []
+    for march in marches:
+        path = out.with_name(f"{out.stem}-{march}.json")
+        decode_e2e.main(argv + ["--march", march, "--out", str(path)])
+        runs.append(json.loads(path.read_text()))
+    merged = {k: v for k, v in runs[0].items() if k != "results"}
+    merged["builds"] = [{k: v for k, v in r.items() if k != "results"} for r in runs]
+    merged["results"] = [dict(row, build=r["kernels_build"], build_march=r["march"])
+                         for r in runs for row in r["results"]]
+    out.write_text(json.dumps(merged, indent=1, default=str))
 
 
 def _e2e(quick, out):

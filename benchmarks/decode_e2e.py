@@ -234,7 +234,9 @@ def main(argv=None):
         f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(machine=mach, kernels_build=build, config=cfg, params=n_params,
+        json.dump(dict(machine=mach, kernels_build=build, march=lib.march if lib else None,
+                       isa_class=lib.isa_class if lib else None,
+                       isa=sorted(lib.isa) if lib else [], config=cfg, params=n_params,
                        dtype=args.dtype, impl=args.impl, read_GBps=bw,
                        load_average=os.getloadavg(), results=results), f, indent=1)
     print(f"wrote {out}")

@@ -118,7 +118,9 @@ def kernels(d, ax):
 
 
 def decode(d, ax):
-    labels = [f"batch {r['batch']}" for r in d["results"]]
+    several = len(d.get("builds", ())) > 1
+    labels = [f"batch {r['batch']}" + (f"\n-march={r['build_march']}" if several else "")
+              for r in d["results"]]
     vals = {"kvjax": {i: r["kvjax_tokens_per_s"] for i, r in enumerate(d["results"])},
             "transformers": {i: r["hf_tokens_per_s"] for i, r in enumerate(d["results"])
                              if r.get("hf_tokens_per_s")}}

@@ -278,14 +278,17 @@ def summary_rows(run: dict) -> list[list[str]]:
     if dec:
         cfg = dec.get("config", {})
         size = f"{dec['params'] / 1e6:.1f}M Llama" if "params" in dec else "Llama"
+        several = len(dec.get("builds", ())) > 1
         for r in dec["results"]:
             fig = (f"{100 * r['roofline_fraction']:.0f}% of the weight + KV read roofline, "
                    f"{r['kvjax_tokens_per_s']:.0f} tokens/s")
             if r.get("speedup"):
                 fig += (f"; {r['speedup']:.2f}x transformers' tokens/s, "
-                        f"{100 * r['same_tokens_fraction']:.0f}% same tokens")
+                        f"{100 * r['same_tokens_fraction']:.0f}% same tokens; with the "
+                        f"prompts {r['e2e_speedup']:.2f}x")
+            build = f", {build_label(dec, r)}" if several else ""
             rows.append([f"greedy decode, {size} ({cfg.get('dtype', dec.get('dtype', ''))}), "
-                         f"batch {r['batch']} x {r['prompt_len']}-token prompts", fig])
+                         f"batch {r['batch']} x {r['prompt_len']}-token prompts{build}", fig])
     kvb = _data(run, "kvbits")
     if kvb:
         by = {r["cache"]: r for r in kvb["results"]}
@@ -339,15 +342,37 @@ def summary(run: dict, folder: str) -> str:
             f"in the same run):\n\n" + _table(["measure", "result"], summary_rows(run)))
 
 
+_ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON", "portable": "portable"}
+
+
+def build_label(dec, row) -> str:
+    """"AVX2 build (-march=haswell: avx2 f16c fma)": the kernels' build a decode row ran."""
+    for b in dec.get("builds", [dec]):
+        if b.get("march") == row.get("build_march", dec.get("march")):
+            if b.get("isa_class"):
+                return (f"{_ISA_NAMES.get(b['isa_class'], b['isa_class'])} build (-march="
+                        f"{b['march']}: {' '.join(b['isa'])})")
+            return f"kernels {b.get('kernels_build', '')}"
+    return f"kernels {row.get('build', '')}"
+
+
 def decode_table(d):
-    rows = [[r["batch"], r["prompt_len"], r["new_tokens"], f"{r['kvjax_step_s'] * 1e3:.2f}",
-             f"{r['kvjax_tokens_per_s']:.0f}", f"{100 * r['roofline_fraction']:.0f}%",
+    notes = ""
+    if len(d.get("builds", ())) > 1:
+        notes = ("The kernels' builds differ; XLA and transformers run this CPU's own code "
+                 "in every row.\n\n")
+    rows = [[build_label(d, r), r["batch"], r["prompt_len"], r["new_tokens"],
+             f"{r['kvjax_step_s'] * 1e3:.2f}", f"{r['kvjax_tokens_per_s']:.0f}",
+             f"{100 * r['roofline_fraction']:.0f}%",
              "–" if r.get("hf_tokens_per_s") is None else f"{r['hf_tokens_per_s']:.0f}",
              "–" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
+             "–" if r.get("e2e_speedup") is None else
+             f"{r['kvjax_e2e_s']:.2f} / {r['hf_e2e_s']:.2f} s ({r['e2e_speedup']:.2f}x)",
              "–" if r.get("same_tokens_fraction") is None
              else f"{100 * r['same_tokens_fraction']:.0f}%"] for r in d["results"]]
-    return _table(["batch", "prompt", "new tokens", "kvjax ms/step", "kvjax tok/s",
-                   "of roofline", "transformers tok/s", "speedup", "same tokens"], rows)
+    return notes + _table(["kernels", "batch", "prompt", "new tokens", "kvjax ms/step",
+                           "kvjax tok/s", "of roofline", "transformers tok/s", "speedup",
+                           "with the prompts: kvjax / transformers", "same tokens"], rows)
 
 
 def kernels_table(d):
