@@ -7,7 +7,6 @@ preset resolves its sizes without allocating. Nothing about speed is asserted.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,17 +19,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import offload  # noqa: E402
 
 
-def _run(args, tmp_path, child_env):
+def _run(args, tmp_path, capsys):
+    """Runs the script's main in this process (its compiled programs are the dropped-pages
+    test's); returns its JSON and what it printed."""
     out = tmp_path / "offload.json"
-    env = dict(child_env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "benchmarks/offload.py", *args, "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stdout
+    code = offload.main([*args, "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout[-4000:]
+    return json.loads(out.read_text()), stdout
 
 
-def test_quick_run_checks_tokens_and_writes_json(tmp_path, child_env):
-    d, stdout = _run(["--quick", "--seed", "3"], tmp_path, child_env)
+def test_quick_run_checks_tokens_and_writes_json(tmp_path, capsys):
+    d, stdout = _run(["--quick", "--seed", "3"], tmp_path, capsys)
     assert d["ok"] and d["finished"] and not d["failures"]
     assert d["machine"]["cpu"] and d["machine"]["backend"] == "cpu"
     rows = {(r["cache"], r["host_fraction"]): r for r in d["rows"]}
@@ -58,8 +58,8 @@ def test_quick_run_checks_tokens_and_writes_json(tmp_path, child_env):
     assert "step/bound" in stdout and "bf16" in stdout
 
 
-def test_gpu_preset_at_toy_size_runs_on_cpu(tmp_path, child_env):
-    d, stdout = _run(["--gpu", "--quick", "--seed", "4"], tmp_path, child_env)
+def test_gpu_preset_at_toy_size_runs_on_cpu(tmp_path, capsys):
+    d, stdout = _run(["--gpu", "--quick", "--seed", "4"], tmp_path, capsys)
     assert d["ok"] and d["run"]["preset"] == "gpu_quick" and d["run"]["caches"] == ["bf16"]
     # The context is twice the device budget of bf16 KV over the batch: at 50% each tier
     # holds the budget.
@@ -73,10 +73,17 @@ def test_dropping_the_host_pages_fails_the_run(monkeypatch, tmp_path):
     """A host tier whose pages never reach attention decodes other tokens, far from a tie."""
     from kvjax.cache import host
 
-    monkeypatch.setattr(host, "merge", lambda dev, from_host: dev)
     out = tmp_path / "broken.json"
-    assert offload.main(["--quick", "--caches", "bf16", "--fractions", "0,0.5", "--seed", "5",
-                         "--json", str(out)]) == 1
+    # The step programs this process traced with the real merge (the quick runs above) are
+    # dropped before and after, so neither the broken run nor a later test reuses the other's.
+    with monkeypatch.context() as m:
+        m.setattr(host, "merge", lambda dev, from_host: dev)
+        jax.clear_caches()
+        try:
+            assert offload.main(["--quick", "--caches", "bf16", "--fractions", "0,0.5",
+                                 "--seed", "5", "--json", str(out)]) == 1
+        finally:
+            jax.clear_caches()
     d = json.loads(out.read_text())
     assert not d["ok"] and d["failures"]
     broken = [t for t in d["trials"] if t["host_pages"]]
