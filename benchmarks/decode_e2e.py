@@ -10,7 +10,8 @@ into kvjax, and for each batch size runs greedy generation in both:
   weights (the embedding table once per step is not needed, only its rows; the
   LM head is) and every row's live K/V once, at the streaming read bandwidth
   measured in the same run, between the timed repeats of that decode (the first
-  probe's figure is reported too);
+  probe's figure is reported too). The probe reads memory; where the weights fit in
+  the CPU's last-level cache (recorded as `llc_bytes`), a step can beat that roofline;
 * end to end, prefill included: the time for the prompts and N new tokens, and its
   ratio to transformers' (`e2e_speedup`);
 * whether both produce the same tokens (greedy, float32: they should, except
@@ -33,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +109,23 @@ def machine():
     except OSError:
         pass
     simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "asimd", "sve"))]
-    return dict(cpu=model, cpus=os.cpu_count(), simd_flags=simd)
+    return dict(cpu=model, cpus=os.cpu_count(), simd_flags=simd, llc_bytes=last_level_cache())
+
+
+def last_level_cache() -> int | None:
+    """Bytes of the CPU's largest data cache (Linux sysfs), or None: weights that fit in it
+    are read faster than the streaming read of memory the roofline assumes."""
+    sizes = []
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (d / "type").read_text().strip() == "Instruction":
+                continue
+            text = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=None)
 
 
 def decode_rates(runs, new_tokens, repeats, probe=None):
