@@ -27,9 +27,15 @@ def test_stop_ids_cancel_and_eos(tiny, rng):
     cfg = gen.CacheConfig(page_size=PAGE)
     ref = _alone(model, params, prompts[0], 12, cfg)
     stop = ref[4]
+    # An EOS id none of the three requests produces (on generate alone): a ends by its stop
+    # id, b and c only by the cancel, whatever tokens this seed's model draws.
+    seen = set(ref[: ref.index(stop) + 1])
+    for prompt in prompts[1:]:
+        seen |= set(_alone(model, params, prompt, 40, cfg))
+    eos = next(t for t in range(3, model.vocab_size) if t not in seen)
     # At most 8 tokens per call: b is still running when it is cancelled after 6 steps.
     engine = Engine(model, params, max_seqs=2, max_seq_len=128, chunk_size=CHUNK, cache=cfg,
-                    eos_ids=[ref[7]] if ref[7] != stop else (), max_decode_steps=8)
+                    eos_ids=[eos], max_decode_steps=8)
     a = engine.add_request(prompts[0], max_tokens=12, stop_ids=[stop])
     b = engine.add_request(prompts[1], max_tokens=40)
     c = engine.add_request(prompts[2], max_tokens=40)  # waits: two rows
