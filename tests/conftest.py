@@ -170,32 +170,7 @@ def covering_sample(points: list[dict], seed: int) -> list[int]:
     return sorted(chosen)
 
 
-# The longest files (total seconds of their tests, `--durations=0` on a 2-core machine:
-# 25-60 s each), run first. xdist hands out whole files (`--dist loadfile`) in collection
-# order, so a long file collected last keeps one worker busy while the other idles;
-# longest first lets the short files even out the two workers' ends.
-LONGEST_FIRST = (
-    "notebooks/test_notebooks.py", "cache/test_host_tier.py", "test_composition.py",
-    "test_benchmarks_quick.py", "serve/test_engine_host_tier.py", "models/test_qwen3_next.py",
-    "attention/test_xla_quantized.py", "serve/test_engine_scheduling.py",
-    "kernels/test_quantized_kernels.py", "models/test_llama.py", "test_benchmark_offload.py",
-    "models/test_deepseek.py", "serve/test_engine.py", "test_demo_models.py",
-)
-
-
-def _longest_first(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def key(item):
-        rel = os.path.relpath(str(item.path), here).replace(os.sep, "/")
-        return rank.get(rel, len(rank))
-
-    items.sort(key=key)  # stable: the rest, and each file's own tests, keep their order
-
-
 def pytest_collection_modifyitems(config, items):
-    _longest_first(items)
     if _full_sweeps(config):
         return
     seed = _sweep_seed(config)
