@@ -193,9 +193,7 @@ def _kvbits(quick, out):
 
 def _offload(quick, out):
     from benchmarks import offload
-    # Quick: the bf16 cache only (the int4 trials would double the section's compile time;
-    # tests/test_benchmark_offload.py runs both).
-    if offload.main((["--quick", "--caches", "bf16"] if quick else []) + ["--json", str(out)]):
+    if offload.main((["--quick"] if quick else []) + ["--json", str(out)]):
         raise RuntimeError("offload: a trial failed, or greedy tokens with host-resident pages "
                            "differ from the all-device run's")
 
@@ -214,8 +212,8 @@ def _serving(quick, out):
 def _capacity(quick, out):
     from benchmarks import capacity
     # Quick: explicit small sizes (capacity.py's own --quick preset admits 256 sequences).
-    cap_argv = (["--budget-mib", "2", "--num-seqs", "48", "--layers", "2", "--kv-heads", "1",
-                 "--head-dim", "64", "--max-len", "2048", "--chunk", "2048"] if quick else
+    cap_argv = (["--budget-mib", "3", "--num-seqs", "128", "--layers", "1", "--kv-heads", "1",
+                 "--head-dim", "32", "--chunk", "2048"] if quick else
                 ["--budget-mib", "32", "--layers", "2", "--kv-heads", "2"])
     rows = capacity.main(cap_argv + ["--out", str(out.with_name("capacity_layouts.json"))])
     ev = None

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -50,14 +52,12 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     # KIVI pages read fewer bytes than bf16 pages for the same context.
     read = [kvb[c]["kv_bytes_read"] for c in ("int2", "int4", "bf16")]
     assert read == sorted(set(read)), read
-    off = sections["offload"]["data"]  # host-resident pages decode the all-device tokens
-    assert off["ok"] and {r["host_fraction"] for r in off["rows"]} == {0.0, 0.5, 0.9}
+    _check_offload(sections["offload"]["data"], sections["offload"]["table"])
     dsa = sections["dsa"]["data"]  # checked itself: counted bytes = memory's, float64 refs
     assert dsa["ok"] and {r["program"] for r in dsa["rows"]} >= {"dense", "dsa"}
     assert all(r["bytes_counted"] == r["bytes_hand"] for r in dsa["rows"])
     assert dsa["ratios"]["bytes_dsa_over_dense"] < 1
-    cap = sections["capacity"]["data"]
-    assert len(cap["layouts"]) == 5 and all(r["sequences"] > 0 for r in cap["layouts"])
+    _check_capacity(sections["capacity"]["data"]["layouts"])
 
     # The README's summary and docs/performance.md's block render from this run.
     from benchmarks import report
@@ -67,3 +67,46 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     text = report.replace_block("a\n<!-- benchmarks:x -->\nold\n<!-- /benchmarks:x -->\nb",
                                 "x", report.full_report(run, "out"))
     assert "old" not in text and "#### roofline (ok" in text and text.endswith("-->\nb")
+
+
+def _check_offload(d, stdout):
+    """benchmarks/offload.py's quick run: host-resident pages decode the all-device tokens
+    (the script checks that itself and fails otherwise), and what it recorded adds up."""
+    assert d["ok"] and d["finished"] and not d["failures"]
+    assert d["machine"]["cpu"] and d["machine"]["backend"] == "cpu"
+    rows = {(r["cache"], r["host_fraction"]): r for r in d["rows"]}
+    assert set(rows) == {(c, f) for c in ("bf16", "int4") for f in (0.0, 0.5, 0.9)}
+    for cache in ("bf16", "int4"):
+        host = [rows[cache, f]["host_kv_bytes"] for f in (0.0, 0.5, 0.9)]
+        dev = [rows[cache, f]["device_kv_bytes"] for f in (0.0, 0.5, 0.9)]
+        assert host[0] == 0 < host[1] < host[2] and dev[0] > dev[1] > dev[2] > 0
+        for f in (0.0, 0.5, 0.9):
+            r = rows[cache, f]
+            assert r["step_median_s"] > 0 and r["steps_timed"] >= 3
+            assert r["bound_s"] == pytest.approx(r["bound_host_s"] + r["bound_device_s"])
+            assert r["step_over_bound"] == pytest.approx(r["step_median_s"] / r["bound_s"])
+    # Every trial (warm-up included) decoded the reference's tokens, or flipped one at a
+    # near tie (int4: the device kernel's integer arithmetic vs the host's float32).
+    for t in d["trials"]:
+        assert t["tokens_same_as_reference"] == 1.0 or (
+            t["cache"] == "int4" and t["near_tie"]["tie"]), t
+    assert all(r["tokens_same"] for r in d["rows"] if r["cache"] == "bf16")
+    assert all(t["accounted_host_bytes"] == t["host_kv_bytes"] for t in d["trials"]
+               if t["cache"] == "bf16")
+    bw = d["bandwidth"]
+    assert min(bw["put_d2h_GBps"], bw["put_h2d_GBps"], bw["read_GBps"]) > 0
+    assert bw["tier_move_out_GBps"]["median"] > 0 and bw["tier_move_in_GBps"]["median"] > 0
+    assert "step/bound" in stdout and "bf16" in stdout
+
+
+def _check_capacity(rows):
+    """benchmarks/capacity.py's quick run: it really allocated and filled each layout's
+    cache within the budget (3 MiB)."""
+    by = {r["layout"]: r for r in rows}
+    assert len(rows) == 5
+    for r in rows:
+        assert r["sequences"] == r["predicted_sequences"], r
+        assert r["pool_bytes"] <= 3 * 2**20
+    assert by["paged int2"]["tokens_vs_paged_bf16"] >= 4.5
+    assert by["paged bf16"]["sequences"] >= 2 * by["contiguous bf16"]["sequences"]
+    assert by["paged int4"]["sequences"] > by["paged bf16"]["sequences"]
