@@ -173,10 +173,11 @@ def covering_sample(points: list[dict], seed: int) -> list[int]:
 
 
 # The longest files (their tests' seconds in a clean run on a 2-core machine: 35-135 s each)
-# run first. xdist hands out whole files (`--dist loadfile`) in collection order, and the
-# files at the top of tests/ (the quick benchmark run, the multi-host run) are collected
-# last: one worker ran them alone for the last two minutes while the other idled (a 2-core
-# EPYC, 113 s of 1181). Longest first, the short files even out the two workers' ends.
+# run first. xdist hands out whole files (`--dist loadfile`), by default the files with the
+# most tests first, which put the longest (few, long tests: the quick benchmark run, the
+# multi-host run) last: one worker ran them alone for the last two minutes while the other
+# idled (a 2-core EPYC, 113 s of 1181). With `--no-loadscope-reorder` (pyproject.toml) files
+# go out in collection order: longest first, the short files even out the workers' ends.
 LONGEST_FIRST = (
     "notebooks/test_notebooks.py", "cache/test_host_tier.py", "test_benchmarks_quick.py",
     "test_composition.py", "models/test_qwen3_next.py", "serve/test_engine_host_tier.py",
