@@ -250,8 +250,10 @@ class ShardedAttention:
         # check_vma=False: the per-device ops are written for plain arrays (the XLA path's
         # while_loop carries start device-invariant and become varying), and the outputs
         # are made invariant over the page axes by the psum merge.
-        fn = jax.shard_map(lambda a, b, c: body(a, b, c), mesh=self.plan.mesh,
-                           in_specs=in_specs, out_specs=out_spec, check_vma=False)
+        # Under jit even when called eagerly: an eager shard_map runs (and compiles) its
+        # body one primitive at a time, a hundred small SPMD programs per call.
+        fn = jax.jit(jax.shard_map(lambda a, b, c: body(a, b, c), mesh=self.plan.mesh,
+                                   in_specs=in_specs, out_specs=out_spec, check_vma=False))
         out, lse = fn(tuple(qs), tuple(arrays), others)
         return out.astype(qs[0].dtype), lse
 
@@ -549,8 +551,9 @@ class ShardedAttention:
         in_specs = (jax.tree.map(lambda _: P(), arrays),
                     tuple(P(None, None, page, None, None) for _ in pools),
                     jax.tree.map(lambda _: P(), others))
-        return jax.shard_map(body, mesh=self.plan.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)(arrays, tuple(pools), others)
+        fn = jax.jit(jax.shard_map(body, mesh=self.plan.mesh, in_specs=in_specs,
+                                   out_specs=out_specs, check_vma=False))  # as in `_run`
+        return fn(arrays, tuple(pools), others)
 
     def _indexer_scores(self, q, weights, key_pages, block_tables, key_lengths, q_pos, *,
                         scale, layer=None, interpret=None):
