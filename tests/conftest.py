@@ -3,8 +3,13 @@
 Sweeps: a test marked `slow` is one point of a product of parametrize axes. By
 default a daily sample of each sweep runs: every value of every axis at least
 once, drawn with a seed that is the UTC date, so the sample changes from day to
-day and a failure replays with `--sweep-seed`. `--slow` (or `KVJAX_SLOW=1`)
-runs the full product. The header of the run states which.
+day and a failure replays with `--sweep-seed`.
+
+Rotations: a test marked `rotate(k)` is one of a list of long end-to-end runs
+(the notebooks, say) of which the default run takes `k` a day, in turn: each
+runs at least once every ceil(n / k) days. `--slow` (or `KVJAX_SLOW=1`) runs
+the full product of every sweep and every rotation. The header of the run
+states which.
 """
 
 import datetime
@@ -132,6 +137,9 @@ def pytest_unconfigure(config):
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: one point of a sweep; a daily covering sample runs unless --slow")
+    config.addinivalue_line(
+        "markers", "rotate(k): one of a list of long runs; k of them a day, in turn, unless "
+                   "--slow")
 
 
 def _full_sweeps(config) -> bool:
@@ -199,19 +207,45 @@ def _longest_first(items):
     items.sort(key=key)  # stable: the other files, and each file's own tests, keep their order
 
 
+def rotation(n: int, k: int, day: int) -> list[int]:
+    """The `k` of `n` points (indices) that run on `day`: consecutive, wrapping, so each
+    point runs at least once in any ceil(n / k) consecutive days."""
+    if k >= n:
+        return list(range(n))
+    return sorted({(day * k + j) % n for j in range(k)})
+
+
+def _day(config) -> int:
+    """The rotation's day: today's UTC date as a day number, or --sweep-seed's date."""
+    seed = str(_sweep_seed(config))
+    try:
+        return datetime.date(int(seed[:4]), int(seed[4:6]), int(seed[6:8])).toordinal()
+    except ValueError:  # a --sweep-seed that is not a date: used as the day number
+        return int(seed)
+
+
 def pytest_collection_modifyitems(config, items):
     _longest_first(items)
     if _full_sweeps(config):
         return
     seed = _sweep_seed(config)
     sweeps: dict[str, list] = {}
+    rotations: dict[str, list] = {}
     for item in items:
+        name = item.nodeid.split("[")[0]
         if item.get_closest_marker("slow") is not None:
-            sweeps.setdefault(item.nodeid.split("[")[0], []).append(item)
+            sweeps.setdefault(name, []).append(item)
+        elif item.get_closest_marker("rotate") is not None:
+            rotations.setdefault(name, []).append(item)
     dropped = []
     for name, group in sweeps.items():
         params = [dict(getattr(getattr(it, "callspec", None), "params", {})) for it in group]
         keep = set(covering_sample(params, seed + sum(map(ord, name))))
+        dropped += [it for i, it in enumerate(group) if i not in keep]
+    for group in rotations.values():
+        group = sorted(group, key=lambda it: it.nodeid)
+        k = group[0].get_closest_marker("rotate").args[0]
+        keep = set(rotation(len(group), k, _day(config)))
         dropped += [it for i, it in enumerate(group) if i not in keep]
     if dropped:
         gone = {id(it) for it in dropped}
@@ -221,6 +255,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     if _full_sweeps(config):
-        return "sweeps: full product (--slow)"
-    return (f"sweeps: daily covering sample, --sweep-seed {_sweep_seed(config)} "
-            "(--slow for the full product)")
+        return "sweeps and rotations: all points (--slow)"
+    return (f"sweeps: daily covering sample, rotations: today's turn; --sweep-seed "
+            f"{_sweep_seed(config)} (--slow for every point)")

@@ -1,4 +1,4 @@
-"""`python -m benchmarks --quick` runs every CPU section end to end and verifies its results.
+"""`python -m benchmarks --quick` runs the CPU sections end to end and verifies their results.
 
 The benchmark sections check their own results against references (and raise
 on a mismatch); this test checks the entry point exits 0, wrote its run.json,
@@ -16,35 +16,73 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
+# The quick run's CPU sections in two halves of about 40 s each (on a 2-core machine): a
+# rotation, one half a day in turn; `--slow` runs both.
+HALVES = {
+    "kernels": ("roofline", "paging", "pool", "decode", "e2e", "kvbits", "dsa"),
+    "serving": ("offload", "serving", "capacity"),
+}
+
+
+@pytest.mark.rotate(1)
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env, half):
     env = dict(child_env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-plots",
-                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+                           "--only", ",".join(HALVES[half]), "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = json.loads((tmp_path / "run.json").read_text())
     sections = run["sections"]
-    assert set(sections) == {"roofline", "paging", "pool", "decode", "e2e", "kvbits", "offload",
-                             "dsa", "serving", "capacity"}
+    assert set(sections) == set(HALVES[half])
     assert all(s["status"] == "ok" for s in sections.values()), {
         k: s.get("error", "")[-2000:] for k, s in sections.items()}
-    roof = sections["roofline"]["data"]
+    for name, section in sections.items():
+        if name == "offload":
+            _check_offload(section["data"], section["table"])
+        else:
+            _CHECKS[name](section["data"])
+
+    # The README's summary and docs/performance.md's block render from this run.
+    from benchmarks import report
+
+    rows = report.summary_rows(run)
+    assert len(rows) >= 3 and all(len(r) == 2 and r[1] for r in rows), rows
+    text = report.replace_block("a\n<!-- benchmarks:x -->\nold\n<!-- /benchmarks:x -->\nb",
+                                "x", report.full_report(run, "out"))
+    assert "old" not in text and f"#### {HALVES[half][0]} (ok" in text and text.endswith("-->\nb")
+
+
+def _check_roofline(roof):
     assert {r["format"] for r in roof["rows"]} == {"bf16", "int4", "int2"}
     assert all(r["bytes"] > 0 and r["wall_median_s"] > 0 for r in roof["rows"])
-    paging = sections["paging"]["data"]
+
+
+def _check_paging(paging):
     assert paging["results"] and all(r["ratios"] for r in paging["results"])
-    pool = sections["pool"]["data"]
+
+
+def _check_pool(pool):
     assert set(pool["pool_capacity"]["float32"]) == {"x1", "x4", "x16"}
-    decode = sections["decode"]["data"]
+
+
+def _check_decode(decode):
     assert decode["results"] and all(r["kvjax_tokens_per_s"] > 0 for r in decode["results"])
-    e2e = sections["e2e"]["data"]
+
+
+def _check_e2e(e2e):
     families = {r["family"] for r in e2e["results"]}
     assert families == {"llama", "deepseek"}
     for r in e2e["results"]:  # float32: greedy tokens identical to transformers'
         assert r["engines"]["hf_dynamic"]["same_tokens_as_kvjax"] == 1.0
-    srv = sections["serving"]["data"]  # every request's tokens equal generate's; some hit
+
+
+def _check_serving(srv):  # every request's tokens equal generate's; some hit
     assert srv["ok"] and srv["identical"] == srv["requests"] and srv["hit_pages"] > 0
-    kvb = {r["cache"]: r for r in sections["kvbits"]["data"]["results"]}
+
+
+def _check_kvbits(data):
+    kvb = {r["cache"]: r for r in data["results"]}
     assert set(kvb) == {"bf16", "int4", "int2"}
     assert all(r["kv_bytes_read"] > 0 for r in kvb.values())
     # A step time is positive, or None when timing noise exceeded the timed steps.
@@ -52,21 +90,16 @@ def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env):
     # KIVI pages read fewer bytes than bf16 pages for the same context.
     read = [kvb[c]["kv_bytes_read"] for c in ("int2", "int4", "bf16")]
     assert read == sorted(set(read)), read
-    _check_offload(sections["offload"]["data"], sections["offload"]["table"])
-    dsa = sections["dsa"]["data"]  # checked itself: counted bytes = memory's, float64 refs
+
+
+def _check_dsa(dsa):  # checked itself: counted bytes = memory's, float64 refs
     assert dsa["ok"] and {r["program"] for r in dsa["rows"]} >= {"dense", "dsa"}
     assert all(r["bytes_counted"] == r["bytes_hand"] for r in dsa["rows"])
     assert dsa["ratios"]["bytes_dsa_over_dense"] < 1
-    _check_capacity(sections["capacity"]["data"]["layouts"])
 
-    # The README's summary and docs/performance.md's block render from this run.
-    from benchmarks import report
 
-    rows = report.summary_rows(run)
-    assert len(rows) >= 6 and all(len(r) == 2 and r[1] for r in rows), rows
-    text = report.replace_block("a\n<!-- benchmarks:x -->\nold\n<!-- /benchmarks:x -->\nb",
-                                "x", report.full_report(run, "out"))
-    assert "old" not in text and "#### roofline (ok" in text and text.endswith("-->\nb")
+def _check_capacity_section(data):
+    _check_capacity(data["layouts"])
 
 
 def _check_offload(d, stdout):
@@ -110,3 +143,9 @@ def _check_capacity(rows):
     assert by["paged int2"]["tokens_vs_paged_bf16"] >= 4.5
     assert by["paged bf16"]["sequences"] >= 2 * by["contiguous bf16"]["sequences"]
     assert by["paged int4"]["sequences"] > by["paged bf16"]["sequences"]
+
+
+_CHECKS = {"roofline": _check_roofline, "paging": _check_paging, "pool": _check_pool,
+           "decode": _check_decode, "e2e": _check_e2e, "kvbits": _check_kvbits,
+           "dsa": _check_dsa, "serving": _check_serving,
+           "capacity": _check_capacity_section}
