@@ -70,7 +70,9 @@ def _close(got, want, dtype):
 
 
 # GQA ratio 1 (MHA), 2, 4, 8 and MQA, each page size and dtype at least once (the full
-# product adds compile time, not coverage: the ratio only changes the folded row count).
+# product adds compile time, not coverage: the ratio only changes the folded row count). A
+# `slow` sweep: the default run takes a daily sample holding every value of each argument.
+@pytest.mark.slow
 @pytest.mark.parametrize("q_heads,kv_heads,page_size,dtype", [
     (4, 4, 8, jnp.float32),
     (4, 2, 16, jnp.float32),

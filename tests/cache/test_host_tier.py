@@ -63,6 +63,7 @@ def _attn_spec(kind: str, dtype: str):
                          max_seqs=3, max_pages_per_seq=10, dtype=dtype, quant=quant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,dtype", [("gqa", "float32"), ("gqa", "bfloat16"),
                                         ("gqa-int4", "bfloat16"), ("mla", "float32"),
                                         ("mla-int4", "float32")])
@@ -116,6 +117,7 @@ KINDS = [("float32", None), ("bfloat16", None),
          ("bfloat16", QuantSpec(bits=4, group_size=16, residual=16))]
 
 
+@pytest.mark.rotate(2)
 @pytest.mark.parametrize("dtype,quant", KINDS, ids=["f32", "bf16", "int4"])
 def test_ninety_percent_of_the_pages_on_the_host_decode_the_same_tokens(gqa, dtype, quant):
     model, params = gqa
@@ -248,6 +250,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["fill", "move", "swap_out", "swap_in",
                min_size=4, max_size=14)
 
 
+@pytest.mark.rotate(1)
 @pytest.mark.parametrize("quant", [False, True], ids=["f32", "int4"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, seed=st.integers(0, 2**31 - 1))

@@ -62,6 +62,7 @@ def _reference(model, params, prompts, policy):
     return np.stack(out, axis=1)
 
 
+@pytest.mark.rotate(1)
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_kivi_policy_in_the_loop_matches_the_step_by_step_reference(name):
     print(f"test seed: KVJAX_TEST_SEED={SEED}")

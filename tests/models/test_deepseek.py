@@ -183,6 +183,7 @@ def _greedy(params, config, cache, prompts, seq_ids, first_logits):
 FULL_CASES = [n for n in CASES if n != "v3_no_interleave"]
 
 
+@pytest.mark.rotate(2)
 @pytest.mark.parametrize("name", FULL_CASES)
 def test_matches_transformers(name, tmp_root, rng):
     model, hf_config, path = _hf_case(name, tmp_root)

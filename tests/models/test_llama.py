@@ -73,6 +73,7 @@ def assert_greedy_equal(m, prompt, ours, ref, tie_tol=1e-4):
         f"gap is {top2[1] - top2[0]:.2e}\nours {ours}\nHF   {ref}")
 
 
+@pytest.mark.rotate(3)
 @pytest.mark.parametrize("name", list(hf_tiny.VARIANTS))
 def test_matches_transformers(name, hf_dirs, rng):
     """Logits at every position (batch of 3 prompt lengths crossing pages) and 32 greedy tokens."""

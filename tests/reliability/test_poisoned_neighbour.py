@@ -49,6 +49,7 @@ def _poison(cache, value):
                            spec=cache.spec, tail=tail)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, quant, impl", CASES)
 def test_poisoned_cache_leaves_the_other_sequence_alone(kind, quant, impl):
     model, params = tiny.model_and_params(kind)

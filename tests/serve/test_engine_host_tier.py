@@ -53,6 +53,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.rotate(1)
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_swaps_and_host_prefix_hits_keep_the_tokens(tiny, rng, kind):
     model, params = tiny
