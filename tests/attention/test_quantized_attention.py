@@ -80,11 +80,11 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
     if outliers:
         ka[..., :2] = ka[..., :2] * 4 + 10
     lengths = np.asarray(lengths)
-    cache, st = qz.reserve(cache, jnp.asarray(lengths, jnp.int32))
+    cache, st = kvx.cache.reserve(cache, jnp.asarray(lengths, jnp.int32))  # jitted
     st.raise_if_error()
     cache = _qwrite(cache, 0, jnp.asarray(ka[:, :chunk]), jnp.asarray(vb[:, :chunk]))
     for i in range(decode):
-        cache, st = qz.reserve(cache, jnp.ones(S, jnp.int32))
+        cache, st = kvx.cache.reserve(cache, jnp.ones(S, jnp.int32))
         st.raise_if_error()
         cache = _qwrite(cache, 0, jnp.asarray(ka[np.arange(S), chunk + i][:, None]),
                                    jnp.asarray(vb[np.arange(S), chunk + i][:, None]))

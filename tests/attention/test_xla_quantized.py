@@ -71,7 +71,8 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
         quant=QuantSpec(bits=bits, group_size=G, residual=R))
     cache = qz.init_cache(spec)
     lengths = _lengths(rng, batch) if lengths is None else np.asarray(lengths, np.int32)
-    cache, status = qz.reserve(cache, jnp.asarray(lengths))
+    # The public, jitted reserve: one program, not qz.reserve's primitives one by one.
+    cache, status = kvx.cache.reserve(cache, jnp.asarray(lengths))
     status.raise_if_error()
     q_len = np.asarray(cache.quant_lengths)
     tables = np.asarray(cache.block_tables)
