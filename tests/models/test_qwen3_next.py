@@ -119,6 +119,7 @@ def _empty_cache(model, max_seqs=4):
 # ------------------------------------------------------------------- transformers parity
 
 
+@pytest.mark.rotate(1)  # the MoE and the dense config in turn
 @pytest.mark.parametrize("name", CASES)
 def test_matches_transformers(name, root, rng):
     m, model, params, _ = _case(name, root)
@@ -138,6 +139,7 @@ def test_matches_transformers(name, root, rng):
         _assert_greedy(m, p, res.tokens[i].tolist(), _hf_greedy(m, p))
 
 
+@pytest.mark.rotate(1)  # the MoE and the dense config in turn
 @pytest.mark.parametrize("name", CASES)
 def test_cli_generate_matches_transformers(name, root, rng, capsys):
     m, _, _, d = _case(name, root)
