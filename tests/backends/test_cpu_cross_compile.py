@@ -1,8 +1,9 @@
 """The kernels' sources compile for ARM64 (aarch64), checked by a cross-compile here.
 
-No ARM machine runs the suite. Every source is compiled for `aarch64-linux-gnu` with
-zig's Clang (the `ziglang` wheel of the `test` extra) by `build.compile_sources`, so with
-the flags and the XLA FFI include directory (`jax.ffi.include_dir()`) of a real build,
+No ARM machine runs the suite. Every source is compiled (in turns: below) for
+`aarch64-linux-gnu` with zig's Clang (the `ziglang` wheel of the `test` extra) by
+`build.compile_sources`, so with the flags and the XLA FFI include directory
+(`jax.ffi.include_dir()`) of a real build,
 except the target flag (none: the baseline armv8-a) and -O0 instead of -O3. -O0 still
 parses, instantiates and code-generates every template the library uses (an x86
 intrinsic outside its `#if` guard is an undeclared name there, x86 inline assembly an
@@ -29,15 +30,27 @@ def _zig_cxx(target: str) -> list[str]:
     return [sys.executable, "-m", "ziglang", "c++", "-target", target]
 
 
-def test_sources_compile_for_aarch64(tmp_path):
+# A rotation over the sources: compiling all of them takes about 40 CPU-seconds of a 2-core
+# machine (zig's Clang, cold cache), so the default run compiles four a day in turn (each
+# at least every third day); `--slow` compiles every one.
+@pytest.mark.rotate(4)
+@pytest.mark.parametrize("src", build.SOURCES)
+def test_sources_compile_for_aarch64(tmp_path, src):
     build.compile_sources(_zig_cxx("aarch64-linux-gnu"), None, tmp_path, link=False,
-                          opt="-O0")
+                          opt="-O0", sources=[src])
     objects = sorted(tmp_path.glob("*.o"))
-    assert [o.name for o in objects] == sorted(f"{src}.o" for src in build.SOURCES)
+    assert [o.name for o in objects] == [f"{src}.o"]
     for obj in objects:
         header = obj.read_bytes()[:20]
         assert header[:4] == b"\x7fELF", obj.name
         assert int.from_bytes(header[18:20], "little") == EM_AARCH64, obj.name
+
+
+def test_compile_sources_refuses_unknown_or_partial_link(tmp_path):
+    with pytest.raises(ValueError, match="subset"):
+        build.compile_sources("c++", None, tmp_path, link=False, sources=["nope.cc"])
+    with pytest.raises(ValueError, match="all of them to link"):
+        build.compile_sources("c++", None, tmp_path, sources=build.SOURCES[:1])
 
 
 def test_build_flags_on_arm_hosts():

@@ -168,7 +168,8 @@ def library_path(opts: options_mod.CpuOptions | None = None) -> Path:
 
 
 def compile_sources(compiler: str | Sequence[str], march: str | None, out_dir: Path, *,
-                    link: bool = True, opt: str = "-O3") -> Path:
+                    link: bool = True, opt: str = "-O3",
+                    sources: Sequence[str] = SOURCES) -> Path:
     """Compiles the sources (in parallel, one compiler process per file) into `out_dir`
     and, with `link`, links `out_dir/lib.so`; returns the library's (or last object's) path.
 
@@ -176,6 +177,7 @@ def compile_sources(compiler: str | Sequence[str], march: str | None, out_dir: P
       compiler: a compiler's name or path, or a command with leading arguments
         (`[sys.executable, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu"]`).
       march, opt: as in `compile_flags` (for this host's machine).
+      sources: the files to compile, among `SOURCES` (all of them to link a library).
 
     Raises:
       RuntimeError: no such compiler, or a compile / link step failed (its stderr tail).
@@ -185,9 +187,13 @@ def compile_sources(compiler: str | Sequence[str], march: str | None, out_dir: P
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH; set "
                            f"CpuOptions.compiler or CXX)")
+    unknown = [src for src in sources if src not in SOURCES]
+    if unknown or not sources or (link and set(sources) != set(SOURCES)):
+        raise ValueError(f"sources must be a non-empty subset of {SOURCES} (all of them to "
+                         f"link), got {tuple(sources)}")
     flags = (*argv[1:], *compile_flags(march, opt=opt))
     objs, procs = [], []
-    for src in SOURCES:
+    for src in sources:
         obj = os.path.join(out_dir, src + ".o")
         cmd = [cxx, *flags, "-c", "-isystem", jax.ffi.include_dir(), str(_HERE / src), "-o", obj]
         procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
