@@ -404,6 +404,9 @@ _QUANT_CASES = [  # bits, head_dim, q_len, window, soft_cap, dtype, scale_dtype
 ]
 
 
+# A `slow` sweep: by default a daily sample holding every implementation and every value
+# of each case's fields (the interpreted TPU and GPU kernels cost 1.5-7 s a case).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "impl,bits,head_dim,q_len,window,soft_cap,dtype,scale_dtype",
     [pytest.param(impl, *case, marks=needs_cpu_kernel if impl.startswith("cpu") else ())

@@ -57,6 +57,7 @@ def _largest_float(model, params, state, policy, impl):
                if dtype in FLOATS)
 
 
+@pytest.mark.rotate(1)  # without and with a policy in turn (8-23 s each)
 @pytest.mark.parametrize("policy", [None, H2O(budget=1024)], ids=["no_policy", "h2o"])
 def test_decode_loop_holds_no_dequantized_pool_or_sequence(rng, policy):
     model, params = _model(rng)
