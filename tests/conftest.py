@@ -15,7 +15,6 @@ states which.
 import datetime
 import gc
 import os
-import random
 import shutil
 import tempfile
 
@@ -57,6 +56,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from sweep_sampling import covering_sample, rotation  # noqa: E402
 
 
 def _memory_mappings() -> int:
@@ -158,28 +158,6 @@ def _sweep_seed(config) -> int:
                                              .strftime("%Y%m%d"))
 
 
-def covering_sample(points: list[dict], seed: int) -> list[int]:
-    """Indices of a small random subset of `points` holding every (axis, value) pair.
-
-    Greedy set cover: repeatedly take the point that adds the most pairs not yet
-    covered, ties broken by a seeded shuffle. A sweep of axes with n_1..n_k
-    values needs at least max(n_i) points; this gets close to that.
-    """
-    order = list(range(len(points)))
-    random.Random(seed).shuffle(order)
-    pairs = [{(k, repr(v)) for k, v in p.items()} for p in points]
-    todo = set().union(*pairs) if pairs else set()
-    chosen = []
-    while todo or not chosen:
-        best = max(order, key=lambda i: len(pairs[i] & todo))
-        chosen.append(best)
-        order.remove(best)
-        todo -= pairs[best]
-        if not order:
-            break
-    return sorted(chosen)
-
-
 # The longest files (their tests' seconds in a clean run on a 2-core machine: 35-135 s each)
 # run first. xdist hands out whole files (`--dist loadfile`), by default the files with the
 # most tests first, which put the longest (few, long tests: the quick benchmark run, the
@@ -205,14 +183,6 @@ def _longest_first(items):
         return rank.get(rel, len(rank))
 
     items.sort(key=key)  # stable: the other files, and each file's own tests, keep their order
-
-
-def rotation(n: int, k: int, day: int) -> list[int]:
-    """The `k` of `n` points (indices) that run on `day`: consecutive, wrapping, so each
-    point runs at least once in any ceil(n / k) consecutive days."""
-    if k >= n:
-        return list(range(n))
-    return sorted({(day * k + j) % n for j in range(k)})
 
 
 def _day(config) -> int:

@@ -48,9 +48,9 @@ def test_sources_compile_for_aarch64(tmp_path, src):
 
 def test_compile_sources_refuses_unknown_or_partial_link(tmp_path):
     with pytest.raises(ValueError, match="subset"):
-        build.compile_sources("c++", None, tmp_path, link=False, sources=["nope.cc"])
+        build.compile_sources("no-such-c++", None, tmp_path, link=False, sources=["nope.cc"])
     with pytest.raises(ValueError, match="all of them to link"):
-        build.compile_sources("c++", None, tmp_path, sources=build.SOURCES[:1])
+        build.compile_sources("no-such-c++", None, tmp_path, sources=build.SOURCES[:1])
 
 
 def test_build_flags_on_arm_hosts():

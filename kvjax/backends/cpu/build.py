@@ -180,17 +180,18 @@ def compile_sources(compiler: str | Sequence[str], march: str | None, out_dir: P
       sources: the files to compile, among `SOURCES` (all of them to link a library).
 
     Raises:
+      ValueError: `sources` not a non-empty subset of `SOURCES` (all of them with `link`).
       RuntimeError: no such compiler, or a compile / link step failed (its stderr tail).
     """
+    unknown = [src for src in sources if src not in SOURCES]
+    if unknown or not sources or (link and set(sources) != set(SOURCES)):
+        raise ValueError(f"sources must be a non-empty subset of {SOURCES} (all of them to "
+                         f"link), got {tuple(sources)}")
     argv = [compiler] if isinstance(compiler, str) else list(compiler)
     cxx = _resolve(argv[0]) if argv else None
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH; set "
                            f"CpuOptions.compiler or CXX)")
-    unknown = [src for src in sources if src not in SOURCES]
-    if unknown or not sources or (link and set(sources) != set(SOURCES)):
-        raise ValueError(f"sources must be a non-empty subset of {SOURCES} (all of them to "
-                         f"link), got {tuple(sources)}")
     flags = (*argv[1:], *compile_flags(march, opt=opt))
     objs, procs = [], []
     for src in sources:
