@@ -7,9 +7,17 @@ day and a failure replays with `--sweep-seed`.
 
 Rotations: a test marked `rotate(k)` is one of a list of long end-to-end runs
 (the notebooks, say) of which the default run takes `k` a day, in turn: each
-runs at least once every ceil(n / k) days. `--slow` (or `KVJAX_SLOW=1`) runs
-the full product of every sweep and every rotation. The header of the run
-states which.
+runs at least once every ceil(n / k) days.
+
+Heavy tests: a test marked `heavy` (about 1.5 s or more on a 2-core runner: an
+end-to-end decode, a model against HuggingFace, a child process) runs every
+HEAVY_SHARE-th day: the default run deals the heavy tests (each parametrized case
+alone, or the cases of one `heavy(unit=...)` together, e.g. the ones sharing one
+build) round-robin into HEAVY_SHARE parts and takes the day's part. A sweep's test
+may be heavy too: its day's covering sample is then split the same way.
+
+`--slow` (or `KVJAX_SLOW=1`) runs the full product of every sweep, every rotation
+and every heavy test. The header of the run states which.
 """
 
 import datetime
@@ -56,7 +64,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from sweep_sampling import covering_sample, rotation  # noqa: E402
+from sweep_sampling import covering_sample, day_share, rotation  # noqa: E402
 
 
 def _memory_mappings() -> int:
@@ -140,6 +148,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "rotate(k): one of a list of long runs; k of them a day, in turn, unless "
                    "--slow")
+    config.addinivalue_line(
+        "markers", "heavy(unit=None): a long test; runs every HEAVY_SHARE-th day (the cases of "
+                   "one unit together) unless --slow")
 
 
 def _full_sweeps(config) -> bool:
@@ -185,6 +196,12 @@ def _longest_first(items):
     items.sort(key=key)  # stable: the other files, and each file's own tests, keep their order
 
 
+# The default run takes the heavy tests every HEAVY_SHARE-th day. The CI budget (9 minutes
+# on 2 cores) does not hold all of them each day: they are about 560 of a clean run's 1270
+# test-seconds (2-core AMD EPYC).
+HEAVY_SHARE = 2
+
+
 def _day(config) -> int:
     """The rotation's day: today's UTC date as a day number, or --sweep-seed's date."""
     seed = str(_sweep_seed(config))
@@ -217,6 +234,14 @@ def pytest_collection_modifyitems(config, items):
         k = group[0].get_closest_marker("rotate").args[0]
         keep = set(rotation(len(group), k, _day(config)))
         dropped += [it for i, it in enumerate(group) if i not in keep]
+    gone = {id(it) for it in dropped}
+    heavy = {}
+    for item in items:
+        marker = item.get_closest_marker("heavy")
+        if marker is not None and id(item) not in gone:
+            heavy[id(item)] = marker.kwargs.get("unit") or item.nodeid
+    today = day_share(list(heavy.values()), HEAVY_SHARE, _day(config))
+    dropped += [it for it in items if id(it) in heavy and heavy[id(it)] not in today]
     if dropped:
         gone = {id(it) for it in dropped}
         config.hook.pytest_deselected(items=dropped)
@@ -225,6 +250,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     if _full_sweeps(config):
-        return "sweeps and rotations: all points (--slow)"
-    return (f"sweeps: daily covering sample, rotations: today's turn; --sweep-seed "
-            f"{_sweep_seed(config)} (--slow for every point)")
+        return "sweeps, rotations and heavy tests: all of them (--slow)"
+    return (f"sweeps: daily covering sample, rotations: today's turn, heavy tests: today's "
+            f"1/{HEAVY_SHARE}; --sweep-seed {_sweep_seed(config)} (--slow for all of them)")

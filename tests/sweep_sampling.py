@@ -31,3 +31,10 @@ def rotation(n: int, k: int, day: int) -> list[int]:
     if k >= n:
         return list(range(n))
     return sorted({(day * k + j) % n for j in range(k)})
+
+
+def day_share(units: list[str], share: int, day: int) -> set[str]:
+    """The units (names) of a `share`-way split that run on `day`: the sorted units dealt
+    round-robin into `share` parts, part `day % share` today, so each unit runs exactly
+    once in any `share` consecutive days and every day holds about 1/share of them."""
+    return {u for i, u in enumerate(sorted(set(units))) if i % share == day % share}

@@ -4,7 +4,7 @@ import itertools
 import math
 import random
 
-from sweep_sampling import covering_sample, rotation
+from sweep_sampling import covering_sample, day_share, rotation
 
 
 def test_rotation_runs_every_point_within_its_period():
@@ -26,3 +26,15 @@ def test_covering_sample_holds_every_value_of_every_axis():
     assert len(set(keep)) == len(keep) and len(keep) < len(points)
     for axis, values in axes.items():
         assert {points[i][axis] for i in keep} == set(values)
+
+
+def test_day_share_runs_each_unit_once_in_share_days_and_splits_evenly():
+    rng = random.Random()
+    for share in (1, 2, 3):
+        units = [f"tests/t.py::test_{rng.randrange(10**6)}" for _ in range(rng.randint(1, 40))]
+        first = rng.randrange(700_000, 800_000)
+        days = [day_share(units, share, d) for d in range(first, first + share)]
+        assert set().union(*days) == set(units)
+        assert sum(map(len, days)) == len(set(units))  # no unit twice in `share` days
+        assert max(map(len, days)) - min(map(len, days)) <= 1
+        assert day_share(units, share, first + share) == days[0]  # the period is `share`

@@ -193,6 +193,7 @@ def _slow_only(full_sweeps: bool, why: str) -> None:
         pytest.skip(f"{why}; runs with --slow")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", GQA_DECODE_IMPLS)
 @pytest.mark.parametrize("dtype,window,soft_cap", [
     (jnp.float32, None, None), (jnp.bfloat16, 11, 4.0)])
@@ -220,6 +221,7 @@ def test_gqa_decode(rng, full_sweeps, impl, dtype, window, soft_cap):
         _check_rows(clean, poisoned, rows, ref, TOL[dtype])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", [
     "reference", "xla", "xla_layer", pytest.param("cpu", marks=needs_cpu_kernel),
     pytest.param("cpu_layer", marks=needs_cpu_kernel)])
@@ -463,6 +465,7 @@ def _mla_quant(impl, rng, args, kw):
                 block_sizes=BlockSizes(block_tokens=QPS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["reference", "xla", "xla_layer", "tpu", "tpu_interpreter",
                                   "gpu"])
 @pytest.mark.parametrize("bits,q_len", [(4, 1), (2, 3)])

@@ -98,6 +98,7 @@ def rel_err(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bits,kv_heads", [(2, 2), (4, 1), (8, 2)])  # GQA-2, MQA
 def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
     # Attention mechanics (gather, tail ring positions, GQA, LSE merge) are
@@ -230,6 +231,7 @@ def test_kivi_per_channel_keys_beat_per_token_keys_with_outlier_channels(rng):
           f"per-token {per_token:.4f}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [2, 8])
 def test_mla_equals_dense_on_dequantized_and_8bit_close(rng, bits):
     cache, cs, rs = build(rng, bits=bits, residual=16, mla=True, lengths=(50, 3, 33))

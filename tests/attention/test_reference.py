@@ -70,6 +70,7 @@ def edge_lengths(page_size, max_pages):
 GROUPS = [(8, 8), (8, 4), (8, 2), (8, 1), (4, 1)]  # (q_heads, kv_heads): ratios 1,2,4,8 and MQA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [8, 16, 32])
 @pytest.mark.parametrize("q_heads,kv_heads", GROUPS)
 def test_decode_matches_dense_f32(rng, page_size, q_heads, kv_heads):
@@ -287,6 +288,7 @@ def test_merge_of_two_empty_pieces():
 # ---------------------------------------------------------------- through the cache API
 
 
+@pytest.mark.heavy
 def test_cache_writes_then_attention_match_dense(rng):
     """reserve + token_slots + write_layer (prefill, then decode steps) feed attention correctly."""
     q_heads, kv_heads, head_dim, page_size = 4, 2, 16, 8

@@ -117,6 +117,7 @@ def _decode(view, q, impl, **kw):
 
 
 # int2/int4/int8; MHA, GQA 4 and 8, MQA.
+@pytest.mark.heavy
 @pytest.mark.parametrize("bits,q_heads,kv_heads", [
     (2, 8, 2), (4, 8, 1), (8, 4, 4), (4, 16, 2), (2, 8, 1), (8, 8, 2)])
 def test_decode_matches_reference(rng, bits, q_heads, kv_heads):
@@ -227,6 +228,7 @@ def test_mla_prefill_matches_reference(rng):
            run(qz.layer_view(cache, 0), "reference"), 2e-5)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_mixed_bits_layers_of_whole_pools(rng, mla):
     # Layers with different widths live in different pools (layer 1 is entry 0 of the
@@ -253,6 +255,7 @@ def test_mixed_bits_layers_of_whole_pools(rng, mla):
         _close(run(whole, "reference"), want, 0.0)  # a whole-pool view sliced for the oracle
 
 
+@pytest.mark.heavy
 def test_traced_layer_in_a_scan(rng):
     layers = 3
     cache = random_cache(rng, bits=4, layers=layers, batch=5)
@@ -358,6 +361,7 @@ def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
 
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_layers_loop_copies_no_pool(rng, mla):
     """A model-like step (a Python loop over layers, as a model's forward unrolls them in
@@ -403,6 +407,7 @@ def test_layers_loop_copies_no_pool(rng, mla):
                                atol=2e-5)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["llama", "mla"])
 def test_quantized_cache_decoder_matches_dense_forward(rng, name):
     """The decode loop runs a quantized cache through whole-pool views (the XLA path reads

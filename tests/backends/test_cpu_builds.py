@@ -55,6 +55,10 @@ PORTABLE = "x86-64"
 MARCHES = (["native"]
            + (["haswell"] if {"avx2", "fma", "f16c", "avx512f"} <= _cpu_flags() else [])
            + ([PORTABLE] if platform.machine().lower() in ("x86_64", "amd64") else []))
+# An extra build's tests are one heavy unit (see conftest.py): they run on the same day, which
+# compiles that build once.
+_MARCH_PARAMS = [pytest.param(m, marks=pytest.mark.heavy(unit=f"-march={m} build"), id=m)
+                 if m != "native" else m for m in MARCHES]
 
 
 # The extra builds' optimization levels (see above; the native build stays at -O3).
@@ -84,7 +88,7 @@ def extra_builds(tmp_path_factory):
     return get
 
 
-@pytest.fixture(params=MARCHES)
+@pytest.fixture(params=_MARCH_PARAMS)
 def march(request, cpu_options):
     if request.param in _EXTRA_OPT:
         cpu_options(march=request.param,
@@ -152,6 +156,7 @@ def test_paged_prefill(rng, march, dtype):
                                    atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 100])
 def test_matmul(rng, march, w_dtype, rows):
@@ -183,6 +188,7 @@ def test_choices_follow_the_build(march):
         assert cpu.choose("write_rows", dtype=jnp.bfloat16).use_kernel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
     (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2)])
 def test_quantized_decode_vectorised(rng, march, bits, head_dim, group, scale_dtype, q_heads):

@@ -61,6 +61,7 @@ def _close(got, want, dtype):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_r), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
@@ -102,6 +103,7 @@ prefill_reference = jax.jit(paged_ref.paged_prefill_attention,
                             static_argnames=("scale", "soft_cap", "sliding_window"))
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,page_size,item_rows", [
@@ -361,6 +363,7 @@ def _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads):
     return args, dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5)
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
     (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),

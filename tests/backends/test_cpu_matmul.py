@@ -33,6 +33,7 @@ def _check(got, x, w):
     assert np.all(err <= tol), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
@@ -43,6 +44,7 @@ def test_matmul_matches_float64(rng, rows, k, n, x_dtype, w_dtype):
     _check(jax.jit(cpu_matmul.matmul)(x, w), x, w)
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("w_dtype", [F32, BF16])
 @pytest.mark.parametrize("tile_vectors,block,panel,ahead",
@@ -114,6 +116,7 @@ def _hlo(x, w, b):
     return jax.jit(linear).lower(x, w, b).as_text()
 
 
+@pytest.mark.heavy
 @needs_kernel
 def test_linear_dispatch(rng, cpu_options):
     # Tests run on 8 simulated CPU devices, where "auto" keeps XLA's dot; "on" forces.
@@ -196,6 +199,7 @@ def test_linear_layer_slice_reads_the_stack(rng, cpu_options):
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.heavy
 @needs_kernel
 def test_llama_decode_with_kernel_matches_xla(rng, cpu_options, dtype="float32"):
     # One decode step and a 5-token prefill of a tiny Llama (LM head untied, biases):
@@ -256,6 +260,7 @@ print("ok")
 """
 
 
+@pytest.mark.heavy
 @needs_kernel
 @pytest.mark.parametrize("spin_us", ["0", "1000000"])
 def test_helpers_park_or_spin(spin_us, rng, child_env):

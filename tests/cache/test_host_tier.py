@@ -155,6 +155,7 @@ def test_ninety_percent_of_the_pages_on_the_host_decode_the_same_tokens(gqa, dty
         np.testing.assert_allclose(logprobs[1], logprobs[0], rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype,quant", KINDS[1:], ids=["bf16", "int4"])
 def test_a_swapped_out_sequence_resumes_in_another_slot(gqa, dtype, quant):
     model, params = gqa
@@ -307,6 +308,7 @@ def test_random_interleavings_keep_both_tiers_and_every_byte(quant, ops, seed):
     assert int(cache.num_free_pages) == 14 and int(cache.host.table.num_free) == 10
 
 
+@pytest.mark.heavy
 def test_a_full_host_pool_changes_nothing():
     rng = np.random.default_rng(3)
     cache = host.attach(kc.init_cache(_spec_small(False)), 2, parked=1, stream_pages=4)
@@ -359,6 +361,7 @@ def test_bad_arguments_name_what_was_given():
     assert int(host.host_pages(cache)[0]) == 1
 
 
+@pytest.mark.heavy
 def test_a_policy_keeps_a_swap_tier_and_refuses_host_resident_pages(gqa):
     from kvjax.cache.policies import StreamingLLM, UndefinedCombination
 

@@ -20,6 +20,7 @@ def _expand(s, grouping, g):
     return np.repeat(s, g, axis=-2 if grouping == "tokens" else -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("bits", BITS)

@@ -57,6 +57,7 @@ def _within_half_step(x, x_hat, scale, grouping, mask):
     assert np.all(ok[mask]), np.argwhere(~ok & mask)[:5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("bits", BITS)

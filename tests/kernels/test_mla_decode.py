@@ -60,6 +60,7 @@ def _check(rng, kernel, q_heads, d_c, d_rope, page_size, dtype, block_pages, num
     assert_close(got, ref_mla(*args, scale=scale), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kernel,q_heads,d_c,d_rope,page_size,dtype,block_pages,num_splits", CI_CASES
 )

@@ -72,6 +72,7 @@ def _check(rng, kernel, ratio, head_dim, page_size, dtype, block_pages, num_spli
     assert_close(got, ref_decode(*args), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["tpu", "gpu", *native_flavours()])
 @pytest.mark.parametrize("ratio,head_dim,page_size,dtype,block_pages,num_splits", CI_CASES)
 def test_kernel_matches_reference(rng, kernel, ratio, head_dim, page_size, dtype, block_pages,

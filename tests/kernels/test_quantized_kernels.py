@@ -150,6 +150,7 @@ BF16_CAP_WINDOW = dict(dtype=jnp.bfloat16, soft_cap=3.0, window=21)
 KINDS = ("tpu", "tpu_interpreter", "gpu")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind,bits,ratio,q_len,variant", CI_GQA)
 def test_gqa_kernel_equals_reference(rng, monkeypatch, kind, bits, ratio, q_len, variant):
     if variant:
@@ -330,6 +331,7 @@ def _tiny(family):
                           v_head_dim=16, tie_word_embeddings=True)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", ["llama", pytest.param("mla", marks=pytest.mark.slow)])
 def test_tiny_model_decodes_same_tokens_with_pallas(rng, family):
     from kvjax import generate as gen

@@ -242,6 +242,7 @@ def test_write_to_slots_outside_the_table(rng, kind, dtype):
 # --------------------------------------------------- KIVI: values it cannot represent
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["gqa_kivi", "mla_kivi"])
 def test_kivi_write_of_unrepresentable_values(rng, kind):
     """Concrete: a ValueError naming the element, consistent with `check_quantizable`

@@ -113,6 +113,7 @@ def test_kinds_own_write_and_view_refuse_the_layer(rng, kind):
     kc.check_invariants(cache)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", KINDS)
 def test_traced_layer_past_the_cache_reads_nan_and_writes_nothing(rng, kind):
     cache = _filled(kind, rng)

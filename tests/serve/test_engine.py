@@ -12,6 +12,7 @@ from kvjax.specs import QuantSpec
 from tests.serve.engine_helpers import CHUNK, PAGE, _alone, _drive, _workload
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_equals_generate_alone_with_hits_and_preemption(tiny, rng, dtype):
     model, params = tiny
@@ -30,6 +31,7 @@ def test_engine_equals_generate_alone_with_hits_and_preemption(tiny, rng, dtype)
         assert g == _alone(model, params, p, m, cfg)
 
 
+@pytest.mark.heavy
 def test_engine_without_prefix_caching_equals_generate(tiny, rng):
     model, params = tiny
     prompts, max_new = _workload(rng, model.vocab_size, 5)
@@ -42,6 +44,7 @@ def test_engine_without_prefix_caching_equals_generate(tiny, rng):
         assert g == _alone(model, params, p, m, cfg)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [4])
 def test_kivi_prefix_hits_equal_the_engine_without_them(tiny, rng, bits):
     model, params = tiny
@@ -59,6 +62,7 @@ def test_kivi_prefix_hits_equal_the_engine_without_them(tiny, rng, bits):
     assert runs[1][0] == _alone(model, params, prompts[0], max_new[0], cfg)
 
 
+@pytest.mark.heavy
 def test_sampled_rows_equal_generate_with_the_same_key(tiny, rng):
     model, params = tiny
     prompts, max_new = _workload(rng, model.vocab_size, 4, new=(8, 16))

@@ -94,6 +94,7 @@ def test_swaps_and_host_prefix_hits_keep_the_tokens(tiny, rng, kind):
         assert got[0] == _alone(model, params, prompts[0], max_new[0], cfg)
 
 
+@pytest.mark.heavy
 def test_a_host_tier_too_small_falls_back_to_recompute(tiny, rng):
     model, params = tiny
     cfg = CONFIGS["bfloat16"]
@@ -157,6 +158,7 @@ def host_engine(tiny):
                   host_pages=4, host_rows=2)
 
 
+@pytest.mark.heavy
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(events=_EVENTS)

@@ -20,6 +20,7 @@ def hybrid(tmp_path_factory):
     return models.load(str(d))
 
 
+@pytest.mark.heavy
 def test_hybrid_requests_equal_generate_alone_under_preemption(hybrid):
     model, params = hybrid
     rng = np.random.default_rng()

@@ -21,6 +21,7 @@ from tests.serve.engine_helpers import (
 from tests.sharding.helpers import make_plan
 
 
+@pytest.mark.heavy
 def test_stop_ids_cancel_and_eos(tiny, rng):
     model, params = tiny
     prompts, _ = _workload(rng, model.vocab_size, 3)
@@ -60,6 +61,7 @@ def test_stop_ids_cancel_and_eos(tiny, rng):
     assert used <= set(engine.prefix.holders)
 
 
+@pytest.mark.heavy
 def test_a_waiting_request_takes_a_row_the_step_it_frees(tiny, rng):
     """Two rows busy, a third request waiting: the call ends at the decode step where the
     first row finishes (here by EOS, which only the device sees), not `decode_steps` later,
@@ -87,6 +89,7 @@ def test_a_waiting_request_takes_a_row_the_step_it_frees(tiny, rng):
     assert [out[i] for i in ids] == want
 
 
+@pytest.mark.heavy
 def test_prompts_sharing_a_prefix_wait_for_the_first_to_prefill_it(tiny, rng):
     """Requests that arrive together with the same system prompt: the first prefills it,
     the others wait for its pages instead of computing them too (every one hits), and
@@ -106,6 +109,7 @@ def test_prompts_sharing_a_prefix_wait_for_the_first_to_prefill_it(tiny, rng):
         assert out[i] == _alone(model, params, p, m, cfg)
 
 
+@pytest.mark.heavy
 def test_salt_separates_tenants(tiny, rng):
     model, params = tiny
     prompts, max_new = _workload(rng, model.vocab_size, 2)
@@ -122,6 +126,7 @@ def test_salt_separates_tenants(tiny, rng):
     assert engine.stats["hit_pages"] == 48 // PAGE
 
 
+@pytest.mark.heavy
 def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng):
     model, params = tiny
     prompts, max_new = _workload(rng, model.vocab_size, 2)
@@ -142,6 +147,7 @@ def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng):
         assert g == _alone(model, params, p, m, cfg)
 
 
+@pytest.mark.heavy
 def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
     from kvjax.serve import engine as engine_mod
 
@@ -218,6 +224,7 @@ def small_engine(tiny):
                   cache=gen.CacheConfig(page_size=PAGE, num_pages=14), prefix_slots=3)
 
 
+@pytest.mark.heavy
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(events=_EVENTS)

@@ -397,6 +397,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.heavy
 def test_cli_serves_health_and_models(checkpoint):
     # The README's `python -m kvjax serve --model HF_DIR`, on the tiny checkpoint.
     port = _free_port()

@@ -140,6 +140,7 @@ def test_init_sharded_cache_table_kind():
     assert dataclasses.asdict(seq.spec) == dataclasses.asdict(spec)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("forked", [False, True])
 def test_kivi_page_eviction_keeps_context_shard_owners_and_contents(forked, rng):
     """Evicting whole KIVI pages on a context-sharded cache moves the kept pages' contents,

@@ -152,6 +152,7 @@ def test_sequences_sliding_window_matches_and_context_rejects_it(rng):
                                            sliding_window=4)
 
 
+@pytest.mark.heavy
 def test_pallas_kernels_run_inside_shard_map(rng):
     # impl="pallas" on CPU: the TPU kernels in plain interpret mode, on each device's shard
     # (the TPU interpreter hangs inside shard_map; plain interpret=True does not). The TPU

@@ -151,6 +151,7 @@ def _stream(rng, steps):
 BUDGET = 20  # one policy for both decode tests: one compiled step
 
 
+@pytest.mark.heavy
 def test_h2o_with_budget_over_every_length_is_no_policy(rng):
     seed = int(rng.integers(1 << 30))
     caches = [filled(np.random.default_rng(seed), [5, 3]) for _ in range(2)]
