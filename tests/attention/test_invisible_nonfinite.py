@@ -35,9 +35,7 @@ from kvjax.attention import xla
 from kvjax.attention import xla_quantized as xq
 from kvjax.backends import cpu as cpu_backend
 
-needs_cpu_kernel = pytest.mark.skipif(
-    not cpu_backend.available(), reason=f"CPU kernels unavailable: "
-    f"{cpu_backend.unavailable_reason()}")
+needs_cpu_kernel = pytest.mark.cpu_kernels
 
 PS, MAX_PAGES = 8, 5  # full-precision pools
 QPS, G, RING, QMAX_PAGES = 16, 8, 32, 4  # quantized pools

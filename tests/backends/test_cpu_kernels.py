@@ -20,10 +20,7 @@ from kvjax.backends import cpu as cpu_kernels
 from kvjax.backends.cpu import build, policy
 from kvjax.cache import quantized as qz
 
-needs_kernel = pytest.mark.skipif(
-    not cpu_kernels.available(),
-    reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}",
-)
+needs_kernel = pytest.mark.cpu_kernels
 
 # The kernel computes in float32 like the reference; only the summation order differs.
 # bf16 outputs are compared after both round to bf16 (one bf16 ulp is 2^-8 relative).

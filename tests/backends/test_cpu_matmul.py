@@ -11,10 +11,7 @@ from kvjax.backends import cpu as cpu_kernels
 from kvjax.backends.cpu import matmul as cpu_matmul
 from kvjax.backends.linear import LayerSlice, linear
 
-needs_kernel = pytest.mark.skipif(
-    not cpu_kernels.available(),
-    reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}",
-)
+needs_kernel = pytest.mark.cpu_kernels
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 

@@ -79,7 +79,7 @@ def test_every_environment_variable_is_read_by_the_options_module_only():
         assert f"`{field}`" in doc and f"`{var}`" in doc, field
 
 
-@pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels: {cpu.unavailable_reason()}")
+@pytest.mark.cpu_kernels
 def test_tuning_reaches_the_kernel_as_attributes_and_retraces(rng):
     """The per-call settings are attributes of the custom call: a function traced under
     other options is another program (the wrapper's inner jit is not reused stale), and

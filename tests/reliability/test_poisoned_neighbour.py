@@ -16,15 +16,12 @@ import pytest
 
 import kvjax.cache as kc
 from kvjax import generate as kvg
-from kvjax.backends import cpu as cpu_backend
 from kvjax.specs import QuantSpec
 from tests.reliability import tiny
 
 KIVI = QuantSpec(bits=4, group_size=4, residual=4)
 KW = dict(key=jax.random.key(0), chunk_size=8)
-needs_cpu_kernel = pytest.mark.skipif(
-    not cpu_backend.available(), reason=f"CPU kernels unavailable: "
-    f"{cpu_backend.unavailable_reason()}")
+needs_cpu_kernel = pytest.mark.cpu_kernels
 
 CASES = [
     pytest.param("gqa", None, "xla", id="gqa-xla"),
