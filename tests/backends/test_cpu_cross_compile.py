@@ -31,9 +31,9 @@ def _zig_cxx(target: str) -> list[str]:
 
 
 # A rotation over the sources: compiling all of them takes about 40 CPU-seconds of a 2-core
-# machine (zig's Clang, cold cache), so the default run compiles four a day in turn (each
-# at least every third day); `--slow` compiles every one.
-@pytest.mark.rotate(4)
+# machine (zig's Clang, cold cache), so the default run compiles two a day in turn (each
+# at least every fifth day); `--slow` compiles every one.
+@pytest.mark.rotate(2)
 @pytest.mark.parametrize("src", build.SOURCES)
 def test_sources_compile_for_aarch64(tmp_path, src):
     build.compile_sources(_zig_cxx("aarch64-linux-gnu"), None, tmp_path, link=False,
