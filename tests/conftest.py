@@ -9,7 +9,7 @@ Rotations: a test marked `rotate(k)` is one of a list of long end-to-end runs
 (the notebooks, say) of which the default run takes `k` a day, in turn: each
 runs at least once every ceil(n / k) days.
 
-Heavy tests: a test marked `heavy` (about 1.5 s or more on a 2-core runner: an
+Heavy tests: a test marked `heavy` (about 1 s or more on a 2-core runner: an
 end-to-end decode, a model against HuggingFace, a child process) runs every
 HEAVY_SHARE-th day: the default run deals the heavy tests (each parametrized case
 alone, or the cases of one `heavy(unit=...)` together, e.g. the ones sharing one

@@ -128,6 +128,7 @@ def test_decode_matches_reference(rng, bits, q_heads, kv_heads):
     _close(_decode(qz.layer_view(cache, 0, whole_pools=True), q, "xla"), want, 2e-5)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("block_tokens", [1, PS, 3 * PS, 1000])
 def test_block_sizes(rng, block_tokens):
     # Blocks smaller than a page, of one page, not dividing the table, larger than the table.
@@ -198,6 +199,7 @@ def test_unused_pages_are_never_read(rng, mla):
     assert not np.any(np.isnan(np.asarray(lse)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_mla_matches_reference(rng, bits):
     cache = random_cache(rng, bits=bits, mla=True)
@@ -311,6 +313,7 @@ def _float_sizes(jaxpr):
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
     """Issue 5: the jaxpr of a decode step holds no float array as large as the

@@ -163,6 +163,7 @@ def test_gqa_kernel_equals_reference(rng, monkeypatch, kind, bits, ratio, q_len,
         qtpu._pages_tpu.clear_cache()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind,bits,q_len,bf16", CI_MLA)
 def test_mla_kernel_equals_reference(rng, kind, bits, q_len, bf16):
     run_mla(rng, kind, bits, q_len, dtype=jnp.bfloat16 if bf16 else jnp.float32)

@@ -87,6 +87,7 @@ def _raises(err, pattern, fn, cache):
 # ------------------------------------------------------------------- 4: layer indices
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", KINDS)
 def test_layer_past_the_cache_is_an_error(rng, kind):
     cache = _filled(kind, rng)

@@ -85,6 +85,7 @@ def _jitted(kind):
     return tuple(jax.jit(f) for f in (attend, probs, kc.layer_view, write))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", KINDS)
 def test_kinds_own_write_and_view_refuse_the_layer(rng, kind):
     cache = _filled(kind, rng)

@@ -35,6 +35,7 @@ def _table(D, C, num_pages=48, max_seqs=6, max_pages=8, page_size=4):
                                       data_shards=D, context_shards=C)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shards", [(1, 1), (2, 1), (1, 3), (2, 3)])
 def test_random_reserve_fork_free_keep_invariants_and_owners(shards, rng):
     D, C = shards

@@ -70,6 +70,7 @@ def _decode(cache, q, selection):
     return out[:, 0], lse[:, 0]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [2, 4])
 def test_bounds_from_scales_equal_bounds_of_dequantized_keys(bits, rng):
     cache = filled(rng, [40, 27], bits=bits, constant_channel=True)
