@@ -498,6 +498,17 @@ def test_yarn_matches_transformers():
         attn.scaling, rel=1e-12)
 
 
+@pytest.mark.parametrize("v32", [dict(architectures=["DeepseekV32ForCausalLM"]),
+                                 dict(model_type="deepseek_v32"),
+                                 dict(index_topk=64, index_n_heads=2, index_head_dim=32)],
+                         ids=["architecture", "model_type", "indexer_fields"])
+def test_a_v32_config_is_refused_with_the_family_to_use(v32):
+    cfg = transformers.DeepseekV3Config(**{**_BASE, **CASES["v3"][1]}).to_dict()
+    assert ds.DeepseekConfig.from_hf(cfg).num_layers == 3  # the V3 config itself loads
+    with pytest.raises(ValueError, match="deepseek_v32 family"):
+        ds.DeepseekConfig.from_hf({**cfg, **v32})
+
+
 def test_params_from_fused_state_dict_equal_saved(tmp_root):
     """transformers 5's in-memory fused expert names load to the same params as the saved ones."""
     model, hf_config, path = _hf_case("v2_moe", tmp_root)

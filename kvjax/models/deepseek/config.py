@@ -194,6 +194,13 @@ class DeepseekConfig:
             raise ValueError(f"DeepseekConfig.from_hf: 'architectures' must be a list like "
                              f"[\"DeepseekV2ForCausalLM\"], got {archs!r}.")
         arch = archs[0]
+        indexer = sorted(k for k in c if k.startswith("index_"))
+        if arch == "DeepseekV32ForCausalLM" or c.get("model_type") == "deepseek_v32" or indexer:
+            # Read as V3, a V3.2 model would attend densely and ignore its trained indexer.
+            raise ValueError(
+                f"DeepseekConfig.from_hf: a DeepSeek-V3.2 config (architectures {arch!r}, "
+                f"indexer fields {indexer}); load it with the deepseek_v32 family "
+                f"(kvjax.models.deepseek_v32.DeepseekV32Config), which reads the indexer.")
         model_type = c.get("model_type")
         if model_type is None and arch is not None:
             model_type = {"DeepseekV2ForCausalLM": "deepseek_v2",
