@@ -14,7 +14,9 @@ end-to-end decode, a model against HuggingFace, a child process) runs every
 HEAVY_SHARE-th day: the default run deals the heavy tests (each parametrized case
 alone, or the cases of one `heavy(unit=...)` together, e.g. the ones sharing one
 build) round-robin into HEAVY_SHARE parts and takes the day's part. A sweep's test
-may be heavy too: its day's covering sample is then split the same way.
+may be heavy too (the composition cells): one covering sample is drawn for each
+aligned HEAVY_SHARE-day window and split over its days the same way, so every value
+of every axis runs within each window.
 
 `--slow` (or `KVJAX_SLOW=1`) runs the full product of every sweep, every rotation
 and every heavy test. The header of the run states which.
@@ -252,7 +254,11 @@ def pytest_collection_modifyitems(config, items):
     dropped = []
     for name, group in sweeps.items():
         params = [dict(getattr(getattr(it, "callspec", None), "params", {})) for it in group]
-        keep = set(covering_sample(params, seed + sum(map(ord, name))))
+        # A heavy sweep draws one sample per aligned HEAVY_SHARE-day window (split over its
+        # days below), so every value of every axis runs within each window.
+        heavy_sweep = group[0].get_closest_marker("heavy") is not None
+        base = _day(config) // HEAVY_SHARE if heavy_sweep else seed
+        keep = set(covering_sample(params, base + sum(map(ord, name))))
         dropped += [it for i, it in enumerate(group) if i not in keep]
     for group in rotations.values():
         group = sorted(group, key=lambda it: it.nodeid)

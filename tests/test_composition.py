@@ -19,8 +19,9 @@ the same public cache and policy operations (`kvjax.cache.reserve / fork / free`
 model's forward with the policy's selection, the policy's hooks) one step at a time from
 Python, without the jitted loop.
 
-The cells are one `slow` sweep: by default a daily sample that covers every value of
-every axis runs; `--slow` (or KVJAX_SLOW=1) runs all 1800 cells.
+The cells are one `slow` and `heavy` sweep: by default a sample that covers every value
+of every axis runs over each three-day window, a third of it a day (tests/conftest.py);
+`--slow` (or KVJAX_SLOW=1) runs all 1800 cells.
 """
 
 import functools
@@ -299,6 +300,7 @@ def _expected(family, cache_name, policy_name, devices, entry):
     return np.repeat(want, 2, axis=0) if entry == "sample_n" else want
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("devices", DEVICES)
