@@ -141,6 +141,8 @@ def pytest_addoption(parser):
 
 
 def pytest_unconfigure(config):
+    if _build_thread is not None:  # a short run: the build finishes (no orphaned compilers)
+        _build_thread.join()
     if _OWN_CACHE_DIR is not None:
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
@@ -163,7 +165,12 @@ def pytest_configure(config):
     # The controller of a parallel run builds the CPU kernels (once per machine and source
     # version: ~40 s of a 2-core machine) while its workers start and collect, instead of
     # the first worker that needs them; the others wait on the build's lock file.
-    threading.Thread(target=_build_cpu_kernels, daemon=True).start()
+    global _build_thread
+    _build_thread = threading.Thread(target=_build_cpu_kernels, daemon=True)
+    _build_thread.start()
+
+
+_build_thread = None
 
 
 def _build_cpu_kernels():
