@@ -13,16 +13,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "breakdown.py")
 
 
-def _run(*args, env=None):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def test_help_and_a_missing_mode(capsys):
-    sys.path.insert(0, ROOT)
+def test_help_and_a_missing_mode(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
     from benchmarks import breakdown
 
     with pytest.raises(SystemExit) as helped:
@@ -42,16 +36,17 @@ def _timing(pair):  # (median, min) seconds
 
 
 @pytest.mark.heavy
+@pytest.mark.cpu_kernels
 def test_toy_decode_and_prefill_write_every_part(tmp_path, child_env):
     from kvjax.backends import cpu
 
-    if not cpu.available():
-        pytest.skip(f"CPU kernels unavailable: {cpu.unavailable_reason()}")
     out = tmp_path / "breakdown.json"
-    env = dict(child_env, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    proc = _run("--decode", "--batches", "1", "--context", "48", "--prefill", "--batch", "1",
-                "--prompt-len", "24", "--chunk", "16", "--skip-hf", "--repeats", "1",
-                "--out", str(out), env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "breakdown.py"), "--decode",
+         "--batches", "1", "--context", "48", "--prefill", "--batch", "1", "--prompt-len", "24",
+         "--chunk", "16", "--skip-hf", "--repeats", "1", "--out", str(out)],
+        cwd=ROOT, env=dict(child_env, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["isa_class"] == cpu.library().isa_class
