@@ -43,7 +43,6 @@ build what "auto" picks (`kvjax.backends.cpu.choose`) next to the faster of the 
 """
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -58,6 +57,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import result_path  # noqa: E402
 from kernels_pallas.mla_decode import reference as mla_ref  # noqa: E402
 from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kernels_pallas.quantized_attention import reference as quant_ref  # noqa: E402
@@ -705,11 +705,7 @@ def main(argv=None):
         print(f"{_cpu_model()} ({os.cpu_count()} cpus; {' '.join(_cpu_simd_flags())}); "
               f"load average {os.getloadavg()[0]:.1f}")
         rows = run_cpu_choice(args.marches.split(","), args.repeats or 15, args.quick)
-        out = args.out or os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "results",
-            f"attention-cpu-choice-{'quick-' if args.quick else ''}"
-            f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+        out = result_path(f"attention-cpu-choice-{'quick-' if args.quick else ''}", args.out)
         with open(out, "w") as f:
             json.dump(dict(cpu=_cpu_model(), simd_flags=_cpu_simd_flags(),
                            cpus=os.cpu_count(), jax=jax.__version__, rows=rows), f, indent=1)
@@ -819,11 +815,7 @@ def main(argv=None):
             f"{f}: {st['wall_median_s'] * 1e3:.2f} ms ({st['wall_median_s'] / base:.2f}x wall, "
             f"{st['cpu_median_s'] / base_cpu:.2f}x cpu)" for f, st in rows.items()))
 
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"attention-{'quick-' if args.quick else ''}"
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = result_path(f"attention-{'quick-' if args.quick else ''}", args.out)
     with open(out, "w") as f:
         json.dump(dict(jax=jax.__version__, machine=platform.machine(), cpus=os.cpu_count(),
                        load_average=os.getloadavg(), bandwidth=bw, results=results,

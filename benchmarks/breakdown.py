@@ -25,7 +25,6 @@ build (default native; haswell: the AVX2 code on an AVX-512 machine).
 """
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -38,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import result_path  # noqa: E402
 from benchmarks.decode_e2e import FULL, build_hf, machine  # noqa: E402
 from kvjax.attention import xla as xla_attention  # noqa: E402
 from kvjax.backends import cpu  # noqa: E402
@@ -302,11 +302,7 @@ def main(argv=None):
             print(f"{row['part']:66s} {row['count']:3d} {_fmt(row['xla']):>18s} "
                   f"{_fmt(row['kernel']):>18s} {row['auto']:>6s} {kv:7.2f} "
                   f"{_fmt(row['torch']):>18s} {th:7.2f}")
-    path = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"breakdown-{lib.isa_class}-"
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = result_path(f"breakdown-{lib.isa_class}-", args.out)
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=float)
     print(f"wrote {path}")

@@ -28,7 +28,6 @@ and written with the results.
 """
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -45,6 +44,7 @@ import transformers as T
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvjax.generate as gen  # noqa: E402
+from benchmarks import result_path  # noqa: E402
 from kvjax.backends import cpu  # noqa: E402
 from kvjax.generate.setup import CacheConfig  # noqa: E402
 from kvjax.models.loading import load  # noqa: E402
@@ -246,11 +246,8 @@ def main(argv=None):
                     f"{row['hf_e2e_s']:.2f} s: {row['e2e_speedup']:.2f}x")
         print(msg)
 
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"decode_e2e-{'quick-' if args.quick else ''}{lib.isa_class + '-' if lib else ''}"
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = result_path(f"decode_e2e-{'quick-' if args.quick else ''}"
+                      f"{lib.isa_class + '-' if lib else ''}", args.out)
     with open(out, "w") as f:
         json.dump(dict(machine=mach, kernels_build=build, march=lib.march if lib else None,
                        isa_class=lib.isa_class if lib else None,

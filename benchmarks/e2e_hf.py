@@ -27,7 +27,6 @@ libraries, so the agreement rate is reported.
 """
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -43,6 +42,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import result_path  # noqa: E402
 from benchmarks.decode_e2e import hf_generate, kvjax_generate  # noqa: E402
 from kvjax.models.loading import load  # noqa: E402
 
@@ -292,10 +292,7 @@ def main(argv=None):
           f"{T.__version__}, jax {jax.__version__}; peak RSS+ = largest resident-set growth "
           "during a generate call")
     print_table(results)
-    out = a.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"e2e_hf-{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    out = result_path("e2e_hf-", a.out)
     with open(out, "w") as f:
         json.dump(dict(results=results, torch=torch.__version__, transformers=T.__version__,
                        jax=jax.__version__, quick=a.quick, load_average=os.getloadavg(),

@@ -20,7 +20,6 @@ first token each cache decodes after the prompt is compared with bf16's.
 """
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvjax.generate as gen  # noqa: E402
+from benchmarks import result_path  # noqa: E402
 from kvjax.attention import registry  # noqa: E402
 from kvjax.backends import cpu  # noqa: E402
 from kvjax.models.base import get_family  # noqa: E402
@@ -222,11 +222,7 @@ def main(argv=None):
         print(head + f"{tok_s:8.1f} tok/s  {ratio}x bf16  step {step * 1e3:6.1f} ms  "
               f"{100 * roof / step:3.0f}% of roofline at {bw:.1f} GB/s")
 
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"kv_bits-{'quick-' if args.quick else ''}"
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = result_path(f"kv_bits-{'quick-' if args.quick else ''}", args.out)
     with open(out, "w") as f:
         json.dump(dict(machine=mach, kernels_build=build, batch=batch, context=context,
                        new_tokens=new, repeats=args.repeats, seed=seed, read_GBps=bw,

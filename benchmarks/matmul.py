@@ -25,7 +25,6 @@ matters, in the step (weights read once per step between the others).
 """
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -38,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import result_path  # noqa: E402
 from kvjax.backends import cpu  # noqa: E402
 from kvjax.backends.cpu import matmul as cpu_matmul  # noqa: E402
 from kvjax.backends.cpu.build import available, unavailable_reason  # noqa: E402
@@ -291,11 +291,8 @@ def main(argv=None):
             results.append(row)
             print(line)
 
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"matmul-{'sweep-' if args.sweep else ''}{'quick-' if args.quick else ''}"
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = result_path(f"matmul-{'sweep-' if args.sweep else ''}{'quick-' if args.quick else ''}",
+                      args.out)
     with open(out, "w") as f:
         json.dump(dict(machine=machine(), read_GBps=bw, load_average=os.getloadavg(),
                        repeats=repeats, results=results), f, indent=1)

@@ -63,7 +63,6 @@ It reports each share's step against the bound and whether it is within `--withi
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
@@ -80,6 +79,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvjax.generate as gen  # noqa: E402
+from benchmarks import result_path  # noqa: E402
 from benchmarks.kv_bits import machine as cpu_machine  # noqa: E402
 from kvjax import cache as kvc  # noqa: E402
 from kvjax.cache import host  # noqa: E402
@@ -672,12 +672,8 @@ def main(argv=None):
     if host.HOST_MEMORY not in mach["memories"]:
         raise SystemExit(f"this device has no {host.HOST_MEMORY} memory: {mach['memories']}")
 
-    out = a.json or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"offload-{'gpu-' if run.preset.startswith('gpu') else ''}"
-        f"{'quick-' if 'quick' in run.preset else ''}"
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    out = result_path(f"offload-{'gpu-' if run.preset.startswith('gpu') else ''}"
+                      f"{'quick-' if 'quick' in run.preset else ''}", a.json)
 
     # float32 matmuls in full precision: on a GPU the default (TF32-like) rounding differs
     # between the device and host attention paths enough to flip near-tied greedy tokens.

@@ -26,7 +26,6 @@ two rows. Writes JSON to benchmarks/results/.
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -39,6 +38,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvjax as kvx  # noqa: E402
+from benchmarks import result_path  # noqa: E402
 from benchmarks.attention import _time, measure_bandwidth  # noqa: E402
 from kernels_pallas.paged_attention import reference as paged_ref  # noqa: E402
 from kvjax import attention  # noqa: E402
@@ -240,10 +240,7 @@ def main(argv=None):
     print_table(rows, bw)
     for s in skipped:
         print(f"skipped {s} (over --max-gib {a.max_gib})")
-    out = a.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"roofline-{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    out = result_path("roofline-", a.out)
     with open(out, "w") as f:
         json.dump(dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
                        jax=jax.__version__, bandwidth=bw, rows=rows, skipped=skipped,

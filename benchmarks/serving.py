@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import kvjax.generate as gen  # noqa: E402
+from benchmarks import result_path  # noqa: E402
 from kvjax.models.tiny import load_tiny  # noqa: E402
 from kvjax.serve import Engine  # noqa: E402
 
@@ -406,11 +407,7 @@ def main(argv=None):
         hit_pages=hit, prompt_pages=prompt_pages, hit_rate=hit / prompt_pages,
         prefill_tokens_saved=hit * ps, engine_stats=dict(stats), identical=same, ok=same_all,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"serving-{'quick-' if args.quick else ''}"
-        f"{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    out = result_path(f"serving-{'quick-' if args.quick else ''}", args.out)
     with open(out, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"wrote {out}")
