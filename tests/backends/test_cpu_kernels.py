@@ -96,6 +96,72 @@ def test_soft_cap_sliding_window_scale(rng, dtype):
         _close(got, reference(*args, **kw), dtype)
 
 
+def _shared_prefix_case(rng, *, q_heads, kv_heads, head_dim, page_size, dtype):
+    """Eight sequences over one pool: 0-5 begin with the same `prefix` pages (1 and 3 with
+    only its first half, then their own), 2 ends exactly where the prefix does, 6 has
+    pages of its own, 7 is empty."""
+    prefix, own, batch = 8, 3, 8
+    max_pages = prefix + own
+    perm = iter(rng.permutation(batch * max_pages + 3))  # _case's pool
+    common = [next(perm) for _ in range(prefix)]
+    tables, lengths = [], []
+    for b in range(batch):
+        lead = {0: prefix, 2: prefix, 4: prefix, 5: prefix, 1: prefix // 2, 3: prefix // 2}
+        n = lead.get(b, 0)
+        tables.append(common[:n] + [next(perm) for _ in range(max_pages - n)])
+        lengths.append(int(rng.integers(n * page_size + 1, max_pages * page_size + 1)))
+    lengths[2], lengths[7] = prefix * page_size, 0
+    args = _case(rng, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                 page_size=page_size, max_pages=max_pages, dtype=dtype, lengths=lengths)
+    return (*args[:4], jnp.asarray(tables, jnp.int32))
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,page_size",
+                         [(4, 2, 32, 16), (8, 1, 128, 32), (8, 2, 64, 8)],
+                         ids=["gqa2-d32", "mqa8-d128-ps32", "gqa4-d64-ps8"])
+def test_shared_pages_read_once_give_the_same_bits(rng, cpu_options, dtype, q_heads, kv_heads,
+                                                   head_dim, page_size):
+    """Sequences that begin on the same pages are read together there (runs), with the
+    same bits as one by one; pages of 8 tokens put two pages in a 16-token chunk."""
+    args = _shared_prefix_case(rng, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                               page_size=page_size, dtype=dtype)
+    lengths, tables = np.asarray(args[3]), np.asarray(args[4])
+    group = q_heads // kv_heads
+    run_of, tokens = cpu_kernels.shared_runs(lengths, tables, page_size=page_size,
+                                             group=group, kv_heads=kv_heads, share=16)
+    assert run_of[0] >= 0 and run_of[6] == run_of[7] == -1
+    for r in set(run_of[run_of >= 0].tolist()):
+        members = np.flatnonzero(run_of == r)
+        n = tokens[members[0]]
+        assert len(members) >= 2 and np.all(tokens[members] == n) and n >= 16 and n % 16 == 0
+        assert np.all(lengths[members] >= n)  # every member sees all of the run's positions
+        pages = -(-n // page_size)
+        assert np.all(tables[members, :pages] == tables[members[0], :pages])
+    # Runs are halved (each keeps two sequences or more) while workers would idle.
+    split, _ = cpu_kernels.shared_runs(lengths, tables, page_size=page_size, group=group,
+                                       kv_heads=kv_heads, share=16, workers=8)
+    assert np.all((split >= 0) == (run_of >= 0))
+    assert len(set(split[split >= 0].tolist())) > len(set(run_of[run_of >= 0].tolist()))
+    assert all(np.sum(split == r) >= 2 for r in set(split[split >= 0].tolist()))
+
+    outs = []
+    for share in (0, 16):
+        cpu_options(share=share)
+        outs.append(paged_decode_attention(*args, impl="cpu"))
+    _close(outs[0], reference(*args), dtype)
+    for a, b in zip(outs[0], outs[1], strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_kernel
+def test_shared_runs_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"lengths \[batch\] and block_tables"):
+        cpu_kernels.shared_runs(np.ones(3), np.zeros((2, 4)), page_size=16)
+
+
 prefill_reference = jax.jit(paged_ref.paged_prefill_attention,
                             static_argnames=("scale", "soft_cap", "sliding_window"))
 

@@ -29,6 +29,7 @@ the options in force when they are traced.
 element (`vmap_method="sequential"`); kvjax's own code never maps over them.
 """
 
+import ctypes
 import functools
 
 import jax
@@ -44,7 +45,7 @@ __all__ = ["available", "unavailable_reason", "library", "Library", "CpuOptions"
            "set_options", "override", "choose", "Choice", "unstack_layers_for",
            "paged_decode_attention", "paged_prefill_attention", "PREFILL_ITEM_ROWS",
            "quantized_attention", "quantized_supported", "mla_decode_attention", "mla_supported",
-           "write_rows", "copy_pages"]
+           "write_rows", "copy_pages", "shared_runs"]
 
 
 def _as_pools(pages, layer):
@@ -111,9 +112,58 @@ def _paged_decode(q, k_pages, v_pages, lengths, block_tables, layer, *, scale, s
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
         window=np.int64(sliding_window or 0), prefetch=np.int64(tuning.prefetch),
         touch=np.int64(tuning.touch), rows=np.int64(tuning.rows),
+        share=np.int64(tuning.share),
     )
     return out.astype(q.dtype), lse
 
+
+
+def shared_runs(lengths, block_tables, *, page_size: int, group: int = 1, kv_heads: int = 1,
+                share: int | None = None, workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Which sequences the decode kernel reads together, for pages they share.
+
+    Sequences whose block tables begin with the same pages (prefix caching, `fork`) form
+    runs: their query rows read those leading pages together, once per KV head, and each
+    continues alone over the rest (the results are the same bits as without runs). A run
+    needs at least `share` common tokens (`CpuOptions.share`; cut to a multiple of 16);
+    runs are halved while runs x `kv_heads` < `workers`. Sliding windows and f16 pages
+    take no runs, nor does the staging path (`CpuOptions.rows` False).
+
+    Args:
+      lengths: int[batch]; block_tables: int[batch, max_pages] (host arrays).
+      page_size, group (query heads per KV head), kv_heads: the cache's geometry.
+      share: None: the options in force; workers: the kernel call's workers.
+
+    Returns:
+      (run_of int64[batch]: each sequence's run or -1, tokens int64[batch]: the positions
+      it reads in its run, 0 outside one).
+
+    Raises:
+      RuntimeError: the kernels are unavailable (`unavailable_reason()`).
+      ValueError: shapes that do not match.
+    """
+    lengths = np.ascontiguousarray(lengths, np.int32)
+    tables = np.ascontiguousarray(block_tables, np.int32)
+    if lengths.ndim != 1 or tables.ndim != 2 or tables.shape[0] != lengths.shape[0]:
+        raise ValueError(f"shared_runs: expected lengths [batch] and block_tables [batch, "
+                         f"max_pages], got {lengths.shape} and {tables.shape}.")
+    opts = get_options()
+    lib = load(opts)
+    share = opts.share if share is None else share
+    batch, max_pages = tables.shape
+    run_of = np.full(batch, -1, np.int64)
+    tokens = np.zeros(batch, np.int64)
+    if not batch or not max_pages:
+        return run_of, tokens
+    i64 = ctypes.c_int64
+
+    def ptr(a):
+        return a.ctypes.data_as(ctypes.c_void_p)
+
+    lib.cdll.KvjaxSharedRuns(ptr(lengths), ptr(tables), i64(batch), i64(max_pages),
+                             i64(page_size), i64(group), i64(kv_heads), i64(share),
+                             i64(workers), ptr(run_of), ptr(tokens))
+    return run_of, tokens
 
 
 # Query rows per work item of the prefill kernel (benchmarks/attention.py --cpu-choice).

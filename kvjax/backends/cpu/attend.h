@@ -338,51 +338,99 @@ inline v16 chunk_scores(const RowChunk<E>& ch, const v16* parts, int64_t g) {
 template <typename E>
 inline bool located(const RowChunk<E>& ch) { return ch.k != nullptr; }
 
-// `attend` for chunks of type C: RowChunk<E> of float32 or bfloat16 (E = uint16_t) rows,
-// or another chunk type with its own chunk_logits / chunk_scores / chunk_accumulate /
-// located overloads
-// (the KIVI kernel's codes read in place, quantized_kernel.h), and head widths D, Dv
-// multiples of 32: rows used in place (bf16 widened in registers, load32), query rows
-// taken in register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a
-// time: `load` must not reuse a chunk's memory before the chunk after next
-// (paged_decode.cc alternates two stage buffers). `locate(c0)` gives a chunk in place
-// for the spread prefetch (located(chunk) false where it is not: `prefetch(c0)` then
-// hints the chunk at once). qs: [G, D] scaled queries; out: [G, Dv].
-template <typename C, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
-void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt,
-                 int64_t lo, int64_t hi, float soft_cap, Load&& load, Prefetch&& prefetch,
-                 Locate&& locate, float* out, float* lse) {
-  const int64_t D = DT ? DT : D_rt, Dv = DVT ? DVT : Dv_rt;
-  // Scratch (64-byte aligned): split queries [G, D], split accumulators [G, Dv], the
-  // per-token partial sums of two chunks [2, G, 16] vectors, probabilities [G, 16], the
-  // per-lane softmax sums [G] vectors.
-  const int64_t floats = G * D + G * Dv + 2 * G * kLanes * kLanes + 2 * G * kLanes;
-  std::unique_ptr<float[], void (*)(void*)> buf(
-      static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64)),
-      std::free);
-  float* qsplit = buf.get();
-  float* acc = qsplit + G * D;
-  v16* parts[2] = {reinterpret_cast<v16*>(acc + G * Dv),
-                   reinterpret_cast<v16*>(acc + G * Dv) + G * kLanes};
-  float* probs = reinterpret_cast<float*>(parts[1] + G * kLanes);
-  v16* lsum = reinterpret_cast<v16*>(probs + G * kLanes);
-  constexpr bool split = std::is_same_v<C, RowChunk<uint16_t>>;  // bf16: split order
-  // Rows in place are touched early (touch_early); the KIVI kernel's code chunks are not:
-  // that measured 1.05-1.11x slower (its chunks are compute-bound).
-  constexpr bool is_rows = split || std::is_same_v<C, RowChunk<float>>;
+// The running online-softmax state of G query rows of `attend_rows`, in one 64-byte
+// aligned block: per-lane softmax sums [G] vectors, queries [G, D] and accumulators
+// [G, Dv] (both in split order for bfloat16 rows), running maxima [G]. The rows of a
+// state are independent: the state of rows [g0, g1) is the same memory ranges of a
+// state of G rows, so a state can be filled for many sequences' rows at once and
+// continued by each sequence alone (paged_decode.cc: pages shared by several sequences).
+struct RowState {
+  v16* lsum;
+  float* q;
+  float* acc;
+  float* m;
+
+  static int64_t floats(int64_t G, int64_t D, int64_t Dv) {
+    return G * kLanes + G * D + G * Dv + round16(G);
+  }
+  // The state of G rows in `mem` (64-byte aligned, floats(G, D, Dv) floats; D, Dv
+  // multiples of 32 keep every part aligned).
+  static RowState at(float* mem, int64_t G, int64_t D, int64_t Dv) {
+    RowState s;
+    s.lsum = reinterpret_cast<v16*>(mem);
+    s.q = mem + G * kLanes;
+    s.acc = s.q + G * D;
+    s.m = s.acc + G * Dv;
+    return s;
+  }
+};
+
+// A 64-byte aligned float buffer.
+using AlignedFloats = std::unique_ptr<float[], void (*)(void*)>;
+inline AlignedFloats aligned_floats(int64_t n) {
+  return AlignedFloats(
+      static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64)), std::free);
+}
+
+// Starts a state: queries qs [G, D] (scaled) in split order when `split`, no
+// probability mass yet.
+inline void row_state_start(const RowState& st, const float* qs, int64_t G, int64_t D,
+                            int64_t Dv, bool split) {
   for (int64_t g = 0; g < G; ++g) {
     if (split) {
-      to_split(qs + g * D, qsplit + g * D, D);
+      to_split(qs + g * D, st.q + g * D, D);
     } else {
-      std::memcpy(qsplit + g * D, qs + g * D, D * sizeof(float));
+      std::memcpy(st.q + g * D, qs + g * D, D * sizeof(float));
     }
   }
-  std::fill(acc, acc + G * Dv, 0.0f);
-  float m[kMaxGroup], alpha[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) m[g] = kNegInf, lsum[g] = v16{};
+  std::fill(st.acc, st.acc + G * Dv, 0.0f);
+  for (int64_t g = 0; g < G; ++g) st.m[g] = kNegInf, st.lsum[g] = v16{};
+}
+
+// Normalizes a state into out [G, Dv] and lse [G].
+inline void row_state_finish(const RowState& st, int64_t G, int64_t Dv, bool split, float* out,
+                             float* lse) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float l = hsum(st.lsum[g]);
+    const float inv = 1.0f / l;
+    if (split) {
+      from_split(st.acc + g * Dv, out + g * Dv, Dv, inv);
+    } else {
+      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = st.acc[g * Dv + d] * inv;
+    }
+    lse[g] = st.m[g] + std::log(l);
+  }
+}
+
+// Whether chunks of type C hold bfloat16 rows (states in split order).
+template <typename C>
+constexpr bool kSplitRows = std::is_same_v<C, RowChunk<uint16_t>>;
+
+// The chunks [begin, hi) of `attend_rows` (begin a multiple of 16) folded into a state
+// of G rows; positions outside [lo, hi) are masked.
+template <typename C, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
+void attend_rows_run(const Tuning& tuning, const RowState& st, int64_t G, int64_t D_rt,
+                     int64_t Dv_rt, int64_t begin, int64_t lo, int64_t hi, float soft_cap,
+                     Load&& load, Prefetch&& prefetch, Locate&& locate) {
+  const int64_t D = DT ? DT : D_rt, Dv = DVT ? DVT : Dv_rt;
+  if (begin >= hi) return;
+  // Scratch: the per-token partial sums of two chunks [2, G, 16] vectors, probabilities
+  // [G, 16], alpha [G].
+  AlignedFloats buf = aligned_floats(2 * G * kLanes * kLanes + G * kLanes + round16(G));
+  v16* parts[2] = {reinterpret_cast<v16*>(buf.get()),
+                   reinterpret_cast<v16*>(buf.get()) + G * kLanes};
+  float* probs = reinterpret_cast<float*>(parts[1] + G * kLanes);
+  float* alpha = probs + G * kLanes;
+  float* qsplit = st.q;
+  float* acc = st.acc;
+  float* m = st.m;
+  v16* lsum = st.lsum;
+  // Rows in place are touched early (touch_early); the KIVI kernel's code chunks are not:
+  // that measured 1.05-1.11x slower (its chunks are compute-bound).
+  constexpr bool is_rows = kSplitRows<C> || std::is_same_v<C, RowChunk<float>>;
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t ahead = tuning.prefetch, touch = tuning.touch;
-  const int64_t first = lo / kLanes * kLanes;
+  const int64_t first = begin;
   // The keys of chunk c + 1 are read in iteration c: prefetch `ahead` chunks past that.
   for (int64_t i = 0; i <= ahead; ++i) prefetch(first + i * kLanes);
   constexpr int logit_rows = kRowsInPlace<C> ? kLogitRowBlock : 8;
@@ -429,17 +477,31 @@ void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt,
     });
     cur ^= 1;
   }
+}
 
-  for (int64_t g = 0; g < G; ++g) {
-    const float l = hsum(lsum[g]);
-    const float inv = 1.0f / l;
-    if (split) {
-      from_split(acc + g * Dv, out + g * Dv, Dv, inv);
-    } else {
-      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
-    }
-    lse[g] = m[g] + std::log(l);
-  }
+// `attend` for chunks of type C: RowChunk<E> of float32 or bfloat16 (E = uint16_t) rows,
+// or another chunk type with its own chunk_logits / chunk_scores / chunk_accumulate /
+// located overloads
+// (the KIVI kernel's codes read in place, quantized_kernel.h), and head widths D, Dv
+// multiples of 32: rows used in place (bf16 widened in registers, load32), query rows
+// taken in register blocks (chunk_logits / chunk_accumulate). Two chunks are live at a
+// time: `load` must not reuse a chunk's memory before the chunk after next
+// (paged_decode.cc alternates two stage buffers). `locate(c0)` gives a chunk in place
+// for the spread prefetch (located(chunk) false where it is not: `prefetch(c0)` then
+// hints the chunk at once). qs: [G, D] scaled queries; out: [G, Dv]. A row's arithmetic
+// does not depend on the other rows of the call, nor on where a run of chunks is cut
+// (attend_rows_run): both orders give the same bits.
+template <typename C, int DT, int DVT, typename Load, typename Prefetch, typename Locate>
+void attend_rows(const Tuning& tuning, const float* qs, int64_t G, int64_t D_rt, int64_t Dv_rt,
+                 int64_t lo, int64_t hi, float soft_cap, Load&& load, Prefetch&& prefetch,
+                 Locate&& locate, float* out, float* lse) {
+  const int64_t D = DT ? DT : D_rt, Dv = DVT ? DVT : Dv_rt;
+  AlignedFloats mem = aligned_floats(RowState::floats(G, D, Dv));
+  const RowState st = RowState::at(mem.get(), G, D, Dv);
+  row_state_start(st, qs, G, D, Dv, kSplitRows<C>);
+  attend_rows_run<C, DT, DVT>(tuning, st, G, D, Dv, lo / kLanes * kLanes, lo, hi, soft_cap,
+                              load, prefetch, locate);
+  row_state_finish(st, G, Dv, kSplitRows<C>, out, lse);
 }
 
 // Copies (float32) or widens (bf16, float16) `width` values to dst and zero-pads to `padded`.

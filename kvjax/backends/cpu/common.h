@@ -368,6 +368,7 @@ struct Tuning {
   int64_t prefetch = 1;  // 16-token chunks prefetched ahead (0: none)
   int64_t touch = 4;     // chunks ahead whose pages are touched early (0: none)
   bool rows = true;      // rows / codes read in place by attend_rows (false: staged)
+  int64_t share = 0;     // decode: shared pages read once from this many tokens (0: never)
   bool int_logits = true;
   bool int_values = true;
 };
@@ -471,9 +472,9 @@ class HelperPool {
   std::vector<std::function<void()>> tasks_;
 };
 
-inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
-                         std::function<void(int64_t, int)> fn) {
-  if (total <= 0) return;
+// The workers parallel_for would use for an unbounded number of items (the caller
+// included).
+inline int64_t parallel_workers(ffi::ThreadPool* pool) {
   const int64_t mode = thread_config().pool.load(std::memory_order_relaxed);
   const int64_t cap = thread_config().threads.load(std::memory_order_relaxed);
   int64_t hw = std::thread::hardware_concurrency();
@@ -487,8 +488,14 @@ inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
   } else {
     workers = hw;
   }
-  if (cap > 0) workers = std::min(workers, cap);
-  workers = std::min(workers, total);
+  return cap > 0 ? std::min(workers, cap) : workers;
+}
+
+inline void parallel_for(ffi::ThreadPool* pool, int64_t total,
+                         std::function<void(int64_t, int)> fn) {
+  if (total <= 0) return;
+  const int64_t mode = thread_config().pool.load(std::memory_order_relaxed);
+  const int64_t workers = std::min(parallel_workers(pool), total);
   if (workers <= 1) {
     for (int64_t i = 0; i < total; ++i) fn(i, 0);
     return;

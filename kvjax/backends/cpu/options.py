@@ -47,6 +47,10 @@ class CpuOptions:
       touch: chunks ahead whose pages the attention kernels touch early (0: none).
       rows: f32/bf16 rows and KIVI codes read in place by the register-blocked core
         (False: every chunk staged into a float32 buffer first; for comparisons).
+      share: decode attention over f32/bf16 pages: sequences whose block tables begin
+        with the same pages (prefix caching, fork) read those pages once per call, all
+        their query rows together, when they share at least this many tokens (0: never;
+        the results are the same bits either way).
       int_logits: KIVI keys' logits in 16-bit integers where the CPU has AVX512-VNNI
         (False: float32 FMAs).
       int_values: KIVI values' weights in 16-bit integers on builds with AVX512-VNNI and
@@ -67,6 +71,7 @@ class CpuOptions:
     prefetch: int = 1
     touch: int = 4
     rows: bool = True
+    share: int = 512
     int_logits: bool = True
     int_values: bool = True
     cache_dir: str | None = None
@@ -79,7 +84,7 @@ class CpuOptions:
         if self.thread_pool not in _POOLS:
             raise ValueError(
                 f"CpuOptions.thread_pool must be one of {_POOLS}, got {self.thread_pool!r}.")
-        for name in ("threads", "spin_us", "prefetch", "touch"):
+        for name in ("threads", "spin_us", "prefetch", "touch", "share"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"CpuOptions.{name} must be an int >= 0, got {v!r}.")
@@ -100,7 +105,7 @@ class CpuOptions:
     def tuning(self) -> "Tuning":
         """The per-call settings the kernels take as attributes."""
         return Tuning(prefetch=self.prefetch, touch=self.touch, rows=self.rows,
-                      int_logits=self.int_logits, int_values=self.int_values)
+                      share=self.share, int_logits=self.int_logits, int_values=self.int_values)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +115,7 @@ class Tuning:
     prefetch: int = 1
     touch: int = 4
     rows: bool = True
+    share: int = 512
     int_logits: bool = True
     int_values: bool = True
 
@@ -149,6 +155,7 @@ ENV = {
     "prefetch": ("KVJAX_CPU_PREFETCH", int),
     "touch": ("KVJAX_CPU_TOUCH", int),
     "rows": ("KVJAX_CPU_ROWS", _flag),
+    "share": ("KVJAX_CPU_SHARE", int),
     "int_logits": ("KVJAX_CPU_INT_LOGITS", _flag),
     "int_values": ("KVJAX_CPU_INT_VALUES", _flag),
     "cache_dir": ("KVJAX_CACHE_DIR", str),

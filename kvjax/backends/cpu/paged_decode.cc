@@ -9,6 +9,8 @@
 // registers, query rows in register blocks, the next chunk's logits overlapping this
 // chunk's softmax. Other widths and f16 widen 16 rows at a time into an L1-resident
 // float32 buffer (`attend`). Items are spread over threads (common.h: parallel_for).
+// Sequences whose block tables begin with the same pages read those pages once per call
+// (runs, below), with the same bits.
 //
 // Semantics are kernels_pallas/paged_attention/reference.py's decode: the query sits at
 // position lengths[b] - 1 and sees key positions k < min(lengths[b], max_pages *
@@ -16,6 +18,9 @@
 // nothing returns 0 and lse -inf. Table entries are clamped into the pool (an entry
 // outside it is a caller error that the Python wrapper reports when it can; clamping
 // keeps the kernel from reading outside the buffer).
+
+#include <algorithm>
+#include <utility>
 
 #include "attend.h"
 
@@ -37,6 +42,77 @@ struct DecodeArgs {
   float* out;              // [batch, q_heads, v_head_dim]
   float* lse;              // [batch, q_heads]
 };
+
+template <typename C>
+struct TypeTag {
+  using type = C;
+};
+
+// Whether an item takes attend.h's attend_rows (rows read in place): f32 or bf16 pages
+// with head widths that are multiples of 32, unless tuning.rows is off.
+bool rows_path(const DecodeArgs& a) {
+  return a.tuning.rows && a.head_dim % (2 * kLanes) == 0 && a.v_head_dim % (2 * kLanes) == 0;
+}
+
+// Calls fn(tag, load, prefetch, locate) with the chunk accessors of attend_rows over the
+// visible positions [lo, hi) of KV head h of the sequence whose block table is `table`;
+// tag::type is the chunk type (RowChunk of float, or of uint16_t for bf16 bits). Rows are
+// read in place; a chunk that is not 16 contiguous visible rows has its rows copied into
+// a small stage buffer first.
+template <typename T, typename Fn>
+void with_rows(const DecodeArgs& a, int64_t h, const int32_t* table, int64_t lo, int64_t hi,
+               Fn&& fn) {
+  using E = std::conditional_t<std::is_same_v<T, Bf16>, uint16_t, float>;
+  const int64_t D = a.head_dim, Dv = a.v_head_dim, ps = a.page_size;
+  const E* kb = static_cast<const E*>(a.k) + (a.layer * a.kv_heads + h) * a.pages * ps * D;
+  const E* vb = static_cast<const E*>(a.v) + (a.layer * a.kv_heads + h) * a.pages * ps * Dv;
+  auto row_of = [&](int64_t pos) {
+    pos = std::min(std::max(pos, lo), hi - 1);  // masked lanes read a visible row
+    return clamp_index(table[pos / ps], a.pages) * ps + pos % ps;
+  };
+  // A chunk lies in one page when pages hold whole chunks; its rows are then contiguous.
+  const bool whole = ps % kLanes == 0;
+  auto contiguous = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= hi; };
+  auto prefetch = [&](int64_t c0) {
+    if (whole) {
+      const int64_t r0 = row_of(c0);
+      prefetch_bytes(kb + r0 * D, kLanes * D * sizeof(E));
+      prefetch_bytes(vb + r0 * Dv, kLanes * Dv * sizeof(E));
+      return;
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      const int64_t r = row_of(c0 + j);
+      prefetch_bytes(kb + r * D, D * sizeof(E));
+      prefetch_bytes(vb + r * Dv, Dv * sizeof(E));
+    }
+  };
+  // Two stage buffers, used in turn: attend_rows holds two chunks at a time.
+  std::vector<E> stage(2 * kLanes * (D + Dv));
+  int turn = 0;
+  auto load = [&](int64_t c0) -> RowChunk<E> {
+    if (contiguous(c0)) {
+      const int64_t r0 = row_of(c0);
+      return {kb + r0 * D, D, vb + r0 * Dv, Dv};
+    }
+    E* ks = stage.data() + turn * kLanes * (D + Dv);
+    E* vs = ks + kLanes * D;
+    turn ^= 1;
+    for (int j = 0; j < kLanes; ++j) {
+      const int64_t r = row_of(c0 + j);
+      std::memcpy(ks + j * D, kb + r * D, D * sizeof(E));
+      std::memcpy(vs + j * Dv, vb + r * Dv, Dv * sizeof(E));
+    }
+    return {ks, D, vs, Dv};
+  };
+  auto locate = [&](int64_t c0) -> RowChunk<E> {
+    if (contiguous(c0)) {
+      const int64_t r0 = row_of(c0);
+      return {kb + r0 * D, D, vb + r0 * Dv, Dv};
+    }
+    return {nullptr, 0, nullptr, 0};
+  };
+  fn(TypeTag<RowChunk<E>>{}, load, prefetch, locate);
+}
 
 template <typename T, int DT, int DVT>
 void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
@@ -94,40 +170,12 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
 
   if constexpr (!std::is_same_v<T, Half>) {
     // tuning.rows false runs these through the staging path below (for comparisons).
-    if (a.tuning.rows && D % (2 * kLanes) == 0 && Dv % (2 * kLanes) == 0) {
-      // Rows are read in place (bf16 widened in registers); a chunk that is not 16
-      // contiguous visible rows has its rows copied into a small stage buffer first.
-      // qs holds the scaled queries (Dp = D here).
-      using E = std::conditional_t<std::is_same_v<T, Bf16>, uint16_t, float>;
-      const E* kb = reinterpret_cast<const E*>(kbase);
-      const E* vb = reinterpret_cast<const E*>(vbase);
-      // Two stage buffers, used in turn: attend_rows holds two chunks at a time.
-      std::vector<E> stage(2 * kLanes * (D + Dv));
-      int turn = 0;
-      auto load = [&](int64_t c0) -> RowChunk<E> {
-        if (contiguous(c0)) {
-          const int64_t r0 = row_of(c0);
-          return {kb + r0 * D, D, vb + r0 * Dv, Dv};
-        }
-        E* ks = stage.data() + turn * kLanes * (D + Dv);
-        E* vs = ks + kLanes * D;
-        turn ^= 1;
-        for (int j = 0; j < kLanes; ++j) {
-          const int64_t r = row_of(c0 + j);
-          std::memcpy(ks + j * D, kb + r * D, D * sizeof(E));
-          std::memcpy(vs + j * Dv, vb + r * Dv, Dv * sizeof(E));
-        }
-        return {ks, D, vs, Dv};
-      };
-      auto locate = [&](int64_t c0) -> RowChunk<E> {
-        if (contiguous(c0)) {
-          const int64_t r0 = row_of(c0);
-          return {kb + r0 * D, D, vb + r0 * Dv, Dv};
-        }
-        return {nullptr, 0, nullptr, 0};
-      };
-      attend_rows<RowChunk<E>, DT, DVT>(a.tuning, qs, G, D, Dv, lo, hi, a.soft_cap, load, prefetch, locate,
-                                        out, lse);
+    if (rows_path(a)) {
+      with_rows<T>(a, h, table, lo, hi, [&](auto tag, auto& ld, auto& pf, auto& loc) {
+        using C = typename decltype(tag)::type;
+        attend_rows<C, DT, DVT>(a.tuning, qs, G, D, Dv, lo, hi, a.soft_cap, ld, pf, loc, out,
+                                lse);
+      });
       return;
     }
   }
@@ -157,20 +205,185 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
                   out, lse);
 }
 
+// Calls fn(DT, DVT) with the widths as integral constants: unrolled code for the usual
+// head dims; any other width runs the generic loops (0, 0).
+template <typename Fn>
+void by_widths(const DecodeArgs& a, Fn&& fn) {
+  using std::integral_constant;
+  if (a.head_dim == 128 && a.v_head_dim == 128)
+    return fn(integral_constant<int, 128>{}, integral_constant<int, 128>{});
+  if (a.head_dim == 64 && a.v_head_dim == 64)
+    return fn(integral_constant<int, 64>{}, integral_constant<int, 64>{});
+  if (a.head_dim == 256 && a.v_head_dim == 256)
+    return fn(integral_constant<int, 256>{}, integral_constant<int, 256>{});
+  return fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
+}
+
 template <typename T>
 void decode_dispatch(const DecodeArgs& a, int64_t b, int64_t h) {
-  // Unrolled code for the usual head dims; any other width runs the generic loops.
-  if (a.head_dim == 128 && a.v_head_dim == 128) return decode_item<T, 128, 128>(a, b, h);
-  if (a.head_dim == 64 && a.v_head_dim == 64) return decode_item<T, 64, 64>(a, b, h);
-  if (a.head_dim == 256 && a.v_head_dim == 256) return decode_item<T, 256, 256>(a, b, h);
-  return decode_item<T, 0, 0>(a, b, h);
+  by_widths(a, [&](auto dt, auto dvt) { decode_item<T, dt.value, dvt.value>(a, b, h); });
+}
+
+// ---- Pages shared by several sequences, read once per call ----
+//
+// Sequences whose block tables begin with the same pages (prefix caching, fork) see the
+// same keys and values there. Their query rows take those pages together in one work item
+// per KV head (a "run"), as if they were one item's G x n rows, so each shared page is
+// read once instead of once per sequence; each sequence then continues alone over the
+// rest of its pages from the run's state (RowState). A row's arithmetic is unchanged
+// (attend_rows computes each row on its own, in chunk order), so the results are the
+// same bits as without runs. Only the rows path takes runs, and no sliding window.
+
+struct SharedRun {
+  std::vector<int64_t> rows;  // its sequences, ascending
+  int64_t tokens = 0;         // leading positions all of them read through the same pages
+};
+
+// Runs of sequences that share at least `share` leading tokens (a multiple of 16),
+// split until there are as many work items (runs x kv_heads) as workers. Greedy: the
+// first sequence not yet in a run leads, and takes the later sequences that start on its
+// pages, as many as maximizes the tokens saved (a longer common prefix with fewer
+// sequences may save more). A run holds at most kMaxGroup / group sequences.
+std::vector<SharedRun> shared_runs(const int32_t* lengths, const int32_t* tables,
+                                   int64_t batch, int64_t max_pages, int64_t page_size,
+                                   int64_t group, int64_t kv_heads, int64_t share,
+                                   int64_t workers) {
+  std::vector<SharedRun> runs;
+  if (share <= 0 || group <= 0 || group > kMaxGroup || page_size <= 0) return runs;
+  const int64_t ps = page_size;
+  std::vector<int64_t> full(batch);  // whole visible pages of each sequence
+  for (int64_t b = 0; b < batch; ++b)
+    full[b] = std::max<int64_t>(0, std::min<int64_t>(lengths[b], max_pages * ps)) / ps;
+  std::vector<char> taken(batch, 0);
+  const int64_t max_rows = kMaxGroup / group;
+  std::vector<std::pair<int64_t, int64_t>> cand;  // (common pages, sequence)
+  for (int64_t b = 0; b < batch; ++b) {
+    if (taken[b] || full[b] == 0) continue;
+    const int32_t* tb = tables + b * max_pages;
+    cand.clear();
+    for (int64_t c = b + 1; c < batch; ++c) {
+      if (taken[c] || full[c] == 0) continue;
+      const int32_t* tc = tables + c * max_pages;
+      const int64_t limit = std::min(full[b], full[c]);
+      int64_t n = 0;
+      while (n < limit && tc[n] == tb[n]) ++n;
+      if (n > 0) cand.emplace_back(n, c);
+    }
+    std::stable_sort(cand.begin(), cand.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    int64_t best = 0, best_saved = 0;
+    for (int64_t k = 1; k <= static_cast<int64_t>(cand.size()) && k < max_rows; ++k) {
+      const int64_t tokens = cand[k - 1].first * ps / kLanes * kLanes;
+      if (tokens >= share && k * tokens > best_saved) best = k, best_saved = k * tokens;
+    }
+    if (!best) continue;
+    SharedRun run;
+    run.tokens = cand[best - 1].first * ps / kLanes * kLanes;
+    run.rows.push_back(b);
+    for (int64_t k = 0; k < best; ++k) run.rows.push_back(cand[k].second);
+    for (int64_t r : run.rows) taken[r] = 1;
+    std::sort(run.rows.begin(), run.rows.end());
+    runs.push_back(std::move(run));
+  }
+  // Fewer items than workers would leave workers idle while the runs are read: halve the
+  // largest run (each half still reads its pages once) while that helps.
+  while (!runs.empty() && static_cast<int64_t>(runs.size()) * kv_heads < workers) {
+    auto largest = std::max_element(runs.begin(), runs.end(), [](const auto& x, const auto& y) {
+      return x.rows.size() < y.rows.size();
+    });
+    if (largest->rows.size() < 4) break;
+    SharedRun half;
+    half.tokens = largest->tokens;
+    const auto mid = largest->rows.begin() + largest->rows.size() / 2;
+    half.rows.assign(mid, largest->rows.end());
+    largest->rows.erase(mid, largest->rows.end());
+    runs.push_back(std::move(half));
+  }
+  return runs;
+}
+
+// The run's shared positions for KV head h: every member's G query rows in one state,
+// then each member's rows copied to its own state in `states` ([batch, kv_heads] states
+// of G rows).
+template <typename T, int DT, int DVT>
+void run_item(const DecodeArgs& a, const SharedRun& run, int64_t h, float* states) {
+  const int64_t G = a.group, D = a.head_dim, Dv = a.v_head_dim;
+  const int64_t n = static_cast<int64_t>(run.rows.size()), rows = n * G;
+  std::vector<float> qs(rows * D);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = a.q + (run.rows[i] * a.q_heads + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qs[(i * G + g) * D + d] = qr[d] * a.scale;
+    }
+  AlignedFloats mem = aligned_floats(RowState::floats(rows, D, Dv));
+  const RowState st = RowState::at(mem.get(), rows, D, Dv);
+  const int32_t* table = a.tables + run.rows[0] * a.max_pages;
+  with_rows<T>(a, h, table, 0, run.tokens, [&](auto tag, auto& ld, auto& pf, auto& loc) {
+    using C = typename decltype(tag)::type;
+    row_state_start(st, qs.data(), rows, D, Dv, kSplitRows<C>);
+    attend_rows_run<C, DT, DVT>(a.tuning, st, rows, D, Dv, 0, 0, run.tokens, a.soft_cap, ld, pf,
+                                loc);
+  });
+  const int64_t per = RowState::floats(G, D, Dv);
+  for (int64_t i = 0; i < n; ++i) {
+    const RowState dst = RowState::at(states + (run.rows[i] * a.kv_heads + h) * per, G, D, Dv);
+    std::copy(st.lsum + i * G, st.lsum + (i + 1) * G, dst.lsum);
+    std::copy(st.acc + i * G * Dv, st.acc + (i + 1) * G * Dv, dst.acc);
+    std::copy(st.q + i * G * D, st.q + (i + 1) * G * D, dst.q);
+    std::copy(st.m + i * G, st.m + (i + 1) * G, dst.m);
+  }
+}
+
+// A run member's own positions [tokens, end) for KV head h, from its state.
+template <typename T, int DT, int DVT>
+void member_item(const DecodeArgs& a, int64_t b, int64_t h, int64_t tokens, float* states) {
+  const int64_t G = a.group, D = a.head_dim, Dv = a.v_head_dim;
+  const int64_t hi = std::min<int64_t>(a.lengths[b], a.max_pages * a.page_size);
+  const RowState st = RowState::at(states + (b * a.kv_heads + h) * RowState::floats(G, D, Dv),
+                                   G, D, Dv);
+  with_rows<T>(a, h, a.tables + b * a.max_pages, 0, hi,
+               [&](auto tag, auto& ld, auto& pf, auto& loc) {
+                 using C = typename decltype(tag)::type;
+                 attend_rows_run<C, DT, DVT>(a.tuning, st, G, D, Dv, tokens, 0, hi, a.soft_cap,
+                                             ld, pf, loc);
+                 row_state_finish(st, G, Dv, kSplitRows<C>, a.out + (b * a.q_heads + h * G) * Dv,
+                                  a.lse + b * a.q_heads + h * G);
+               });
+}
+
+// Every item of a call with runs: the runs first, then every sequence (members from
+// their run's state, the others as without runs).
+template <typename T>
+void decode_with_runs(ffi::ThreadPool* pool, const DecodeArgs& a, int64_t batch,
+                      const std::vector<SharedRun>& runs) {
+  const int64_t kvh = a.kv_heads;
+  const int64_t per = RowState::floats(a.group, a.head_dim, a.v_head_dim);
+  AlignedFloats states = aligned_floats(batch * kvh * per);
+  std::vector<int64_t> tokens(batch, 0);
+  for (const SharedRun& run : runs)
+    for (int64_t b : run.rows) tokens[b] = run.tokens;
+  by_widths(a, [&](auto dt, auto dvt) {
+    constexpr int DT = dt.value, DVT = dvt.value;
+    parallel_for(pool, static_cast<int64_t>(runs.size()) * kvh, [&](int64_t i, int) {
+      run_item<T, DT, DVT>(a, runs[i / kvh], i % kvh, states.get());
+    });
+    parallel_for(pool, batch * kvh, [&](int64_t i, int) {
+      const int64_t b = i / kvh, h = i % kvh;
+      if (tokens[b]) {
+        member_item<T, DT, DVT>(a, b, h, tokens[b], states.get());
+      } else {
+        decode_item<T, DT, DVT>(a, b, h);
+      }
+    });
+  });
 }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> tables,
                            float scale, float soft_cap, int64_t window, int64_t prefetch,
-                           int64_t touch, int64_t rows, ffi::ResultBuffer<ffi::F32> out,
+                           int64_t touch, int64_t rows, int64_t share,
+                           ffi::ResultBuffer<ffi::F32> out,
                            ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || td.size() != 2)
@@ -208,9 +421,23 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   a.tuning.prefetch = prefetch;
   a.tuning.touch = touch;
   a.tuning.rows = rows != 0;
+  a.tuning.share = share;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
   const int64_t kvh = a.kv_heads;
+  if (dt != ffi::F16 && a.window <= 0 && rows_path(a)) {
+    const std::vector<SharedRun> runs =
+        shared_runs(a.lengths, a.tables, batch, a.max_pages, a.page_size, a.group, kvh,
+                    a.tuning.share, parallel_workers(&pool));
+    if (!runs.empty()) {
+      if (dt == ffi::BF16) {
+        decode_with_runs<Bf16>(&pool, a, batch, runs);
+      } else {
+        decode_with_runs<float>(&pool, a, batch, runs);
+      }
+      return ffi::Error::Success();
+    }
+  }
   parallel_for(&pool, batch * kvh, [&](int64_t i, int) {
     if (dt == ffi::BF16) {
       decode_dispatch<Bf16>(a, i / kvh, i % kvh);
@@ -241,5 +468,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecode, kvjax::PagedDecodeImpl,
                                   .Attr<int64_t>("prefetch")
                                   .Attr<int64_t>("touch")
                                   .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("share")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // lse
+
+// The runs the decode kernel forms (for tests and tools): run_of[b] is sequence b's run
+// (-1: none) and tokens[b] the positions it reads in that run; returns the number of
+// runs. Arguments as the kernel's: lengths [batch], tables [batch, max_pages].
+extern "C" int64_t KvjaxSharedRuns(const int32_t* lengths, const int32_t* tables,
+                                   int64_t batch, int64_t max_pages, int64_t page_size,
+                                   int64_t group, int64_t kv_heads, int64_t share,
+                                   int64_t workers, int64_t* run_of, int64_t* tokens) {
+  const auto runs = kvjax::shared_runs(lengths, tables, batch, max_pages, page_size, group,
+                                       kv_heads, share, workers);
+  std::fill(run_of, run_of + batch, -1);
+  std::fill(tokens, tokens + batch, 0);
+  for (size_t r = 0; r < runs.size(); ++r)
+    for (int64_t b : runs[r].rows) run_of[b] = static_cast<int64_t>(r), tokens[b] = runs[r].tokens;
+  return static_cast<int64_t>(runs.size());
+}
