@@ -54,6 +54,45 @@ bool rows_path(const DecodeArgs& a) {
   return a.tuning.rows && a.head_dim % (2 * kLanes) == 0 && a.v_head_dim % (2 * kLanes) == 0;
 }
 
+// The rows of KV head h's pages as one sequence sees them (block table `table`, visible
+// positions [lo, hi)), for pools of element type E: a position's pool row, whether a
+// 16-position chunk is 16 contiguous visible rows of one page, and a chunk's prefetch.
+template <typename E>
+struct PageRows {
+  const E* k;
+  const E* v;
+  int64_t D, Dv, ps, pages, lo, hi;
+  const int32_t* table;
+  bool whole;  // pages hold whole 16-position chunks: a chunk lies in one page
+
+  PageRows(const DecodeArgs& a, int64_t h, const int32_t* tbl, int64_t lo_, int64_t hi_)
+      : k(static_cast<const E*>(a.k) + (a.layer * a.kv_heads + h) * a.pages * a.page_size *
+                                           a.head_dim),
+        v(static_cast<const E*>(a.v) + (a.layer * a.kv_heads + h) * a.pages * a.page_size *
+                                           a.v_head_dim),
+        D(a.head_dim), Dv(a.v_head_dim), ps(a.page_size), pages(a.pages), lo(lo_), hi(hi_),
+        table(tbl), whole(a.page_size % kLanes == 0) {}
+
+  int64_t row(int64_t pos) const {
+    pos = std::min(std::max(pos, lo), hi - 1);  // masked lanes read a visible row
+    return clamp_index(table[pos / ps], pages) * ps + pos % ps;
+  }
+  bool contiguous(int64_t c0) const { return whole && c0 >= lo && c0 + kLanes <= hi; }
+  void prefetch(int64_t c0) const {
+    if (whole) {
+      const int64_t r0 = row(c0);
+      prefetch_bytes(k + r0 * D, kLanes * D * sizeof(E));
+      prefetch_bytes(v + r0 * Dv, kLanes * Dv * sizeof(E));
+      return;
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      const int64_t r = row(c0 + j);
+      prefetch_bytes(k + r * D, D * sizeof(E));
+      prefetch_bytes(v + r * Dv, Dv * sizeof(E));
+    }
+  }
+};
+
 // Calls fn(tag, load, prefetch, locate) with the chunk accessors of attend_rows over the
 // visible positions [lo, hi) of KV head h of the sequence whose block table is `table`;
 // tag::type is the chunk type (RowChunk of float, or of uint16_t for bf16 bits). Rows are
@@ -63,53 +102,30 @@ template <typename T, typename Fn>
 void with_rows(const DecodeArgs& a, int64_t h, const int32_t* table, int64_t lo, int64_t hi,
                Fn&& fn) {
   using E = std::conditional_t<std::is_same_v<T, Bf16>, uint16_t, float>;
-  const int64_t D = a.head_dim, Dv = a.v_head_dim, ps = a.page_size;
-  const E* kb = static_cast<const E*>(a.k) + (a.layer * a.kv_heads + h) * a.pages * ps * D;
-  const E* vb = static_cast<const E*>(a.v) + (a.layer * a.kv_heads + h) * a.pages * ps * Dv;
-  auto row_of = [&](int64_t pos) {
-    pos = std::min(std::max(pos, lo), hi - 1);  // masked lanes read a visible row
-    return clamp_index(table[pos / ps], a.pages) * ps + pos % ps;
-  };
-  // A chunk lies in one page when pages hold whole chunks; its rows are then contiguous.
-  const bool whole = ps % kLanes == 0;
-  auto contiguous = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= hi; };
-  auto prefetch = [&](int64_t c0) {
-    if (whole) {
-      const int64_t r0 = row_of(c0);
-      prefetch_bytes(kb + r0 * D, kLanes * D * sizeof(E));
-      prefetch_bytes(vb + r0 * Dv, kLanes * Dv * sizeof(E));
-      return;
-    }
-    for (int j = 0; j < kLanes; ++j) {
-      const int64_t r = row_of(c0 + j);
-      prefetch_bytes(kb + r * D, D * sizeof(E));
-      prefetch_bytes(vb + r * Dv, Dv * sizeof(E));
-    }
-  };
+  const PageRows<E> pr(a, h, table, lo, hi);
+  const int64_t D = pr.D, Dv = pr.Dv;
+  auto prefetch = [&](int64_t c0) { pr.prefetch(c0); };
   // Two stage buffers, used in turn: attend_rows holds two chunks at a time.
   std::vector<E> stage(2 * kLanes * (D + Dv));
   int turn = 0;
-  auto load = [&](int64_t c0) -> RowChunk<E> {
-    if (contiguous(c0)) {
-      const int64_t r0 = row_of(c0);
-      return {kb + r0 * D, D, vb + r0 * Dv, Dv};
+  auto locate = [&](int64_t c0) -> RowChunk<E> {
+    if (pr.contiguous(c0)) {
+      const int64_t r0 = pr.row(c0);
+      return {pr.k + r0 * D, D, pr.v + r0 * Dv, Dv};
     }
+    return {nullptr, 0, nullptr, 0};
+  };
+  auto load = [&](int64_t c0) -> RowChunk<E> {
+    if (pr.contiguous(c0)) return locate(c0);
     E* ks = stage.data() + turn * kLanes * (D + Dv);
     E* vs = ks + kLanes * D;
     turn ^= 1;
     for (int j = 0; j < kLanes; ++j) {
-      const int64_t r = row_of(c0 + j);
-      std::memcpy(ks + j * D, kb + r * D, D * sizeof(E));
-      std::memcpy(vs + j * Dv, vb + r * Dv, Dv * sizeof(E));
+      const int64_t r = pr.row(c0 + j);
+      std::memcpy(ks + j * D, pr.k + r * D, D * sizeof(E));
+      std::memcpy(vs + j * Dv, pr.v + r * Dv, Dv * sizeof(E));
     }
     return {ks, D, vs, Dv};
-  };
-  auto locate = [&](int64_t c0) -> RowChunk<E> {
-    if (contiguous(c0)) {
-      const int64_t r0 = row_of(c0);
-      return {kb + r0 * D, D, vb + r0 * Dv, Dv};
-    }
-    return {nullptr, 0, nullptr, 0};
   };
   fn(TypeTag<RowChunk<E>>{}, load, prefetch, locate);
 }
@@ -143,30 +159,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
     for (int64_t d = 0; d < Dp; ++d) qs[g * Dp + d] = d < D ? qr[d] * a.scale : 0.0f;
   }
 
-  const T* kbase = static_cast<const T*>(a.k) + (a.layer * a.kv_heads + h) * a.pages * ps * D;
-  const T* vbase = static_cast<const T*>(a.v) + (a.layer * a.kv_heads + h) * a.pages * ps * Dv;
   const int32_t* table = a.tables + b * a.max_pages;
-  auto row_of = [&](int64_t pos) {
-    pos = std::min(std::max(pos, lo), hi - 1);  // masked lanes read a visible row
-    return clamp_index(table[pos / ps], a.pages) * ps + pos % ps;
-  };
-  // A chunk lies in one page when pages hold whole chunks; its rows are then contiguous.
-  const bool whole = ps % kLanes == 0;
-  // A chunk of 16 visible rows of one page: read in place.
-  auto contiguous = [&](int64_t c0) { return whole && c0 >= lo && c0 + kLanes <= hi; };
-  auto prefetch = [&](int64_t c0) {
-    if (whole) {
-      const int64_t r0 = row_of(c0);
-      prefetch_bytes(kbase + r0 * D, kLanes * D * sizeof(T));
-      prefetch_bytes(vbase + r0 * Dv, kLanes * Dv * sizeof(T));
-      return;
-    }
-    for (int j = 0; j < kLanes; ++j) {
-      const int64_t r = row_of(c0 + j);
-      prefetch_bytes(kbase + r * D, D * sizeof(T));
-      prefetch_bytes(vbase + r * Dv, Dv * sizeof(T));
-    }
-  };
 
   if constexpr (!std::is_same_v<T, Half>) {
     // tuning.rows false runs these through the staging path below (for comparisons).
@@ -179,25 +172,26 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
       return;
     }
   }
-  const bool in_place = whole && std::is_same_v<T, float> && D == Dp && Dv == Dvp;
-
+  const PageRows<T> pr(a, h, table, lo, hi);
+  const bool in_place = pr.whole && std::is_same_v<T, float> && D == Dp && Dv == Dvp;
+  auto prefetch = [&](int64_t c0) { pr.prefetch(c0); };
   auto load = [&](int64_t c0) -> Chunk {
-    if (contiguous(c0)) {
-      const int64_t r0 = row_of(c0);
+    if (pr.contiguous(c0)) {
+      const int64_t r0 = pr.row(c0);
       if (in_place) {
-        return {reinterpret_cast<const float*>(kbase) + r0 * D, D,
-                reinterpret_cast<const float*>(vbase) + r0 * Dv, Dv};
+        return {reinterpret_cast<const float*>(pr.k) + r0 * D, D,
+                reinterpret_cast<const float*>(pr.v) + r0 * Dv, Dv};
       }
       if (D == Dp && Dv == Dvp) {
-        to_f32(kbase + r0 * D, kLanes * D, kLanes * D, kbuf);
-        to_f32(vbase + r0 * Dv, kLanes * Dv, kLanes * Dv, vbuf);
+        to_f32(pr.k + r0 * D, kLanes * D, kLanes * D, kbuf);
+        to_f32(pr.v + r0 * Dv, kLanes * Dv, kLanes * Dv, vbuf);
         return {kbuf, Dp, vbuf, Dvp};
       }
     }
     for (int j = 0; j < kLanes; ++j) {
-      const int64_t r = row_of(c0 + j);
-      to_f32(kbase + r * D, D, Dp, kbuf + j * Dp);
-      to_f32(vbase + r * Dv, Dv, Dvp, vbuf + j * Dvp);
+      const int64_t r = pr.row(c0 + j);
+      to_f32(pr.k + r * D, D, Dp, kbuf + j * Dp);
+      to_f32(pr.v + r * Dv, Dv, Dvp, vbuf + j * Dvp);
     }
     return {kbuf, Dp, vbuf, Dvp};
   };
