@@ -14,9 +14,11 @@ that is the faster of the two.
     python benchmarks/matmul.py                  # M 1, 8, 16, 32, 64
     python benchmarks/matmul.py --sweep          # kernel tuning grid on the LM head shape
     python benchmarks/matmul.py --decode         # one decode step of the e2e model, A/B
+    python benchmarks/matmul.py --decode --models tiny,small,medium,e2e --marches native
 
 `--decode` times one decode step (reserve + forward, cache donated) of the
-decode_e2e.py model (random weights, batches 1 and 8, 1K tokens in the cache) compiled
+decode_e2e.py model, or of the smaller Llamas of `--models` (random weights, batches 1 and
+8, 1K tokens in the cache) compiled
 with each build's kernel and with XLA's dot (the matmul option is read at trace time;
 the XLA program gets per-layer weights, as the decode loop gives it), calling them in
 turn so that all see the same machine load, checks that their logits agree, and says
@@ -25,6 +27,7 @@ matters, in the step (weights read once per step between the others).
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -99,9 +102,24 @@ def stats(ts):
     return float(med), float((q3 - q1) / med)
 
 
-def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=True):
-    """One decode step of the e2e model with the kernel and with XLA's dot, per build and
-    batch: median step times, interleaved, and whether "auto" picks the faster.
+# Llama sizes for --decode: the e2e model and smaller ones whose weights a CPU's cache
+# can hold from step to step.
+MODELS = {
+    "e2e": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=8,
+                q_heads=8, kv_heads=8, head_dim=64),
+    "medium": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_layers=6,
+                   q_heads=6, kv_heads=6, head_dim=64),
+    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_layers=4,
+                  q_heads=4, kv_heads=4, head_dim=64),
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4,
+                 q_heads=4, kv_heads=2, head_dim=32),  # the shipped demo model's shape
+}
+
+
+def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=True,
+              model="e2e"):
+    """One decode step of a Llama of `MODELS` with the kernel and with XLA's dot, per build
+    and batch: median step times, interleaved, and whether "auto" picks the faster.
 
     The XLA-dot program runs per-layer weights (as the decode loop gives it where the
     kernel does not run: `kvjax.generate.decode_params`, XLA:CPU would copy each layer's
@@ -111,11 +129,13 @@ def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=Tru
     from kvjax.models import llama
     from kvjax.models.layers import RopeConfig
 
-    config = llama.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
-                               num_layers=8, q_heads=8, kv_heads=8, head_dim=64,
-                               rope=RopeConfig(theta=1e4, dim=64), dtype=dtype)
+    shape = MODELS[model]
+    config = llama.LlamaConfig(**shape, rope=RopeConfig(theta=1e4, dim=shape["head_dim"]),
+                               dtype=dtype)
+    vocab = shape["vocab_size"]
     stacked = llama.init_params(config, jax.random.key(0))
     unstacked = llama.unstack_layers(stacked)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(stacked))
     rows = []
     for batch in batches:
         steps = 2 * (repeats + 1) * len(marches)
@@ -123,7 +143,7 @@ def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=Tru
         spec = llama.cache_spec(config, page_size=16, num_pages=batch * pages, max_seqs=batch,
                                 max_pages_per_seq=pages, dtype=dtype)
         cache, _ = reserve(init_cache(spec), jnp.full((batch,), context, jnp.int32))
-        tokens = jnp.asarray(np.random.default_rng(0).integers(3, 32000, (batch, 1)), jnp.int32)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(3, vocab, (batch, 1)), jnp.int32)
 
         def step(params, cache, tokens, batch=batch):
             positions = cache.table.lengths[:, None]
@@ -135,7 +155,8 @@ def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=Tru
         for march in marches:
             with cpu.override(march=march, matmul="on"):
                 fns[march] = (jax.jit(step, donate_argnums=1).lower(
-                    stacked, cache, tokens).compile(), stacked, cpu.get_options())
+                    stacked, cache, tokens).compile(), stacked,
+                    dataclasses.replace(cpu.get_options(), matmul="auto"))
         with cpu.override(matmul="off"):
             fns["xla"] = (jax.jit(step, donate_argnums=1).lower(
                 unstacked, cache, tokens).compile(), unstacked, None)
@@ -161,13 +182,13 @@ def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=Tru
             if i >= len(names):  # the first call of each is a warm-up
                 times[name].append(time.perf_counter() - t0)
         t_xla = float(np.median(times["xla"]))
-        line = f"decode step, batch {batch}, context {context}, {dtype}: xla {t_xla * 1e3:.2f} ms"
-        row = dict(dtype=dtype, batch=batch, context=context, xla_step_s=times["xla"],
-                   load_average=os.getloadavg())
+        line = (f"decode step, {model} model ({model_bytes / 2**20:.1f} MiB), batch {batch}, "
+                f"context {context}, {dtype}: xla {t_xla * 1e3:.2f} ms")
+        row = dict(model=model, model_bytes=model_bytes, dtype=dtype, batch=batch,
+                   context=context, xla_step_s=times["xla"], load_average=os.getloadavg())
         for march in marches:
             t = float(np.median(times[march]))
-            pick = cpu.choose("matmul", rows=batch, devices=1,
-                              options=fns[march][2]).use_kernel
+            pick = cpu.choose("matmul", rows=batch, devices=1, options=fns[march][2]).use_kernel
             ok = pick == (t < t_xla)
             row[march] = dict(step_s=times[march], speedup=t_xla / t,
                               auto="kernel" if pick else "xla", auto_is_fastest=ok)
@@ -198,6 +219,9 @@ def main(argv=None):
     parser.add_argument("--decode-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="--decode: params, activations and cache dtype")
     parser.add_argument("--batches", default="1,8", help="--decode: comma-separated batches")
+    parser.add_argument("--models", default="e2e",
+                        help=f"--decode: comma-separated Llama sizes of {', '.join(MODELS)} "
+                             f"(default e2e)")
     parser.add_argument("--sweep-tiles", default="2,3",
                         help="--sweep: comma-separated tile_vectors (float32 only; bf16 uses 2)")
     parser.add_argument("--sweep-ahead", default="16,32,48",
@@ -226,8 +250,13 @@ def main(argv=None):
     results = []
 
     if args.decode:
-        results = decode_ab(args.decode_dtype, repeats, args.marches.split(","),
-                            [int(b) for b in args.batches.split(",")])
+        unknown = set(args.models.split(",")) - set(MODELS)
+        if unknown:
+            parser.error(f"--models: unknown {sorted(unknown)}; the sizes are {list(MODELS)}")
+        results = [row for name in args.models.split(",")
+                   for row in decode_ab(args.decode_dtype, repeats, args.marches.split(","),
+                                        [int(b) for b in args.batches.split(",")],
+                                        model=name)]
     elif args.sweep:
         def ints(text):
             return [int(v) for v in text.split(",")]

@@ -1,0 +1,50 @@
+"""benchmarks/matmul.py: its command line, and the decode A/B's report of what "auto" picks.
+
+The script checks the kernel's logits against XLA's itself; this checks that its "auto"
+column is the library's own choice (not the forced kernel it timed). It asserts nothing
+about speed.
+"""
+
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    from benchmarks import matmul
+
+    return matmul
+
+
+def test_help_and_an_unknown_model(script, capsys):
+    with pytest.raises(SystemExit) as helped:
+        script.main(["--help"])
+    out = capsys.readouterr().out
+    assert helped.value.code == 0
+    for flag in ("--quick", "--sweep", "--decode", "--decode-dtype", "--batches", "--models",
+                 "--marches", "--repeats", "--out"):
+        assert flag in out, flag
+    with pytest.raises(SystemExit) as refused:
+        script.main(["--decode", "--models", "tiny,huge"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "huge" in err and "tiny" in err, err
+
+
+@pytest.mark.heavy
+@pytest.mark.cpu_kernels
+def test_decode_ab_reports_the_auto_choice(script, monkeypatch):
+    from kvjax.backends.cpu import policy
+
+    # A rule under which "auto" keeps XLA's dot on this build: the report must say so,
+    # although the kernel it timed was forced on.
+    monkeypatch.setattr(policy, "MATMUL_MAX_ROWS", {"no-such-isa": 32})
+    (row,) = script.decode_ab("float32", repeats=2, marches=["native"], batches=(2,),
+                              context=64, verbose=False, model="tiny")
+    assert row["model"] == "tiny" and row["batch"] == 2
+    assert 2 << 20 < row["model_bytes"] < 3 << 20  # the demo models' shape, float32
+    assert row["native"]["auto"] == "xla"
+    assert len(row["native"]["step_s"]) == 2 and min(row["native"]["step_s"]) > 0
