@@ -41,7 +41,7 @@ and fails only on wrong results, never on speed):
   capacity  sequences that fit in a fixed KV budget (contiguous / paged bf16 /
             int4 / int2, benchmarks/capacity.py) and, in the full run, peak pages
             per eviction policy (benchmarks/eviction.py)
-  kernels   the Pallas decode kernels against the XLA path (benchmarks/kernels.py);
+  kernels   the Pallas decode kernels against the XLA path (benchmarks/pallas_kernels.py);
             run by default on GPU/TPU only (on CPU the kernels only interpret)
 
 Sections run in this process, one after the other, so that they share the
@@ -225,8 +225,8 @@ def _capacity(quick, out):
 
 
 def _kernels(quick, out):
-    from benchmarks import kernels
-    if kernels.main((["--quick"] if quick else []) + ["--out", str(out)]):
+    from benchmarks import pallas_kernels
+    if pallas_kernels.main((["--quick"] if quick else []) + ["--out", str(out)]):
         raise RuntimeError("a kernel result disagreed with the reference")
 
 

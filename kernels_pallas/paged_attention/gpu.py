@@ -20,7 +20,7 @@ first part as the value, which makes it the MLA kernel too.
 
 Checked in Pallas' interpret mode, by lowering to Triton IR from CPU
 (tests/kernels/test_kernel_lowering.py), and compiled on an H200 (jax 0.11.2:
-the `*_native` tests and benchmarks/kernels.py; docs/performance.md).
+the `*_native` tests and benchmarks/pallas_kernels.py; docs/performance.md).
 """
 
 import functools

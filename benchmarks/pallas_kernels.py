@@ -16,8 +16,8 @@ in the table): a correctness run, not a kernel speed. The XLA path is marked
 `kvjax.attention.quantized_*decode_attention` with impl "xla" and "pallas") count the
 packed codes, scales and zeros as the bytes read.
 
-  python benchmarks/kernels.py --quick      # < 3 min on a GPU; a minute or two on CPU
-  python benchmarks/kernels.py --help
+  python benchmarks/pallas_kernels.py --quick      # < 3 min on a GPU; a minute or two on CPU
+  python benchmarks/pallas_kernels.py --help
 
 Results go to benchmarks/results/kernels-<backend>-<UTC time>.json.
 """
