@@ -10,25 +10,19 @@ import os
 import subprocess
 import sys
 
+import benchmark_cli
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_help_and_a_missing_mode(capsys, monkeypatch):
-    monkeypatch.syspath_prepend(ROOT)
-    from benchmarks import breakdown
-
-    with pytest.raises(SystemExit) as helped:
-        breakdown.main(["--help"])
-    out = capsys.readouterr().out
-    assert helped.value.code == 0
-    for flag in ("--decode", "--prefill", "--batches", "--context", "--batch", "--prompt-len",
-                 "--chunk", "--skip-hf", "--repeats", "--march", "--out"):
-        assert flag in out, flag
-    with pytest.raises(SystemExit) as refused:
-        breakdown.main(["--repeats", "1"])
-    assert refused.value.code == 2 and "give --decode and/or --prefill" in capsys.readouterr().err
+    breakdown = benchmark_cli.load(monkeypatch, "breakdown")
+    benchmark_cli.assert_help_lists(breakdown.main, capsys, (
+        "--decode", "--prefill", "--batches", "--context", "--batch", "--prompt-len", "--chunk",
+        "--skip-hf", "--repeats", "--march", "--out"))
+    benchmark_cli.assert_refuses(breakdown.main, capsys, ["--repeats", "1"],
+                                 "give --decode and/or --prefill")
 
 
 def _timing(pair):  # (median, min) seconds

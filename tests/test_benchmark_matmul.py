@@ -5,33 +5,21 @@ column is the library's own choice (not the forced kernel it timed). It asserts 
 about speed.
 """
 
-import os
-
+import benchmark_cli
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
 def script(monkeypatch):
-    monkeypatch.syspath_prepend(ROOT)
-    from benchmarks import matmul
-
-    return matmul
+    return benchmark_cli.load(monkeypatch, "matmul")
 
 
 def test_help_and_an_unknown_model(script, capsys):
-    with pytest.raises(SystemExit) as helped:
-        script.main(["--help"])
-    out = capsys.readouterr().out
-    assert helped.value.code == 0
-    for flag in ("--quick", "--sweep", "--decode", "--decode-dtype", "--batches", "--models",
-                 "--marches", "--repeats", "--out"):
-        assert flag in out, flag
-    with pytest.raises(SystemExit) as refused:
-        script.main(["--decode", "--models", "tiny,huge"])
-    err = capsys.readouterr().err
-    assert refused.value.code == 2 and "huge" in err and "tiny" in err, err
+    benchmark_cli.assert_help_lists(script.main, capsys, (
+        "--quick", "--sweep", "--decode", "--decode-dtype", "--batches", "--models", "--marches",
+        "--repeats", "--out"))
+    benchmark_cli.assert_refuses(script.main, capsys, ["--decode", "--models", "tiny,huge"],
+                                 "huge", "tiny")
 
 
 @pytest.mark.heavy
