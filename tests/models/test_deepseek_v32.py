@@ -157,6 +157,7 @@ def test_cli_generate_matches_transformers(name, root, rng, capsys, full_sweeps)
     if name != "v32_moe":
         _slow_only(full_sweeps)
     m, _, _, d = _case(name, root)
+    capsys.readouterr()  # the case's seed line, when this test built it: not the CLI's output
     prompt = _prompts(rng, (11,))[0]
     assert main(["generate", "--model", d, "--prompt-ids", ",".join(map(str, prompt)),
                  "--max-new-tokens", str(NEW), "--page-size", str(PAGE), "--eos-id", "none",
