@@ -102,8 +102,8 @@ def stats(ts):
     return float(med), float((q3 - q1) / med)
 
 
-# Llama sizes for --decode: the e2e model and smaller ones whose weights a CPU's cache
-# can hold from step to step.
+# Llama sizes for --decode: the e2e model, smaller ones whose weights a CPU's cache can
+# hold from step to step, and "tiny", the shipped GQA demo model's config.
 MODELS = {
     "e2e": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=8,
                 q_heads=8, kv_heads=8, head_dim=64),
@@ -111,9 +111,21 @@ MODELS = {
                    q_heads=6, kv_heads=6, head_dim=64),
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_layers=4,
                   q_heads=4, kv_heads=4, head_dim=64),
-    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4,
-                 q_heads=4, kv_heads=2, head_dim=32),  # the shipped demo model's shape
+    "tiny": None,
 }
+
+
+def model_config(model, dtype):
+    """The LlamaConfig of a `MODELS` size in this dtype."""
+    from kvjax.models import llama
+    from kvjax.models.layers import RopeConfig
+    from kvjax.models.tiny import tiny_config
+
+    shape = MODELS[model]
+    if shape is None:
+        return dataclasses.replace(tiny_config("gqa"), dtype=dtype)
+    return llama.LlamaConfig(**shape, rope=RopeConfig(theta=1e4, dim=shape["head_dim"]),
+                             dtype=dtype)
 
 
 def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=True,
@@ -127,12 +139,9 @@ def decode_ab(dtype, repeats, marches, batches=(1, 8), context=1024, verbose=Tru
     in place."""
     from kvjax.cache import init_cache, reserve
     from kvjax.models import llama
-    from kvjax.models.layers import RopeConfig
 
-    shape = MODELS[model]
-    config = llama.LlamaConfig(**shape, rope=RopeConfig(theta=1e4, dim=shape["head_dim"]),
-                               dtype=dtype)
-    vocab = shape["vocab_size"]
+    config = model_config(model, dtype)
+    vocab = config.vocab_size
     stacked = llama.init_params(config, jax.random.key(0))
     unstacked = llama.unstack_layers(stacked)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(stacked))
