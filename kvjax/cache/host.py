@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on
 from jaxtyping import Array, Bool, Int
 
 from kernels_pallas.merge import merge_attention_states
@@ -68,6 +68,17 @@ def _to_host(x):
 
 def _to_device(x):
     return jax.device_put(x, jax.memory.Space.Device)
+
+
+# The function-transform spelling of `compute_on`: `compute_on2` up to jax 0.10, renamed
+# `compute_on` from 0.11 on (where the context manager of that name is gone).
+_compute_on_fn = getattr(_compute_on, "compute_on2", _compute_on.compute_on)
+
+
+def _on_host(f, *args):
+    """f(*args) computed on the host ("device_host"), its results in host memory."""
+    return _compute_on_fn(f, compute_type="device_host",
+                          out_memory_spaces=jax.memory.Space.Host)(*args)
 
 
 def _host_sharding(x: Array):
@@ -172,8 +183,7 @@ def _copy_out(dev_pages, host_pages_, src: Int[Array, " k"], dst: Int[Array, " k
 
     def one(d, h):
         block = _to_host(d[:, :, jnp.clip(src, 0, d.shape[2] - 1)])
-        with compute_on("device_host"):
-            return h.at[:, :, _to_host(dst)].set(block, mode="drop")
+        return _on_host(lambda h, i, b: h.at[:, :, i].set(b, mode="drop"), h, _to_host(dst), block)
 
     return jax.tree.map(one, dev_pages, host_pages_)
 
@@ -182,8 +192,7 @@ def _copy_in(dev_pages, host_pages_, src: Int[Array, " k"], dst: Int[Array, " k"
     """device[:, :, dst] = host[:, :, src] for every pool; dst == device page count skips."""
 
     def one(d, h):
-        with compute_on("device_host"):
-            block = h[:, :, jnp.clip(_to_host(src), 0, h.shape[2] - 1)]
+        block = _on_host(lambda h, i: h[:, :, jnp.clip(i, 0, h.shape[2] - 1)], h, _to_host(src))
         return paged.set_drop(d, (slice(None), slice(None), dst), _to_device(block))
 
     return jax.tree.map(one, dev_pages, host_pages_)
@@ -363,9 +372,8 @@ def _swap_out(cache: PagedKVCache, s, r, *, k: int):
     if cache.tail is not None:
         def park(ring_h, ring_d):
             block = _to_host(ring_d[:, :, s])
-            with compute_on("device_host"):
-                return ring_h.at[:, :, _to_host(jnp.where(ok, r, tier.num_parked))].set(
-                    block, mode="drop")
+            return _on_host(lambda h, i, b: h.at[:, :, i].set(b, mode="drop"), ring_h,
+                            _to_host(jnp.where(ok, r, tier.num_parked)), block)
         tail_a, tail_b = park(tier.tail_a, cache.tail.a), park(tier.tail_b, cache.tail.b)
     parked = tier.parked_lengths.at[r].set(jnp.where(ok, cache.lengths[s],
                                                      tier.parked_lengths[r]))
@@ -424,8 +432,7 @@ def _swap_in(cache: PagedKVCache, r, s, *, k: int):
         tgt = jnp.where(ok, s, spec.max_seqs)
 
         def unpark(ring_d, ring_h):
-            with compute_on("device_host"):
-                block = ring_h[:, :, _to_host(r)]
+            block = _on_host(lambda h, i: h[:, :, i], ring_h, _to_host(r))
             return paged.set_drop(ring_d, (slice(None), slice(None), tgt), _to_device(block))
 
         tail = KIVITail(a=unpark(tail.a, tier.tail_a), b=unpark(tail.b, tier.tail_b),
@@ -561,13 +568,12 @@ def _gather_layer(cache: PagedKVCache, layer, ids: Int[Array, "batch n"]):
         li = idx[i] if isinstance(idx, tuple) else idx
         li_h = _to_host(jnp.asarray(li, jnp.int32))
         if kind == "dense":
-            with compute_on("device_host"):
-                block = pool[li_h][:, flat]
+            block = _on_host(lambda p, li, f: p[li][:, f], pool, li_h, flat)
             x = _to_device(block).astype(jnp.float32)
         else:
             assert isinstance(pool, QuantPool)
-            with compute_on("device_host"):
-                parts = [a[li_h][:, flat] for a in (pool.codes, pool.scale, pool.zero)]
+            parts = _on_host(lambda arrays, li, f: [a[li][:, f] for a in arrays],
+                             [pool.codes, pool.scale, pool.zero], li_h, flat)
             codes, scale, zero = (_to_device(p) for p in parts)
             x = dequantize(codes, scale, zero, bits=pool.bits, grouping=pool.grouping)
         heads = x.shape[0]
