@@ -81,6 +81,47 @@ def _on_host(f, *args):
                           out_memory_spaces=jax.memory.Space.Host)(*args)
 
 
+def _host_dtype(dtype):
+    """The element type of a host pool for a device pool of `dtype`: 16-bit floats are held
+    as their uint16 bits. Host computations run on XLA:CPU, which widens a 16-bit float
+    gather or scatter to float32: on a bf16 pool that converted the whole pool both ways on
+    every move and every step that read host pages (a bitcast inside the host computation
+    does not help: XLA moves it past the indexing)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+# The bitcasts below apply to a block of pages, behind an optimization barrier: XLA
+# otherwise moves a bitcast past the gather or scatter onto the whole pool (a copy of it).
+def _to_host_bits(x):
+    """A device block in its host pool's element type (_host_dtype), in host memory."""
+    want = _host_dtype(x.dtype)
+    if want != x.dtype:
+        x = jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(x), want)
+    return _to_host(x)
+
+
+def _from_host_bits(x, dtype):
+    """A block gathered from a host pool, on the device in the device pool's `dtype`."""
+    x = _to_device(x)
+    if x.dtype != dtype:
+        x = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, dtype))
+    return x
+
+
+def _host_set_pages(pool, idx, block):
+    """pool[:, :, idx] = block (a host block; entries of idx past the pool dropped)."""
+    return _on_host(lambda p, i, b: p.at[:, :, i].set(b, mode="drop"), pool, _to_host(idx),
+                    block)
+
+
+def _host_take_pages(pool, idx):
+    """pool[:, :, idx] (idx within the pool), gathered on the host."""
+    return _on_host(lambda p, i: p[:, :, i], pool, _to_host(idx))
+
+
 def _host_sharding(x: Array):
     return x.sharding.with_memory_kind(HOST_MEMORY)
 
@@ -133,7 +174,7 @@ def attach(
 
     def pool(x):
         shape = (*x.shape[:2], int(num_pages), *x.shape[3:])
-        return jax.device_put(jnp.zeros(shape, x.dtype), _host_sharding(x))
+        return jax.device_put(jnp.zeros(shape, _host_dtype(x.dtype)), _host_sharding(x))
 
     pages = jax.tree.map(pool, cache.pages)
     table = pt.init_page_table(num_pages=int(num_pages), max_seqs=spec.max_seqs + parked,
@@ -143,7 +184,7 @@ def attach(
     if cache.tail is not None:
         def ring(x):
             shape = (*x.shape[:2], int(parked), *x.shape[3:])
-            return jax.device_put(jnp.zeros(shape, x.dtype), _host_sharding(x))
+            return jax.device_put(jnp.zeros(shape, _host_dtype(x.dtype)), _host_sharding(x))
         tail_a, tail_b = ring(cache.tail.a), ring(cache.tail.b)
     tier = HostTier(pages=pages, table=table, parked_lengths=jnp.zeros((parked,), jnp.int32),
                     tail_a=tail_a, tail_b=tail_b, stream_pages=int(stream_pages))
@@ -182,8 +223,7 @@ def _copy_out(dev_pages, host_pages_, src: Int[Array, " k"], dst: Int[Array, " k
     """host[:, :, dst] = device[:, :, src] for every pool; dst == host page count skips."""
 
     def one(d, h):
-        block = _to_host(d[:, :, jnp.clip(src, 0, d.shape[2] - 1)])
-        return _on_host(lambda h, i, b: h.at[:, :, i].set(b, mode="drop"), h, _to_host(dst), block)
+        return _host_set_pages(h, dst, _to_host_bits(d[:, :, jnp.clip(src, 0, d.shape[2] - 1)]))
 
     return jax.tree.map(one, dev_pages, host_pages_)
 
@@ -192,8 +232,8 @@ def _copy_in(dev_pages, host_pages_, src: Int[Array, " k"], dst: Int[Array, " k"
     """device[:, :, dst] = host[:, :, src] for every pool; dst == device page count skips."""
 
     def one(d, h):
-        block = _on_host(lambda h, i: h[:, :, jnp.clip(i, 0, h.shape[2] - 1)], h, _to_host(src))
-        return paged.set_drop(d, (slice(None), slice(None), dst), _to_device(block))
+        block = _host_take_pages(h, jnp.clip(src, 0, h.shape[2] - 1))
+        return paged.set_drop(d, (slice(None), slice(None), dst), _from_host_bits(block, d.dtype))
 
     return jax.tree.map(one, dev_pages, host_pages_)
 
@@ -371,9 +411,8 @@ def _swap_out(cache: PagedKVCache, s, r, *, k: int):
     tail_a, tail_b = tier.tail_a, tier.tail_b
     if cache.tail is not None:
         def park(ring_h, ring_d):
-            block = _to_host(ring_d[:, :, s])
-            return _on_host(lambda h, i, b: h.at[:, :, i].set(b, mode="drop"), ring_h,
-                            _to_host(jnp.where(ok, r, tier.num_parked)), block)
+            return _host_set_pages(ring_h, jnp.where(ok, r, tier.num_parked),
+                                   _to_host_bits(ring_d[:, :, s]))
         tail_a, tail_b = park(tier.tail_a, cache.tail.a), park(tier.tail_b, cache.tail.b)
     parked = tier.parked_lengths.at[r].set(jnp.where(ok, cache.lengths[s],
                                                      tier.parked_lengths[r]))
@@ -432,8 +471,9 @@ def _swap_in(cache: PagedKVCache, r, s, *, k: int):
         tgt = jnp.where(ok, s, spec.max_seqs)
 
         def unpark(ring_d, ring_h):
-            block = _on_host(lambda h, i: h[:, :, i], ring_h, _to_host(r))
-            return paged.set_drop(ring_d, (slice(None), slice(None), tgt), _to_device(block))
+            block = _host_take_pages(ring_h, r)
+            return paged.set_drop(ring_d, (slice(None), slice(None), tgt),
+                                  _from_host_bits(block, ring_d.dtype))
 
         tail = KIVITail(a=unpark(tail.a, tier.tail_a), b=unpark(tail.b, tier.tail_b),
                         lengths=tail.lengths.at[tgt].set(tier.parked_lengths[r], mode="drop"),
@@ -543,10 +583,11 @@ def device_part(cache: PagedKVCache) -> PagedKVCache:
     return dataclasses.replace(cache, table=table, tail=tail, host=None)
 
 
-def _layer_pools(cache: PagedKVCache, layer):
-    """Host pools of one layer as (kind, arrays): full-precision (a, b), or the
-    quantized pools' (codes, scale, zero) with their bits and grouping."""
-    pages = cache.host.pages
+def _layer_pools(cache: PagedKVCache, layer, pages=None):
+    """Pools of one layer (the host's, or those of `pages`, a tree of the same structure)
+    as (kind, arrays): full-precision (a, b), or the quantized pools' (codes, scale, zero)
+    with their bits and grouping."""
+    pages = cache.host.pages if pages is None else pages
     spec = cache.spec
     if cache.tail is None:
         return [("dense", p, None) for p in paged._pools(pages)], layer
@@ -561,20 +602,26 @@ def _gather_layer(cache: PagedKVCache, layer, ids: Int[Array, "batch n"]):
     on the device, for K and V (MLA: c_KV and k_rope)."""
     spec = cache.spec
     pools, idx = _layer_pools(cache, layer)
+    dev_pools, _ = _layer_pools(cache, layer, cache.pages)  # the element types
     b, n = ids.shape
     flat = _to_host(ids.reshape(-1))
+
+    def take(arrays, li, f):  # one gather per pool: [pages, heads, ...]
+        return [a[li, :, f] for a in arrays]
+
     out = []
-    for i, (kind, pool, _) in enumerate(pools):
+    for i, ((kind, pool, _), (_, dev, _)) in enumerate(zip(pools, dev_pools, strict=True)):
         li = idx[i] if isinstance(idx, tuple) else idx
-        li_h = _to_host(jnp.asarray(li, jnp.int32))
+        li_h = _to_host(jnp.broadcast_to(jnp.asarray(li, jnp.int32), flat.shape))
         if kind == "dense":
-            block = _on_host(lambda p, li, f: p[li][:, f], pool, li_h, flat)
-            x = _to_device(block).astype(jnp.float32)
+            (block,) = _on_host(take, [pool], li_h, flat)
+            x = jnp.moveaxis(_from_host_bits(block, dev.dtype), 0, 1).astype(jnp.float32)
         else:
             assert isinstance(pool, QuantPool)
-            parts = _on_host(lambda arrays, li, f: [a[li][:, f] for a in arrays],
-                             [pool.codes, pool.scale, pool.zero], li_h, flat)
-            codes, scale, zero = (_to_device(p) for p in parts)
+            parts = _on_host(take, [pool.codes, pool.scale, pool.zero], li_h, flat)
+            codes, scale, zero = (jnp.moveaxis(_from_host_bits(p, d.dtype), 0, 1)
+                                  for p, d in zip(parts, (dev.codes, dev.scale, dev.zero),
+                                                  strict=True))
             x = dequantize(codes, scale, zero, bits=pool.bits, grouping=pool.grouping)
         heads = x.shape[0]
         x = x.reshape(heads, b, n * spec.page_size, x.shape[-1])

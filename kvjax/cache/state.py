@@ -150,7 +150,8 @@ class HostTier:
 
     Attributes:
       pages: pools of the cache's page kind (same layout, page axis 2) with the host
-        tier's page count, in host memory.
+        tier's page count, in host memory; 16-bit float pools (and rings) are held as
+        their uint16 bits (`.view` them in the device pools' dtype to read them).
       table: the host pages' page table. Row s < max_seqs holds the leading pages of
         live slot s that live on the host (its length counts their tokens; the device
         table's entries for them hold the device pool's page count); row max_seqs + r

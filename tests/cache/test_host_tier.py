@@ -213,7 +213,9 @@ def _content(cache, slot=None, row=None):
     spec, tier = cache.spec, cache.host
     ps = spec.page_size
     dev = [np.asarray(x) for x in jax.tree.leaves(cache.pages)]
-    hst = [np.asarray(x) for x in jax.tree.leaves(tier.pages)]
+    # Host pools hold 16-bit floats as their bits: read them in the device pools' types.
+    hst = [np.asarray(x).view(d.dtype) for x, d in zip(jax.tree.leaves(tier.pages), dev,
+                                                       strict=True)]
     htab = np.asarray(tier.table.block_tables)
     hlen = np.asarray(tier.table.lengths)
     if row is not None:
@@ -224,7 +226,8 @@ def _content(cache, slot=None, row=None):
             total, q = int(tier.parked_lengths[row]), int(hlen[r])
             ring = cache.tail.a.shape[3]
             pos = np.arange(q, total) % ring
-            parts += [np.asarray(t)[:, :, row][:, :, pos] for t in (tier.tail_a, tier.tail_b)]
+            parts += [np.asarray(t).view(d.dtype)[:, :, row][:, :, pos]
+                      for t, d in ((tier.tail_a, cache.tail.a), (tier.tail_b, cache.tail.b))]
         return parts
     n = -(-int(cache.table.lengths[slot]) // ps)
     h = int(hlen[slot]) // ps
