@@ -54,7 +54,7 @@ def _layer_views(op, pools, layer, *, mla):
 def _with_layer(op, impl, interpret, layer, views, pools):
     """The implementation and the pools to pass it: the whole pools plus `layer` for
     the impls that read the layer in place; one layer otherwise."""
-    fn, takes_layer = registry.resolve(op, impl, interpret, dtype=pools[0].dtype)
+    fn, takes_layer = registry.resolve(op, impl, interpret, dtype=pools[0].dtype, pages=views)
     if layer is not None and takes_layer:
         return functools.partial(fn, layer=layer), pools
     return fn, views

@@ -11,13 +11,14 @@ import jax
 
 from kernels_pallas.mla_decode import gpu as mla_gpu
 from kernels_pallas.mla_decode import tpu as mla_tpu
+from kernels_pallas.paged_attention import block_sizes
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import tpu as paged_tpu
 from kernels_pallas.quantized_attention import gpu as quant_gpu
 from kernels_pallas.quantized_attention import tpu as quant_tpu
 
 __all__ = [
-    "KERNEL_OPS", "platform", "paged_decode_attention", "mla_decode_attention",
+    "KERNEL_OPS", "platform", "kernel_takes", "paged_decode_attention", "mla_decode_attention",
     "quantized_attention", "quantized_mla_attention",
 ]
 
@@ -28,6 +29,18 @@ KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
 def platform() -> str:
     """The default backend's platform ("cpu", "gpu" or "tpu"); one place to stub in tests."""
     return jax.default_backend()
+
+
+def kernel_takes(pages) -> bool:
+    """Whether the default backend's kernel takes one layer's `pages` (a tuple of pools
+    `[..., page_size, width]`: K and V, or MLA's latent and rope pages): every width is
+    one the kernel supports and, on GPU, the page size is a power of two. "auto" runs
+    the XLA path where it is not (impl="pallas" raises, naming the shape)."""
+    backend = "gpu" if platform() == "gpu" else "tpu"
+    widths = block_sizes.GPU_HEAD_DIMS if backend == "gpu" else block_sizes.TPU_HEAD_DIMS
+    page_size = pages[0].shape[-2]
+    return (all(p.shape[-1] in widths for p in pages)
+            and (backend != "gpu" or page_size & (page_size - 1) == 0))
 
 
 def _backend_and_interpret(interpret: bool | None) -> tuple[str, bool]:

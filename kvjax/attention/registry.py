@@ -128,13 +128,15 @@ CPU_KERNEL_OPS = ("paged_decode_attention", "paged_prefill_attention", "mla_deco
                   "quantized_attention")
 
 
-def auto_impl(op: str, dtype=None) -> str:
-    """The implementation "auto" resolves to for `op` (on pages of `dtype`) on the default
-    backend: the Pallas kernel on TPU and GPU where the op has one; on CPU the C++ kernel
-    where the CPU backend measured it faster than the XLA path on this CPU's build
-    (`kvjax.backends.cpu.choose`), the XLA path otherwise."""
+def auto_impl(op: str, dtype=None, pages=None) -> str:
+    """The implementation "auto" resolves to for `op` (on pages of `dtype`; `pages`, one
+    layer's pools, when known) on the default backend: the Pallas kernel on TPU and GPU
+    where the op has one that takes these pages (`pallas_impls.kernel_takes`); on CPU
+    the C++ kernel where the CPU backend measured it faster than the XLA path on this
+    CPU's build (`kvjax.backends.cpu.choose`), the XLA path otherwise."""
     platform = pallas_impls.platform()
-    if platform in ("tpu", "gpu") and op in PALLAS_KERNEL_OPS:
+    if platform in ("tpu", "gpu") and op in PALLAS_KERNEL_OPS and (
+            pages is None or pallas_impls.kernel_takes(pages)):
         return "pallas"
     if platform == "cpu" and op in CPU_KERNEL_OPS and cpu_backend.choose(
             op, dtype=dtype).use_kernel:
@@ -142,7 +144,7 @@ def auto_impl(op: str, dtype=None) -> str:
     return "xla"
 
 
-def impl_name(op: str, impl, dtype=None) -> str | None:
+def impl_name(op: str, impl, dtype=None, pages=None) -> str | None:
     """The registered impl name `impl` stands for (None for a resolving object)."""
     if hasattr(impl, "resolve_attention"):
         return None
@@ -150,18 +152,19 @@ def impl_name(op: str, impl, dtype=None) -> str | None:
         raise ValueError(f"{op}: impl must be one of {IMPLS} or an object with "
                          f"resolve_attention (e.g. kvjax.sharding.ShardedAttention), "
                          f"got {impl!r}.")
-    return auto_impl(op, dtype) if impl == "auto" else impl
+    return auto_impl(op, dtype, pages) if impl == "auto" else impl
 
 
-def resolve(op: str, impl, interpret: bool | None = None, dtype=None) -> tuple[Callable, bool]:
+def resolve(op: str, impl, interpret: bool | None = None, dtype=None,
+            pages=None) -> tuple[Callable, bool]:
     """The function to run for `op` under `impl`, and whether it takes whole pools + layer.
 
-    `dtype` (the pages' dtype) informs what "auto" picks.
+    `dtype` (the pages' dtype) and `pages` (one layer's pools) inform what "auto" picks.
 
     Raises:
       ValueError: an unknown impl name. NotImplementedError: an impl the op lacks.
     """
-    name = impl_name(op, impl, dtype)
+    name = impl_name(op, impl, dtype, pages)
     if name is None:
         return (impl.resolve_attention(op, interpret=interpret),
                 bool(getattr(impl, "takes_layer", False)))

@@ -44,6 +44,30 @@ def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform,
         assert registry.auto_impl("paged_prefill_attention") == "xla"
 
 
+@pytest.mark.parametrize("platform,head_dim,page_size", [
+    ("gpu", 8, 8),     # a width the GPU kernel lacks
+    ("gpu", 64, 12),   # a page size that is not a power of two
+    ("tpu", 32, 8),    # the TPU kernel's widths start at 64
+])
+def test_auto_runs_xla_where_the_kernel_does_not_take_the_pages(monkeypatch, rng, platform,
+                                                               head_dim, page_size):
+    monkeypatch.setattr(pallas_impls, "platform", lambda: platform)
+    args = _gqa_inputs(rng, head_dim=head_dim, page_size=page_size)
+    pages = args[1:3]
+    assert not pallas_impls.kernel_takes(pages)
+    assert registry.auto_impl("paged_decode_attention", pages=pages) == "xla"
+    with pytest.raises(ValueError, match=r"head_dim|page_size"):
+        decode_op(*args, impl="pallas", interpret=True)
+    got = decode_op(*args)  # "auto": the XLA path, not the kernel's error
+    want = paged_ref.paged_decode_attention(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    # Pages the kernel takes still go to it.
+    good = _gqa_inputs(rng, head_dim=64, page_size=8)[1:3]
+    assert pallas_impls.kernel_takes(good)
+    assert registry.auto_impl("paged_decode_attention", pages=good) == "pallas"
+
+
 @pytest.mark.heavy
 def test_pallas_on_cpu_interprets_by_default(rng):
     args = _gqa_inputs(rng)
