@@ -7,19 +7,25 @@ with `--slow` (see tests/conftest.py).
 import pytest
 
 
-@pytest.fixture
-def pretend_tpu_v5e(monkeypatch):
-    """Makes Mosaic lowering on a CPU-only machine target a one-core TPU v5e.
+def _pretend(device_kind: str, platform: str):
+    """Lowering for a device this machine lacks, through jax's public abstract-device hook
+    (an abstract mesh of no axes whose device is `device_kind`)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-    Mosaic asks the default device for its TPU generation through private hooks
-    (`jax._src.pallas.mosaic.tpu_info`); a jax without them skips the test.
-    """
-    try:
-        from jax._src.pallas.mosaic import tpu_info
-    except ImportError as e:
-        pytest.skip(f"this jax has no Mosaic tpu_info module to patch ({e})")
-    if not hasattr(tpu_info, "get_device_kind") or not hasattr(tpu_info,
-                                                               "get_num_device_cores"):
-        pytest.skip("this jax has no tpu_info device hooks to patch")
-    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
-    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    return use_abstract_mesh(AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind, 1, platform)))
+
+
+@pytest.fixture
+def pretend_tpu_v5e():
+    """Makes Mosaic lowering on a CPU-only machine target a one-core TPU v5e."""
+    with _pretend("TPU v5 lite", "tpu"):
+        yield
+
+
+@pytest.fixture
+def pretend_h100():
+    """Makes Triton lowering on a machine without a GPU target an H100 (jax 0.11 no longer
+    falls back to one by itself: it raises "No supported GPU devices found")."""
+    with _pretend("NVIDIA H100", "gpu"):
+        yield

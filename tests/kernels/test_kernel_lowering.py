@@ -53,7 +53,7 @@ def test_tpu_kernels_lower_to_mosaic(pretend_tpu_v5e, op, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("op", ["gqa", "mla"])
-def test_gpu_kernels_lower_to_triton(op, dtype):
+def test_gpu_kernels_lower_to_triton(pretend_h100, op, dtype):
     if op == "gqa":
         fn, args = gpu.paged_decode_attention, _gqa_args(dtype, 16)
     else:

@@ -307,7 +307,7 @@ def test_tpu_kernels_lower_to_mosaic(pretend_tpu_v5e, mla, bits):
 
 
 @pytest.mark.parametrize("mla,bits", LOWER_CASES)
-def test_gpu_kernels_lower_to_triton(mla, bits):
+def test_gpu_kernels_lower_to_triton(pretend_h100, mla, bits):
     exp = export.export(
         jax.jit(_fn(qgpu, mla, bits)), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
