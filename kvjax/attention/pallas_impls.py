@@ -8,6 +8,7 @@ sequence uses are copied).
 """
 
 import jax
+from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.mla_decode import gpu as mla_gpu
 from kernels_pallas.mla_decode import tpu as mla_tpu
@@ -31,16 +32,37 @@ def platform() -> str:
     return jax.default_backend()
 
 
-def kernel_takes(pages) -> bool:
+def kernel_takes(pages=None) -> bool:
     """Whether the default backend's kernel takes one layer's `pages` (a tuple of pools
-    `[..., page_size, width]`: K and V, or MLA's latent and rope pages): every width is
-    one the kernel supports and, on GPU, the page size is a power of two. "auto" runs
-    the XLA path where it is not (impl="pallas" raises, naming the shape)."""
+    `[..., page_size, width]`: K and V, or MLA's latent and rope pages; None: any pages):
+    on GPU, Triton knows the GPU (`_triton_knows_this_gpu`) and the page size is a power of
+    two; every width is one the kernel supports. "auto" runs the XLA path where it is not
+    (impl="pallas" raises, naming the shape)."""
     backend = "gpu" if platform() == "gpu" else "tpu"
+    if backend == "gpu" and not _triton_knows_this_gpu():
+        return False
+    if pages is None:
+        return True
     widths = block_sizes.GPU_HEAD_DIMS if backend == "gpu" else block_sizes.TPU_HEAD_DIMS
     page_size = pages[0].shape[-2]
     return (all(p.shape[-1] in widths for p in pages)
             and (backend != "gpu" or page_size & (page_size - 1) == 0))
+
+
+def _triton_knows_this_gpu() -> bool:
+    """Whether Pallas' Triton lowering takes the default GPU: from jax 0.11 on it lowers only
+    for the GPU kinds it has a table entry for (`plgpu.get_gpu_info` raises on the others,
+    e.g. an L40S or an A10G); before, it lowered for any."""
+    get = getattr(plgpu, "get_gpu_info", None)
+    if get is None:
+        return True
+    try:
+        get()
+    except (ValueError, RuntimeError):
+        return False
+    except TypeError:  # a signature this code does not know: leave the choice as it was
+        return True
+    return True
 
 
 def _backend_and_interpret(interpret: bool | None) -> tuple[str, bool]:

@@ -135,8 +135,8 @@ def auto_impl(op: str, dtype=None, pages=None) -> str:
     the C++ kernel where the CPU backend measured it faster than the XLA path on this
     CPU's build (`kvjax.backends.cpu.choose`), the XLA path otherwise."""
     platform = pallas_impls.platform()
-    if platform in ("tpu", "gpu") and op in PALLAS_KERNEL_OPS and (
-            pages is None or pallas_impls.kernel_takes(pages)):
+    if platform in ("tpu", "gpu") and op in PALLAS_KERNEL_OPS and pallas_impls.kernel_takes(
+            pages):
         return "pallas"
     if platform == "cpu" and op in CPU_KERNEL_OPS and cpu_backend.choose(
             op, dtype=dtype).use_kernel:

@@ -68,6 +68,23 @@ def test_auto_runs_xla_where_the_kernel_does_not_take_the_pages(monkeypatch, rng
     assert registry.auto_impl("paged_decode_attention", pages=good) == "pallas"
 
 
+def test_auto_runs_xla_on_a_gpu_triton_does_not_know(monkeypatch, rng):
+    """jax >= 0.11 lowers Triton kernels only for the GPU kinds it lists."""
+    from jax.experimental.pallas import triton as plgpu
+
+    def unknown():
+        raise ValueError("Unsupported GPU device kind: NVIDIA L40S")
+
+    monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
+    monkeypatch.setattr(plgpu, "get_gpu_info", unknown, raising=False)
+    pages = _gqa_inputs(rng, head_dim=64, page_size=8)[1:3]
+    assert registry.auto_impl("paged_decode_attention", pages=pages) == "xla"
+    assert registry.auto_impl("mla_decode_attention") == "xla"
+    monkeypatch.setattr(plgpu, "get_gpu_info", lambda: object(), raising=False)
+    assert registry.auto_impl("paged_decode_attention", pages=pages) == "pallas"
+    assert registry.auto_impl("mla_decode_attention") == "pallas"
+
+
 @pytest.mark.heavy
 def test_pallas_on_cpu_interprets_by_default(rng):
     args = _gqa_inputs(rng)
