@@ -119,3 +119,16 @@ def native_flavours():
             backend != kind, reason=f"needs a {kind.upper()} backend"))
         for kind in ("tpu", "gpu")
     ]
+
+
+def triton_export(fn, *args) -> tuple[str, str]:
+    """`fn(*args)` exported for CUDA: (its MLIR module text, the custom-call target Pallas'
+    Triton kernels lower to). The target is jax's own name where jax names it (jax says it
+    may change)."""
+    from jax import export
+    from jax.experimental.pallas import triton as plgpu
+
+    target = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    exp = export.export(jax.jit(fn), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
+    return exp.mlir_module(), target

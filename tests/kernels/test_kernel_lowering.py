@@ -21,6 +21,7 @@ from jax import export
 from kernels_pallas.mla_decode import gpu as mla_gpu
 from kernels_pallas.mla_decode import tpu as mla_tpu
 from kernels_pallas.paged_attention import gpu, tpu
+from tests.kernels.kernel_cases import triton_export
 
 S = jax.ShapeDtypeStruct
 BATCH, PAGES, MAX_PAGES = 4, 64, 8
@@ -58,8 +59,5 @@ def test_gpu_kernels_lower_to_triton(pretend_h100, op, dtype):
         fn, args = gpu.paged_decode_attention, _gqa_args(dtype, 16)
     else:
         fn, args = functools.partial(mla_gpu.mla_decode_attention, scale=0.1), _mla_args(dtype, 16)
-    exp = export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*args)
-    assert exp.mlir_module().count("xla.gpu.triton") == 1
+    module, target = triton_export(fn, *args)
+    assert module.count(target) == 1

@@ -37,7 +37,7 @@ from kernels_pallas.paged_attention.tpu import interpret_params
 from kernels_pallas.quantized_attention import gpu as qgpu
 from kernels_pallas.quantized_attention import reference as qref
 from kernels_pallas.quantized_attention import tpu as qtpu
-from tests.kernels.kernel_cases import interpreted, make_tables, native_flavours
+from tests.kernels.kernel_cases import interpreted, make_tables, native_flavours, triton_export
 
 PS, G, MAX_PAGES, RING = 16, 16, 4, 32
 RATIOS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (4, 1)}
@@ -308,11 +308,8 @@ def test_tpu_kernels_lower_to_mosaic(pretend_tpu_v5e, mla, bits):
 
 @pytest.mark.parametrize("mla,bits", LOWER_CASES)
 def test_gpu_kernels_lower_to_triton(pretend_h100, mla, bits):
-    exp = export.export(
-        jax.jit(_fn(qgpu, mla, bits)), platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*_export_args(mla, bits))
-    assert exp.mlir_module().count("xla.gpu.triton") == 1
+    module, target = triton_export(_fn(qgpu, mla, bits), *_export_args(mla, bits))
+    assert module.count(target) == 1
 
 
 # --- end to end: a quantized tiny model decodes the same tokens with impl="pallas" ---
