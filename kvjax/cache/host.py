@@ -126,6 +126,12 @@ def _host_sharding(x: Array):
     return x.sharding.with_memory_kind(HOST_MEMORY)
 
 
+def _host_zeros(shape, like: Array) -> Array:
+    """A zero host pool for device pool `like`, built in host memory: from a NumPy array
+    (untouched zero pages until copied), not a device array of the pool's size."""
+    return jax.device_put(np.zeros(shape, _host_dtype(like.dtype)), _host_sharding(like))
+
+
 def attach(
     cache: PagedKVCache, num_pages: int, *, parked: int = 0, stream_pages: int = 0
 ) -> PagedKVCache:
@@ -174,7 +180,7 @@ def attach(
 
     def pool(x):
         shape = (*x.shape[:2], int(num_pages), *x.shape[3:])
-        return jax.device_put(jnp.zeros(shape, _host_dtype(x.dtype)), _host_sharding(x))
+        return _host_zeros(shape, x)
 
     pages = jax.tree.map(pool, cache.pages)
     table = pt.init_page_table(num_pages=int(num_pages), max_seqs=spec.max_seqs + parked,
@@ -184,7 +190,7 @@ def attach(
     if cache.tail is not None:
         def ring(x):
             shape = (*x.shape[:2], int(parked), *x.shape[3:])
-            return jax.device_put(jnp.zeros(shape, _host_dtype(x.dtype)), _host_sharding(x))
+            return _host_zeros(shape, x)
         tail_a, tail_b = ring(cache.tail.a), ring(cache.tail.b)
     tier = HostTier(pages=pages, table=table, parked_lengths=jnp.zeros((parked,), jnp.int32),
                     tail_a=tail_a, tail_b=tail_b, stream_pages=int(stream_pages))
