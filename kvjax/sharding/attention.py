@@ -137,6 +137,54 @@ def _whole(pools, layer):
     return tuple(pools), jnp.asarray(layer, jnp.int32)
 
 
+# The jitted shard_map of each op body, so that an eager call (outside an enclosing jit)
+# compiles once per op, shapes and options instead of at every call. A body is keyed by
+# its code and the values it closes over (dicts by their items). A body is not cached when
+# it closes over something unhashable (an array, a tracer) or over a function that has a
+# closure of its own (made per call: its values are not in the key).
+_JITTED: dict = {}
+_JITTED_MAX = 256
+
+
+def _closure_key(fn):
+    vals = []
+    for cell in fn.__closure__ or ():
+        v = cell.cell_contents
+        if isinstance(v, dict):
+            v = tuple(sorted(v.items()))
+        if callable(v) and not isinstance(v, type) and (
+                getattr(v, "__closure__", None) or not hasattr(v, "__code__")):
+            return None
+        try:
+            hash(v)
+        except TypeError:
+            return None
+        vals.append(v)
+    return fn.__code__, tuple(vals)
+
+
+def _jitted_map(attn, body, in_specs, out_specs):
+    """jax.jit(shard_map(body)) over `attn`'s mesh, from the cache when it can be."""
+    def build():
+        return jax.jit(jax.shard_map(lambda a, b, c: body(a, b, c), mesh=attn.plan.mesh,
+                                     in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+    closure = _closure_key(body)
+    if closure is None:
+        return build()
+    key = (attn, closure, jax.tree.structure(in_specs), tuple(jax.tree.leaves(in_specs)),
+           jax.tree.structure(out_specs), tuple(jax.tree.leaves(out_specs)))
+    try:
+        fn = _JITTED.get(key)
+    except TypeError:  # an unhashable spec
+        return build()
+    if fn is None:
+        if len(_JITTED) >= _JITTED_MAX:
+            _JITTED.clear()
+        fn = _JITTED[key] = build()
+    return fn
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedAttention:
     """An `impl=` for `kvjax.attention` ops that runs them sharded under `plan`.
@@ -252,8 +300,7 @@ class ShardedAttention:
         # are made invariant over the page axes by the psum merge.
         # Under jit even when called eagerly: an eager shard_map runs (and compiles) its
         # body one primitive at a time, a hundred small SPMD programs per call.
-        fn = jax.jit(jax.shard_map(lambda a, b, c: body(a, b, c), mesh=self.plan.mesh,
-                                   in_specs=in_specs, out_specs=out_spec, check_vma=False))
+        fn = _jitted_map(self, body, in_specs, out_spec)
         out, lse = fn(tuple(qs), tuple(arrays), others)
         return out.astype(qs[0].dtype), lse
 
@@ -551,9 +598,7 @@ class ShardedAttention:
         in_specs = (jax.tree.map(lambda _: P(), arrays),
                     tuple(P(None, None, page, None, None) for _ in pools),
                     jax.tree.map(lambda _: P(), others))
-        fn = jax.jit(jax.shard_map(body, mesh=self.plan.mesh, in_specs=in_specs,
-                                   out_specs=out_specs, check_vma=False))  # as in `_run`
-        return fn(arrays, tuple(pools), others)
+        return _jitted_map(self, body, in_specs, out_specs)(arrays, tuple(pools), others)
 
     def _indexer_scores(self, q, weights, key_pages, block_tables, key_lengths, q_pos, *,
                         scale, layer=None, interpret=None):

@@ -179,3 +179,34 @@ def test_pallas_kernels_run_inside_shard_map(rng):
                   static_argnames="impl")
     _close(mla(ql, qr, s.k, s.v, s.lengths, s.block_tables, impl=impl),
            mla(ql, qr, v.k, v.v, v.lengths, v.block_tables, impl="reference"))
+
+
+def test_eager_calls_compile_once_per_op_and_options(rng):
+    """Called outside jit, a sharded op reuses its compiled shard_map: a second call with
+    new queries does not retrace, and other options (a soft cap) get their own program
+    and their own results."""
+    from kvjax.sharding import attention as sharded
+
+    plan = make_plan((2, 4), ("data", "model"), ("sequences", "heads"))
+    spec = gqa_spec()
+    cache = filled_cache(spec, plan, rng.permutation(LENGTHS), rng)
+    v, s = view(cache), sharded_view(cache)
+    impl = kvs.ShardedAttention(plan)
+
+    def draw():
+        return jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 16)), jnp.float32)
+
+    def entries():
+        return {k: fn for k, fn in sharded._JITTED.items() if k[0] == impl}
+
+    before = set(entries())
+    for cap in (None, None, 20.0, None, 20.0):
+        q = draw()
+        got = kva.paged_decode_attention(q, s.k, s.v, s.lengths, s.block_tables,
+                                         soft_cap=cap, impl=impl)
+        want = kva.paged_decode_attention(q, v.k, v.v, v.lengths, v.block_tables,
+                                          soft_cap=cap, impl="reference")
+        _close(got, want)
+    new = {k: fn for k, fn in entries().items() if k not in before}
+    assert len(new) == 2  # one program per soft cap
+    assert all(fn._cache_size() == 1 for fn in new.values())  # traced once each
