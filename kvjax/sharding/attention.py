@@ -151,7 +151,10 @@ def _closure_key(fn):
     for cell in fn.__closure__ or ():
         v = cell.cell_contents
         if isinstance(v, dict):
-            v = tuple(sorted(v.items()))
+            try:
+                v = tuple(sorted(v.items()))
+            except TypeError:  # keys that do not sort
+                return None
         if callable(v) and not isinstance(v, type) and (
                 getattr(v, "__closure__", None) or not hasattr(v, "__code__")):
             return None
