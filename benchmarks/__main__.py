@@ -51,7 +51,8 @@ panel per section). The default <out> is benchmarks/results/<machine kind>/ (e.g
 cpu-intel-2core, gpu-nvidia-h200): the latest run per machine kind is what the
 repository keeps. A full run into that folder also rewrites the generated tables of
 README.md and docs/performance.md (`--no-docs` leaves them); `--only S --merge` reruns
-sections S into it, keeping the other sections' data, and rewrites them too. The exit
+sections S into it, keeping the other sections' data, and rewrites them too (the
+README's summary only when it already summarises that folder). The exit
 status is 0 only if every section ran and verified its results.
 """
 
@@ -278,7 +279,8 @@ def main(argv=None):
     p.add_argument("--merge", action="store_true",
                    help="with --only, into the default folder: replace those sections of its "
                         "run.json (the others stay; each merged section records when, on "
-                        "which commit and under which load it ran) and rewrite the docs")
+                        "which commit and under which load it ran) and rewrite the docs "
+                        "(the README's summary only if it summarises this folder)")
     a = p.parse_args(argv)
     if a.merge and (not a.only or a.quick or a.out is not None):
         p.error("--merge needs --only, and neither --quick nor --out (it merges into the "
@@ -351,7 +353,7 @@ def main(argv=None):
     if not (a.quick or a.no_docs or failed or (a.only and not a.merge)) and (
             out_dir == default_out):
         from benchmarks import report
-        for path in report.update_docs(out_dir):
+        for path in report.update_docs(out_dir, merged=a.merge):
             print(f"updated {path}")
     return 1 if failed else 0
 

@@ -414,11 +414,20 @@ def replace_block(text: str, name: str, body: str) -> str:
     return pat.sub(lambda m: f"{m.group(1)}\n{body.strip()}\n{m.group(2)}", text, count=1)
 
 
-def update_docs(folder: Path, root: Path = ROOT) -> list[Path]:
+def _block(text: str, name: str) -> str:
+    """The generated block `name` of a document ("" when it has none)."""
+    m = re.search(rf"<!-- benchmarks:{re.escape(name)} -->(.*?)<!-- /benchmarks:"
+                  rf"{re.escape(name)} -->", text, re.S)
+    return m.group(1) if m else ""
+
+
+def update_docs(folder: Path, root: Path = ROOT, *, merged: bool = False) -> list[Path]:
     """Rewrites README.md's summary and docs/performance.md's block for the run's machine kind.
 
     docs/performance.md holds one block per machine kind (`<!-- benchmarks:KIND -->`); a
-    kind without a block gets one appended.
+    kind without a block gets one appended. The README summarises one CPU run: a `merged`
+    run (some sections rerun into a folder) rewrites it only if it already summarises that
+    folder, so a partial run on another machine kind never replaces it.
     """
     folder = Path(folder).resolve()
     run = load_run(folder)
@@ -426,8 +435,10 @@ def update_docs(folder: Path, root: Path = ROOT) -> list[Path]:
     kind = folder.name
     written = []
     readme = root / "README.md"
-    if run["machine"]["backend"] == "cpu":  # the README summarises the CPU run
-        readme.write_text(replace_block(readme.read_text(), "summary", summary(run, rel)))
+    text = readme.read_text()
+    ours = f"`{rel}/run.json`" in _block(text, "summary")
+    if run["machine"]["backend"] == "cpu" and (ours or not merged):
+        readme.write_text(replace_block(text, "summary", summary(run, rel)))
         written.append(readme)
     perf = root / "docs" / "performance.md"
     text = perf.read_text()

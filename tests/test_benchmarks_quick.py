@@ -153,3 +153,31 @@ _CHECKS = {"roofline": _check_roofline, "paging": _check_paging, "pool": _check_
            "decode": _check_decode, "e2e": _check_e2e, "kvbits": _check_kvbits,
            "dsa": _check_dsa, "serving": _check_serving,
            "capacity": _check_capacity_section}
+
+
+def test_a_merged_run_of_another_machine_leaves_the_readme_summary(tmp_path):
+    """`--only S --merge` on a machine kind the README does not summarise rewrites only
+    that kind's docs block (a one-section run once replaced the README's whole table)."""
+    import shutil
+
+    from benchmarks import report
+
+    results = ROOT / "benchmarks" / "results"
+    kinds = sorted(p.name for p in results.iterdir() if (p / "run.json").exists())
+    readme_text = (ROOT / "README.md").read_text()
+    cited = [k for k in kinds if f"benchmarks/results/{k}/run.json" in readme_text]
+    others = [k for k in kinds if k not in cited]
+    assert cited and others, f"needs the summarised kind and another one; have {kinds}"
+    for rel in ("README.md", "docs/performance.md",
+                *(f"benchmarks/results/{k}/run.json" for k in kinds)):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    readme = tmp_path / "README.md"
+    before = readme.read_text()
+    written = report.update_docs(tmp_path / "benchmarks" / "results" / others[0], tmp_path,
+                                 merged=True)
+    assert readme not in written and readme.read_text() == before
+    assert f"<!-- benchmarks:{others[0]} -->" in (tmp_path / "docs/performance.md").read_text()
+    # A full run of that kind takes the README over.
+    written = report.update_docs(tmp_path / "benchmarks" / "results" / others[0], tmp_path)
+    assert readme in written and f"results/{others[0]}/run.json" in readme.read_text()
