@@ -405,20 +405,24 @@ def full_report(run: dict, folder: str) -> str:
     return "\n\n".join(out)
 
 
+def _block_pattern(name: str) -> re.Pattern:
+    """`<!-- benchmarks:NAME -->`, what lies between, `<!-- /benchmarks:NAME -->`."""
+    return re.compile(rf"(<!-- benchmarks:{re.escape(name)} -->)(.*?)(<!-- /benchmarks:"
+                      rf"{re.escape(name)} -->)", re.S)
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     """Replaces what lies between `<!-- benchmarks:NAME -->` and `<!-- /benchmarks:NAME -->`."""
-    pat = re.compile(rf"(<!-- benchmarks:{re.escape(name)} -->).*?(<!-- /benchmarks:"
-                     rf"{re.escape(name)} -->)", re.S)
+    pat = _block_pattern(name)
     if not pat.search(text):
         raise ValueError(f"no <!-- benchmarks:{name} --> ... <!-- /benchmarks:{name} --> block")
-    return pat.sub(lambda m: f"{m.group(1)}\n{body.strip()}\n{m.group(2)}", text, count=1)
+    return pat.sub(lambda m: f"{m.group(1)}\n{body.strip()}\n{m.group(3)}", text, count=1)
 
 
 def _block(text: str, name: str) -> str:
     """The generated block `name` of a document ("" when it has none)."""
-    m = re.search(rf"<!-- benchmarks:{re.escape(name)} -->(.*?)<!-- /benchmarks:"
-                  rf"{re.escape(name)} -->", text, re.S)
-    return m.group(1) if m else ""
+    m = _block_pattern(name).search(text)
+    return m.group(2) if m else ""
 
 
 def update_docs(folder: Path, root: Path = ROOT, *, merged: bool = False) -> list[Path]:

@@ -43,10 +43,14 @@ def kernel_takes(pages=None) -> bool:
         return False
     if pages is None:
         return True
-    widths = block_sizes.GPU_HEAD_DIMS if backend == "gpu" else block_sizes.TPU_HEAD_DIMS
-    page_size = pages[0].shape[-2]
-    return (all(p.shape[-1] in widths for p in pages)
-            and (backend != "gpu" or page_size & (page_size - 1) == 0))
+    try:  # the kernels' own shape checks
+        for p in pages:
+            block_sizes.check_head_dim("auto", "width", p.shape[-1], backend)
+        if backend == "gpu":
+            paged_gpu.check_page_size("auto", pages[0].shape[-2])
+    except ValueError:
+        return False
+    return True
 
 
 def _triton_knows_this_gpu() -> bool:
