@@ -19,8 +19,13 @@ reading packed codes instead of pages):
     part is `(bytes >> i*b) & mask` = channels [i*W/k, (i+1)*W/k) (`layout.py`)
     times its scale plus its zero; logits sum q_i . k_i over slices and the
     output keeps one accumulator per slice (p @ v_i);
-  * online softmax in float32 with per-row masks; dots at HIGHEST precision
-    (IEEE float32: scales are float16, dequantized values need all 24 bits).
+  * online softmax in float32 with per-row masks. With 16-bit queries (a bf16 or f16
+    model) both dots take 16-bit operands: the dequantized slices and the
+    probabilities are rounded to the query's dtype, as the full-precision kernel's
+    pages and probabilities are, and run on the tensor cores with float32
+    accumulation. With float32 queries the dots run at HIGHEST precision (IEEE
+    float32: scales are float16, dequantized values need all 24 bits), which is
+    exact but several times slower.
 
 Restrictions (raised before tracing): power-of-two page size and widths, and
 a slice width W * bits / 8 of at least 16 (tl.dot's minimum operand size).
@@ -72,6 +77,7 @@ def _kernel(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    dot_dtype,
 ):
     nk = len(key_parts)
     parts = list(key_parts) + ([] if value_part is None else [value_part])
@@ -97,6 +103,8 @@ def _kernel(
     vpart = key_parts[0] if value_part is None else value_part
     n_acc = vpart.num_slices
     wv = vpart.slice_width
+    exact = dot_dtype == jnp.float32
+    precision = c.HIGHEST if exact else jax.lax.Precision.DEFAULT
 
     def part_slices(part, refs3, pages):
         if part.kind == "plain":
@@ -110,7 +118,7 @@ def _kernel(
             out.append(c.dequantize_slice(part, i, codes, s, z))
         return out
 
-    qs = [[c.f32(q_ref[:, pl.ds(i * p.slice_width, p.slice_width)])
+    qs = [[q_ref[:, pl.ds(i * p.slice_width, p.slice_width)].astype(dot_dtype)
            for i in range(p.num_slices)] for p, q_ref in zip(key_parts, q_refs, strict=True)]
 
     def body(blk, carry):
@@ -125,7 +133,7 @@ def _kernel(
             if pi == 0:
                 key0 = ks
             for qi, k in zip(qs[pi], ks, strict=True):
-                d = plgpu.dot(qi, k, trans_b=True, precision=c.HIGHEST)
+                d = plgpu.dot(qi, k.astype(dot_dtype), trans_b=True, precision=precision)
                 s = d if s is None else s + d
         s = s * jnp.float32(scale)
         if soft_cap is not None:
@@ -144,9 +152,10 @@ def _kernel(
         l_new = alpha * l_prev + jnp.sum(p, axis=1)
         vs = key0 if value_part is None else part_slices(value_part, part_pools[-1], pages)
         new_accs = []
+        p_dot = p.astype(dot_dtype)
         for acc, v in zip(accs, vs, strict=True):
-            v = jnp.where(in_range[:, None], v, 0.0)
-            new_accs.append(alpha[:, None] * acc + plgpu.dot(p, v, precision=c.HIGHEST))
+            v = jnp.where(in_range[:, None], v, 0.0).astype(dot_dtype)
+            new_accs.append(alpha[:, None] * acc + plgpu.dot(p_dot, v, precision=precision))
         return m_new, l_new, tuple(new_accs)
 
     init = (
@@ -210,9 +219,13 @@ def _pages_gpu(
                               lambda b, i, s: (b, i // n_hb, i % n_hb, 0)) for q in qs]
     in_specs += [pl.BlockSpec((None, num_pool_pages) + p.shape[2:],
                               lambda b, i, s: (i // n_hb, 0, 0, 0)) for p in pools]
+    # 16-bit queries: 16-bit tensor-core dots; float32 queries: exact float32 dots.
+    q_dtype = qs[0].dtype
+    dot_dtype = q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
     kernel = functools.partial(
         _kernel, key_parts=key_parts, value_part=value_part, pages_per_block=ppb,
         pages_per_split=pps, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        dot_dtype=jnp.dtype(dot_dtype),
     )
     out, lse = pl.pallas_call(
         kernel,

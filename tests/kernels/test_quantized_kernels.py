@@ -43,6 +43,9 @@ PS, G, MAX_PAGES, RING = 16, 16, 4, 32
 RATIOS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (4, 1)}
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 LSE_TOL = dict(rtol=1e-5, atol=1e-5)
+# With bf16 queries the GPU kernel rounds the dequantized keys to bf16 for its tensor-core
+# dot (2^-9 relative per key), so its logits and lse move by about 1e-3 at these sizes.
+GPU_BF16_LSE_TOL = dict(rtol=2e-3, atol=2e-3)
 
 ref_gqa = jax.jit(qref.quantized_attention,
                   static_argnames=("k_bits", "v_bits", "scale", "soft_cap", "sliding_window"))
@@ -114,13 +117,14 @@ def _kernel(kind, mla):
     return functools.partial(fn, interpret=interpret)
 
 
-def _check(got, want, dtype):
+def _check(got, want, dtype, kind):
     (out, lse), (ref_out, ref_lse) = got, want
     assert out.dtype == ref_out.dtype and out.shape == ref_out.shape
     assert lse.dtype == jnp.float32 and lse.shape == ref_lse.shape
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
                                **TOL[dtype])
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **LSE_TOL)
+    lse_tol = GPU_BF16_LSE_TOL if kind.startswith("gpu") and dtype == jnp.bfloat16 else LSE_TOL
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **lse_tol)
     # The empty sequence is padding; every other row saw keys.
     assert np.all(np.isneginf(np.asarray(lse)[0])) and np.all(np.asarray(out)[0] == 0)
     assert np.all(np.isfinite(np.asarray(ref_lse)[1:, 0]))
@@ -131,13 +135,13 @@ def run_gqa(rng, kind, bits, ratio, q_len=1, dtype=jnp.float32, soft_cap=None, w
     args = gqa_case(rng, bits=bits, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len,
                     dtype=dtype)
     opts = dict(k_bits=bits, v_bits=bits, scale=0.125, soft_cap=soft_cap, sliding_window=window)
-    _check(_kernel(kind, False)(*args, **opts), ref_gqa(*args, **opts), dtype)
+    _check(_kernel(kind, False)(*args, **opts), ref_gqa(*args, **opts), dtype, kind)
 
 
 def run_mla(rng, kind, bits, q_len=1, dtype=jnp.float32):
     args = mla_case(rng, bits=bits, q_len=q_len, dtype=dtype)
     _check(_kernel(kind, True)(*args, bits=bits, scale=0.09),
-           ref_mla(*args, bits=bits, scale=0.09), dtype)
+           ref_mla(*args, bits=bits, scale=0.09), dtype, kind)
 
 
 # CI: every bits value, GQA ratio and q_len appears for GQA and for MLA, and every kernel
