@@ -95,8 +95,9 @@ def _decode_kernel(
         s = None
         for q, k_ref in zip(qs, k_refs, strict=True):
             k = k_ref[pages].reshape(bk, k_ref.shape[-1])
-            # Triton's dot takes one element type (jax >= 0.11 checks): the wider of the two.
-            dt = jnp.promote_types(q.dtype, k.dtype)
+            # Triton's dot takes one element type (jax >= 0.11 checks): float32 when they
+            # differ (jnp.promote_types refuses f32 x bf16 under strict promotion).
+            dt = q.dtype if q.dtype == k.dtype else jnp.float32
             part = plgpu.dot(q.astype(dt), k.astype(dt), trans_b=True, precision=precision)
             s = part if s is None else s + part
         s = s * jnp.float32(scale)

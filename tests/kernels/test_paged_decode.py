@@ -117,6 +117,18 @@ def test_empty_sequences_give_zero_and_neg_inf(rng, kernel):
     assert np.all(np.isneginf(np.asarray(lse)[[0, 2]]))
 
 
+@pytest.mark.parametrize("kernel", ["tpu", "gpu", *native_flavours()])
+def test_float32_queries_over_bf16_pages(rng, kernel):
+    # A float32 model over a bf16 cache (the models upcast q): the kernels mix the two
+    # under strict dtype promotion (the tests' setting) as on the device.
+    q, k, v, lengths, tables = gqa_case(rng, q_heads=8, kv_heads=2, head_dim=64, page_size=8,
+                                        max_pages=4, dtype=jnp.bfloat16)
+    q = q.astype(jnp.float32) + jnp.asarray(rng.standard_normal(q.shape) * 1e-2, jnp.float32)
+    out, lse = run_kernel(kernel, q, k, v, lengths, tables, block_pages=2)
+    assert out.dtype == jnp.float32
+    assert_close((out, lse), ref_decode(q, k, v, lengths, tables), jnp.bfloat16)
+
+
 def _small(rng, head_dim=64, page_size=8, max_pages=3):
     return gqa_case(rng, q_heads=4, kv_heads=2, head_dim=head_dim, page_size=page_size,
                     max_pages=max_pages, dtype=jnp.float32, lengths=[3, 9])
