@@ -186,10 +186,10 @@ def test_a_swapped_out_sequence_resumes_in_another_slot(gqa, dtype, quant):
 # ------------------------------------------------------------------ invariants, bytes
 
 
-def _spec_small(quant: bool):
+def _spec_small(quant: bool, dtype: str = "float32"):
     return kvx.CacheSpec(
         attention=kvx.AttentionSpec(q_heads=4, kv_heads=2, head_dim=16), num_layers=2,
-        page_size=8, num_pages=14, max_seqs=3, max_pages_per_seq=6, dtype="float32",
+        page_size=8, num_pages=14, max_seqs=3, max_pages_per_seq=6, dtype=dtype,
         quant=QuantSpec(bits=4, group_size=8, residual=8) if quant else None)
 
 
@@ -259,8 +259,36 @@ OPS = st.lists(st.tuples(st.sampled_from(["fill", "move", "swap_out", "swap_in",
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, seed=st.integers(0, 2**31 - 1))
 def test_random_interleavings_keep_both_tiers_and_every_byte(quant, ops, seed):
-    rng = np.random.default_rng(seed)
-    cache = host.attach(kc.init_cache(_spec_small(quant)), 10, parked=2, stream_pages=4)
+    _interleave(_spec_small(quant), ops, np.random.default_rng(seed))
+
+
+@pytest.fixture
+def page_at_a_time(monkeypatch):
+    """Moves take the GPU's way (one page at a time, device_put + dynamic_update_slice into
+    the donated host pool) on this CPU; a host computation would raise."""
+    def no_host_compute(*args, **kwargs):
+        raise AssertionError("a page move ran a host computation")
+
+    monkeypatch.setattr(host, "PAGE_AT_A_TIME", True)
+    monkeypatch.setattr(host, "_on_host", no_host_compute)
+    jax.clear_caches()  # the tier's programs retrace with the patched path
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("quant", [False, True], ids=["bf16", "int4"])
+def test_page_at_a_time_moves_keep_both_tiers_and_every_byte(page_at_a_time, quant):
+    rng = np.random.default_rng()
+    ops = [(str(rng.choice(["fill", "fill", "move", "swap_out", "swap_in", "drop", "free",
+                            "fork"])), int(rng.integers(3)), int(rng.integers(2)),
+            int(rng.choice([5, 8, 21, 40]))) for _ in range(24)]
+    _interleave(_spec_small(quant, "bfloat16"), ops, rng)
+
+
+def _interleave(spec, ops, rng):
+    """Runs `ops` on a tiered cache and checks the invariants and every byte after each."""
+    cache = host.attach(kc.init_cache(spec), 10, parked=2, stream_pages=4)
     live: dict[int, list] = {}      # slot -> content
     parked: dict[int, list] = {}    # row -> content
     for op, a, b, n in ops:
