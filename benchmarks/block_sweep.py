@@ -7,7 +7,8 @@ num_splits), checks each result against the jnp reference in the same run, and r
 the median time, the KV bytes read per second, and that rate as a fraction of the
 device's streaming-read bandwidth (a large bf16 reduction, measured in the same run).
 The default block sizes are marked, and the best setting per op is printed with its
-speed-up over the default.
+speed-up over the default. A setting the device cannot run (e.g. more shared memory than
+the GPU has) is listed as such; a result that disagrees with the reference fails the run.
 
 On CPU the kernels run in Pallas' interpret mode on `--quick`'s tiny shapes: a check of
 every setting's result, not a speed.
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
           f"{read_gbps:.0f} GB/s; batch {args.batch} x {args.context} tokens, page "
           f"{args.page_size}", flush=True)
     t_start = time.perf_counter()
-    rows, skipped = [], []
+    rows, skipped, failed = [], [], []
     grid = list(itertools.product(args.block_tokens, args.warps, args.stages, args.splits))
     jobs = [(op, bits) for op in args.ops for bits in (args.bits if op[0] == "q" else [None])]
     for op, bits in jobs:
@@ -190,8 +191,14 @@ def main(argv=None) -> int:
             if time.perf_counter() - t_start > args.time_limit:
                 skipped.append(dict(op=op, bits=bits, **dataclasses.asdict(bs)))
                 continue
-            ms, (out, lse) = time_fn(jax.jit(functools.partial(fn, block_sizes=bs)), inputs,
-                                     1, args.repeats)
+            try:
+                ms, (out, lse) = time_fn(jax.jit(functools.partial(fn, block_sizes=bs)), inputs,
+                                         1, args.repeats)
+            except jax.errors.JaxRuntimeError as e:  # e.g. more shared memory than the GPU has
+                failed.append(dict(op=op, bits=bits, **dataclasses.asdict(bs),
+                                   error=str(e).splitlines()[0][:200]))
+                print(f"  {op}{bits or ''} {bs}: did not run: {failed[-1]['error']}", flush=True)
+                continue
             err_out = float(np.max(np.abs(np.asarray(out, np.float32) - want_out)))
             err_lse = float(np.max(np.abs(np.asarray(lse) - want_lse)))
             gbps = kv_bytes / (ms * 1e-3) / 1e9
@@ -221,6 +228,8 @@ def main(argv=None) -> int:
             print(f"best {op}{bits or ''}: bt{best.block_tokens} w{best.num_warps} "
                   f"s{best.num_stages} splits {best.num_splits or 'auto'}, {best.median_ms:.3f} ms "
                   f"= {base.median_ms / best.median_ms:.2f}x the default's speed")
+    for f in failed:
+        print(f"did not run: {f}")
     if skipped:
         print(f"{len(skipped)} settings skipped at the --time-limit of {args.time_limit:.0f} s")
     if args.json:
@@ -229,7 +238,7 @@ def main(argv=None) -> int:
             device=device, backend=backend, jax=jax.__version__, interpret=interpret,
             read_gbps=read_gbps, batch=args.batch, context=args.context,
             page_size=args.page_size, rows=[dataclasses.asdict(r) for r in rows],
-            skipped=skipped), indent=1))
+            failed=failed, skipped=skipped), indent=1))
         print(f"wrote {args.json}")
     bad = [r for r in rows if not r.ok]
     if bad:
