@@ -31,7 +31,8 @@ Restrictions (raised before tracing): power-of-two page size and widths, and
 a slice width W * bits / 8 of at least 16 (tl.dot's minimum operand size).
 Checked in Pallas' interpret mode, by lowering to Triton from CPU
 (tests/kernels/test_quantized_kernels.py), and compiled and timed on an H200
-(docs/performance.md, "Pallas kernels on a GPU": correct, but no faster than the XLA path yet).
+(docs/performance.md, "Pallas kernels on a GPU": correct; with bf16 queries int4 is about
+as fast as the bf16 kernel, not yet the 0.3x its bytes allow).
 """
 
 import functools
