@@ -3,9 +3,9 @@
 For each op (paged GQA decode over bf16 pages, absorbed MLA decode, and both over KIVI
 pages: "gqa", "mla", "qgqa", "qmla") at one batch x context, this script runs the GPU
 kernel under every `BlockSizes` of the grid (block_tokens x num_warps x num_stages x
-num_splits), checks each result against the jnp reference in the same run, and reports
-the median time, the KV bytes read per second, and that rate as a fraction of the
-device's streaming-read bandwidth (a large bf16 reduction, measured in the same run).
+num_splits x block_heads), checks each result against the jnp reference in the same run,
+and reports the median time, the KV bytes read per second, and that rate as a fraction of
+the device's streaming-read bandwidth (a large bf16 reduction, measured in the same run).
 The default block sizes are marked, and the best setting per op is printed with its
 speed-up over the default. A setting the device cannot run (e.g. more shared memory than
 the GPU has) is listed as such; a result that disagrees with the reference fails the run.
@@ -72,6 +72,9 @@ def parse_args(argv=None):
                    help="Triton num_stages (default 2 3)")
     p.add_argument("--splits", type=int, nargs="+", default=[0],
                    help="split-K counts; 0 = the kernel's own choice (default 0)")
+    p.add_argument("--block-heads", type=int, nargs="+", default=[16],
+                   help="query heads per program (powers of two >= 16; default 16): wider "
+                        "groups (MLA) are split over programs that each read every page")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per setting (median)")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="seconds; settings not started by then are skipped and listed")
@@ -82,6 +85,8 @@ def parse_args(argv=None):
         args.batch, args.context, args.q_heads, args.kv_heads = 2, 256, 8, 2
         args.mla_heads, args.block_tokens, args.warps, args.stages = 16, [32, 64], [4], [2]
         args.repeats = 1
+    if any(h < 16 or h & (h - 1) for h in args.block_heads):
+        p.error(f"--block-heads {args.block_heads}: each must be a power of two >= 16")
     if args.context % args.page_size:
         p.error(f"--context ({args.context}) must be a multiple of --page-size "
                 f"({args.page_size})")
@@ -157,6 +162,7 @@ class Row:
     num_warps: int
     num_stages: int
     num_splits: int | None
+    block_heads: int
     default: bool
     median_ms: float
     gbps: float
@@ -178,15 +184,17 @@ def main(argv=None) -> int:
           f"{args.page_size}", flush=True)
     t_start = time.perf_counter()
     rows, skipped, failed = [], [], []
-    grid = list(itertools.product(args.block_tokens, args.warps, args.stages, args.splits))
+    grid = list(itertools.product(args.block_tokens, args.warps, args.stages, args.splits,
+                                  args.block_heads))
     jobs = [(op, bits) for op in args.ops for bits in (args.bits if op[0] == "q" else [None])]
     for op, bits in jobs:
         fn, ref, inputs, kv_bytes, max_pages = build(op, bits, args, rng, interpret)
         want_out, want_lse = (np.asarray(x, np.float32) for x in jax.jit(ref)(*inputs))
         default = default_block_sizes("gpu", args.page_size, max_pages)
         settings = [default] + [
-            BlockSizes(block_tokens=bt, num_warps=w, num_stages=st, num_splits=sp or None)
-            for bt, w, st, sp in grid]
+            BlockSizes(block_tokens=bt, num_warps=w, num_stages=st, num_splits=sp or None,
+                       block_heads=bh)
+            for bt, w, st, sp, bh in grid]
         for i, bs in enumerate(dict.fromkeys(settings)):  # the default first, once
             if time.perf_counter() - t_start > args.time_limit:
                 skipped.append(dict(op=op, bits=bits, **dataclasses.asdict(bs)))
@@ -204,20 +212,23 @@ def main(argv=None) -> int:
             gbps = kv_bytes / (ms * 1e-3) / 1e9
             rows.append(Row(op=op, bits=bits, block_tokens=bs.block_tokens,
                             num_warps=bs.num_warps, num_stages=bs.num_stages,
-                            num_splits=bs.num_splits, default=i == 0, median_ms=ms, gbps=gbps,
+                            num_splits=bs.num_splits, block_heads=bs.block_heads,
+                            default=i == 0, median_ms=ms, gbps=gbps,
                             frac_read=gbps / read_gbps, max_err=max(err_out, err_lse),
                             ok=err_out <= TOL["out"] and err_lse <= TOL["lse"]))
             r = rows[-1]
             print(f"  {op}{bits or ''} bt{r.block_tokens} w{r.num_warps} s{r.num_stages} "
-                  f"splits {r.num_splits or 'auto'}: {ms:.3f} ms, {gbps:.0f} GB/s "
+                  f"h{r.block_heads} splits {r.num_splits or 'auto'}: {ms:.3f} ms, "
+                  f"{gbps:.0f} GB/s "
                   f"({100 * r.frac_read:.0f}% of read){'' if r.ok else ' WRONG'}", flush=True)
 
-    print("\n| op | block_tokens | warps | stages | splits | ms | GB/s | % of read | max err "
-          "| ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| op | block_tokens | warps | stages | heads | splits | ms | GB/s | % of read "
+          "| max err | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.op}{r.bits or ''}{' (default)' if r.default else ''} | {r.block_tokens} | "
-              f"{r.num_warps} | {r.num_stages} | {r.num_splits or 'auto'} | {r.median_ms:.3f} | "
+              f"{r.num_warps} | {r.num_stages} | {r.block_heads} | {r.num_splits or 'auto'} | "
+              f"{r.median_ms:.3f} | "
               f"{r.gbps:.0f} | {100 * r.frac_read:.0f}% | {r.max_err:.1e} | "
               f"{'yes' if r.ok else 'NO'} |")
     for op, bits in jobs:
@@ -226,7 +237,8 @@ def main(argv=None) -> int:
         if mine and base:
             best = min(mine, key=lambda r: r.median_ms)
             print(f"best {op}{bits or ''}: bt{best.block_tokens} w{best.num_warps} "
-                  f"s{best.num_stages} splits {best.num_splits or 'auto'}, {best.median_ms:.3f} ms "
+                  f"s{best.num_stages} h{best.block_heads} splits "
+                  f"{best.num_splits or 'auto'}, {best.median_ms:.3f} ms "
                   f"= {base.median_ms / best.median_ms:.2f}x the default's speed")
     for f in failed:
         print(f"did not run: {f}")

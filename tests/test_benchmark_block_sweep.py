@@ -20,10 +20,12 @@ def test_help_and_bad_shapes(script, capsys):
     benchmark_cli.assert_help_lists(script.main, capsys, (
         "--quick", "--ops", "--batch", "--context", "--q-heads", "--kv-heads", "--mla-heads",
         "--page-size", "--bits", "--block-tokens", "--warps", "--stages", "--splits",
-        "--repeats", "--time-limit", "--json", "--seed"))
+        "--block-heads", "--repeats", "--time-limit", "--json", "--seed"))
     benchmark_cli.assert_refuses(script.main, capsys, ["--context", "100"], "100", "16")
     benchmark_cli.assert_refuses(script.main, capsys, ["--block-tokens", "48"], "48",
                                  "power-of-two")
+    benchmark_cli.assert_refuses(script.main, capsys, ["--block-heads", "24"], "24",
+                                 "power of two")
 
 
 @pytest.mark.heavy
