@@ -41,6 +41,7 @@ and the static run on a first untimed pass over the same batches.
 
 import argparse
 import datetime
+import heapq
 import json
 import os
 import sys
@@ -179,7 +180,8 @@ def engine_breakdown(engine, trace) -> dict:
     calls = [(0 if lanes is None else int(np.sum(np.asarray(lanes.lengths) > 0)), int(ran), dt)
              for lanes, ran, dt in calls]
     device = sum(spent.values())
-    return dict(wall_s=wall, idle_s=split["idle_s"],
+    lane_s, step_s = call_costs(calls)
+    return dict(wall_s=wall, idle_s=split["idle_s"], lane_s=lane_s, step_s=step_s,
                 prefill_programs_s=sum(dt for lanes, _, dt in calls if lanes),
                 decode_programs_s=sum(dt for lanes, _, dt in calls if not lanes),
                 bookkeeping_s=device - spent["_step"], host_s=wall - split["idle_s"] - device,
@@ -217,6 +219,25 @@ def static_work(prompts, max_new, rows) -> dict:
         row_steps += longest * len(prompts[b: b + rows])
         prefill += width * len(prompts[b: b + rows])
     return dict(decode_steps=steps, row_steps=row_steps, prefill_tokens=prefill)
+
+
+def fcfs_decode_steps(max_new, rows: int) -> int:
+    """Decode steps that first-come first-served rows need for these requests when every
+    request waits from the start and prefill takes no step: each holds the row that frees
+    first for its tokens after the first (which its prefill samples)."""
+    free = [0] * rows
+    for n in max_new:
+        heapq.heappush(free, heapq.heappop(free) + max(n - 1, 0))
+    return max(free)
+
+
+def call_costs(calls) -> tuple[float, float]:
+    """Seconds per prefill lane and per decode step of the engine's step programs: the
+    least-squares fit of each program's time to its (lanes, decode steps)."""
+    a = np.array([(lanes, steps) for lanes, steps, _ in calls], float)
+    t = np.array([dt for _, _, dt in calls], float)
+    (lane, step), *_ = np.linalg.lstsq(a, t, rcond=None)
+    return float(lane), float(step)
 
 
 def latency(arrivals, times, *, streamed: bool) -> dict:
@@ -359,6 +380,11 @@ def main(argv=None):
         # time in the timed replay: less sensitive to the load than that replay's seconds).
         work["host_share"] = b["host_s"] / (b["wall_s"] - b["idle_s"])
         work["ratio_without_host"] = speedup / (1 - work["host_share"])
+        # The work's own ceiling: the engine's lanes and the fewest decode steps rows can
+        # take at the fitted costs, no host time, no wait, against the static batches.
+        work["fcfs_decode_steps"] = fcfs_decode_steps(max_new, args.rows)
+        work["ratio_ceiling"] = work["static"]["batches_s"] / (
+            b["lane_s"] * b["prefill_chunks"] + b["step_s"] * work["fcfs_decode_steps"])
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -398,6 +424,11 @@ def main(argv=None):
               f"host Python + {b['idle_s']:.2f} s waiting for arrivals; without its host share "
               f"({work['host_share']:.0%}) the engine would run {work['ratio_without_host']:.2f}x "
               f"static")
+        print(f"work ceiling: a prefill lane costs {1e3 * b['lane_s']:.1f} ms and a decode "
+              f"step {1e3 * b['step_s']:.2f} ms (fitted to the {b['calls']} step programs); "
+              f"{b['prefill_chunks']} lanes and the {work['fcfs_decode_steps']} decode steps "
+              f"that first-come first-served rows need at least, with no host time, would run "
+              f"{work['ratio_ceiling']:.2f}x static")
     result = dict(
         benchmark="serving", machine=mach, seed=seed, requests=n, rate=rate, rows=args.rows,
         chunk=CHUNK, system=system, suffix=list(suffix), suffix_dist=args.suffix_dist,
