@@ -10,6 +10,8 @@ The default block sizes are marked, and the best setting per op is printed with 
 speed-up over the default. A setting the device cannot run (e.g. more shared memory than
 the GPU has) is listed as such; a result that disagrees with the reference fails the run.
 
+Shapes: GQA heads are 128 wide, MLA's latent 512 wide plus a 64-wide rotary part; KIVI
+pages quantize in groups of 16, and the sequences fill their pages (random block tables).
 On CPU the kernels run in Pallas' interpret mode on `--quick`'s tiny shapes: a check of
 every setting's result, not a speed.
 
