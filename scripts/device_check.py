@@ -38,7 +38,7 @@ PARTS = {
     "engine": (PYTEST + ["--slow", "tests/serve/test_engine.py",
                          "tests/attention/test_pallas_models.py"], 240),
     "sweep": ([sys.executable, "benchmarks/block_sweep.py", "--ops", "mla", "qmla", "--bits",
-               "4", "--block-heads", "16", "32", "64", "--warps", "4", "8", "--block-tokens",
+               "4", "--block-heads", "16", "32", "64", "128", "--warps", "4", "8", "--block-tokens",
                "32", "64", "--time-limit", "100", "--json", "{out}/sweep.json"], 130),
     "offload": ([sys.executable, "benchmarks/offload.py", "--gpu", "--time-limit", "200",
                  "--json", "{out}/offload.json"], 250),
