@@ -118,8 +118,10 @@ def _from_host_bits(x, dtype):
 # device_put to host memory and a dynamic_update_slice into the donated pool, which XLA's
 # host offloading keeps in place, and a dynamic_slice plus a device_put to read. On an
 # H200 (jax 0.11.2, 2 GiB pools) `move` of 256 pages (0.5 GiB) took 0.08 s out and 0.03 s
-# back this way, against 0.50 s and 0.34 s through compute_on. None: pick by backend;
-# tests set True or False.
+# back this way, against 0.50 s and 0.34 s through compute_on. Each page now goes straight
+# from one pool into the other, without a device block of every page moved (a swap must
+# not need device memory for the sequence it frees); that form has not run on a GPU yet.
+# None: pick by backend; tests set True or False.
 PAGE_AT_A_TIME = None
 
 
@@ -132,48 +134,45 @@ def _inside_first(inside):
     return jnp.argsort(~inside, stable=True)
 
 
-def _write_host_pages(pool, idx, block):
-    """pool[:, :, idx] = block, a device block of pages (`idx` [k], or a scalar with a block
-    without the page axis); entries of idx past the pool are skipped."""
-    bits = _device_bits(block)
-    if not _page_at_a_time():
-        return _on_host(lambda p, i, b: p.at[:, :, i].set(b, mode="drop"), pool,
-                        _to_host(idx), _to_host(bits))
-    if idx.ndim == 0:
-        idx, bits = idx[None], bits[:, :, None]
-    inside = idx < pool.shape[2]
+def _page_loop(dst, size, move, target):
+    """target with move(target, i) applied for each i whose dst[i] < size, one page at a
+    time."""
+    inside = dst < size
     order = _inside_first(inside)
-
-    def one(j, p):
-        i = order[j]
-        page = _to_host(jax.lax.dynamic_slice_in_dim(bits, i, 1, axis=2))
-        return jax.lax.dynamic_update_slice_in_dim(p, page, idx[i], axis=2)
-
-    return jax.lax.fori_loop(0, jnp.sum(inside, dtype=jnp.int32), one, pool)
+    return jax.lax.fori_loop(0, jnp.sum(inside, dtype=jnp.int32),
+                             lambda j, t: move(t, order[j]), target)
 
 
-def _read_host_pages(pool, idx, dtype, wanted=None):
-    """pool[:, :, idx] on the device in `dtype` (`idx` [k] within the pool, or a scalar);
-    with `wanted` [k], entries it leaves out may come back as anything (their pages are
-    not read one at a time)."""
+def _write_host_pages(pool, dst, dev, src):
+    """pool[:, :, dst] = dev[:, :, src]: device pages into a host pool (`dst`, `src` [k] or
+    scalars, src within dev); entries of dst past the pool are skipped."""
     if not _page_at_a_time():
-        return _from_host_bits(_on_host(lambda p, i: p[:, :, i], pool, _to_host(idx)), dtype)
-    scalar = idx.ndim == 0
-    idx = jnp.atleast_1d(idx)
-    wanted = jnp.ones(idx.shape, bool) if wanted is None else wanted
-    order = _inside_first(wanted)
-    out = jnp.zeros((*pool.shape[:2], idx.shape[0], *pool.shape[3:]), pool.dtype)
+        bits = _to_host(_device_bits(dev[:, :, src]))
+        return _on_host(lambda p, i, b: p.at[:, :, i].set(b, mode="drop"), pool,
+                        _to_host(dst), bits)
+    dst, src = jnp.atleast_1d(dst), jnp.atleast_1d(src)
 
-    def one(j, acc):
-        i = order[j]
-        page = _to_device(jax.lax.dynamic_slice_in_dim(pool, idx[i], 1, axis=2))
-        return jax.lax.dynamic_update_slice_in_dim(acc, page, i, axis=2)
+    def move(p, i):
+        page = _device_bits(jax.lax.dynamic_slice_in_dim(dev, src[i], 1, axis=2))
+        return jax.lax.dynamic_update_slice_in_dim(p, _to_host(page), dst[i], axis=2)
 
-    out = jax.lax.fori_loop(0, jnp.sum(wanted, dtype=jnp.int32), one, out)
-    out = out[:, :, 0] if scalar else out
-    if out.dtype != dtype:
-        out = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(out, dtype))
-    return out
+    return _page_loop(dst, pool.shape[2], move, pool)
+
+
+def _read_host_pages(dev, dst, pool, src):
+    """dev[:, :, dst] = pool[:, :, src]: host pages into a device pool (`dst`, `src` [k] or
+    scalars, src within the host pool); entries of dst past dev are skipped."""
+    if not _page_at_a_time():
+        block = _from_host_bits(_on_host(lambda p, i: p[:, :, i], pool, _to_host(src)),
+                                dev.dtype)
+        return paged.set_drop(dev, (slice(None), slice(None), dst), block)
+    dst, src = jnp.atleast_1d(dst), jnp.atleast_1d(src)
+
+    def move(d, i):
+        page = _from_host_bits(jax.lax.dynamic_slice_in_dim(pool, src[i], 1, axis=2), d.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(d, page, dst[i], axis=2)
+
+    return _page_loop(dst, dev.shape[2], move, dev)
 
 
 def _host_sharding(x: Array):
@@ -283,7 +282,7 @@ def _copy_out(dev_pages, host_pages_, src: Int[Array, " k"], dst: Int[Array, " k
     """host[:, :, dst] = device[:, :, src] for every pool; dst == host page count skips."""
 
     def one(d, h):
-        return _write_host_pages(h, dst, d[:, :, jnp.clip(src, 0, d.shape[2] - 1)])
+        return _write_host_pages(h, dst, d, jnp.clip(src, 0, d.shape[2] - 1))
 
     return jax.tree.map(one, dev_pages, host_pages_)
 
@@ -292,9 +291,7 @@ def _copy_in(dev_pages, host_pages_, src: Int[Array, " k"], dst: Int[Array, " k"
     """device[:, :, dst] = host[:, :, src] for every pool; dst == device page count skips."""
 
     def one(d, h):
-        block = _read_host_pages(h, jnp.clip(src, 0, h.shape[2] - 1), d.dtype,
-                                 wanted=dst < d.shape[2])
-        return paged.set_drop(d, (slice(None), slice(None), dst), block)
+        return _read_host_pages(d, dst, h, jnp.clip(src, 0, h.shape[2] - 1))
 
     return jax.tree.map(one, dev_pages, host_pages_)
 
@@ -472,8 +469,7 @@ def _swap_out(cache: PagedKVCache, s, r, *, k: int):
     tail_a, tail_b = tier.tail_a, tier.tail_b
     if cache.tail is not None:
         def park(ring_h, ring_d):
-            return _write_host_pages(ring_h, jnp.where(ok, r, tier.num_parked),
-                                     ring_d[:, :, s])
+            return _write_host_pages(ring_h, jnp.where(ok, r, tier.num_parked), ring_d, s)
         tail_a, tail_b = park(tier.tail_a, cache.tail.a), park(tier.tail_b, cache.tail.b)
     parked = tier.parked_lengths.at[r].set(jnp.where(ok, cache.lengths[s],
                                                      tier.parked_lengths[r]))
@@ -532,8 +528,7 @@ def _swap_in(cache: PagedKVCache, r, s, *, k: int):
         tgt = jnp.where(ok, s, spec.max_seqs)
 
         def unpark(ring_d, ring_h):
-            return paged.set_drop(ring_d, (slice(None), slice(None), tgt),
-                                  _read_host_pages(ring_h, r, ring_d.dtype))
+            return _read_host_pages(ring_d, tgt, ring_h, r)
 
         tail = KIVITail(a=unpark(tail.a, tier.tail_a), b=unpark(tail.b, tier.tail_b),
                         lengths=tail.lengths.at[tgt].set(tier.parked_lengths[r], mode="drop"),
