@@ -5,10 +5,10 @@ its Triton lowering, both in Python: unsupported primitives, non-power-of-two
 Triton blocks, bad block specs or scratch shapes fail here. What is left for
 hardware is the backend compilers' own passes (Mosaic layout, ptxas).
 
-Mosaic lowering asks the default device for its TPU generation; on CPU it is
-told "TPU v5 lite" with one core (private `tpu_info` hooks, patched for the
-test only). Triton custom calls carry no export-compatibility guarantee, so
-that safety check is disabled: nothing is serialised for later use.
+Lowering asks the device for its kind; on CPU the fixtures name one (a one-core
+"TPU v5 lite", an "NVIDIA H100") through jax's abstract-device hook. Triton custom
+calls carry no export-compatibility guarantee, so that safety check is disabled:
+nothing is serialised for later use.
 """
 
 import functools

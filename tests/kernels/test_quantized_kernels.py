@@ -44,8 +44,9 @@ RATIOS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (4, 1)}
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 LSE_TOL = dict(rtol=1e-5, atol=1e-5)
 # With bf16 queries the GPU kernel rounds the dequantized keys to bf16 for its tensor-core
-# dot (2^-9 relative per key), so its logits and lse move by about 1e-3 at these sizes.
-GPU_BF16_LSE_TOL = dict(rtol=2e-3, atol=2e-3)
+# dot (2^-9 relative per key): each logit, and so the lse, moves by an absolute amount of
+# about 1e-3 at these sizes (4e-4 seen), whatever the lse's own size.
+GPU_BF16_LSE_TOL = dict(rtol=0, atol=2e-3)
 
 ref_gqa = jax.jit(qref.quantized_attention,
                   static_argnames=("k_bits", "v_bits", "scale", "soft_cap", "sliding_window"))
