@@ -280,9 +280,13 @@ def page_at_a_time(monkeypatch):
 @pytest.mark.parametrize("quant", [False, True], ids=["bf16", "int4"])
 def test_page_at_a_time_moves_keep_both_tiers_and_every_byte(page_at_a_time, quant):
     rng = np.random.default_rng()
-    ops = [(str(rng.choice(["fill", "fill", "move", "swap_out", "swap_in", "drop", "free",
-                            "fork"])), int(rng.integers(3)), int(rng.integers(2)),
-            int(rng.choice([5, 8, 21, 40]))) for _ in range(24)]
+    # Every kind of move at least once (pages out and back, a sequence parked with some of
+    # its pages on the host already, and back into another slot), then a random sequence.
+    ops = [("fill", 0, 0, 40), ("move", 0, 0, 40), ("move", 0, 0, 0), ("move", 0, 0, 21),
+           ("swap_out", 0, 1, 0), ("swap_in", 1, 1, 0)]
+    ops += [(str(rng.choice(["fill", "fill", "move", "swap_out", "swap_in", "drop", "free",
+                             "fork"])), int(rng.integers(3)), int(rng.integers(2)),
+             int(rng.choice([5, 8, 21, 40]))) for _ in range(20)]
     _interleave(_spec_small(quant, "bfloat16"), ops, rng)
 
 
