@@ -98,6 +98,7 @@ jax.config.update("jax_enable_compilation_cache", False)  # this process only (a
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import cpu_builds  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from sweep_sampling import covering_sample, day_share, rotation  # noqa: E402
@@ -147,6 +148,15 @@ def child_env():
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     return dict(os.environ, XLA_FLAGS=" ".join(flags))
+
+
+@pytest.fixture(params=cpu_builds.BUILDS)
+def cpu_build(request):
+    """Each build of the CPU kernels (tests/cpu_builds.py: native, x86-64-v4, x86-64-v3,
+    portable) in force for one test: built on first use, skipped with the reason where
+    this CPU cannot run it. The value is the build's -march."""
+    with cpu_builds.selected(request.param):
+        yield request.param
 
 
 @pytest.fixture

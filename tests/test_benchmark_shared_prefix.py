@@ -27,7 +27,8 @@ def test_help_and_a_bad_prefix(script, capsys):
 
 @pytest.mark.cpu_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_small_run_checks_its_layouts(script, tmp_path, dtype):
+def test_small_run_checks_its_layouts(script, tmp_path, cpu_build, dtype):
+    """On every build of the kernels (tests/cpu_builds.py): the layouts give the same bits."""
     out = tmp_path / "run.json"
     seed = int.from_bytes(os.urandom(4), "little")
     code = script.main(["--batch", "4", "--prefix", "64", "--own", "40", "--kv-heads", "2",

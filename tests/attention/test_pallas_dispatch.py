@@ -32,9 +32,20 @@ def _gqa_inputs(rng, batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=8, m
             jnp.asarray(tables, jnp.int32))
 
 
+def _pretend(monkeypatch, platform):
+    """The default backend reads as `platform`; a "gpu" is one Pallas' Triton lowering
+    knows (from jax 0.11 on, `get_gpu_info` raises where no such GPU is attached, as
+    here)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    monkeypatch.setattr(pallas_impls, "platform", lambda: platform)
+    if platform == "gpu":
+        monkeypatch.setattr(plgpu, "get_gpu_info", lambda: object(), raising=False)
+
+
 @pytest.mark.parametrize("platform,want", [("cpu", "xla"), ("tpu", "pallas"), ("gpu", "pallas")])
 def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform, want):
-    monkeypatch.setattr(pallas_impls, "platform", lambda: platform)
+    _pretend(monkeypatch, platform)
     # Without the C++ CPU kernels (tests/backends covers what "auto" picks with them).
     with cpu_options.override(kernels=False):
         assert registry.auto_impl("paged_decode_attention") == want
@@ -51,7 +62,7 @@ def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform,
 ])
 def test_auto_runs_xla_where_the_kernel_does_not_take_the_pages(monkeypatch, rng, platform,
                                                                head_dim, page_size):
-    monkeypatch.setattr(pallas_impls, "platform", lambda: platform)
+    _pretend(monkeypatch, platform)
     args = _gqa_inputs(rng, head_dim=head_dim, page_size=page_size)
     pages = args[1:3]
     assert not pallas_impls.kernel_takes(pages)

@@ -432,7 +432,7 @@ def _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads):
     (2, 64, 16, jnp.float16, 16), (4, 128, 32, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
     (4, 64, 32, jnp.float16, 8), (2, 128, 16, jnp.bfloat16, 4), (4, 32, 32, jnp.float32, 4),
     (8, 96, 32, jnp.float16, 2)])
-def test_quantized_vectorised_rows(rng, cpu_options, bits, head_dim, group, scale_dtype,
+def test_quantized_vectorised_rows(rng, cpu_build, cpu_options, bits, head_dim, group, scale_dtype,
                                    q_heads):
     """Widths whose packed fields hold whole 16-channel vectors take the vectorised
     dequantizer (random_cache's head_dim 32 / group 8 take the scalar one) and, for whole
@@ -453,7 +453,7 @@ def test_quantized_vectorised_rows(rng, cpu_options, bits, head_dim, group, scal
 @needs_kernel
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
     (4, 128, 32, jnp.float16, 4), (2, 128, 16, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2)])
-def test_quantized_int_logits_within_their_bound(rng, cpu_options, bits, head_dim, group,
+def test_quantized_int_logits_within_their_bound(rng, cpu_build, cpu_options, bits, head_dim, group,
                                                  scale_dtype, q_heads):
     """The integer logits (AVX512-VNNI; the float32 path elsewhere, which meets the bound
     too): each folded query row q s rounded to int16 with its largest entry m at 32767
@@ -481,7 +481,7 @@ def test_quantized_int_logits_within_their_bound(rng, cpu_options, bits, head_di
 @pytest.mark.parametrize("bits,head_dim,group,scale_dtype,q_heads", [
     (4, 128, 32, jnp.float16, 4), (2, 128, 16, jnp.bfloat16, 8), (8, 64, 16, jnp.float32, 2),
     (4, 32, 32, jnp.bfloat16, 16), (2, 64, 32, jnp.float16, 2)])
-def test_quantized_int_values_within_their_bound(rng, cpu_options, bits, head_dim, group,
+def test_quantized_int_values_within_their_bound(rng, cpu_build, cpu_options, bits, head_dim, group,
                                                  scale_dtype, q_heads):
     """The integer values (AVX512-VNNI and VBMI; the float32 path elsewhere, which meets
     the bound too): a chunk's weights p s, rounded to int16 per query row and value group

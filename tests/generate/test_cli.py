@@ -4,12 +4,12 @@ import json
 import shutil
 
 import pytest
-import torch
-import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvjax.__main__ import main
 from tests.models import hf_tiny
+
+torch, transformers = hf_tiny.torch, hf_tiny.T
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import kvjax.cache as kv_cache
 import kvjax.generate as gen
 import kvjax.models as models
 from kvjax.generate import sampling as sampling_mod
 from tests.models import hf_tiny
+
+torch = hf_tiny.torch
 
 PAGE = 8
 CC = gen.CacheConfig(page_size=PAGE)

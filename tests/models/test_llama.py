@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import kvjax.cache as kv_cache
 import kvjax.generate as gen
@@ -23,6 +22,8 @@ from kvjax.backends.cpu import policy as cpu_policy
 from kvjax.models import llama
 from kvjax.rope import RopeConfig, attention_factor, rope_inv_freq
 from tests.models import hf_tiny
+
+torch = hf_tiny.torch
 
 PAGE = 8
 PROMPT_LENS = (5, 13, 21)  # inside one page, across one boundary, across two

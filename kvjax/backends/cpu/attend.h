@@ -269,8 +269,8 @@ inline void chunk_accumulate(float* acc, int64_t Dv_rt, const float* alpha, cons
     vn xe[NB][kHalves], xo[NB][kHalves];
     for (int r = 0; r < NB; ++r)
       for (int h = 0; h < kHalves; ++h) {
-        xe[r][h] = loadn(acc + r * Dv + d + h * kNat) * alpha[r];
-        xo[r][h] = loadn(acc + r * Dv + d + kLanes + h * kNat) * alpha[r];
+        xe[r][h] = rounded(loadn(acc + r * Dv + d + h * kNat) * alpha[r]);
+        xo[r][h] = rounded(loadn(acc + r * Dv + d + kLanes + h * kNat) * alpha[r]);
       }
     for (int j = 0; j < kLanes; ++j) {
       vn ve[kHalves], vo[kHalves];

@@ -39,6 +39,23 @@ inline vn broadcast(const float* p) {
 #endif
 }
 
+// x, held as a rounded value: no later multiply-add may fuse the product that made it.
+// Where an add takes two products (`x = acc * alpha; x += p * v`), the compiler fuses one
+// of them into an FMA, and which one depends on how it unrolled the loop around them (a
+// register block of 8 query rows and one of 1 fused different ones on an AVX-512 build for
+// Zen): rounding the first product here leaves one choice, so a row's bits do not depend
+// on the rows computed beside it.
+inline vn rounded(vn x) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+v"(x));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(x));
+#else
+  __asm__("" : "+m"(x));
+#endif
+  return x;
+}
+
 // Per-thread scratch that lives as long as its thread, grown on demand, 64-byte aligned,
 // never shrunk: a fresh allocation per call would fault its pages in on every call.
 // Each use site owns its own buffer (a `thread_local Scratch`).
