@@ -1,28 +1,22 @@
 """Test setup: 8 simulated CPU devices, strict dtype promotion, full-precision f32 matmuls.
 
-Sweeps: a test marked `slow` is one point of a product of parametrize axes. By
-default a daily sample of each sweep runs: every value of every axis at least
-once, drawn with a seed that is the UTC date, so the sample changes from day to
-day and a failure replays with `--sweep-seed`.
+One selection per commit: every test of the default run runs on every run, except
+the points of two kinds of list, of which a sample runs:
 
-Rotations: a test marked `rotate(k)` is one of a list of long end-to-end runs
-(the notebooks, say) of which the default run takes `k` a day, in turn: each
-runs at least once every ceil(n / k) days.
+Sweeps: a test marked `slow` is one point of a product of parametrize axes. The
+default run takes a sample of each sweep that holds every value of every axis at
+least once, drawn with a seed taken from the commit under test (`git rev-parse
+HEAD`; outside a git checkout, a hash of the sources), so two runs of one commit run
+the same tests on any day and a failure replays with `--sweep-seed`.
 
-Heavy tests: a test marked `heavy` (about 1 s or more on a 2-core runner: an
-end-to-end decode, a model against HuggingFace, a child process) runs every
-HEAVY_SHARE-th day: the default run deals the heavy tests (each parametrized case
-alone, or the cases of one `heavy(unit=...)` together, e.g. the ones sharing one
-build) round-robin into HEAVY_SHARE parts and takes the day's part. A sweep's test
-may be heavy too (the composition cells): one covering sample is drawn for each
-aligned HEAVY_SHARE-day window and split over its days the same way, so every value
-of every axis runs within each window.
+Rotations: a test marked `rotate(k)` is one of a list of long end-to-end runs (the
+notebooks, say) of which the default run takes `k`, consecutive in the list from a
+place the same seed chooses.
 
-`--slow` (or `KVJAX_SLOW=1`) runs the full product of every sweep, every rotation
-and every heavy test. The header of the run states which.
+`--slow` (or `KVJAX_SLOW=1`) runs the full product of every sweep and every
+rotation. The header of the run states the seed.
 """
 
-import datetime
 import gc
 import os
 import shutil
@@ -101,7 +95,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import cpu_builds  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from sweep_sampling import covering_sample, day_share, rotation  # noqa: E402
+from sweep_sampling import commit_seed, covering_sample, rotation  # noqa: E402
 
 
 def _memory_mappings() -> int:
@@ -180,7 +174,8 @@ def pytest_addoption(parser):
                     help="run the full product of every `slow` sweep (also KVJAX_SLOW=1); "
                          "default: a daily sample covering every value of every axis")
     group.addoption("--sweep-seed", type=int, default=None,
-                    help="seed of the sweep sample (default: today's UTC date as YYYYMMDD)")
+                    help="seed of the sweep and rotation samples (default: from the commit "
+                         "under test; the run's header prints it)")
 
 
 def pytest_unconfigure(config):
@@ -191,14 +186,16 @@ def pytest_unconfigure(config):
 
 
 def pytest_configure(config):
+    # scripts/mutation_check.py: a semantic mutation of kvjax, applied in every process
+    # before any test module is imported (tests/mutations.py).
+    import mutations
+
+    config._kvjax_mutation = mutations.apply_from_env()
     config.addinivalue_line(
-        "markers", "slow: one point of a sweep; a daily covering sample runs unless --slow")
+        "markers", "slow: one point of a sweep; a covering sample runs unless --slow")
     config.addinivalue_line(
-        "markers", "rotate(k): one of a list of long runs; k of them a day, in turn, unless "
-                   "--slow")
-    config.addinivalue_line(
-        "markers", "heavy(unit=None): a long test; runs every HEAVY_SHARE-th day (the cases of "
-                   "one unit together) unless --slow")
+        "markers", "rotate(k): one of a list of long runs; k of them a run, chosen by the "
+                   "sweep seed, unless --slow")
     config.addinivalue_line(
         "markers", "cpu_kernels: needs the C++ CPU kernels; skipped (with the reason) where "
                    "they are unavailable")
@@ -242,8 +239,11 @@ def full_sweeps(request) -> bool:
 
 def _sweep_seed(config) -> int:
     seed = config.getoption("--sweep-seed")
-    return seed if seed is not None else int(datetime.datetime.now(datetime.UTC)
-                                             .strftime("%Y%m%d"))
+    if seed is not None:
+        return seed
+    if not hasattr(config, "_kvjax_commit_seed"):
+        config._kvjax_commit_seed = commit_seed(str(config.rootpath))
+    return config._kvjax_commit_seed[0]
 
 
 # The longest files (their tests' seconds in a clean run on a 2-core machine: 35-135 s each)
@@ -273,22 +273,6 @@ def _longest_first(items):
     items.sort(key=key)  # stable: the other files, and each file's own tests, keep their order
 
 
-# The default run takes the heavy tests every HEAVY_SHARE-th day. The CI budget (9 minutes
-# on 2 cores) does not hold all of them each day: they were about 560 of a clean run's 1270
-# test-seconds on a 2-core AMD EPYC, and half of them still left that run at 616 s. A third
-# a day left clean runs of three consecutive days at 449-578 s on a 2-core EPYC (2026-12-04).
-HEAVY_SHARE = 4
-
-
-def _day(config) -> int:
-    """The rotation's day: today's UTC date as a day number, or --sweep-seed's date."""
-    seed = str(_sweep_seed(config))
-    try:
-        return datetime.date(int(seed[:4]), int(seed[4:6]), int(seed[6:8])).toordinal()
-    except ValueError:  # a --sweep-seed that is not a date: used as the day number
-        return int(seed)
-
-
 def pytest_collection_modifyitems(config, items):
     _longest_first(items)
     if _full_sweeps(config):
@@ -305,25 +289,13 @@ def pytest_collection_modifyitems(config, items):
     dropped = []
     for name, group in sweeps.items():
         params = [dict(getattr(getattr(it, "callspec", None), "params", {})) for it in group]
-        # A heavy sweep draws one sample per aligned HEAVY_SHARE-day window (split over its
-        # days below), so every value of every axis runs within each window.
-        heavy_sweep = group[0].get_closest_marker("heavy") is not None
-        base = _day(config) // HEAVY_SHARE if heavy_sweep else seed
-        keep = set(covering_sample(params, base + sum(map(ord, name))))
+        keep = set(covering_sample(params, seed + sum(map(ord, name))))
         dropped += [it for i, it in enumerate(group) if i not in keep]
-    for group in rotations.values():
+    for name, group in rotations.items():
         group = sorted(group, key=lambda it: it.nodeid)
         k = group[0].get_closest_marker("rotate").args[0]
-        keep = set(rotation(len(group), k, _day(config)))
+        keep = set(rotation(len(group), k, seed + sum(map(ord, name))))
         dropped += [it for i, it in enumerate(group) if i not in keep]
-    gone = {id(it) for it in dropped}
-    heavy = {}
-    for item in items:
-        marker = item.get_closest_marker("heavy")
-        if marker is not None and id(item) not in gone:
-            heavy[id(item)] = marker.kwargs.get("unit") or item.nodeid
-    today = day_share(list(heavy.values()), HEAVY_SHARE, _day(config))
-    dropped += [it for it in items if id(it) in heavy and heavy[id(it)] not in today]
     if dropped:
         gone = {id(it) for it in dropped}
         config.hook.pytest_deselected(items=dropped)
@@ -331,7 +303,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
+    lines = []
+    if os.environ.get("KVJAX_MUTATION"):
+        lines.append(f"MUTATION {os.environ['KVJAX_MUTATION']} applied (tests/mutations.py)")
     if _full_sweeps(config):
-        return "sweeps, rotations and heavy tests: all of them (--slow)"
-    return (f"sweeps: daily covering sample, rotations: today's turn, heavy tests: today's "
-            f"1/{HEAVY_SHARE}; --sweep-seed {_sweep_seed(config)} (--slow for all of them)")
+        return [*lines, "sweeps and rotations: all of them (--slow)"]
+    seed = _sweep_seed(config)
+    source = ("--sweep-seed" if config.getoption("--sweep-seed") is not None
+              else config._kvjax_commit_seed[1])
+    return [*lines, f"sweeps: a covering sample, rotations: k of each list; --sweep-seed {seed} "
+                    f"(from {source}; --slow for all of them)"]

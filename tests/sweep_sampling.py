@@ -1,6 +1,9 @@
 """The default run's samples of `slow` sweeps and `rotate(k)` lists (used by conftest.py)."""
 
+import hashlib
 import random
+import subprocess
+from pathlib import Path
 
 
 def covering_sample(points: list[dict], seed: int) -> list[int]:
@@ -25,16 +28,27 @@ def covering_sample(points: list[dict], seed: int) -> list[int]:
     return sorted(chosen)
 
 
-def rotation(n: int, k: int, day: int) -> list[int]:
-    """The `k` of `n` points (indices) that run on `day`: consecutive, wrapping, so each
-    point runs at least once in any ceil(n / k) consecutive days."""
+def rotation(n: int, k: int, seed: int) -> list[int]:
+    """The `k` of `n` points (indices) that run for `seed`: consecutive, wrapping, from
+    point (seed * k) % n, so k consecutive seeds' runs take every point at least once
+    in ceil(n / k) of them."""
     if k >= n:
         return list(range(n))
-    return sorted({(day * k + j) % n for j in range(k)})
+    return sorted({(seed * k + j) % n for j in range(k)})
 
 
-def day_share(units: list[str], share: int, day: int) -> set[str]:
-    """The units (names) of a `share`-way split that run on `day`: the sorted units dealt
-    round-robin into `share` parts, part `day % share` today, so each unit runs exactly
-    once in any `share` consecutive days and every day holds about 1/share of them."""
-    return {u for i, u in enumerate(sorted(set(units))) if i % share == day % share}
+def commit_seed(root: str) -> tuple[int, str]:
+    """A seed from the commit under test, and where it came from: the first 8 hex digits of
+    `git rev-parse HEAD`; outside a git checkout, of a hash of the package and test sources."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head = ""
+    if len(head) >= 8:
+        return int(head[:8], 16), f"commit {head[:12]}"
+    h = hashlib.sha256()
+    for folder in ("kvjax", "kernels_pallas", "tests"):
+        for path in sorted((Path(root) / folder).rglob("*.py")):
+            h.update(path.read_bytes())
+    return int(h.hexdigest()[:8], 16), "a hash of the sources (not a git checkout)"

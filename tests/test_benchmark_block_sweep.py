@@ -28,7 +28,6 @@ def test_help_and_bad_shapes(script, capsys):
                                  "power of two")
 
 
-@pytest.mark.heavy
 def test_every_setting_is_checked_and_a_wrong_kernel_fails(script, tmp_path, monkeypatch):
     out = tmp_path / "sweep.json"
     argv = ["--quick", "--ops", "gqa", "qgqa", "--bits", "2", "--json", str(out)]

@@ -29,7 +29,6 @@ def _timing(pair):  # (median, min) seconds
     return len(pair) == 2 and 0 < pair[1] <= pair[0]
 
 
-@pytest.mark.heavy
 @pytest.mark.cpu_kernels
 def test_toy_decode_and_prefill_write_every_part(tmp_path, child_env):
     from kvjax.backends import cpu

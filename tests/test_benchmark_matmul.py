@@ -23,7 +23,6 @@ def test_help_and_an_unknown_model(script, capsys):
                                  "huge", "tiny")
 
 
-@pytest.mark.heavy
 @pytest.mark.cpu_kernels
 def test_decode_ab_reports_the_auto_choice(script, monkeypatch):
     from kvjax.backends.cpu import policy

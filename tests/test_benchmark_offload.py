@@ -29,7 +29,6 @@ def _run(args, tmp_path, capsys):
     return json.loads(out.read_text()), stdout
 
 
-@pytest.mark.heavy
 def test_gpu_preset_at_toy_size_runs_on_cpu(tmp_path, capsys):
     d, stdout = _run(["--gpu", "--quick", "--seed", "4"], tmp_path, capsys)
     assert d["ok"] and d["run"]["preset"] == "gpu_quick" and d["run"]["caches"] == ["bf16"]
@@ -41,7 +40,6 @@ def test_gpu_preset_at_toy_size_runs_on_cpu(tmp_path, capsys):
     assert "device budget" in stdout and ("within 1.3x" in stdout)
 
 
-@pytest.mark.heavy
 def test_dropping_the_host_pages_fails_the_run(monkeypatch, tmp_path):
     """A host tier whose pages never reach attention decodes other tokens, far from a tie."""
     from kvjax.cache import host

@@ -14,7 +14,6 @@ from kvjax.train import reference_continuation
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["gqa", "mla"])
 def test_shipped_weights_reproduce_the_stored_greedy_continuation(name):
     info = tiny.tiny_info(name)
@@ -76,7 +75,6 @@ def test_demo_output_matches_a_reference_run_and_the_cache_layouts():
     # StreamingLLM's figure comes from the cache's own length after decoding: it held the
     # budget (plus the last token, never fed back), not the whole context.
     assert kv_bytes[f"StreamingLLM {budget} tok"] == (budget + 1) * 1024
-@pytest.mark.heavy
 def test_eval_quick_runs(tmp_path):
     _run("eval", "--quick", "--models", "gqa", "--configs", "bf16,=KIVI-2,^H2O",
          "--out", str(tmp_path))

@@ -49,7 +49,6 @@ def test_outcome_is_pytests_summary_or_the_last_line(script):
     assert script.outcome("") == "(no output)"
 
 
-@pytest.mark.heavy
 def test_a_part_runs_and_is_summarised(script, tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the part's pytest: native kernels skip
     assert script.main(["--parts", "kernels", "--out", str(tmp_path)]) == 0

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "multihost_decode.py"
@@ -28,7 +27,6 @@ def _script():
     return mod
 
 
-@pytest.mark.heavy
 def test_two_processes_decode_the_tokens_of_one(rng, child_env):
     import kvjax as kvx
     from kvjax.backends import cpu

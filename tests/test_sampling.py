@@ -4,18 +4,18 @@ import itertools
 import math
 import random
 
-from sweep_sampling import covering_sample, day_share, rotation
+from sweep_sampling import commit_seed, covering_sample, rotation
 
 
 def test_rotation_runs_every_point_within_its_period():
     rng = random.Random()
     for n, k in [(6, 2), (7, 3), (5, 1), (3, 3), (2, 5)]:
         period = math.ceil(n / k)
-        start = rng.randrange(700_000, 800_000)
+        start = rng.randrange(2**31)
         for first in range(start, start + 3 * n):
-            days = [rotation(n, k, d) for d in range(first, first + period)]
-            assert all(len(d) == min(n, k) and len(set(d)) == len(d) for d in days)
-            assert set(itertools.chain(*days)) == set(range(n)), (n, k, first)
+            runs = [rotation(n, k, s) for s in range(first, first + period)]
+            assert all(len(r) == min(n, k) and len(set(r)) == len(r) for r in runs)
+            assert set(itertools.chain(*runs)) == set(range(n)), (n, k, first)
 
 
 def test_covering_sample_holds_every_value_of_every_axis():
@@ -28,13 +28,16 @@ def test_covering_sample_holds_every_value_of_every_axis():
         assert {points[i][axis] for i in keep} == set(values)
 
 
-def test_day_share_runs_each_unit_once_in_share_days_and_splits_evenly():
-    rng = random.Random()
-    for share in (1, 2, 3):
-        units = [f"tests/t.py::test_{rng.randrange(10**6)}" for _ in range(rng.randint(1, 40))]
-        first = rng.randrange(700_000, 800_000)
-        days = [day_share(units, share, d) for d in range(first, first + share)]
-        assert set().union(*days) == set(units)
-        assert sum(map(len, days)) == len(set(units))  # no unit twice in `share` days
-        assert max(map(len, days)) - min(map(len, days)) <= 1
-        assert day_share(units, share, first + share) == days[0]  # the period is `share`
+def test_the_seed_is_the_commits(request):
+    """The samples are drawn from the commit under test, not the date: a git checkout's
+    seed is the first 8 hex digits of HEAD."""
+    import subprocess
+
+    root = str(request.config.rootpath)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True).stdout.strip()
+    seed, source = commit_seed(root)
+    if head:
+        assert (seed, source) == (int(head[:8], 16), f"commit {head[:12]}")
+    else:
+        assert source.startswith("a hash of the sources")

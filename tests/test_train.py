@@ -23,7 +23,6 @@ CORPUS = np.frombuffer(b"def add(x, y):\n    return x + y\n\n\nclass A:\n    pas
                        np.uint8)
 
 
-@pytest.mark.heavy
 def test_a_few_training_steps_lower_the_loss(rng):
     for name, config in SMALL.items():
         params = init_tiny(config, jax.random.key(int(rng.integers(1 << 30))))
@@ -73,7 +72,6 @@ def test_max_pairs_is_the_most_that_fit(rng):
                 data.retrieval_example(rng, CORPUS, length, num_pairs=most + 1, query="assert")
 
 
-@pytest.mark.heavy
 def test_shipped_gqa_model_retrieves_and_an_untrained_one_does_not(rng):
     # The trained demo model retrieves buried values from held-out code at a short length
     # (96 bytes: one that used to crash): on the shipped weights "repeat" queries scored

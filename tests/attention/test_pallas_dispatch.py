@@ -96,7 +96,6 @@ def test_auto_runs_xla_on_a_gpu_triton_does_not_know(monkeypatch, rng):
     assert registry.auto_impl("mla_decode_attention") == "pallas"
 
 
-@pytest.mark.heavy
 def test_pallas_on_cpu_interprets_by_default(rng):
     args = _gqa_inputs(rng)
     got = decode_op(*args, impl="pallas")
@@ -128,7 +127,6 @@ def test_pallas_on_gpu_platform_runs_the_gpu_kernel(rng, monkeypatch):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.heavy
 def test_mla_and_prefill_through_pallas(rng):
     batch, heads, d_c, d_rope, page_size, max_pages = 2, 4, 128, 64, 8, 2
     num_pages = batch * max_pages

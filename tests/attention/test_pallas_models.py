@@ -55,7 +55,6 @@ def _both(model, params, **kwargs):
     return out
 
 
-@pytest.mark.heavy
 def test_llama_greedy_tokens_match_xla(kernel_calls):
     config = LlamaConfig(vocab_size=48, hidden_size=128, intermediate_size=192, num_layers=2,
                          q_heads=4, kv_heads=2, head_dim=64, rope=RopeConfig(theta=1e4, dim=64))
@@ -68,7 +67,6 @@ def test_llama_greedy_tokens_match_xla(kernel_calls):
     assert out["xla"][1].min() == 6
 
 
-@pytest.mark.heavy
 def test_deepseek_mla_greedy_tokens_match_xla(kernel_calls):
     config = DeepseekConfig(vocab_size=48, hidden_size=128, intermediate_size=192,
                             num_layers=2, num_heads=4, kv_lora_rank=128, qk_rope_head_dim=64,

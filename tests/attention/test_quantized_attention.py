@@ -98,7 +98,6 @@ def rel_err(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("bits,kv_heads", [(2, 2), (4, 1), (8, 2)])  # GQA-2, MQA
 def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
     # Attention mechanics (gather, tail ring positions, GQA, LSE merge) are
@@ -116,7 +115,6 @@ def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
         np.testing.assert_allclose(np.asarray(out[s]), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("soft_cap,window", [(None, None), (2.0, 20)])
 def test_prefill_rows_padding_and_seq_ids(rng, soft_cap, window):
     cache, _, _ = build(rng, bits=4, residual=16, decode=3)
@@ -232,7 +230,6 @@ def test_kivi_per_channel_keys_beat_per_token_keys_with_outlier_channels(rng):
           f"per-token {per_token:.4f}")
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [2, 8])
 def test_mla_equals_dense_on_dequantized_and_8bit_close(rng, bits):
     cache, cs, rs = build(rng, bits=bits, residual=16, mla=True, lengths=(50, 3, 33))
@@ -272,7 +269,6 @@ def _float_arrays(jaxpr):
                     yield from _float_arrays(inner if hasattr(inner, "eqns") else inner.jaxpr)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_decode_step_never_materialises_a_dequantized_pool(rng, mla):
     # A pool much larger than what the sequences read: 64 pages of 16 tokens

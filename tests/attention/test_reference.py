@@ -288,7 +288,6 @@ def test_merge_of_two_empty_pieces():
 # ---------------------------------------------------------------- through the cache API
 
 
-@pytest.mark.heavy
 def test_cache_writes_then_attention_match_dense(rng):
     """reserve + token_slots + write_layer (prefill, then decode steps) feed attention correctly."""
     q_heads, kv_heads, head_dim, page_size = 4, 2, 16, 8

@@ -153,7 +153,6 @@ def test_mla_over_a_token_selection(rng, dtype, blocked, monkeypatch):
     np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.heavy
 def test_mla_over_a_token_selection_on_kivi_latents(rng):
     """Selected quantized rows dequantized after their gather plus selected tail tokens
     equal attention over the dequantized sequence (`quantized.dequantized_sequence`)."""
@@ -187,7 +186,6 @@ def test_mla_over_a_token_selection_on_kivi_latents(rng):
     np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.heavy
 def test_sharded_ops_equal_one_device(rng):
     """Pages over 8 devices (context axis): each device scores and gathers only the pages
     it holds; the pmax of scores and the log-sum-exp merge give the one-device results."""

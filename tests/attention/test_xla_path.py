@@ -227,7 +227,6 @@ def _scan_layers(attend, q, pools, num_layers):
     return jax.jit(run)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_layer_of_whole_pools(rng, dtype):
     """layer=... on a cache's whole pools: equals the reference on that layer's slice,
@@ -258,7 +257,6 @@ def test_layer_of_whole_pools(rng, dtype):
     assert max(n for *_, n in written) < layer_pool, written
 
 
-@pytest.mark.heavy
 def test_prefill_and_mla_layer_of_whole_pools(rng):
     layer = 1  # of 2 layers
     q, k, v, lengths, tables = _case(rng, batch=4, q_heads=4, kv_heads=2, head_dim=16,

@@ -117,7 +117,6 @@ def _decode(view, q, impl, **kw):
 
 
 # int2/int4/int8; MHA, GQA 4 and 8, MQA.
-@pytest.mark.heavy
 @pytest.mark.parametrize("bits,q_heads,kv_heads", [
     (2, 8, 2), (4, 8, 1), (8, 4, 4), (4, 16, 2), (2, 8, 1), (8, 8, 2)])
 def test_decode_matches_reference(rng, bits, q_heads, kv_heads):
@@ -128,7 +127,6 @@ def test_decode_matches_reference(rng, bits, q_heads, kv_heads):
     _close(_decode(qz.layer_view(cache, 0, whole_pools=True), q, "xla"), want, 2e-5)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("block_tokens", [1, PS, 3 * PS, 1000])
 def test_block_sizes(rng, block_tokens):
     # Blocks smaller than a page, of one page, not dividing the table, larger than the table.
@@ -199,7 +197,6 @@ def test_unused_pages_are_never_read(rng, mla):
     assert not np.any(np.isnan(np.asarray(lse)))
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_mla_matches_reference(rng, bits):
     cache = random_cache(rng, bits=bits, mla=True)
@@ -230,7 +227,6 @@ def test_mla_prefill_matches_reference(rng):
            run(qz.layer_view(cache, 0), "reference"), 2e-5)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_mixed_bits_layers_of_whole_pools(rng, mla):
     # Layers with different widths live in different pools (layer 1 is entry 0 of the
@@ -257,7 +253,6 @@ def test_mixed_bits_layers_of_whole_pools(rng, mla):
         _close(run(whole, "reference"), want, 0.0)  # a whole-pool view sliced for the oracle
 
 
-@pytest.mark.heavy
 def test_traced_layer_in_a_scan(rng):
     layers = 3
     cache = random_cache(rng, bits=4, layers=layers, batch=5)
@@ -313,7 +308,6 @@ def _float_sizes(jaxpr):
     return out
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
     """Issue 5: the jaxpr of a decode step holds no float array as large as the
@@ -364,7 +358,6 @@ def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
 
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_layers_loop_copies_no_pool(rng, mla):
     """A model-like step (a Python loop over layers, as a model's forward unrolls them in
@@ -410,7 +403,6 @@ def test_layers_loop_copies_no_pool(rng, mla):
                                atol=2e-5)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["llama", "mla"])
 def test_quantized_cache_decoder_matches_dense_forward(rng, name):
     """The decode loop runs a quantized cache through whole-pool views (the XLA path reads

@@ -113,7 +113,6 @@ def _hlo(x, w, b):
     return jax.jit(linear).lower(x, w, b).as_text()
 
 
-@pytest.mark.heavy
 @needs_kernel
 def test_linear_dispatch(rng, cpu_options):
     # Tests run on 8 simulated CPU devices, where "auto" keeps XLA's dot; "on" forces.
@@ -196,7 +195,6 @@ def test_linear_layer_slice_reads_the_stack(rng, cpu_options):
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.heavy
 @needs_kernel
 def test_llama_decode_with_kernel_matches_xla(rng, cpu_options, dtype="float32"):
     # One decode step and a 5-token prefill of a tiny Llama (LM head untied, biases):
@@ -257,7 +255,6 @@ print("ok")
 """
 
 
-@pytest.mark.heavy
 @needs_kernel
 @pytest.mark.parametrize("spin_us", ["0", "1000000"])
 def test_helpers_park_or_spin(spin_us, rng, child_env):

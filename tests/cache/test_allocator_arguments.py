@@ -54,7 +54,6 @@ def _same(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind", KINDS)
 def test_negative_count_raises_when_concrete(rng, kind):
     _, mod, check = KINDS[kind]

@@ -97,7 +97,6 @@ def _step(cache, num_new, toks_a, toks_b, layers, seq_ids=None):
     return cache
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("residual", [0, 16])
 def test_tail_state_machine_random_prefill_then_decode(rng, residual):
     spec = gqa_spec(residual=residual, bits=(8, 2), num_pages=64, max_pages=8)
@@ -140,7 +139,6 @@ def test_tail_state_machine_random_prefill_then_decode(rng, residual):
                 assert_close_to_truth(b, sb, seqs[1][s][layer])
 
 
-@pytest.mark.heavy
 def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
     spec = gqa_spec(residual=8, num_pages=32, layers=1)
     cache = qz.init_cache(spec)
@@ -210,7 +208,6 @@ def test_out_of_pages_is_cache_full_and_changes_nothing(rng):
     check_invariants(cache2.table)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [2, 8])
 def test_mla_latent_quantized_rope_full_precision(rng, bits):
     spec = mla_spec(bits=bits)
@@ -266,7 +263,6 @@ def test_quant_spec_validation():
         qz.init_cache(gqa_spec().replace(quant=None))
 
 
-@pytest.mark.heavy
 def test_random_interleavings_of_reserve_write_fork_free(rng):
     # The allocator under a quantized cache: random decode/prefill chunks, forks
     # and frees (with and without scrub), out-of-pages included. After every

@@ -87,7 +87,6 @@ def deepseek_dir(tmp_path_factory):
     return m, d
 
 
-@pytest.mark.heavy
 def test_generate_deepseek_checkpoint(deepseek_dir, capsys):
     """An MLA checkpoint runs through the CLI (its config has no `architecture` field)."""
     m, d = deepseek_dir

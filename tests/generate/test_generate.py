@@ -47,7 +47,6 @@ def _single_cache(model, max_tokens=64):
 # ---------------------------------------------------------------------------- sampling
 
 
-@pytest.mark.heavy
 def test_sampling_filters_match_numpy(rng):
     logits = rng.normal(size=(3, 40)).astype(np.float32) * 2
     probs = np.exp(logits - logits.max(1, keepdims=True))
@@ -88,7 +87,6 @@ def test_sampling_filters_match_numpy(rng):
 # ---------------------------------------------------------------------------- the loop
 
 
-@pytest.mark.heavy
 def test_rows_are_independent(tiny, rng):
     """A batch of different-length prompts, sampled with per-row keys: each row equals
     that prompt generated alone with its key."""
@@ -148,7 +146,6 @@ def test_out_of_pages_is_a_status_then_an_error(tiny, rng):
     kv_cache.check_invariants(res.cache.table)
 
 
-@pytest.mark.heavy
 def test_decode_loop_compiles_once_and_donates(tiny, rng):
     """64 steps in the while_loop and 64 streamed steps trace the model once each, the
     donated cache is reused (no "donated buffers were not usable" warning), and streaming
@@ -189,7 +186,6 @@ def test_decode_loop_compiles_once_and_donates(tiny, rng):
 # ---------------------------------------------------------------------------- sharing pages
 
 
-@pytest.mark.heavy
 def test_parallel_sampling_shares_prompt_pages(tiny, rng):
     _, model, params = tiny
     prompt = _prompts(rng, model.vocab_size, lens=(21,))[0]  # pages: full, full, 5/8 used
@@ -231,7 +227,6 @@ def test_parallel_sampling_shares_prompt_pages(tiny, rng):
         assert alone.sequences()[0] == seqs[j]
 
 
-@pytest.mark.heavy
 def test_beam_search_matches_transformers(tiny, rng):
     m, model, params = tiny
     prompt = _prompts(rng, model.vocab_size, lens=(13,))[0]
@@ -253,7 +248,6 @@ def test_beam_search_matches_transformers(tiny, rng):
     assert int(res.cache.num_free_pages) == res.cache.spec.num_pages
 
 
-@pytest.mark.heavy
 def test_drives_the_mla_family(tmp_path, rng):
     """The same loop decodes a DeepSeek-V2 (MLA latent cache) checkpoint, token for token."""
     transformers = pytest.importorskip("transformers")

@@ -52,7 +52,6 @@ def baseline(tiny):
     return prompts, res.tokens
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(KEEP_ALL))
 def test_budget_keeping_every_token_generates_like_no_policy(tiny, baseline, name):
     model, params = tiny
@@ -62,7 +61,6 @@ def test_budget_keeping_every_token_generates_like_no_policy(tiny, baseline, nam
     np.testing.assert_array_equal(res.tokens, want)
 
 
-@pytest.mark.heavy
 def test_h2o_in_the_loop_keeps_its_budget_and_returns_pages(tiny, rng):
     model, params = tiny
     prompts = _prompts(rng, model.vocab_size)

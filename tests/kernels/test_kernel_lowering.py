@@ -40,7 +40,6 @@ def _mla_args(dtype, page_size, q_heads=128, d_c=512, d_rope=64):  # DeepSeek-V3
             S((BATCH,), jnp.int32), S((BATCH, MAX_PAGES), jnp.int32))
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("op", ["gqa", "mla"])
 def test_tpu_kernels_lower_to_mosaic(pretend_tpu_v5e, op, dtype):

@@ -20,7 +20,6 @@ from kernels_pallas.paged_attention import tpu
 from kernels_pallas.paged_attention.block_sizes import BlockSizes
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("q_heads,kv_heads,page_size", [(8, 2, 16), (4, 4, 8)])
 def test_tpu_kernel_agrees_with_jax_paged_attention(rng, q_heads, kv_heads, page_size):
     head_dim, max_pages, pages_per_block = 128, 4, 2

@@ -155,7 +155,6 @@ BF16_CAP_WINDOW = dict(dtype=jnp.bfloat16, soft_cap=3.0, window=21)
 KINDS = ("tpu", "tpu_interpreter", "gpu")
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind,bits,ratio,q_len,variant", CI_GQA)
 def test_gqa_kernel_equals_reference(rng, monkeypatch, kind, bits, ratio, q_len, variant):
     if variant:
@@ -168,7 +167,6 @@ def test_gqa_kernel_equals_reference(rng, monkeypatch, kind, bits, ratio, q_len,
         qtpu._pages_tpu.clear_cache()
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind,bits,q_len,bf16", CI_MLA)
 def test_mla_kernel_equals_reference(rng, kind, bits, q_len, bf16):
     run_mla(rng, kind, bits, q_len, dtype=jnp.bfloat16 if bf16 else jnp.float32)
@@ -334,7 +332,6 @@ def _tiny(family):
                           v_head_dim=16, tie_word_embeddings=True)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("family", ["llama", pytest.param("mla", marks=pytest.mark.slow)])
 def test_tiny_model_decodes_same_tokens_with_pallas(rng, family):
     from kvjax import generate as gen

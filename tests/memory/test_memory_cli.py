@@ -23,7 +23,6 @@ def _main(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.heavy
 def test_memory_table_subprocess():
     r = _run("memory", "--model", "llama-2-70b", "--context", "8192", "--batch", "8",
              "--kv-dtype", "bf16")

@@ -223,7 +223,6 @@ def test_cli_bf16_llama_128k(capsys):
     assert "KV cache only" in out
 
 
-@pytest.mark.heavy
 def test_cli_kivi_int4_subprocess():
     r = subprocess.run(
         [sys.executable, "-m", "kvjax", "memory", "--model", "llama-3-8b", "--context", "131072",

@@ -416,7 +416,6 @@ def test_cli_rejects_flags_that_do_not_apply(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("args", [
     ["--model", "qwen3-next-80b-a3b", "--context", "262144", "--compare"],
     ["--model", "deepseek-v3.2", "--context", "131072"],

@@ -222,7 +222,6 @@ def _hf_greedy(model, prompt) -> np.ndarray:
     return new
 
 
-@pytest.mark.heavy
 def test_load_and_generate_end_to_end(tmp_root, rng):
     """kvjax.models.load on the saved directory + kvjax.generate's jitted loop == HF greedy."""
     import kvjax.generate as kgen
@@ -240,7 +239,6 @@ def test_load_and_generate_end_to_end(tmp_root, rng):
         np.testing.assert_array_equal(result.tokens[i], _hf_greedy(model, p))
 
 
-@pytest.mark.heavy
 def test_chunked_prefill_equals_whole(tmp_root, rng):
     """Two padded chunks (the second attending to the first through the cache) == one prefill."""
     _, hf_config, path = _hf_case("v2_moe", tmp_root)
@@ -294,7 +292,6 @@ def test_bfloat16_params_and_cache(tmp_root, rng):
         assert 0 < np.abs(got[i, : len(p)] - ref).max() <= 2 * hf_err + 1e-3
 
 
-@pytest.mark.heavy
 def test_decode_with_pallas_kernel_matches_xla(rng):
     """forward(impl="pallas") (the MLA decode kernel, interpreted on CPU) == impl="xla"."""
     config = ds.DeepseekConfig(  # kernel-supported latent widths (d_c, d_rope multiples of 64)

@@ -123,7 +123,6 @@ def _prefill(params, config, cache, prompts, seq_ids, chunk):
 # ------------------------------------------------------------------- transformers parity
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["v32_moe", "v32_dense"])
 def test_matches_transformers(name, root, rng, full_sweeps):
     """Prefill logits at every position (chunks of 8, two rows in slots 2 and 0) and 32
@@ -151,7 +150,6 @@ def test_matches_transformers(name, root, rng, full_sweeps):
         _assert_greedy(m, p, res.tokens[i].tolist(), _hf_greedy(m, p))
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["v32_moe", "v32_dense"])
 def test_cli_generate_matches_transformers(name, root, rng, capsys, full_sweeps):
     if name != "v32_moe":
@@ -192,7 +190,6 @@ def _gathered_rows(hlo: str, width: int) -> int:
     return rows
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_reads_only_the_selected_tokens(rng, dtype):
     """The compiled decode step (one layer group, scanned) gathers index_topk = 8 latent
@@ -253,7 +250,6 @@ def _index_rows(cache, layer, slot, n):
     return np.stack([pool[bt[j // ps], j % ps] for j in range(n)])
 
 
-@pytest.mark.heavy
 def test_indexer_keys_ride_the_latent_pages(rng):
     """Written keys sit at the latent's page and offset; a fork shares the pages; a write
     into the shared last page copies it (the copy holds the keys too); truncation and
@@ -295,7 +291,6 @@ def test_indexer_keys_ride_the_latent_pages(rng):
     kc.check_invariants(cache)
 
 
-@pytest.mark.heavy
 def test_kivi_flushes_indexer_keys_with_the_latent(rng):
     """KIVI latents: indexer keys of quantized tokens land in the index_k pages (full
     precision, exact), the tail's in ring c; a fork copies the ring; eviction of a

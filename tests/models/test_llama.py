@@ -262,7 +262,6 @@ def test_config_validation():
         llama.LlamaConfig.from_hf(dict(hidden_act="gelu", hidden_size=64))
 
 
-@pytest.mark.heavy
 def test_unstacked_layers_give_the_same_logits_and_tokens(hf_dirs, rng, monkeypatch):
     """Per-layer weights (`unstack_layers`, the CPU decode loop's form for big models) run
     the same model (one with a different window per layer): same dense logits, same

@@ -47,7 +47,6 @@ def _prompt_cache(model, rng, batch, q_len):
     return cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(q_lengths)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name,untied,unstack", [("gqa", False, False), ("gqa", True, False),
                                                  ("gqa", True, True), ("mla", False, False)])
 def test_logits_at_equals_full_forward(name, untied, unstack, rng):
@@ -98,7 +97,6 @@ def test_gather_positions_traced_out_of_range_is_nan(rng):
     assert np.isnan(got[1]).all()
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["gqa", "mla"])
 @pytest.mark.parametrize("with_policy", [False, True])
 def test_prefill_last_logits_without_all_logits(name, with_policy, rng):
@@ -130,7 +128,6 @@ def test_prefill_last_logits_without_all_logits(name, with_policy, rng):
     np.testing.assert_allclose(last, at_end, rtol=0, atol=ATOL)
 
 
-@pytest.mark.heavy
 def test_score_matches_dense_forward(rng):
     """score's first log-prob comes from prefill's last-token logits, the rest from decode
     steps: all equal the cache-free forward's log-probs over prompt + continuation."""

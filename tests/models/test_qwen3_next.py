@@ -192,7 +192,6 @@ def test_delta_rule_chunked_equals_recurrence(rng):
     np.testing.assert_allclose(np.asarray(state), states[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.heavy
 def test_chunked_prefill_equals_token_by_token(root, rng):
     """Prefilling in chunks of 4, 8 and 24 (rows padded: the shorter row runs out, then has
     no tokens at all; 24 pads even the longer one) leaves every linear layer's conv and
@@ -253,7 +252,6 @@ def test_fork_decodes_like_the_source(root, rng):
     kc.check_invariants(cache.table)
 
 
-@pytest.mark.heavy
 def test_sample_n_and_beam_search(root, rng):
     m, model, params, _ = _case("qwen3_next_dense", root)
     prompt = _prompts(rng, (13,))[0]
@@ -278,7 +276,6 @@ def test_sample_n_and_beam_search(root, rng):
 # ------------------------------------------------------------------ bf16 and KIVI caches
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["bf16", "kivi4"])
 def test_low_precision_caches(kind, root, rng):
     """bf16 pages and KIVI int4 pages (the full layers') through generate: the recurrent

@@ -87,7 +87,6 @@ def _raises(err, pattern, fn, cache):
 # ------------------------------------------------------------------- 4: layer indices
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind", KINDS)
 def test_layer_past_the_cache_is_an_error(rng, kind):
     cache = _filled(kind, rng)
@@ -243,7 +242,6 @@ def test_write_to_slots_outside_the_table(rng, kind, dtype):
 # --------------------------------------------------- KIVI: values it cannot represent
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["gqa_kivi", "mla_kivi"])
 def test_kivi_write_of_unrepresentable_values(rng, kind):
     """Concrete: a ValueError naming the element, consistent with `check_quantizable`

@@ -29,7 +29,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -313,7 +312,6 @@ def _step(data, cache, shadow, rng, calls):
     return new
 
 
-@pytest.mark.heavy
 def test_random_calls_keep_the_cache_consistent(full_sweeps, monkeypatch):
     # An eager KIVI write runs its page flush (a lax.cond) op by op, compiling it anew on
     # every call (~0.5 s). The eager calls here exist for the host-side checks of

@@ -85,7 +85,6 @@ def _jitted(kind):
     return tuple(jax.jit(f) for f in (attend, probs, kc.layer_view, write))
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind", KINDS)
 def test_kinds_own_write_and_view_refuse_the_layer(rng, kind):
     cache = _filled(kind, rng)
@@ -114,7 +113,6 @@ def test_kinds_own_write_and_view_refuse_the_layer(rng, kind):
     kc.check_invariants(cache)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind", KINDS)
 def test_traced_layer_past_the_cache_reads_nan_and_writes_nothing(rng, kind):
     cache = _filled(kind, rng)

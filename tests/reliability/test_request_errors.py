@@ -191,7 +191,6 @@ def _bad_requests(model, params, other_spec):
     ]
 
 
-@pytest.mark.heavy
 def test_bad_requests_raise_and_keep_the_cache(held):
     model, params, snap, cache, last = held
     mla_model, _ = tiny.model_and_params("mla")
@@ -209,7 +208,6 @@ def test_bad_requests_raise_and_keep_the_cache(held):
     np.testing.assert_array_equal(_continue(model, params, cache, last), want)
 
 
-@pytest.mark.heavy
 def test_cache_full_error_carries_the_other_sequences(rng):
     """Out of pages while decoding slot 1: the error holds the final cache, and slot 0
     (untouched by the request) is there, unchanged, and decodes on as before."""

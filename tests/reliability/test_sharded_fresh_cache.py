@@ -71,7 +71,6 @@ def test_fresh_unsharded_cache_decodes_as_unsharded(kind, plan_args):
     assert int(jnp.sum(fresh.lengths)) == 0
 
 
-@pytest.mark.heavy
 def test_config_without_plan_builds_for_the_impls_plan():
     """cache=None (a CacheConfig without a plan), three rows on two data shards and four
     context shards: the cache is built for the impl's plan (slots rounded to the data

@@ -35,7 +35,6 @@ def _table(D, C, num_pages=48, max_seqs=6, max_pages=8, page_size=4):
                                       data_shards=D, context_shards=C)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("shards", [(1, 1), (2, 1), (1, 3), (2, 3)])
 def test_random_reserve_fork_free_keep_invariants_and_owners(shards, rng):
     D, C = shards
@@ -141,7 +140,6 @@ def test_init_sharded_cache_table_kind():
     assert dataclasses.asdict(seq.spec) == dataclasses.asdict(spec)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("forked", [False, True])
 def test_kivi_page_eviction_keeps_context_shard_owners_and_contents(forked, rng):
     """Evicting whole KIVI pages on a context-sharded cache moves the kept pages' contents,

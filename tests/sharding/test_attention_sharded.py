@@ -65,7 +65,6 @@ def _q_lengths(rng, lengths, batch):
     return jnp.asarray(np.minimum(rng.integers(0, Q_LEN + 1, batch), lengths), jnp.int32)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("plan_args", PLANS, ids=plan_id)
 def test_gqa_decode_and_prefill_match_one_device(plan_args, rng):
     plan = make_plan(*plan_args)
@@ -86,7 +85,6 @@ def test_gqa_decode_and_prefill_match_one_device(plan_args, rng):
     _close(got[1], want[1])
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("plan_args", [p for p in PLANS if p[2] != ("heads",)], ids=plan_id)
 def test_mla_decode_and_prefill_match_one_device(plan_args, rng):
     # MLA has one latent head: it shards by pages (sequences, context); heads only splits q.
@@ -154,7 +152,6 @@ def test_sequences_sliding_window_matches_and_context_rejects_it(rng):
                                            sliding_window=4)
 
 
-@pytest.mark.heavy
 def test_pallas_kernels_run_inside_shard_map(rng):
     # impl="pallas" on CPU: the TPU kernels in plain interpret mode, on each device's shard
     # (the TPU interpreter hangs inside shard_map; plain interpret=True does not). The TPU

@@ -111,7 +111,6 @@ def _single(kind):
     return _run(model, params, init_cache(spec), prompts, "xla")
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 @pytest.mark.parametrize("plan_args", GEN_PLANS, ids=plan_id)
 def test_sharded_generation_matches_one_device(kind, plan_args):

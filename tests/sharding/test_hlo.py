@@ -84,7 +84,6 @@ def _compiled_collectives(plan, spec, impl, rng):
     return collectives(hlo), cache
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("mla", [False, True])
 def test_decode_step_moves_no_pool(mla, rng):
     plan = make_plan((2, 2, 2), ("data", "model", "context"), ("sequences", "heads", "context"))

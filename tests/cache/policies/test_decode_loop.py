@@ -111,7 +111,6 @@ def test_budget_at_every_step_and_pages_return(setting, name, cache):
 # above the 52 tokens this decode reaches: StreamingLLM's cache-position scheme then feeds
 # the model its rotary positions (`rope_positions`) through prefill and every step, and
 # they must be the text positions. (The other policies: tests/generate/test_policies.py.)
-@pytest.mark.heavy
 def test_cache_positions_keeping_every_token_generate_like_no_policy(setting, baseline):
     model, params, prompts, spec = setting
     policy = StreamingLLM(n_sink=4, window=56, positions="cache")
@@ -119,7 +118,6 @@ def test_cache_positions_keeping_every_token_generate_like_no_policy(setting, ba
     np.testing.assert_array_equal(got, baseline)
 
 
-@pytest.mark.heavy
 def test_quest_summaries_track_every_page_and_reading_all_generates_like_no_policy(
         setting, baseline):
     """After the prefill and every step each held page's summaries are the min / max of its

@@ -70,7 +70,6 @@ def _decode(cache, q, selection):
     return out[:, 0], lse[:, 0]
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [2, 4])
 def test_bounds_from_scales_equal_bounds_of_dequantized_keys(bits, rng):
     cache = filled(rng, [40, 27], bits=bits, constant_channel=True)
@@ -152,7 +151,6 @@ def _stream(rng, steps):
 BUDGET = 20  # one policy for both decode tests: one compiled step
 
 
-@pytest.mark.heavy
 def test_h2o_with_budget_over_every_length_is_no_policy(rng):
     seed = int(rng.integers(1 << 30))
     caches = [filled(np.random.default_rng(seed), [5, 3]) for _ in range(2)]

@@ -7,7 +7,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from kvjax import cache as kvc
 from kvjax.cache.policies.quest import Quest, quest_page_bounds
@@ -38,7 +37,6 @@ def _decode(cache, layer, q, selection=None):
     return tuple(np.asarray(x) for x in _attend(cache, q, selection, layer=layer))
 
 
-@pytest.mark.heavy
 def test_hand_example(rng):
     spec = CacheSpec(attention=AttentionSpec(q_heads=1, kv_heads=1, head_dim=2), num_layers=1,
                      page_size=2, num_pages=8, max_seqs=1, max_pages_per_seq=6)
@@ -102,7 +100,6 @@ def test_bound_is_an_upper_bound_exactly(rng):
                         assert bound[s, h, c] == true
 
 
-@pytest.mark.heavy
 def test_all_pages_equals_dense(rng):
     # Sequences hold at most 5 pages; top_k=5 selects all of them, in score order.
     lengths = np.array([20, 13, 1])

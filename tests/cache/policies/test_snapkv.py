@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from kvjax import cache as kvc
 from kvjax.cache.policies import PyramidKV, SnapKV, snapkv_scores
@@ -93,7 +92,6 @@ def test_pyramidkv_hand_example(rng):
     np.testing.assert_allclose(got[0, 0], p @ v_before[1, 0, 0, top], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.heavy
 def test_pyramidkv_keeps_a_prompt_within_the_bottom_budget_whole(rng):
     """A prompt that fits the bottom layer's budget stays whole in every layer: the cache
     is untouched, and every layer's selection reads what plain decode attention reads."""
@@ -160,7 +158,6 @@ def _kept_columns(before, after, n_pages):
     return [old.index(p) for p in np.asarray(after.block_tables)[0, :n_pages]]
 
 
-@pytest.mark.heavy
 def test_kivi_snapkv_evicts_the_lowest_voted_pages_and_keeps_the_window_pages(rng):
     """Page-granular SnapKV: pages go whole, lowest summed votes first; the pages holding
     the observation window and the tail always stay."""
@@ -186,7 +183,6 @@ def test_kivi_snapkv_evicts_the_lowest_voted_pages_and_keeps_the_window_pages(rn
         np.testing.assert_array_equal(x[:, 1, :, :11], y[:, 1, :, :11])
 
 
-@pytest.mark.heavy
 def test_kivi_pyramidkv_frees_to_the_bottom_budget_and_each_layer_reads_its_own_pages(rng):
     """Page-granular PyramidKV: memory comes back down to the bottom layer's budget (as
     SnapKV); the top layer then stops reading its own lowest-voted kept pages."""

@@ -1,0 +1,167 @@
+"""Semantic mutations of kvjax, each with the tests that claim to catch it.
+
+A mutation breaks one feature the way a plausible bug would (eviction that evicts
+nothing, a swap-in that copies nothing, sampling that ignores the temperature...), by
+monkeypatching kvjax at the start of a test process. `scripts/mutation_check.py` runs
+each mutation's tests with it applied (the environment variable KVJAX_MUTATION names
+it; tests/conftest.py applies it in the controller and in every worker before any test
+module is imported) and requires them to fail: a mutation its tests do not catch is a
+feature that can break unnoticed.
+
+Each `apply(mp)` takes a `pytest.MonkeyPatch` and patches the place the behaviour lives
+(a function that other modules call through its module, a method of a class), so every
+caller sees the mutant. The `tests` are pytest node ids or files, relative to the repo.
+"""
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import pytest
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str  # the break, in words
+    tests: tuple[str, ...]  # the tests that claim to catch it
+    apply: Callable[[pytest.MonkeyPatch], None]
+
+
+MUTATIONS: dict[str, Mutation] = {}
+
+
+def mutation(name: str, what: str, tests: tuple[str, ...]):
+    """Registers the decorated `apply(mp)` as mutation `name`."""
+
+    def register(apply):
+        if name in MUTATIONS:
+            raise ValueError(f"mutation {name!r} registered twice")
+        MUTATIONS[name] = Mutation(name, what, tuple(tests), apply)
+        return apply
+
+    return register
+
+
+def apply_from_env() -> pytest.MonkeyPatch | None:
+    """Applies the mutation KVJAX_MUTATION names (None when unset); the returned
+    MonkeyPatch undoes it."""
+    name = os.environ.get("KVJAX_MUTATION")
+    if not name:
+        return None
+    if name not in MUTATIONS:
+        raise ValueError(f"KVJAX_MUTATION={name!r} is not a mutation; expected one of "
+                         f"{sorted(MUTATIONS)}")
+    mp = pytest.MonkeyPatch()
+    MUTATIONS[name].apply(mp)
+    return mp
+
+
+# ----------------------------------------------------------------------------- the list
+
+
+@mutation("eviction_noop", "StreamingLLM evicts nothing (its eviction returns the cache as it is)",
+          ("tests/cache/policies/test_streaming_llm.py", "tests/test_composition.py"))
+def _eviction_noop(mp):
+    from kvjax.cache.policies.base import ok_status
+    from kvjax.cache.policies.streaming_llm import StreamingLLM
+
+    mp.setattr(StreamingLLM, "_evict", lambda self, cache, rows: (cache, ok_status(cache)))
+
+
+@mutation("kivi_round_down", "KIVI quantization rounds codes down instead of to nearest",
+          ("tests/cache/test_quant.py",))
+def _kivi_round_down(mp):
+    import types
+
+    import jax.numpy as jnp
+
+    from kvjax.cache import quant
+
+    floor_jnp = types.SimpleNamespace(**{k: getattr(jnp, k) for k in dir(jnp)
+                                         if not k.startswith("__")})
+    floor_jnp.round = jnp.floor
+    mp.setattr(quant, "jnp", floor_jnp)
+
+
+@mutation("tail_never_flushed", "a KIVI tail's full pages are never written into the "
+                                "quantized pages (the flush writes nothing)",
+          ("tests/cache/test_quant_cache.py::test_tail_state_machine_random_prefill_then_decode",))
+def _tail_never_flushed(mp):
+    import types
+
+    from kvjax.cache import paged, quantized
+
+    no_writes = types.SimpleNamespace(**{k: getattr(paged, k) for k in dir(paged)
+                                         if not k.startswith("__")})
+    no_writes.set_pages = lambda pool, layer, ids, values: pool
+    mp.setattr(quantized, "paged", no_writes)
+
+
+@mutation("cow_skipped", "reserve's copy-on-write copies nothing: a write into a shared "
+                         "partly filled page lands in the page its sharers read",
+          ("tests/cache/test_allocator.py::test_fork_shares_and_copy_on_write_isolates",))
+def _cow_skipped(mp):
+    from kvjax.cache import paged
+
+    mp.setattr(paged, "copy_pages", lambda pages, src, dst: pages)
+
+
+@mutation("page_freed_twice", "releasing two references to one page in one call (a fork "
+                              "family freed together) pushes the page onto the free stack twice",
+          ("tests/cache/test_allocator.py::test_random_interleavings_keep_invariants",))
+def _page_freed_twice(mp):
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from kvjax.cache import page_table as pt
+
+    def release(table, drop):  # page_table._release without its once-per-page rule
+        sink = table.num_pages
+        refs = jnp.where(drop, table.block_tables, sink).reshape(-1)
+        refcounts = table.refcounts.at[refs].add(-1, mode="drop")
+        hit = refs < sink
+        released_mask = hit & (refcounts[jnp.clip(refs, 0, sink - 1)] == 0)
+        released = jnp.where(released_mask, refs, sink)
+        pos = table.num_free + jnp.cumsum(released_mask, dtype=jnp.int32) - 1
+        free_stack = table.free_stack.at[jnp.where(released_mask, pos, sink)].set(
+            released, mode="drop")
+        return dataclasses.replace(
+            table, refcounts=refcounts, free_stack=free_stack,
+            num_free=table.num_free + jnp.sum(released_mask, dtype=jnp.int32)), released
+
+    mp.setattr(pt, "_release", release)
+
+
+@mutation("swap_in_copies_nothing", "the host tier's copies back to the device (a move's pages "
+                                    "coming back, a swap-in's pages and KIVI ring) write nothing",
+          ("tests/cache/test_host_tier.py::"
+           "test_a_swapped_out_sequence_resumes_in_another_slot[int4]",
+           "tests/cache/test_host_tier.py::"
+           "test_page_at_a_time_moves_keep_both_tiers_and_every_byte[bf16]"))
+def _swap_in_copies_nothing(mp):
+    from kvjax.cache import host
+
+    # Every host -> device copy (host._copy_in and the ring's unparking) goes through it.
+    mp.setattr(host, "_read_host_pages", lambda dev, dst, pool, src: dev)
+
+
+@mutation("host_move_fails", "host.move and host.swap_out always answer OUT_OF_PAGES and "
+                             "change nothing",
+          ("tests/cache/test_host_tier.py::"
+           "test_page_at_a_time_moves_keep_both_tiers_and_every_byte[bf16]",
+           "tests/cache/test_host_tier.py::"
+           "test_a_swapped_out_sequence_resumes_in_another_slot[bf16]"))
+def _host_move_fails(mp):
+    import jax.numpy as jnp
+
+    from kvjax.cache import host
+    from kvjax.cache import page_table as pt
+
+    def refused(cache, *args):
+        return cache, pt.AllocStatus(code=jnp.int32(pt.OUT_OF_PAGES), pages_needed=jnp.int32(1),
+                                     pages_free=cache.host.table.num_free)
+
+    mp.setattr(host, "move", refused)
+    mp.setattr(host, "swap_out", refused)
