@@ -8,9 +8,9 @@ prefill, rows in non-trivial slots); 32 greedy tokens identical through
 `kvjax.generate.generate` and `python -m kvjax generate`; the compiled decode step
 gathers only the selected latent rows (dense MLA gathers the whole context); the
 indexer keys ride the latent pages through fork, copy-on-write, truncation, scrubbing,
-compaction and KIVI flushes; policy and host-tier refusals; config errors. Under
-`--slow` (KVJAX_SLOW=1) also: the second config, `sample_n` and `beam_search` against
-transformers, bf16 and KIVI int4 caches, and sharding plans on 8 devices.
+compaction and KIVI flushes; policy and host-tier refusals; config errors; the second
+config; `sample_n` and `beam_search` against transformers; bf16 and KIVI int4 caches;
+sharding plans on 8 devices; StreamingLLM.
 """
 
 import functools
@@ -50,11 +50,6 @@ NEW = 32
 # f32 end to end; the two sides sum in different orders (~1e-6), bound 1e-4.
 LOGIT_ATOL = 1e-4
 CC = gen.CacheConfig(page_size=PAGE)
-
-
-def _slow_only(full_sweeps: bool) -> None:
-    if not full_sweeps:
-        pytest.skip("runs under --slow (KVJAX_SLOW=1): the default run keeps one config")
 
 
 @functools.cache
@@ -128,8 +123,6 @@ def test_matches_transformers(name, root, rng, full_sweeps):
     """Prefill logits at every position (chunks of 8, two rows in slots 2 and 0) and 32
     greedy tokens through generate; index_topk below the contexts ("v32_moe": the tokens
     are really chosen) or above them ("v32_dense": the sparse path selects all)."""
-    if name != "v32_moe":
-        _slow_only(full_sweeps)
     m, model, params, _ = _case(name, root)
     assert model.family == "deepseek_v32"
     c = model.config
@@ -151,9 +144,7 @@ def test_matches_transformers(name, root, rng, full_sweeps):
 
 
 @pytest.mark.parametrize("name", ["v32_moe", "v32_dense"])
-def test_cli_generate_matches_transformers(name, root, rng, capsys, full_sweeps):
-    if name != "v32_moe":
-        _slow_only(full_sweeps)
+def test_cli_generate_matches_transformers(name, root, rng, capsys):
     m, _, _, d = _case(name, root)
     capsys.readouterr()  # the case's seed line, when this test built it: not the CLI's output
     prompt = _prompts(rng, (11,))[0]
@@ -384,11 +375,10 @@ def test_config_from_hf_and_errors():
     assert models.family_for_architecture("DeepseekV32ForCausalLM").name == "deepseek_v32"
 
 
-# --------------------------------------------------------------------- the slow sweep
+# ------------------------------------------------- entries, page kinds, plans, policies
 
 
-def test_sample_n_and_beam_search(root, rng, full_sweeps):
-    _slow_only(full_sweeps)
+def test_sample_n_and_beam_search(root, rng):
     m, model, params, _ = _case("v32_moe", root)
     prompt = _prompts(rng, (13,))[0]
     greedy = _hf_greedy(m, prompt, new=12)
@@ -431,19 +421,19 @@ def _stepwise_greedy(model, params, prompts, config, new):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "kivi4"])
-def test_low_precision_caches(kind, root, rng, full_sweeps):
+def test_low_precision_caches(kind, root, rng):
     """bf16 latent pages and KIVI int4 latents (the indexer keys stay float32, the model's
     dtype): generate's greedy tokens equal a step-by-step run of the public operations on
     the same cache kind; against transformers' float32 model, teacher-forced on those
     tokens, the median log-prob error is within the cache's rounding (a lossy latent can
     flip the indexer's choice at a near tie in a later layer: single tokens move further)."""
-    _slow_only(full_sweeps)
     m, model, params, _ = _case("v32_moe", root)
     config = {"bf16": gen.CacheConfig(dtype="bfloat16", page_size=PAGE),
               "kivi4": gen.CacheConfig(quant=QuantSpec(bits=4, group_size=8, residual=8),
                                        page_size=PAGE)}[kind]
     prompts = _prompts(rng)
-    res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
+    new = 12
+    res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=new,
                        cache=config, chunk_size=16, free_finished=False)
     pages = res.cache.pages
     assert pages.index_k.dtype == jnp.float32
@@ -452,7 +442,7 @@ def test_low_precision_caches(kind, root, rng, full_sweeps):
         assert int(res.cache.quant_lengths.max()) > 0
     else:
         assert pages.c_kv.dtype == jnp.bfloat16
-    ref, ref_logits = _stepwise_greedy(model, params, prompts, config, NEW)
+    ref, ref_logits = _stepwise_greedy(model, params, prompts, config, new)
     for i in range(len(prompts)):
         ours = res.tokens[i].tolist()
         if ours != ref[i].tolist():  # only at a near tie of the reference's own logits
@@ -465,26 +455,25 @@ def test_low_precision_caches(kind, root, rng, full_sweeps):
     for i, p in enumerate(prompts):
         toks = res.tokens[i].tolist()
         logp = torch.log_softmax(torch.tensor(_hf_logits(m, p + toks)), -1).numpy()
-        err.append(np.abs(np.asarray(scored.logprobs[i, :NEW])
-                          - logp[len(p) - 1 + np.arange(NEW), toks]))
+        err.append(np.abs(np.asarray(scored.logprobs[i, :new])
+                          - logp[len(p) - 1 + np.arange(new), toks]))
     # Measured medians over fresh seeds: bf16 ~1e-3, int4 ~0.03-0.07.
     assert np.median(err) < {"bf16": 0.01, "kivi4": 0.15}[kind], np.median(err)
 
 
-@pytest.mark.parametrize("cache", ["float32", "int4"])
-def test_sharded_decode_equals_one_device(cache, root, rng, full_sweeps):
-    """On 8 devices (sequences x heads, and context), the indexer scores each device's
-    pages and attention gathers each device's selected rows: the greedy tokens equal one
+@pytest.mark.parametrize("cache,strategies", [("float32", ("sequences", "heads")),
+                                              ("int4", ("context",))])
+def test_sharded_decode_equals_one_device(cache, strategies, root, rng):
+    """On 8 devices (sequences x heads; context), the indexer scores each device's pages
+    and attention gathers each device's selected rows: the greedy tokens equal one
     device's (float32: lossless; KIVI int4: the same codes on every layout)."""
-    _slow_only(full_sweeps)
     _, model, params, _ = _case("v32_moe", root)
     prompts = _prompts(rng, (27, 19))
     quant = QuantSpec(bits=4, group_size=8, residual=8) if cache == "int4" else None
-    plans = (kvs.ShardingPlan(mesh=kvs.make_mesh((2, 4), ("data", "model")),
-                              strategies=("sequences", "heads")),
-             kvs.ShardingPlan(mesh=kvs.make_mesh((8,), ("context",)), strategies=("context",)))
+    mesh = (kvs.make_mesh((2, 4), ("data", "model")) if "heads" in strategies
+            else kvs.make_mesh((8,), ("context",)))
     want = None
-    for plan in (None, *plans):
+    for plan in (None, kvs.ShardingPlan(mesh=mesh, strategies=strategies)):
         res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=8,
                            cache=gen.CacheConfig(page_size=PAGE, quant=quant, plan=plan),
                            chunk_size=16)
@@ -493,12 +482,11 @@ def test_sharded_decode_equals_one_device(cache, root, rng, full_sweeps):
         assert res.tokens.tolist() == want, plan
 
 
-def test_streaming_llm_composes(root, rng, full_sweeps):
+def test_streaming_llm_composes(root, rng):
     """StreamingLLM (positional eviction) on DSA: each row keeps sink + window tokens, and
     the kept prompt tokens' layer-0 latents and indexer keys (which depend on the token and
     its position only) equal those of the same prompt cached without eviction: the keys
     moved with their tokens."""
-    _slow_only(full_sweeps)
     _, model, params, _ = _case("v32_moe", root)
     prompts = _prompts(rng, (27, 22))
     n_sink, window, new = 4, 20, 6
