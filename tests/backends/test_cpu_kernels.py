@@ -125,7 +125,9 @@ def _shared_prefix_case(rng, *, q_heads, kv_heads, head_dim, page_size, dtype):
 def test_shared_pages_read_once_give_the_same_bits(rng, cpu_options, dtype, q_heads, kv_heads,
                                                    head_dim, page_size):
     """Sequences that begin on the same pages are read together there (runs), with the
-    same bits as one by one; pages of 8 tokens put two pages in a 16-token chunk."""
+    same bits as one by one, and each shared position is walked once per run (the
+    kernel's count of the positions its work items read); pages of 8 tokens put two
+    pages in a 16-token chunk."""
     args = _shared_prefix_case(rng, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                                page_size=page_size, dtype=dtype)
     lengths, tables = np.asarray(args[3]), np.asarray(args[4])
@@ -147,13 +149,24 @@ def test_shared_pages_read_once_give_the_same_bits(rng, cpu_options, dtype, q_he
     assert len(set(split[split >= 0].tolist())) > len(set(run_of[run_of >= 0].tolist()))
     assert all(np.sum(split == r) >= 2 for r in set(split[split >= 0].tolist()))
 
-    outs = []
+    # One worker: the kernel forms the runs shared_runs(workers=1) reports (no halving).
+    cpu_options(threads=1)
+    outs, walked = [], []
     for share in (0, 16):
         cpu_options(share=share)
-        outs.append(paged_decode_attention(*args, impl="cpu"))
+        cpu_kernels.decode_positions_walked()  # resets the count
+        outs.append(jax.block_until_ready(paged_decode_attention(*args, impl="cpu")))
+        walked.append(cpu_kernels.decode_positions_walked())
     _close(outs[0], reference(*args), dtype)
     for a, b in zip(outs[0], outs[1], strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # The pages are read once per run: each sequence walks its visible positions alone
+    # (share 0); with runs, a run's shared positions are walked once for all its members.
+    visible = np.minimum(lengths, tables.shape[1] * page_size)
+    runs = {r: tokens[run_of == r][0] for r in set(run_of[run_of >= 0].tolist())}
+    assert walked[0] == kv_heads * visible.sum()
+    assert walked[1] == kv_heads * (sum(runs.values()) + (visible - tokens).sum())
+    assert walked[1] < walked[0]
 
 
 @needs_kernel

@@ -45,7 +45,7 @@ __all__ = ["available", "unavailable_reason", "library", "Library", "CpuOptions"
            "set_options", "override", "choose", "Choice", "unstack_layers_for",
            "paged_decode_attention", "paged_prefill_attention", "PREFILL_ITEM_ROWS",
            "quantized_attention", "quantized_supported", "mla_decode_attention", "mla_supported",
-           "write_rows", "copy_pages", "shared_runs"]
+           "write_rows", "copy_pages", "shared_runs", "decode_positions_walked"]
 
 
 def _as_pools(pages, layer):
@@ -164,6 +164,18 @@ def shared_runs(lengths, block_tables, *, page_size: int, group: int = 1, kv_hea
                              i64(page_size), i64(group), i64(kv_heads), i64(share),
                              i64(workers), ptr(run_of), ptr(tokens))
     return run_of, tokens
+
+
+def decode_positions_walked() -> int:
+    """Key positions the paged decode kernel has walked since the last call, summed over
+    its work items (one per sequence and KV head; a run reads its shared positions once
+    for all its members, each member then its own), and resets the count: a diagnostic
+    of what `shared_runs` saves. Counts every call of the loaded library, in any thread.
+
+    Raises:
+      RuntimeError: the kernels are unavailable (`unavailable_reason()`).
+    """
+    return int(load().cdll.KvjaxDecodePositionsWalked())
 
 
 # Query rows per work item of the prefill kernel (benchmarks/attention.py --cpu-choice).

@@ -272,6 +272,7 @@ def _load(kernels: bool, compiler: str, march: str, cache_dir: str | None
         cdll.KvjaxIsa.restype = ctypes.c_int64
         cdll.KvjaxConfigure.restype = None
         cdll.KvjaxSharedRuns.restype = ctypes.c_int64
+        cdll.KvjaxDecodePositionsWalked.restype = ctypes.c_int64
         bits = cdll.KvjaxIsa()
         lib = Library(path=path, march=march, cdll=cdll,
                       isa=frozenset(n for b, n in _ISA_BITS.items() if bits >> b & 1))

@@ -48,6 +48,12 @@ struct TypeTag {
   using type = C;
 };
 
+// Key positions the work items have walked, summed over items and calls, read and reset
+// by KvjaxDecodePositionsWalked (tests: a shared page is walked once per run and KV
+// head, not once per sequence). One relaxed add per work item.
+std::atomic<int64_t> g_positions_walked{0};
+inline void walked(int64_t n) { g_positions_walked.fetch_add(n, std::memory_order_relaxed); }
+
 // Whether an item takes attend.h's attend_rows (rows read in place): f32 or bf16 pages
 // with head widths that are multiples of 32, unless tuning.rows is off.
 bool rows_path(const DecodeArgs& a) {
@@ -160,6 +166,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h) {
   }
 
   const int32_t* table = a.tables + b * a.max_pages;
+  walked(hi - lo);
 
   if constexpr (!std::is_same_v<T, Half>) {
     // tuning.rows false runs these through the staging path below (for comparisons).
@@ -312,6 +319,7 @@ void run_item(const DecodeArgs& a, const SharedRun& run, int64_t h, float* state
   AlignedFloats mem = aligned_floats(RowState::floats(rows, D, Dv));
   const RowState st = RowState::at(mem.get(), rows, D, Dv);
   const int32_t* table = a.tables + run.rows[0] * a.max_pages;
+  walked(run.tokens);
   with_rows<T>(a, h, table, 0, run.tokens, [&](auto tag, auto& ld, auto& pf, auto& loc) {
     using C = typename decltype(tag)::type;
     row_state_start(st, qs.data(), rows, D, Dv, kSplitRows<C>);
@@ -335,6 +343,7 @@ void member_item(const DecodeArgs& a, int64_t b, int64_t h, int64_t tokens, floa
   const int64_t hi = std::min<int64_t>(a.lengths[b], a.max_pages * a.page_size);
   const RowState st = RowState::at(states + (b * a.kv_heads + h) * RowState::floats(G, D, Dv),
                                    G, D, Dv);
+  walked(hi - tokens);
   with_rows<T>(a, h, a.tables + b * a.max_pages, 0, hi,
                [&](auto tag, auto& ld, auto& pf, auto& loc) {
                  using C = typename decltype(tag)::type;
@@ -480,4 +489,11 @@ extern "C" int64_t KvjaxSharedRuns(const int32_t* lengths, const int32_t* tables
   for (size_t r = 0; r < runs.size(); ++r)
     for (int64_t b : runs[r].rows) run_of[b] = static_cast<int64_t>(r), tokens[b] = runs[r].tokens;
   return static_cast<int64_t>(runs.size());
+}
+
+// The key positions the paged decode kernel's work items have walked since the last
+// call (each item adds the positions it reads: a sequence's visible ones, a run's shared
+// ones once for all its members, a member's own after the run); resets the count.
+extern "C" int64_t KvjaxDecodePositionsWalked() {
+  return kvjax::g_positions_walked.exchange(0, std::memory_order_relaxed);
 }
