@@ -172,7 +172,7 @@ def pytest_addoption(parser):
     group = parser.getgroup("kvjax sweeps")
     group.addoption("--slow", action="store_true", default=False,
                     help="run the full product of every `slow` sweep (also KVJAX_SLOW=1); "
-                         "default: a daily sample covering every value of every axis")
+                         "default: a sample covering every value of every axis")
     group.addoption("--sweep-seed", type=int, default=None,
                     help="seed of the sweep and rotation samples (default: from the commit "
                          "under test; the run's header prints it)")

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # The quick run's CPU sections in four parts of about 25-40 s each alone on a 2-core machine
-# (the offload section alone is 40): a rotation, one part a day in turn; `--slow` runs all.
+# (the offload section alone is 40): a rotation, one part a run (the commit's seed chooses);
+# `--slow` runs all.
 PARTS = {
     "offload": ("offload",),
     "kvbits": ("kvbits", "roofline", "pool"),

@@ -185,19 +185,11 @@ GQA_DECODE_IMPLS = [
 ]
 
 
-def _slow_only(full_sweeps: bool, why: str) -> None:
-    """Skips the case unless the run takes the full sweeps (the `full_sweeps` fixture)."""
-    if not full_sweeps:
-        pytest.skip(f"{why}; runs with --slow")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", GQA_DECODE_IMPLS)
 @pytest.mark.parametrize("dtype,window,soft_cap", [
     (jnp.float32, None, None), (jnp.bfloat16, 11, 4.0)])
-def test_gqa_decode(rng, full_sweeps, impl, dtype, window, soft_cap):
-    if impl == "tpu_interpreter" and dtype != jnp.float32:
-        _slow_only(full_sweeps, "the TPU interpreter is slow: one case by default")
+def test_gqa_decode(rng, impl, dtype, window, soft_cap):
     kv_heads, q_heads, head_dim = 2, 4, 64
     lengths = _edge_lengths(rng, PS, MAX_PAGES)
     tables, num_pages = _tables(rng, lengths, PS, MAX_PAGES)
@@ -404,7 +396,7 @@ _QUANT_CASES = [  # bits, head_dim, q_len, window, soft_cap, dtype, scale_dtype
 ]
 
 
-# A `slow` sweep: by default a daily sample holding every implementation and every value
+# A `slow` sweep: by default a sample holding every implementation and every value
 # of each case's fields (the interpreted TPU and GPU kernels cost 1.5-7 s a case).
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -414,10 +406,8 @@ _QUANT_CASES = [  # bits, head_dim, q_len, window, soft_cap, dtype, scale_dtype
                   "tpu_interpreter", "gpu")
      for case in _QUANT_CASES
      if not (impl.startswith("cpu") and case[2] > 1)])  # the CPU kernel does decode only
-def test_quantized(rng, full_sweeps, impl, bits, head_dim, q_len, window, soft_cap, dtype,
+def test_quantized(rng, impl, bits, head_dim, q_len, window, soft_cap, dtype,
                    scale_dtype):
-    if impl == "tpu_interpreter" and (q_len > 1 or window is not None):
-        _slow_only(full_sweeps, "the TPU interpreter is slow: one case by default")
     kv_heads, q_heads = 2, 4
     quant, lengths, q_pos = _quant_rows(rng, q_len)
     tables, num_pages = _tables(rng, quant, QPS, QMAX_PAGES)
@@ -467,9 +457,7 @@ def _mla_quant(impl, rng, args, kw):
 @pytest.mark.parametrize("impl", ["reference", "xla", "xla_layer", "tpu", "tpu_interpreter",
                                   "gpu"])
 @pytest.mark.parametrize("bits,q_len", [(4, 1), (2, 3)])
-def test_quantized_mla(rng, full_sweeps, impl, bits, q_len):
-    if impl == "tpu_interpreter" and q_len > 1:
-        _slow_only(full_sweeps, "the TPU interpreter is slow: one case by default")
+def test_quantized_mla(rng, impl, bits, q_len):
     heads, d_c, d_rope, scale = 4, 64, 64, 0.09
     quant, lengths, q_pos = _quant_rows(rng, q_len)
     tables, num_pages = _tables(rng, quant, QPS, QMAX_PAGES)

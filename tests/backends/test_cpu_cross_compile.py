@@ -31,8 +31,8 @@ def _zig_cxx(target: str) -> list[str]:
 
 
 # A rotation over the sources: compiling all of them takes about 40 CPU-seconds of a 2-core
-# machine (zig's Clang, cold cache), so the default run compiles two a day in turn (each
-# at least every fifth day); `--slow` compiles every one.
+# machine (zig's Clang, cold cache), so the default run compiles two, chosen by the
+# commit's seed (tests/conftest.py); `--slow` compiles every one.
 @pytest.mark.rotate(2)
 @pytest.mark.parametrize("src", build.SOURCES)
 def test_sources_compile_for_aarch64(tmp_path, src):

@@ -1,6 +1,6 @@
 """Fixtures shared by the kernel tests.
 
-The `slow` sweeps here run as a daily covering sample by default and in full
+The `slow` sweeps here run as a covering sample by default and in full
 with `--slow` (see tests/conftest.py).
 """
 

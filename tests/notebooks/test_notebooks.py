@@ -30,9 +30,9 @@ def test_ipynb_in_sync_with_py(src):
 
 
 # A rotation: a notebook's run takes 8-32 s of a 2-core machine (a kernel, jax and the
-# notebook's programs), so the default run executes one a day, in turn (each at least every
-# sixth day); `--slow` runs all of them. Every notebook's sync with its source is checked on
-# every run (above).
+# notebook's programs), so the default run executes one, chosen by the commit's seed
+# (tests/conftest.py); `--slow` runs all of them. Every notebook's sync with its source is
+# checked on every run (above).
 @pytest.mark.rotate(1)
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
 def test_notebook_runs(src, tmp_path, monkeypatch, child_env):
