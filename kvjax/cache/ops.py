@@ -698,9 +698,15 @@ def indexer_topk(
         ring_keys = ring_keys[seq_ids]
     tail = ksparse.tail_indexer_scores(q, weights, ring_keys, key_lengths, lengths, q_pos,
                                        scale=scale)
+    # select_topk breaks ties by column: put the ring's slots in position order (the ring
+    # wraps, slot p mod ring holding position p), so ties go to the earlier position.
+    order = (key_lengths[:, None] + jnp.arange(ring, dtype=jnp.int32)[None, :]) % ring
+    tail = jnp.take_along_axis(tail, order[:, None, :], axis=2)
     cols = jnp.broadcast_to(jnp.arange(scores.shape[-1], dtype=jnp.int32), (batch,
                                                                            scores.shape[-1]))
-    positions = jnp.concatenate([cols, ksparse.tail_positions(key_lengths, ring)], axis=1)
+    positions = jnp.concatenate(
+        [cols, jnp.take_along_axis(ksparse.tail_positions(key_lengths, ring), order, axis=1)],
+        axis=1)
     return ksparse.select_topk(jnp.concatenate([scores, tail], axis=-1), topk, positions)
 
 
