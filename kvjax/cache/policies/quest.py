@@ -127,6 +127,23 @@ def _latent_bounds(scale, zero, bits: int, width: int):
     return jnp.repeat(lo, group, axis=-1), jnp.repeat(hi, group, axis=-1)
 
 
+def _fresh_rope_bounds(cache: PagedKVCache, layer, lo, hi):
+    """KIVI MLA: the k_rope bounds of the page this decode step's write quantized, from the
+    pool. The state's summaries of it are refreshed by `after_step`, after the attention
+    that selects among the quantized pages (a decode step quantizes at most one page: the
+    last). lo, hi: float32 [heads, batch, max_pages, d_rope]."""
+    spec = cache.spec
+    ps, max_pages = spec.page_size, spec.max_pages_per_seq
+    col = jnp.clip(cache.quant_lengths // ps - 1, 0, max_pages - 1)  # [B]
+    page = jnp.take_along_axis(cache.block_tables, col[:, None], axis=1)[:, 0]
+    rows = cache.pages.k_rope[layer][:, jnp.clip(page, 0, spec.num_pages - 1)]  # [H, B, ps, W]
+    at = (cache.tail.pending[1] > 0)[:, None] & (jnp.arange(max_pages)[None, :] == col[:, None])
+    at = at[None, :, :, None]  # [1, B, M, 1]
+    lo = jnp.where(at, rows.min(axis=2).astype(jnp.float32)[:, :, None], lo)
+    hi = jnp.where(at, rows.max(axis=2).astype(jnp.float32)[:, :, None], hi)
+    return lo, hi
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Quest(CachePolicy):
     """Attend to the current page plus the top_k - 1 pages with the highest Quest bound.
@@ -262,8 +279,12 @@ class Quest(CachePolicy):
             parts_lo.append(lo)
             parts_hi.append(hi)
         if state.kmin.shape[-1]:
-            parts_lo.append(state.kmin[layer][:, safe].astype(jnp.float32))
-            parts_hi.append(state.kmax[layer][:, safe].astype(jnp.float32))
+            lo = state.kmin[layer][:, safe].astype(jnp.float32)
+            hi = state.kmax[layer][:, safe].astype(jnp.float32)
+            if cache.is_quantized:
+                lo, hi = _fresh_rope_bounds(cache, layer, lo, hi)
+            parts_lo.append(lo)
+            parts_hi.append(hi)
         lo = jnp.concatenate(parts_lo, axis=-1)  # [H, B, M, W]
         hi = jnp.concatenate(parts_hi, axis=-1)
         return jnp.swapaxes(lo, 0, 1), jnp.swapaxes(hi, 0, 1)
