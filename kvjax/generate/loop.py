@@ -50,6 +50,7 @@ from kvjax.generate import setup
 from kvjax.generate.sampling import RowSampling, SamplingConfig, as_keys, sample, sample_rows
 from kvjax.generate.setup import CacheConfig
 from kvjax.models.base import Model
+from kvjax.sharding import ShardedAttention, cache_shardings
 
 __all__ = [
     "CacheConfig",
@@ -388,6 +389,11 @@ def decode_step(
     finished = run & ((_is_eos(tok, eos_ids) & ~is_forced) | (num >= state.max_new))
     if free_finished:
         cache = _free_rows(cache, state.seq_ids, finished)
+    if isinstance(impl, ShardedAttention):
+        # The pools keep the plan's layout: a step compiled alone (`stream`) leaves XLA free
+        # to choose its output's, and it replicated an MLA bf16 pool after H2O's compaction.
+        cache = dataclasses.replace(cache, pages=jax.lax.with_sharding_constraint(
+            cache.pages, cache_shardings(impl.plan, cache.spec).pages))
     return dataclasses.replace(
         state, cache=cache, last=jnp.where(run, tok, state.last),
         position=state.position + run.astype(jnp.int32), tokens=tokens, num_generated=num,
