@@ -1,6 +1,9 @@
 """Shared pieces of the serving-engine tests: the tiny model, workloads, the reference run
 (`kvjax.generate` on one request alone) and a driver that adds requests as it steps."""
 
+import collections
+import os
+
 import jax
 import numpy as np
 from hypothesis import strategies as hst
@@ -11,8 +14,10 @@ PAGE = 8
 CHUNK = 16
 
 
-def _workload(rng, vocab, n, system=48, suffix=(3, 30), new=(2, 14)):
-    """n prompts: a shared system prompt (a whole number of chunks) + unique suffixes."""
+def _workload(rng, vocab, n, system=48, suffix=(3, 17), new=(2, 14)):
+    """n prompts: a shared system prompt (a whole number of chunks) + unique suffixes of up
+    to one chunk, so that with the default 48 tokens every prompt pads to one width (64)
+    and `_alone` compiles one program for them all."""
     sys_prompt = rng.integers(3, vocab, system).tolist()
     prompts = [sys_prompt + rng.integers(3, vocab, int(k)).tolist()
                for k in rng.integers(*suffix, n)]
@@ -20,6 +25,15 @@ def _workload(rng, vocab, n, system=48, suffix=(3, 30), new=(2, 14)):
 
 
 REF_NEW, REF_TOKENS = 48, 256
+
+
+def drawn_seed() -> int:
+    """A seed drawn as the `rng` fixture (tests/conftest.py) draws its own, for a module
+    fixture, which cannot take that function-scoped one: KVJAX_TEST_SEED when set, else
+    fresh; printed, so a failing draw replays with KVJAX_TEST_SEED."""
+    seed = int(os.environ.get("KVJAX_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"test seed: KVJAX_TEST_SEED={seed}")
+    return seed
 
 
 def _alone(model, params, prompt, max_new, cache, *, key=None, sampling=gen.GREEDY, policy=None):
@@ -34,16 +48,18 @@ def _alone(model, params, prompt, max_new, cache, *, key=None, sampling=gen.GREE
     return r.sequences()[0][:max_new]
 
 
-def _drive(engine, prompts, max_new, *, arrive_every=2, check_every=1, **kw):
-    """Adds a request every `arrive_every` steps (rows join mid-decode); runs to the end,
-    checking the invariants; returns each request's tokens and its finish reason."""
+def _drive(engine, prompts, max_new, *, arrive_every=2, first=1, check_every=1, **kw):
+    """Adds the `first` requests at once, then one every `arrive_every` steps (rows join
+    mid-decode); runs to the end, checking the invariants; returns each request's tokens
+    and its finish reason."""
     ids, out, reasons = [], {}, {}
     pending = list(zip(prompts, max_new, strict=True))
     step = 0
     while pending or engine.has_unfinished():
-        if pending and step % arrive_every == 0:
-            p, m = pending.pop(0)
-            ids.append(engine.add_request(p, max_tokens=m, **kw))
+        for _ in range(first if step == 0 else 1):
+            if pending and step % arrive_every == 0:
+                p, m = pending.pop(0)
+                ids.append(engine.add_request(p, max_tokens=m, **kw))
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.token_ids)
             if o.finished:
@@ -58,40 +74,83 @@ def _drive(engine, prompts, max_new, *, arrive_every=2, check_every=1, **kw):
 
 
 
-
 _EVENTS = hst.lists(
     hst.tuples(hst.sampled_from(["add", "add", "add", "step", "step", "cancel"]),
                hst.integers(0, 10**6)),
     min_size=4, max_size=30)
 
 
-def _random_events(engine, events, max_seq_len=56):
-    """Replays hypothesis `_EVENTS` (adds of random prompts, half of them behind a two-page
-    system prompt; steps; cancels) on an idle engine, then runs it dry: `check()` after
-    every step, every request finishes exactly once, none is lost."""
-    vocab = engine.vocab_size
-    system = [5, 9, 17, 33, 65, 7, 11, 13, 21, 3, 4, 6, 8, 10, 12, 14]  # two pages
-    added, finished = [], set()
+class _Replay:
+    """Adds, steps and cancels on an engine, keeping what each request produced: every
+    step is followed by `check()`, every request must finish exactly once, and `stats()`
+    is what the engine counted since the replay began (an engine may be shared)."""
 
-    def step():
-        for o in engine.step():
+    def __init__(self, engine):
+        self.engine = engine
+        self.requests: dict[str, tuple[list[int], int]] = {}  # id -> (prompt, max_tokens)
+        self.out: dict[str, list[int]] = {}
+        self.reasons: dict[str, str] = {}
+        self.cancelled: set[str] = set()
+        self._before = collections.Counter(engine.stats)
+
+    def add(self, prompt, max_tokens: int) -> str:
+        rid = self.engine.add_request(prompt, max_tokens=max_tokens)
+        self.requests[rid] = (list(prompt), max_tokens)
+        return rid
+
+    def cancel(self, rid: str) -> None:
+        self.engine.cancel(rid)
+        self.cancelled.add(rid)
+
+    def step(self) -> None:
+        for o in self.engine.step():
+            self.out.setdefault(o.request_id, []).extend(o.token_ids)
             if o.finished:
-                assert o.request_id not in finished, "a request finished twice"
-                finished.add(o.request_id)
-        engine.check()
+                assert o.request_id not in self.reasons, "a request finished twice"
+                self.reasons[o.request_id] = o.finish_reason
+        self.engine.check()
 
-    for kind, x in events:
-        r = np.random.default_rng(x)
-        if kind == "add":
-            n = int(r.integers(1, 24))
-            prompt = (system if x % 2 else []) + r.integers(3, vocab, n).tolist()
-            added.append(engine.add_request(
-                prompt, max_tokens=int(r.integers(1, max_seq_len - 40))))
-        elif kind == "cancel" and added:
-            engine.cancel(added[x % len(added)])
-        else:
-            step()
-    while engine.has_unfinished():
-        step()
-    assert finished == set(added), "a request was lost"
-    assert engine.num_running == 0 and engine.num_waiting == 0
+    def stats(self) -> collections.Counter:
+        return collections.Counter(self.engine.stats) - self._before
+
+    def step_until(self, reached, what: str, limit: int = 100) -> None:
+        """Steps until `reached()`; fails (naming `what`) if `limit` steps do not get there."""
+        for _ in range(limit):
+            if reached():
+                return
+            self.step()
+        raise AssertionError(f"{limit} steps did not reach {what}: {dict(self.stats())}")
+
+    def events(self, events, max_seq_len: int) -> None:
+        """Replays hypothesis `_EVENTS`: adds of random prompts (half of them behind a
+        two-page system prompt, so prefixes hit), steps and cancels of any request added
+        so far; then runs the engine dry. No request is lost."""
+        vocab = self.engine.vocab_size
+        system = [5, 9, 17, 33, 65, 7, 11, 13, 21, 3, 4, 6, 8, 10, 12, 14]  # two pages
+        for kind, x in events:
+            r = np.random.default_rng(x)
+            if kind == "add":
+                n = int(r.integers(1, 24))
+                prompt = (system if x % 2 else []) + r.integers(3, vocab, n).tolist()
+                self.add(prompt, int(r.integers(1, max_seq_len - 40)))
+            elif kind == "cancel" and self.requests:
+                ids = list(self.requests)
+                self.cancel(ids[x % len(ids)])
+            else:
+                self.step()
+        while self.engine.has_unfinished():
+            self.step()
+        assert set(self.reasons) == set(self.requests), "a request was lost"
+        assert self.engine.num_running == 0 and self.engine.num_waiting == 0
+
+    def check_tokens(self, reference) -> None:
+        """Every request's tokens against `reference(prompt, n)` (greedy tokens of the
+        request alone): all n of them when it ran to its length, a prefix of them when it
+        was cancelled first."""
+        for rid, (prompt, n) in self.requests.items():
+            got, reason = self.out.get(rid, []), self.reasons[rid]
+            want = reference(prompt, n)
+            if reason == "cancelled":
+                assert rid in self.cancelled and got == want[: len(got)], (rid, got, want)
+            else:
+                assert (reason, got) == ("length", want), (rid, reason, got, want)
