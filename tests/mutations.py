@@ -165,3 +165,102 @@ def _host_move_fails(mp):
 
     mp.setattr(host, "move", refused)
     mp.setattr(host, "swap_out", refused)
+
+
+# ------------------------------------------------------------- the serving engine (tests/serve)
+
+
+@mutation("sampling_ignored", "the serving path samples greedily whatever a request's "
+                              "temperature, top_p and top_k (its per-row draw is an argmax)",
+          ("tests/serve/test_engine.py::test_sampled_rows_equal_generate_with_the_same_key",
+           "tests/serve/test_server.py::test_sampled_completions_equal_generate_with_their_seed"))
+def _sampling_ignored(mp):
+    import jax.numpy as jnp
+
+    from kvjax.generate import sampling
+
+    # sample_rows (the engine's admission and decode steps) draws its sampled rows here.
+    mp.setattr(sampling, "_draw_rows",
+               lambda logits, keys, rows: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+@mutation("eos_ignored", "generation runs on past an EOS id: the device-side EOS test of "
+                         "generate and the engine never fires, and the engine's host side "
+                         "forgets its eos_ids",
+          ("tests/serve/test_engine_scheduling.py::test_stop_ids_eos_and_cancel",))
+def _eos_ignored(mp):
+    import jax.numpy as jnp
+
+    from kvjax.generate import loop
+    from kvjax.serve import engine
+
+    mp.setattr(loop, "_is_eos", lambda tok, eos_ids: jnp.zeros(tok.shape, bool))
+    init = engine.Engine.__init__
+
+    def init_without_eos(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.eos_ids = ()
+
+    mp.setattr(engine.Engine, "__init__", init_without_eos)
+
+
+@mutation("prefix_caching_off", "the engine's prefix cache never hits: every lookup finds no "
+                                "cached page, so every prompt is computed in full",
+          ("tests/serve/test_engine_scheduling.py::"
+           "test_prompts_sharing_a_prefix_wait_for_the_first_to_prefill_it",))
+def _prefix_caching_off(mp):
+    from kvjax.serve import prefix
+
+    mp.setattr(prefix.PrefixCache, "match", lambda self, hashes, tokens, *, parked=True: 0)
+
+
+@mutation("cache_salt_ignored", "the prefix cache ignores a request's salt (page hashes are "
+                                "unsalted): requests with different salts share pages",
+          ("tests/serve/test_engine_scheduling.py::test_salt_separates_tenants",))
+def _cache_salt_ignored(mp):
+    from kvjax.serve import engine, prefix
+
+    salted = prefix.page_hashes
+
+    def unsalted(tokens, page_size, salt=None):
+        return salted(tokens, page_size)
+
+    # The engine calls the name it imported from kvjax.serve.prefix.
+    mp.setattr(prefix, "page_hashes", unsalted)
+    mp.setattr(engine, "page_hashes", unsalted)
+
+
+@mutation("sharding_plan_ignored", "a ShardingPlan given to generate (CacheConfig.plan) is "
+                                   "ignored: cache, params and attention run on one device",
+          ("tests/test_composition.py::test_cell[llama-float32-none-8:heads+sequences-generate]",
+           "tests/test_composition.py::test_cell[deepseek-int4-h2o-8:context-sample_n]",
+           "tests/test_composition.py::test_cell[qwen3_next-bfloat16-quest-8:context-stream]"))
+def _sharding_plan_ignored(mp):
+    import dataclasses
+
+    from kvjax.generate import setup
+
+    prepare = setup.prepare_cache
+
+    def unsharded(model, cache, impl, **kw):  # every driver builds its cache here
+        if isinstance(cache, setup.CacheConfig) and cache.plan is not None:
+            cache = dataclasses.replace(cache, plan=None)
+        return prepare(model, cache, impl, **kw)
+
+    mp.setattr(setup, "prepare_cache", unsharded)
+
+
+@mutation("h2o_keeps_lowest", "H2O keeps the lowest-scored tokens: the least attended older "
+                              "tokens on full-precision pages, the highest-mass pages go on KIVI",
+          ("tests/cache/policies/test_h2o.py",
+           "tests/test_composition.py::test_cell[llama-float32-h2o-1-generate]",
+           "tests/test_composition.py::test_cell[qwen2-int4-h2o-1-generate]",
+           "tests/test_composition.py::test_cell[deepseek-bfloat16-h2o-1-beam_search]"))
+def _h2o_keeps_lowest(mp):
+    from kvjax.cache.policies import h2o
+
+    keep, evict = h2o.keep_heavy_and_recent, h2o.evict_lowest_pages
+    # H2O's own references (SnapKV, PyramidKV and StreamingLLM imported theirs before).
+    mp.setattr(h2o, "keep_heavy_and_recent", lambda scores, *a, **k: keep(-scores, *a, **k))
+    mp.setattr(h2o, "evict_lowest_pages", lambda cache, mass, *a, **k: evict(cache, -mass, *a,
+                                                                              **k))
