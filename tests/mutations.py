@@ -61,7 +61,10 @@ def apply_from_env() -> pytest.MonkeyPatch | None:
 
 
 @mutation("eviction_noop", "StreamingLLM evicts nothing (its eviction returns the cache as it is)",
-          ("tests/cache/policies/test_streaming_llm.py", "tests/test_composition.py"))
+          ("tests/cache/policies/test_streaming_llm.py",
+           "tests/test_composition.py::test_cell[llama-int4-streaming_llm-1-generate]",
+           "tests/test_composition.py::test_cell[qwen2-bfloat16-streaming_llm-8:context-generate]",
+           "tests/test_composition.py::test_cell[deepseek-float32-streaming_llm-1-beam_search]"))
 def _eviction_noop(mp):
     from kvjax.cache.policies.base import ok_status
     from kvjax.cache.policies.streaming_llm import StreamingLLM
