@@ -4,14 +4,19 @@ Tolerances: float32 inputs agree with the float32 reference to 1e-5 (both comput
 in f32; only the summation order differs); bf16 inputs give bf16 outputs, so they
 agree to a couple of bf16 ulps (2e-2 relative), while their float32 lse agrees to
 1e-5 (same bf16 values, f32 arithmetic).
+
+Compiling is most of these tests' time on CPU: each test runs the XLA path and its
+reference in one jitted program (`_run`; the reference eagerly would compile each of its
+ops for each new shape), and inputs are cast on the host.
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hlo_written import materialised
+from hlo_written import materialised, written
 
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
@@ -26,6 +31,22 @@ from kvjax.attention import (
 from kvjax.backends.cpu import options as cpu_options
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _call(fn, **kw):
+    """A hashable `(fn, kw)` for `_run`."""
+    return fn, tuple(kw.items())
+
+
+@functools.partial(jax.jit, static_argnames="calls")
+def _run(*args, calls):
+    """`fn(*args, **kw)` for each `_call(fn, **kw)` of `calls`, in one program."""
+    return tuple(fn(*args, **dict(kw)) for fn, kw in calls)
+
+
+def _host(rng, shape, dtype):
+    """Fresh normal values as a device array of `dtype`, cast on the host (no program)."""
+    return jnp.asarray(rng.standard_normal(shape).astype(dtype))
 
 
 def _lengths_for(page_size, max_pages, batch, rng):
@@ -53,9 +74,9 @@ def _case(rng, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, dtyp
         lengths = _lengths_for(page_size, max_pages, batch, rng)
     tables = _tables(lengths, page_size, max_pages, num_pages, rng)
     q_shape = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
-    q = jnp.asarray(rng.standard_normal(q_shape), dtype)
-    k = jnp.asarray(rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), dtype)
-    v = jnp.asarray(rng.standard_normal((kv_heads, num_pages, page_size, head_dim)), dtype)
+    q = _host(rng, q_shape, dtype)
+    k = _host(rng, (kv_heads, num_pages, page_size, head_dim), dtype)
+    v = _host(rng, (kv_heads, num_pages, page_size, head_dim), dtype)
     return q, k, v, jnp.asarray(lengths), jnp.asarray(tables)
 
 
@@ -71,7 +92,7 @@ def _close(got, want, dtype):
 
 # GQA ratio 1 (MHA), 2, 4, 8 and MQA, each page size and dtype at least once (the full
 # product adds compile time, not coverage: the ratio only changes the folded row count). A
-# `slow` sweep: the default run takes a daily sample holding every value of each argument.
+# `slow` sweep: the default run takes a sample holding every value of each argument.
 @pytest.mark.slow
 @pytest.mark.parametrize("q_heads,kv_heads,page_size,dtype", [
     (4, 4, 8, jnp.float32),
@@ -87,8 +108,8 @@ def _close(got, want, dtype):
 def test_decode_matches_reference(rng, q_heads, kv_heads, page_size, dtype):
     case = _case(rng, batch=7, q_heads=q_heads, kv_heads=kv_heads, head_dim=32,
                  page_size=page_size, max_pages=5, dtype=dtype)
-    got = paged_decode_attention(*case, impl="xla")
-    want = paged_decode_attention(*case, impl="reference")
+    got, want = _run(*case, calls=(_call(paged_decode_attention, impl="xla"),
+                                   _call(paged_decode_attention, impl="reference")))
     _close(got, want, dtype)
 
 
@@ -98,7 +119,8 @@ def test_decode_block_sizes(rng, block_tokens):
     case = _case(rng, batch=6, q_heads=8, kv_heads=2, head_dim=16, page_size=8, max_pages=7,
                  dtype=jnp.float32)
     got = xla.paged_decode_attention(*case, block_tokens=block_tokens)
-    _close(got, paged_ref.paged_decode_attention(*case), jnp.float32)
+    want, = _run(*case, calls=(_call(paged_ref.paged_decode_attention),))  # one program for all
+    _close(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("soft_cap,sliding_window", [(2.0, None), (None, 1), (None, 13),
@@ -107,14 +129,15 @@ def test_decode_soft_cap_and_window(rng, soft_cap, sliding_window):
     case = _case(rng, batch=6, q_heads=8, kv_heads=2, head_dim=16, page_size=8, max_pages=6,
                  dtype=jnp.float32)
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window)
-    got = xla.paged_decode_attention(*case, block_tokens=8, **kw)
-    _close(got, paged_ref.paged_decode_attention(*case, **kw), jnp.float32)
+    got, want = _run(*case, calls=(_call(xla.paged_decode_attention, block_tokens=8, **kw),
+                                   _call(paged_ref.paged_decode_attention, **kw)))
+    _close(got, want, jnp.float32)
 
 
 def test_decode_all_rows_empty(rng):
     case = _case(rng, batch=3, q_heads=4, kv_heads=2, head_dim=16, page_size=8, max_pages=3,
                  dtype=jnp.float32, lengths=np.zeros(3, np.int32))
-    out, lse = paged_decode_attention(*case, impl="xla")
+    (out, lse), = _run(*case, calls=(_call(paged_decode_attention, impl="xla"),))
     np.testing.assert_array_equal(np.asarray(out), 0.0)
     assert np.all(np.isneginf(np.asarray(lse)))
 
@@ -129,9 +152,11 @@ def test_unused_pages_are_never_read(rng):
     dead = np.array([p not in live for p in range(k.shape[1])])
     k = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, k)
     v = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, v)
-    out, lse = xla.paged_decode_attention(q, k, v, lengths, tables, block_tokens=16)
+    (out, lse), want = _run(q, k, v, lengths, tables, calls=(
+        _call(xla.paged_decode_attention, block_tokens=16),
+        _call(paged_ref.paged_decode_attention)))
     assert np.all(np.isfinite(np.asarray(out)))
-    _close((out, lse), paged_ref.paged_decode_attention(q, k, v, lengths, tables), jnp.float32)
+    _close((out, lse), want, jnp.float32)
 
 
 @pytest.mark.parametrize("dtype,sliding_window,soft_cap", [
@@ -143,8 +168,9 @@ def test_prefill_matches_reference(rng, dtype, sliding_window, soft_cap):
     q_lengths = np.minimum(np.asarray([0, 1, 6, 3, 5, 2]), np.asarray(lengths)).astype(np.int32)
     kw = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, k, v, lengths, tables, jnp.asarray(q_lengths))
-    got = paged_prefill_attention(*args, impl="xla", **kw)
-    _close(got, paged_prefill_attention(*args, impl="reference", **kw), dtype)
+    got, want = _run(*args, calls=(_call(paged_prefill_attention, impl="xla", **kw),
+                                   _call(paged_prefill_attention, impl="reference", **kw)))
+    _close(got, want, dtype)
 
 
 def _mla_case(rng, dtype, q_len=None, batch=6, heads=4, d_c=32, d_rope=8, page_size=8,
@@ -153,28 +179,32 @@ def _mla_case(rng, dtype, q_len=None, batch=6, heads=4, d_c=32, d_rope=8, page_s
     lengths = _lengths_for(page_size, max_pages, batch, rng)
     tables = _tables(lengths, page_size, max_pages, num_pages, rng)
     lead = (batch, heads) if q_len is None else (batch, q_len, heads)
-    ql = jnp.asarray(rng.standard_normal((*lead, d_c)), dtype)
-    qr = jnp.asarray(rng.standard_normal((*lead, d_rope)), dtype)
-    lat = jnp.asarray(rng.standard_normal((num_pages, page_size, d_c)), dtype)
-    rope = jnp.asarray(rng.standard_normal((num_pages, page_size, d_rope)), dtype)
+    ql = _host(rng, (*lead, d_c), dtype)
+    qr = _host(rng, (*lead, d_rope), dtype)
+    lat = _host(rng, (num_pages, page_size, d_c), dtype)
+    rope = _host(rng, (num_pages, page_size, d_rope), dtype)
     return ql, qr, lat, rope, jnp.asarray(lengths), jnp.asarray(tables)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_mla_decode_matches_reference(rng, dtype):
     case = _mla_case(rng, dtype)
-    got = mla_decode_attention(*case, scale=0.15, impl="xla")
-    _close(got, mla_decode_attention(*case, scale=0.15, impl="reference"), dtype)
-    got_small_blocks = xla.mla_decode_attention(*case, scale=0.15, block_tokens=8)
-    _close(got_small_blocks, mla_ref.mla_decode_attention(*case, scale=0.15), dtype)
+    got, want, got_small_blocks, want_ref = _run(*case, calls=(
+        _call(mla_decode_attention, scale=0.15, impl="xla"),
+        _call(mla_decode_attention, scale=0.15, impl="reference"),
+        _call(xla.mla_decode_attention, scale=0.15, block_tokens=8),
+        _call(mla_ref.mla_decode_attention, scale=0.15)))
+    _close(got, want, dtype)
+    _close(got_small_blocks, want_ref, dtype)
 
 
 def test_mla_prefill_matches_reference(rng):
     ql, qr, lat, rope, lengths, tables = _mla_case(rng, jnp.float32, q_len=4)
     q_lengths = jnp.asarray(np.minimum([0, 1, 4, 2, 3, 4], np.asarray(lengths)), jnp.int32)
     args = (ql, qr, lat, rope, lengths, tables, q_lengths)
-    got = mla_prefill_attention(*args, scale=0.2, impl="xla")
-    _close(got, mla_prefill_attention(*args, scale=0.2, impl="reference"), jnp.float32)
+    got, want = _run(*args, calls=(_call(mla_prefill_attention, scale=0.2, impl="xla"),
+                                   _call(mla_prefill_attention, scale=0.2, impl="reference")))
+    _close(got, want, jnp.float32)
 
 
 def test_auto_is_xla_on_cpu(monkeypatch):
@@ -234,12 +264,13 @@ def test_layer_of_whole_pools(rng, dtype):
     layers = 3
     q, k, v, lengths, tables = _case(rng, batch=4, q_heads=8, kv_heads=2, head_dim=16,
                                      page_size=8, max_pages=6, dtype=dtype)
-    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), dtype)
-    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), dtype)
+    k_all = _host(rng, (layers, *k.shape), dtype)
+    v_all = _host(rng, (layers, *v.shape), dtype)
+    calls = tuple(_call(paged_decode_attention, impl=impl, layer=layer)
+                  for layer in range(layers) for impl in ("xla", "reference"))
+    each = _run(q, k_all, v_all, lengths, tables, calls=calls)
     for layer in range(layers):
-        got = paged_decode_attention(q, k_all, v_all, lengths, tables, impl="xla", layer=layer)
-        want = paged_decode_attention(q, k_all, v_all, lengths, tables, impl="reference",
-                                      layer=layer)
+        got, want = each[2 * layer:2 * layer + 2]
         _close(got, want, dtype)
 
     def attend(impl):
@@ -248,33 +279,52 @@ def test_layer_of_whole_pools(rng, dtype):
 
     run_xla = _scan_layers(attend("xla"), q, (k_all, v_all), layers)
     run_ref = _scan_layers(attend("reference"), q, (k_all, v_all), layers)
+    # `materialised` of the XLA scan, compiled once: the same executable then runs.
+    xla_scan = jax.jit(lambda q, k, v: run_xla(q, (k, v))).lower(q, k_all, v_all).compile()
     tol = TOL[dtype]
-    np.testing.assert_allclose(np.asarray(run_xla(q, (k_all, v_all)), np.float32),
+    np.testing.assert_allclose(np.asarray(xla_scan(q, k_all, v_all), np.float32),
                                np.asarray(run_ref(q, (k_all, v_all)), np.float32),
                                rtol=tol, atol=tol)
     layer_pool = int(np.prod(k.shape))
-    written = materialised(lambda q, k, v: run_xla(q, (k, v)), q, k_all, v_all)
-    assert max(n for *_, n in written) < layer_pool, written
+    stored = written(xla_scan.as_text())
+    assert max(n for *_, n in stored) < layer_pool, stored
+
+
+def _flipped_first(x, axis):
+    """Layers [flip(x, axis), x] (on the host): the pools of 2 layers, x the second."""
+    x = np.asarray(x)
+    return jnp.asarray(np.stack([np.flip(x, axis), x]))
 
 
 def test_prefill_and_mla_layer_of_whole_pools(rng):
     layer = 1  # of 2 layers
     q, k, v, lengths, tables = _case(rng, batch=4, q_heads=4, kv_heads=2, head_dim=16,
                                      page_size=8, max_pages=4, dtype=jnp.float32, q_len=3)
-    q_lengths = jnp.minimum(jnp.asarray([3, 1, 2, 3], jnp.int32), lengths)
-    k_all = jnp.stack([jnp.flip(k, 1), k])
-    v_all = jnp.stack([jnp.flip(v, 1), v])
-    got = paged_prefill_attention(q, k_all, v_all, lengths, tables, q_lengths, impl="xla",
-                                  layer=jnp.int32(layer))
-    _close(got, paged_ref.paged_prefill_attention(q, k, v, lengths, tables, q_lengths),
-           jnp.float32)
+    q_lengths = jnp.asarray(np.minimum([3, 1, 2, 3], np.asarray(lengths)).astype(np.int32))
+
+    k_all = _flipped_first(k, 1)
+    v_all = _flipped_first(v, 1)
+
+    @jax.jit
+    def gqa(q, k, v, k_all, v_all, lengths, tables, q_lengths, layer):
+        return (paged_prefill_attention(q, k_all, v_all, lengths, tables, q_lengths,
+                                        impl="xla", layer=layer),
+                paged_ref.paged_prefill_attention(q, k, v, lengths, tables, q_lengths))
+
+    got, want = gqa(q, k, v, k_all, v_all, lengths, tables, q_lengths, jnp.int32(layer))
+    _close(got, want, jnp.float32)
 
     ql, qr, lat, rope, lengths, tables = _mla_case(rng, jnp.float32)
-    lat_all = jnp.stack([jnp.flip(lat, 0), lat])[:, None]  # [layers, 1, pages, ps, d_c]
-    rope_all = jnp.stack([jnp.flip(rope, 0), rope])[:, None]
-    got = mla_decode_attention(ql, qr, lat_all, rope_all, lengths, tables, scale=0.2,
-                               impl="xla", layer=layer)
-    _close(got, mla_ref.mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=0.2),
-           jnp.float32)
+    lat_all = _flipped_first(lat, 0)[:, None]  # [layers, 1, pages, ps, d_c]
+    rope_all = _flipped_first(rope, 0)[:, None]
+
+    @jax.jit
+    def mla(ql, qr, lat, rope, lat_all, rope_all, lengths, tables):
+        return (mla_decode_attention(ql, qr, lat_all, rope_all, lengths, tables, scale=0.2,
+                                     impl="xla", layer=layer),
+                mla_ref.mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=0.2))
+
+    got, want = mla(ql, qr, lat, rope, lat_all, rope_all, lengths, tables)
+    _close(got, want, jnp.float32)
     with pytest.raises(ValueError, match="whole pools"):
         mla_decode_attention(ql, qr, lat, rope, lengths, tables, scale=0.2, layer=0)
