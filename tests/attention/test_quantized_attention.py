@@ -1,4 +1,9 @@
-"""Attention over quantized pages + full-precision tail: exactness, error bounds, KIVI, memory."""
+"""Attention over quantized pages + full-precision tail: exactness, error bounds, KIVI, memory.
+
+The K/V a reference attends over are read back on the host (`kivi_numpy`), and each
+test's attention runs as one jitted program taking the cache (`_attend`), shared by the
+tests of one cache spec: on CPU, compiling is most of these tests' time.
+"""
 
 import functools
 
@@ -6,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kivi_numpy import dequantized_sequences
 
 import kvjax as kvx
 from kvjax import attention
@@ -14,6 +20,14 @@ from kvjax.cache import quantized as qz
 from kvjax.specs import QuantSpec
 
 _qwrite = jax.jit(qz.write_layer, static_argnames="layer", donate_argnames="cache")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _reserved_cache(spec, lengths):
+    """A new cache reserving `lengths` tokens per slot (the public, jitted reserve), in one
+    program with the init rather than a fill program per pool shape."""
+    return kvx.cache.reserve(qz.init_cache(spec), lengths)
+
 
 HEAD_DIM = 32
 
@@ -28,9 +42,23 @@ def float32_dot_products(monkeypatch):
     monkeypatch.setenv("KVJAX_CPU_INT_VALUES", "0")
 
 
-def jitted(fn, *args, **static):
-    """Calls `fn` under one jit (a single compilation instead of op-by-op dispatch)."""
-    return jax.jit(functools.partial(fn, **static))(*args)
+def _decode(view, q):
+    return attention.quantized_decode_attention(q, view)
+
+
+def _prefill(view, q, q_lengths, seq_ids, **kw):
+    return attention.quantized_prefill_attention(q, view, q_lengths, seq_ids=seq_ids, **kw)
+
+
+def _mla_decode(view, ql, qr, **kw):
+    return attention.quantized_mla_decode_attention(ql, qr, view, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "kw"))
+def _attend(cache, *args, op, kw=()):
+    """`op(layer_view(cache, 0), *args, **kw)` as one program (a module-level jit: the
+    tests of one cache spec share it)."""
+    return op(qz.layer_view(cache, 0), *args, **dict(kw))
 
 
 def dense(q, k, v, q_pos, scale, q_rope=None, k_rope=None, soft_cap=None, window=None):
@@ -72,19 +100,19 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
     spec = kvx.CacheSpec(attention=att, num_layers=1, page_size=page_size, num_pages=num_pages,
                          max_seqs=S, max_pages_per_seq=8,
                          quant=QuantSpec(bits=bits, group_size=group, residual=residual))
-    cache = qz.init_cache(spec)
     chunk = 128  # fixed prefill shape, so tests with the same spec share compilations
     total = chunk + decode
     ka = rng.standard_normal((S, total, heads, widths[0])).astype(np.float32)
     vb = rng.standard_normal((S, total, heads, widths[1])).astype(np.float32)
     if outliers:
         ka[..., :2] = ka[..., :2] * 4 + 10
-    lengths = np.asarray(lengths)
-    cache, st = kvx.cache.reserve(cache, jnp.asarray(lengths, jnp.int32))  # jitted
+    lengths = np.asarray(lengths, np.int32)
+    cache, st = _reserved_cache(spec, jnp.asarray(lengths))
     st.raise_if_error()
     cache = _qwrite(cache, 0, jnp.asarray(ka[:, :chunk]), jnp.asarray(vb[:, :chunk]))
+    ones = jnp.asarray(np.ones(S, np.int32))
     for i in range(decode):
-        cache, st = kvx.cache.reserve(cache, jnp.ones(S, jnp.int32))
+        cache, st = kvx.cache.reserve(cache, ones)
         st.raise_if_error()
         cache = _qwrite(cache, 0, jnp.asarray(ka[np.arange(S), chunk + i][:, None]),
                                    jnp.asarray(vb[np.arange(S), chunk + i][:, None]))
@@ -106,11 +134,9 @@ def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
     cache, _, _ = build(rng, bits=bits, residual=16, kv_heads=kv_heads)
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    view = qz.layer_view(cache, 0)
-    out, lse = jax.jit(attention.quantized_decode_attention)(jnp.asarray(q), view)
+    out, lse = _attend(cache, jnp.asarray(q), op=_decode)
     assert out.shape == (S, 4, HEAD_DIM) and lse.shape == (S, 4)
-    for s in range(S):
-        k, v = qz.dequantized_sequence(cache, 0, s)
+    for s, (k, v) in enumerate(dequantized_sequences(cache)):
         want = dense(q[s][None], k, v, np.array([len(k) - 1]), HEAD_DIM ** -0.5)[0]
         np.testing.assert_allclose(np.asarray(out[s]), want, rtol=2e-5, atol=2e-5)
 
@@ -121,11 +147,11 @@ def test_prefill_rows_padding_and_seq_ids(rng, soft_cap, window):
     seq_ids = jnp.array([3, 0], jnp.int32)
     q_lengths = np.array([5, 2])
     q = rng.standard_normal((2, 6, 4, HEAD_DIM)).astype(np.float32)
-    out, lse = jitted(attention.quantized_prefill_attention, jnp.asarray(q),
-                      qz.layer_view(cache, 0), jnp.asarray(q_lengths), seq_ids=seq_ids,
-                      soft_cap=soft_cap, sliding_window=window)
+    out, lse = _attend(cache, jnp.asarray(q), jnp.asarray(q_lengths.astype(np.int32)), seq_ids,
+                       op=_prefill, kw=(("soft_cap", soft_cap), ("sliding_window", window)))
+    kv = dequantized_sequences(cache)
     for r, s in enumerate([3, 0]):
-        k, v = qz.dequantized_sequence(cache, 0, s)
+        k, v = kv[s]
         pos = len(k) - q_lengths[r] + np.arange(q_lengths[r])
         want = dense(q[r, :q_lengths[r]], k, v, pos, HEAD_DIM ** -0.5, soft_cap=soft_cap,
                      window=window)
@@ -139,7 +165,7 @@ def test_8bit_within_1e2_of_full_precision(rng):
     cache, ks, vs = build(rng, bits=8, residual=0, lengths=(100, 64, 17, 120))
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, _ = jitted(attention.quantized_decode_attention, jnp.asarray(q), qz.layer_view(cache, 0))
+    out, _ = _attend(cache, jnp.asarray(q), op=_decode)
     want = np.stack([dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]),
                            HEAD_DIM ** -0.5)[0] for s in range(S)])
     # Relative error in the usual (norm) sense: |out_hat - out| / |out| over the batch. The
@@ -192,7 +218,7 @@ def test_low_bit_error_below_scale_bound(rng, bits):
     cache, ks, vs = build(rng, bits=bits, residual=16, lengths=(70, 40, 33, 90))
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, _ = jitted(attention.quantized_decode_attention, jnp.asarray(q), qz.layer_view(cache, 0))
+    out, _ = _attend(cache, jnp.asarray(q), op=_decode)
     scale = HEAD_DIM ** -0.5
     for s in range(S):
         want = dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]), scale)[0]
@@ -203,6 +229,13 @@ def test_low_bit_error_below_scale_bound(rng, bits):
         assert err.max() > 0  # really quantized
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _kivi_roundtrip(k, grouping, group_size):
+    """2-bit KIVI quantization of `k` [..., tokens, channels], packed, then dequantized."""
+    codes, sc, z = quant.quantize(k, bits=2, group_size=group_size, grouping=grouping)
+    return quant.dequantize(quant.pack_codes(codes, 2), sc, z, bits=2, grouping=grouping)
+
+
 def test_kivi_per_channel_keys_beat_per_token_keys_with_outlier_channels(rng):
     # Real LLM keys have a few channels of large magnitude. Grouping keys per
     # channel (along tokens) isolates them; grouping per token (along
@@ -210,20 +243,23 @@ def test_kivi_per_channel_keys_beat_per_token_keys_with_outlier_channels(rng):
     S, D, G, trials = 256, 64, 32, 8
     scale = D ** -0.5
     errs = {"tokens": [], "channels": []}
+    ks, vs, qs = [], [], []
     for _ in range(trials):
         k = rng.standard_normal((S, 1, D)).astype(np.float32)
         out_ch = rng.choice(D, 3, replace=False)
         k[:, :, out_ch] = k[:, :, out_ch] * 5 + rng.choice([-15, 15], 3)
-        v = rng.standard_normal((S, 1, D)).astype(np.float32)
-        q = rng.standard_normal((4, 4, D)).astype(np.float32)
-        pos = np.full(4, S - 1)
-        want = dense(q, k, v, pos, scale)
+        ks.append(k)
+        vs.append(rng.standard_normal((S, 1, D)).astype(np.float32))
+        qs.append(rng.standard_normal((4, 4, D)).astype(np.float32))
+    # Every trial's keys quantized in one call per grouping (the leading axis is a batch).
+    k_hats = {g: np.asarray(_kivi_roundtrip(jnp.asarray(np.stack(ks)[:, :, 0]), g, G))
+              for g in errs}
+    pos = np.full(4, S - 1)
+    for i in range(trials):
+        want = dense(qs[i], ks[i], vs[i], pos, scale)
         for grouping in errs:
-            codes, sc, z = quant.quantize(jnp.asarray(k[:, 0]), bits=2, group_size=G,
-                                          grouping=grouping)
-            k_hat = np.asarray(quant.dequantize(quant.pack_codes(codes, 2), sc, z, bits=2,
-                                                grouping=grouping))[:, None]
-            errs[grouping].append(np.abs(dense(q, k_hat, v, pos, scale) - want).mean())
+            k_hat = k_hats[grouping][i][:, None]
+            errs[grouping].append(np.abs(dense(qs[i], k_hat, vs[i], pos, scale) - want).mean())
     per_channel, per_token = np.mean(errs["tokens"]), np.mean(errs["channels"])
     assert per_channel < per_token, (per_channel, per_token)
     print(f"2-bit keys, attention-output mean error: per-channel {per_channel:.4f}, "
@@ -237,10 +273,9 @@ def test_mla_equals_dense_on_dequantized_and_8bit_close(rng, bits):
     ql = rng.standard_normal((S, 4, 64)).astype(np.float32)
     qr = rng.standard_normal((S, 4, 16)).astype(np.float32)
     scale = 32 ** -0.5
-    out, _ = jitted(attention.quantized_mla_decode_attention, jnp.asarray(ql), jnp.asarray(qr),
-                    qz.layer_view(cache, 0), scale=scale)
-    for s in range(S):
-        c, r = qz.dequantized_sequence(cache, 0, s)
+    out, _ = _attend(cache, jnp.asarray(ql), jnp.asarray(qr), op=_mla_decode,
+                     kw=(("scale", scale),))
+    for s, (c, r) in enumerate(dequantized_sequences(cache)):
         np.testing.assert_array_equal(r, rs[s])  # k_rope is kept in full precision
         pos = np.array([len(c) - 1])
         want = dense(ql[s][None], c, c, pos, scale, qr[s][None], r)[0]
@@ -271,9 +306,10 @@ def _float_arrays(jaxpr):
 
 @pytest.mark.parametrize("mla", [False, True])
 def test_decode_step_never_materialises_a_dequantized_pool(rng, mla):
-    # A pool much larger than what the sequences read: 64 pages of 16 tokens
-    # versus 4 sequences x 8 block-table entries.
-    cache, _, _ = build(rng, bits=4, residual=16, mla=mla, num_pages=256, lengths=(30, 3, 20, 9))
+    # A pool larger than what the sequences read: 64 pages of 16 tokens versus 4 sequences
+    # x 8 block-table entries (the decode step's largest float array is an eighth of the
+    # pool, MLA's full-precision k_rope pool a quarter).
+    cache, _, _ = build(rng, bits=4, residual=16, mla=mla, lengths=(30, 3, 20, 9))
     spec = cache.spec
     heads = spec.attention.cache_heads
     width = spec.attention.cache_widths[0]
