@@ -7,12 +7,19 @@ its top-k; MLA over a token selection equals softmax attention over exactly thos
 tokens (float32 and bfloat16 pools, whole pools with a layer index); on KIVI latents it
 equals attention over the dequantized sequence restricted to the selection; the
 sharded versions (8 devices, pages over a context axis) equal one device.
+
+Compiling is most of these tests' time on CPU: each op under test runs in one jitted
+program (eagerly, each of its jnp ops compiles for each new shape), inputs are made on the
+host, and the KIVI references read the cache back with NumPy (`kivi_numpy`).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kivi_numpy import dequantized_sequences
 
 import kvjax.cache as kc
 from kvjax import sharding as kvs
@@ -24,7 +31,6 @@ from kvjax.attention import (
     select_topk,
     sparse,
 )
-from kvjax.cache import quantized
 from kvjax.specs import CacheSpec, IndexerCacheSpec, MLASpec, QuantSpec
 
 PS = 4
@@ -36,17 +42,19 @@ NUM_PAGES = 40
 def _paged(rng, width, dtype, layers=None):
     """A pool of random pages (ids permuted) and the rows' dense copies [batch, T, width]."""
     batch = len(LENGTHS)
+    dtype = jnp.dtype(dtype)  # cast on the host: no conversion programs
     dense = rng.standard_normal((batch, MAX_PAGES * PS, width)).astype(np.float32)
-    dense = np.asarray(jnp.asarray(dense).astype(dtype).astype(jnp.float32))
+    dense = dense.astype(dtype).astype(np.float32)
     ids = rng.permutation(NUM_PAGES)[:batch * MAX_PAGES].reshape(batch, MAX_PAGES)
     pool = rng.standard_normal((NUM_PAGES, PS, width)).astype(np.float32)
     for b in range(batch):
         pool[ids[b]] = dense[b].reshape(MAX_PAGES, PS, width)
-    pool = jnp.asarray(pool).astype(dtype)
+    pool = pool.astype(dtype)
     if layers is not None:  # whole pools [layers, 1, pages, ps, width], the layer at 1
-        noise = jnp.asarray(rng.standard_normal((layers, 1, *pool.shape)), dtype)
-        pool = noise.at[1, 0].set(pool)
-    return pool, jnp.asarray(ids, jnp.int32), dense
+        noise = rng.standard_normal((layers, 1, *pool.shape)).astype(dtype)
+        noise[1, 0] = pool
+        pool = noise
+    return jnp.asarray(pool), jnp.asarray(ids.astype(np.int32)), dense
 
 
 def _q_pos(rng, q_len):
@@ -63,6 +71,13 @@ def _ref_scores(q, w, keys, q_pos, scale):
     return np.where(vis, s, -np.inf)
 
 
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def _scores_and_topk(q, w, pool, tables, lengths, q_pos, scale, k):
+    """The indexer's scores (layer 1 of whole pools) and their top-k, in one program."""
+    scores = indexer_scores(q, w, pool, tables, lengths, q_pos, scale=scale, layer=1)
+    return scores, select_topk(scores, k)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_indexer_scores_and_topk(rng, dtype, q_len):
@@ -71,15 +86,15 @@ def test_indexer_scores_and_topk(rng, dtype, q_len):
     q = rng.standard_normal((len(LENGTHS), q_len, heads, d)).astype(np.float32)
     w = rng.standard_normal((len(LENGTHS), q_len, heads)).astype(np.float32)
     q_pos = _q_pos(rng, q_len)
-    got = indexer_scores(jnp.asarray(q), jnp.asarray(w), pool, tables, jnp.asarray(LENGTHS),
-                         jnp.asarray(q_pos), scale=d ** -0.5, layer=1)
+    got, sel = _scores_and_topk(jnp.asarray(q), jnp.asarray(w), pool, tables,
+                                jnp.asarray(LENGTHS), jnp.asarray(q_pos), d ** -0.5, k)
     want = _ref_scores(q, w, keys, q_pos, d ** -0.5)
     got = np.asarray(got)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5,
                                atol=1e-5)
 
-    sel = np.asarray(select_topk(jnp.asarray(got), k).positions)
+    sel = np.asarray(sel.positions)
     for b in range(len(LENGTHS)):
         for t in range(q_len):
             seen = int(np.isfinite(want[b, t]).sum())
@@ -143,9 +158,10 @@ def test_mla_over_a_token_selection(rng, dtype, blocked, monkeypatch):
     q_rope = rng.standard_normal((len(LENGTHS), q_len, heads, dr)).astype(np.float32)
     q_pos = _q_pos(rng, q_len)
     sel = _selection(rng, q_pos, k, LENGTHS)
-    out, lse = mla_sparse_attention(jnp.asarray(q_latent), jnp.asarray(q_rope), latent, rope,
-                                    tables, TokenSelection(jnp.asarray(sel)), scale=0.3,
-                                    layer=1)
+    # A jit of its own: QUERY_BLOCK_BYTES (patched above) is read when the op is traced.
+    out, lse = jax.jit(lambda *a: mla_sparse_attention(*a, scale=0.3, layer=1))(
+        jnp.asarray(q_latent), jnp.asarray(q_rope), latent, rope, tables,
+        TokenSelection(jnp.asarray(sel)))
     want_out, want_lse = _ref_mla(q_latent, q_rope, c, r, sel, 0.3)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(want_lse))
@@ -161,25 +177,28 @@ def test_mla_over_a_token_selection_on_kivi_latents(rng):
                      num_layers=1, page_size=PS, num_pages=NUM_PAGES, max_seqs=len(LENGTHS),
                      max_pages_per_seq=MAX_PAGES, indexer=IndexerCacheSpec(head_dim=8),
                      quant=QuantSpec(bits=4, group_size=8, residual=PS))
-    cache, status = kc.reserve(kc.init_cache(spec), jnp.asarray(LENGTHS))
+    cache, status = kc.reserve(jax.jit(kc.init_cache, static_argnums=0)(spec),
+                               jnp.asarray(LENGTHS))
     status.raise_if_error()
     n = int(LENGTHS.max())
-    cache = kc.write(cache, 0, rng.standard_normal((len(LENGTHS), n, 16)),
-                     rng.standard_normal((len(LENGTHS), n, 8)), q_lengths=jnp.asarray(LENGTHS),
-                     index_keys=rng.standard_normal((len(LENGTHS), n, 8)))
+    draw = lambda width: jnp.asarray(  # noqa: E731
+        rng.standard_normal((len(LENGTHS), n, width)).astype(np.float32))
+    cache = jax.jit(lambda cache, a, b, keys: kc.write(
+        cache, 0, a, b, q_lengths=jnp.asarray(LENGTHS), index_keys=keys))(
+        cache, draw(16), draw(8), draw(8))
     assert int(cache.quant_lengths.max()) > 0
     c = np.zeros((len(LENGTHS), n, 16))
     r = np.zeros((len(LENGTHS), n, 8))
-    for b, length in enumerate(LENGTHS):
-        cb, rb = quantized.dequantized_sequence(cache, 0, b)
+    for b, (length, (cb, rb)) in enumerate(zip(LENGTHS, dequantized_sequences(cache),
+                                               strict=True)):
         c[b, :length], r[b, :length] = cb[:, 0], rb[:, 0]
     q_len = 2
     q_latent = rng.standard_normal((len(LENGTHS), q_len, 4, 16)).astype(np.float32)
     q_rope = rng.standard_normal((len(LENGTHS), q_len, 4, 8)).astype(np.float32)
     sel = _selection(rng, _q_pos(rng, q_len), 7, LENGTHS)
-    view = kc.layer_view(cache, 0, whole_pools=True)
-    out, lse = quantized_mla_sparse_attention(jnp.asarray(q_latent), jnp.asarray(q_rope), view,
-                                              TokenSelection(jnp.asarray(sel)), scale=0.3)
+    out, lse = jax.jit(lambda ql, qr, cache, sel: quantized_mla_sparse_attention(
+        ql, qr, kc.layer_view(cache, 0, whole_pools=True), sel, scale=0.3))(
+        jnp.asarray(q_latent), jnp.asarray(q_rope), cache, TokenSelection(jnp.asarray(sel)))
     want_out, want_lse = _ref_mla(q_latent, q_rope, c, r, sel, 0.3)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
     fin = np.isfinite(want_lse)
@@ -196,18 +215,31 @@ def test_sharded_ops_equal_one_device(rng):
     rope, _, _ = _paged(rng, 8, "float32", layers=2)
     put = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(
         None, None, "context", None, None))
-    q = jnp.asarray(rng.standard_normal((len(LENGTHS), q_len, heads, d)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((len(LENGTHS), q_len, heads)), jnp.float32)
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+    q, w = draw(len(LENGTHS), q_len, heads, d), draw(len(LENGTHS), q_len, heads)
     q_pos = jnp.asarray(_q_pos(rng, q_len))
-    args = (q, w)
-    one = indexer_scores(*args, pool, tables, jnp.asarray(LENGTHS), q_pos, scale=0.25, layer=1)
-    many = indexer_scores(*args, jax.device_put(pool, put), tables, jnp.asarray(LENGTHS), q_pos,
-                          scale=0.25, layer=1, impl=impl)
+    qr = draw(len(LENGTHS), q_len, heads, 8)
+    lengths = jnp.asarray(LENGTHS)
+
+    @jax.jit  # each side one program: one device here, the 8 devices below
+    def one_device(q, w, qr, pool, rope, tables, lengths, q_pos):
+        scores = indexer_scores(q, w, pool, tables, lengths, q_pos, scale=0.25, layer=1)
+        sel = select_topk(scores, 5)
+        return scores, sel, mla_sparse_attention(q, qr, pool, rope, tables, sel, scale=0.3,
+                                                 layer=1)
+
+    @jax.jit
+    def sharded(q, w, qr, pool, rope, tables, lengths, q_pos, sel):
+        return (indexer_scores(q, w, pool, tables, lengths, q_pos, scale=0.25, layer=1,
+                               impl=impl),
+                mla_sparse_attention(q, qr, pool, rope, tables, sel, scale=0.3, layer=1,
+                                     impl=impl))
+
+    one, sel, one_mla = one_device(q, w, qr, pool, rope, tables, lengths, q_pos)
+    many, many_mla = sharded(q, w, qr, jax.device_put(pool, put), jax.device_put(rope, put),
+                             tables, lengths, q_pos, sel)
     np.testing.assert_array_equal(np.asarray(many), np.asarray(one))
-    sel = select_topk(one, 5)
-    qr = jnp.asarray(rng.standard_normal((len(LENGTHS), q_len, heads, 8)), jnp.float32)
-    one = mla_sparse_attention(q, qr, pool, rope, tables, sel, scale=0.3, layer=1)
-    many = mla_sparse_attention(q, qr, jax.device_put(pool, put), jax.device_put(rope, put),
-                                tables, sel, scale=0.3, layer=1, impl=impl)
-    for a, b in zip(many, one, strict=True):
+    for a, b in zip(many_mla, one_mla, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
