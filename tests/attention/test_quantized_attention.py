@@ -306,10 +306,11 @@ def _float_arrays(jaxpr):
 
 @pytest.mark.parametrize("mla", [False, True])
 def test_decode_step_never_materialises_a_dequantized_pool(rng, mla):
-    # A pool larger than what the sequences read: 64 pages of 16 tokens versus 4 sequences
-    # x 8 block-table entries (the decode step's largest float array is an eighth of the
-    # pool, MLA's full-precision k_rope pool a quarter).
-    cache, _, _ = build(rng, bits=4, residual=16, mla=mla, lengths=(30, 3, 20, 9))
+    # A pool larger than what the sequences read: 64 pages of 16 tokens versus at most 4
+    # sequences x 8 block-table entries (the decode step's largest float array is an eighth
+    # of the pool, MLA's full-precision k_rope pool a quarter). The caches of the tests above.
+    cache, _, _ = build(rng, bits=2, residual=16, mla=mla,
+                        lengths=(50, 3, 33) if mla else (37, 1, 16, 60))
     spec = cache.spec
     heads = spec.attention.cache_heads
     width = spec.attention.cache_widths[0]
@@ -337,7 +338,8 @@ def test_decode_step_never_materialises_a_dequantized_pool(rng, mla):
     # The check can fail: dequantizing the whole pool is caught.
     def naive(c):
         v = qz.layer_view(c, 0)
-        return quant.dequantize(v.k.codes, v.k.scale, v.k.zero, bits=4, grouping=v.k.grouping)
+        return quant.dequantize(v.k.codes, v.k.scale, v.k.zero, bits=v.k.bits,
+                                grouping=v.k.grouping)
 
     naive_big = [s for _, s in _float_arrays(jax.make_jaxpr(naive)(cache).jaxpr)
                  if np.prod(s) >= pool_elems]
