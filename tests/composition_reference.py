@@ -38,8 +38,9 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Conditioning", "Setup", "family_reference", "dense_greedy", "dense_beams",
-           "Simulation", "simulate_greedy", "simulate_beams", "fake_quantize"]
+__all__ = ["Conditioning", "Setup", "family_reference", "dense_logits", "dense_greedy",
+           "dense_beams", "Simulation", "simulate_greedy", "simulate_beams", "fake_quantize",
+           "pyramid_budgets"]
 
 # Margins a decision must clear (float32 engine against float64 reference).
 TOKEN_MARGIN = 1e-2  # logits and log-probs, absolute: 7x the largest difference seen
@@ -426,7 +427,7 @@ def _attention(q, keys, values, scale, masks, index, cond, latent):
     return out, probs
 
 
-def _dense_logits(model, tokens, cond):
+def dense_logits(model, tokens, cond):
     """The dense causal forward over a whole sequence: logits [T, vocab]."""
     n = len(tokens)
 
@@ -441,7 +442,7 @@ def dense_greedy(model, prompt, new: int, cond: Conditioning):
     """Greedy tokens of `prompt`: the dense forward re-run on the growing sequence."""
     seq = list(prompt)
     for _ in range(new):
-        seq.append(cond.argmax("greedy token", _dense_logits(model, seq, cond)[-1]))
+        seq.append(cond.argmax("greedy token", dense_logits(model, seq, cond)[-1]))
     return np.asarray(seq[len(prompt):], np.int32)
 
 
@@ -477,9 +478,9 @@ def dense_beams(model, prompt, width: int, new: int, cond: Conditioning):
     """Beam search with each beam's logits from the dense forward of its whole sequence."""
     def logits_of(seq, tok):
         seq = [*seq, tok]
-        return seq, _dense_logits(model, seq, cond)[-1]
+        return seq, dense_logits(model, seq, cond)[-1]
 
-    return _beam_search((list(prompt), _dense_logits(model, prompt, cond)[-1]), width, new,
+    return _beam_search((list(prompt), dense_logits(model, prompt, cond)[-1]), width, new,
                         logits_of, cond)
 
 

@@ -501,7 +501,7 @@ def test_simulation_without_policy_is_the_dense_forward(family):
     sim = cref.Simulation(ref, _setup("float32", "none"), cond)
     got = [sim.feed(seq[:16], False), sim.feed(seq[16:25], False)]
     got += [sim.feed([t], True) for t in seq[25:]]
-    want = cref._dense_logits(ref, seq, cond)
+    want = cref.dense_logits(ref, seq, cond)
     np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-9, atol=1e-9)
 
 
