@@ -23,12 +23,14 @@ def _pooled(model, params, dtype="float32"):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_equals_generate_alone_with_hits_and_preemption(tiny, rng, dtype):
     model, params = tiny
-    # Prompts of 35 to 48 tokens (one reference program), up to 88 tokens with the output.
+    # Prompts of 35 to 48 tokens (one reference program) and 28 to 48 more. The first three
+    # start together and share only their 4 system-prompt pages: each holds 60 tokens or
+    # more (8 pages) before the first ends, 4 + 3 x 4 = 16 pages of 14, so one is preempted.
     prompts, max_new = _workload(rng, model.vocab_size, 8, system=32, suffix=(3, 17),
-                                 new=(16, 41))
+                                 new=(28, 49))
     cfg = gen.CacheConfig(dtype=dtype, page_size=PAGE)
     engine = _pooled(model, params, dtype)
-    got, reasons = _drive(engine, prompts, max_new)
+    got, reasons = _drive(engine, prompts, max_new, first=3)
     assert engine.stats["hit_pages"] > 0, engine.stats
     assert engine.stats["preemptions"] > 0, engine.stats
     assert reasons == ["length"] * len(prompts)

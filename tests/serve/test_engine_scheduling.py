@@ -1,6 +1,7 @@
-"""The serving engine's scheduling: stops, cancels, salts, policies and sharding plans,
-warm-up, bad requests, the prefix cache's bookkeeping, and random arrival / cancel
-sequences that must keep every invariant and lose no request."""
+"""The serving engine's scheduling: stop ids, EOS and cancels, salts, policies and sharding
+plans, warm-up, bad requests, the prefix cache's bookkeeping, and random arrivals and
+cancels around a preemption that must keep every invariant, lose no request and give each
+request generate's tokens."""
 
 import numpy as np
 import pytest
@@ -55,8 +56,9 @@ def test_stop_ids_eos_and_cancel(tiny, rng):
         prompts[3] = rng.integers(3, model.vocab_size, int(rng.integers(3, 30))).tolist()
     assert k is not None, "no EOS id found for e"
     eos = ref_e[k]
-    # Calls of at most 8 decode steps: b has at most 1 + 2 * 8 of its 40 tokens when e ends
-    # (k < 10 tokens after its prompt), so it is running when it is cancelled.
+    # Calls of at most 8 decode steps, and e ends at most 10 steps after its first token:
+    # b, admitted once a ends, has at most 1 + 2 * 8 of its 40 tokens by then, so it is
+    # running when it is cancelled.
     engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
                     eos_ids=[eos], max_decode_steps=8)
     a = engine.add_request(prompts[0], max_tokens=12, stop_ids=[stop])
