@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import mutations  # noqa: E402
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--slow",
-          "--tb=line", "-x", "-o", "addopts=-q -p no:benchmark"]
+          "--tb=line", "-x", "-o", "addopts=-p no:benchmark"]
 
 
 def todays_share(names: list[str], day: int) -> list[str]:
