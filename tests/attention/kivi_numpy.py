@@ -8,6 +8,7 @@ cost no compilation: `kvjax.cache.quantized.dequantized_sequence` runs eager jnp
 whose shapes change with each sequence's page count, one program each.
 """
 
+import jax
 import numpy as np
 
 from kvjax.attention.pages import QuantLayer
@@ -35,9 +36,9 @@ def dequantize(packed, scale, zero, *, bits: int, grouping: str) -> np.ndarray:
 def dequantized_sequences(cache, layer: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per sequence slot, float32 `(a, b)` of shape `[tokens, heads, width]`: K and V (MLA:
     c_KV and k_rope), the quantized positions dequantized, the tail's as stored."""
+    cache = jax.tree.map(np.asarray, cache)  # the view's slices in NumPy, not eager programs
     view = qz.layer_view(cache, layer, whole_pools=True)
-    lengths, quant = np.asarray(cache.lengths), np.asarray(cache.quant_lengths)
-    tables = np.asarray(cache.block_tables)
+    lengths, quant, tables = cache.lengths, cache.quant_lengths, cache.block_tables
     page_size = cache.spec.page_size
 
     def pages_of(pool):  # [heads, pages, page_size, width]

@@ -2,7 +2,8 @@
 
 The K/V a reference attends over are read back on the host (`kivi_numpy`), and each
 test's attention runs as one jitted program taking the cache (`_attend`), shared by the
-tests of one cache spec: on CPU, compiling is most of these tests' time.
+tests of one cache spec: on CPU, compiling is most of these tests' time (host arrays go
+to the device with `jax.device_put`: `jnp.asarray` of one compiles a program per shape).
 """
 
 import functools
@@ -107,15 +108,15 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
     if outliers:
         ka[..., :2] = ka[..., :2] * 4 + 10
     lengths = np.asarray(lengths, np.int32)
-    cache, st = _reserved_cache(spec, jnp.asarray(lengths))
+    cache, st = _reserved_cache(spec, jax.device_put(lengths))
     st.raise_if_error()
-    cache = _qwrite(cache, 0, jnp.asarray(ka[:, :chunk]), jnp.asarray(vb[:, :chunk]))
-    ones = jnp.asarray(np.ones(S, np.int32))
+    cache = _qwrite(cache, 0, jax.device_put(ka[:, :chunk]), jax.device_put(vb[:, :chunk]))
+    ones = jax.device_put(np.ones(S, np.int32))
     for i in range(decode):
         cache, st = kvx.cache.reserve(cache, ones)
         st.raise_if_error()
-        cache = _qwrite(cache, 0, jnp.asarray(ka[np.arange(S), chunk + i][:, None]),
-                                   jnp.asarray(vb[np.arange(S), chunk + i][:, None]))
+        cache = _qwrite(cache, 0, jax.device_put(ka[np.arange(S), chunk + i][:, None]),
+                        jax.device_put(vb[np.arange(S), chunk + i][:, None]))
     # True tokens of sequence s: its prefill, then the decoded ones (stored past the chunk).
     ks = [np.concatenate([ka[s, :lengths[s]], ka[s, chunk:]]) for s in range(S)]
     vs = [np.concatenate([vb[s, :lengths[s]], vb[s, chunk:]]) for s in range(S)]
@@ -134,7 +135,7 @@ def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
     cache, _, _ = build(rng, bits=bits, residual=16, kv_heads=kv_heads)
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, lse = _attend(cache, jnp.asarray(q), op=_decode)
+    out, lse = _attend(cache, jax.device_put(q), op=_decode)
     assert out.shape == (S, 4, HEAD_DIM) and lse.shape == (S, 4)
     for s, (k, v) in enumerate(dequantized_sequences(cache)):
         want = dense(q[s][None], k, v, np.array([len(k) - 1]), HEAD_DIM ** -0.5)[0]
@@ -144,11 +145,12 @@ def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
 @pytest.mark.parametrize("soft_cap,window", [(None, None), (2.0, 20)])
 def test_prefill_rows_padding_and_seq_ids(rng, soft_cap, window):
     cache, _, _ = build(rng, bits=4, residual=16, decode=3)
-    seq_ids = jnp.array([3, 0], jnp.int32)
+    seq_ids = jax.device_put(np.asarray([3, 0], np.int32))
     q_lengths = np.array([5, 2])
     q = rng.standard_normal((2, 6, 4, HEAD_DIM)).astype(np.float32)
-    out, lse = _attend(cache, jnp.asarray(q), jnp.asarray(q_lengths.astype(np.int32)), seq_ids,
-                       op=_prefill, kw=(("soft_cap", soft_cap), ("sliding_window", window)))
+    out, lse = _attend(cache, jax.device_put(q), jax.device_put(q_lengths.astype(np.int32)),
+                       seq_ids, op=_prefill,
+                       kw=(("soft_cap", soft_cap), ("sliding_window", window)))
     kv = dequantized_sequences(cache)
     for r, s in enumerate([3, 0]):
         k, v = kv[s]
@@ -165,7 +167,7 @@ def test_8bit_within_1e2_of_full_precision(rng):
     cache, ks, vs = build(rng, bits=8, residual=0, lengths=(100, 64, 17, 120))
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, _ = _attend(cache, jnp.asarray(q), op=_decode)
+    out, _ = _attend(cache, jax.device_put(q), op=_decode)
     want = np.stack([dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]),
                            HEAD_DIM ** -0.5)[0] for s in range(S)])
     # Relative error in the usual (norm) sense: |out_hat - out| / |out| over the batch. The
@@ -198,6 +200,7 @@ def _scale_bound(q, k, v, k_step, v_step, scale):
 
 def _steps(cache, s):
     """Per-element stored step (scale) of a sequence's K and V; 0 in the tail."""
+    cache = jax.tree.map(np.asarray, cache)  # read on the host: no eager slicing programs
     spec = cache.spec
     view = qz.layer_view(cache, 0)
     n_q = int(cache.quant_lengths[s])
@@ -218,7 +221,7 @@ def test_low_bit_error_below_scale_bound(rng, bits):
     cache, ks, vs = build(rng, bits=bits, residual=16, lengths=(70, 40, 33, 90))
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, _ = _attend(cache, jnp.asarray(q), op=_decode)
+    out, _ = _attend(cache, jax.device_put(q), op=_decode)
     scale = HEAD_DIM ** -0.5
     for s in range(S):
         want = dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]), scale)[0]
@@ -252,7 +255,7 @@ def test_kivi_per_channel_keys_beat_per_token_keys_with_outlier_channels(rng):
         vs.append(rng.standard_normal((S, 1, D)).astype(np.float32))
         qs.append(rng.standard_normal((4, 4, D)).astype(np.float32))
     # Every trial's keys quantized in one call per grouping (the leading axis is a batch).
-    k_hats = {g: np.asarray(_kivi_roundtrip(jnp.asarray(np.stack(ks)[:, :, 0]), g, G))
+    k_hats = {g: np.asarray(_kivi_roundtrip(jax.device_put(np.stack(ks)[:, :, 0]), g, G))
               for g in errs}
     pos = np.full(4, S - 1)
     for i in range(trials):
@@ -273,7 +276,7 @@ def test_mla_equals_dense_on_dequantized_and_8bit_close(rng, bits):
     ql = rng.standard_normal((S, 4, 64)).astype(np.float32)
     qr = rng.standard_normal((S, 4, 16)).astype(np.float32)
     scale = 32 ** -0.5
-    out, _ = _attend(cache, jnp.asarray(ql), jnp.asarray(qr), op=_mla_decode,
+    out, _ = _attend(cache, jax.device_put(ql), jax.device_put(qr), op=_mla_decode,
                      kw=(("scale", scale),))
     for s, (c, r) in enumerate(dequantized_sequences(cache)):
         np.testing.assert_array_equal(r, rs[s])  # k_rope is kept in full precision
@@ -316,20 +319,20 @@ def test_decode_step_never_materialises_a_dequantized_pool(rng, mla):
     width = spec.attention.cache_widths[0]
     pool_elems = heads * spec.num_pages * spec.page_size * width
     S = spec.max_seqs
-    new_a = jnp.ones((S, 1, heads, spec.attention.cache_widths[0]), jnp.float32)
-    new_b = jnp.ones((S, 1, heads, spec.attention.cache_widths[1]), jnp.float32)
+    new_a = jax.device_put(np.ones((S, 1, heads, spec.attention.cache_widths[0]), np.float32))
+    new_b = jax.device_put(np.ones((S, 1, heads, spec.attention.cache_widths[1]), np.float32))
 
     if mla:
         def step(c, ql, qr):
             c = qz.write_layer(c, 0, new_a, new_b)
             return attention.quantized_mla_decode_attention(ql, qr, qz.layer_view(c, 0),
                                                             scale=0.1), c
-        args = (jnp.ones((S, 4, 64)), jnp.ones((S, 4, 16)))
+        args = (np.ones((S, 4, 64), np.float32), np.ones((S, 4, 16), np.float32))
     else:
         def step(c, q):
             c = qz.write_layer(c, 0, new_a, new_b)
             return attention.quantized_decode_attention(q, qz.layer_view(c, 0)), c
-        args = (jnp.ones((S, 4, HEAD_DIM)),)
+        args = (np.ones((S, 4, HEAD_DIM), np.float32),)
 
     closed = jax.make_jaxpr(step)(cache, *args)
     big = [(p, s) for p, s in _float_arrays(closed.jaxpr) if np.prod(s) >= pool_elems]

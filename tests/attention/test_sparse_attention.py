@@ -10,7 +10,8 @@ sharded versions (8 devices, pages over a context axis) equal one device.
 
 Compiling is most of these tests' time on CPU: each op under test runs in one jitted
 program (eagerly, each of its jnp ops compiles for each new shape), inputs are made on the
-host, and the KIVI references read the cache back with NumPy (`kivi_numpy`).
+host and sent with `jax.device_put` (`jnp.asarray` of a NumPy array compiles a program per
+shape), and the KIVI references read the cache back with NumPy (`kivi_numpy`).
 """
 
 import functools
@@ -54,7 +55,7 @@ def _paged(rng, width, dtype, layers=None):
         noise = rng.standard_normal((layers, 1, *pool.shape)).astype(dtype)
         noise[1, 0] = pool
         pool = noise
-    return jnp.asarray(pool), jnp.asarray(ids.astype(np.int32)), dense
+    return jax.device_put(pool), jax.device_put(ids.astype(np.int32)), dense
 
 
 def _q_pos(rng, q_len):
@@ -86,8 +87,8 @@ def test_indexer_scores_and_topk(rng, dtype, q_len):
     q = rng.standard_normal((len(LENGTHS), q_len, heads, d)).astype(np.float32)
     w = rng.standard_normal((len(LENGTHS), q_len, heads)).astype(np.float32)
     q_pos = _q_pos(rng, q_len)
-    got, sel = _scores_and_topk(jnp.asarray(q), jnp.asarray(w), pool, tables,
-                                jnp.asarray(LENGTHS), jnp.asarray(q_pos), d ** -0.5, k)
+    got, sel = _scores_and_topk(jax.device_put(q), jax.device_put(w), pool, tables,
+                                jax.device_put(LENGTHS), jax.device_put(q_pos), d ** -0.5, k)
     want = _ref_scores(q, w, keys, q_pos, d ** -0.5)
     got = np.asarray(got)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
@@ -160,8 +161,8 @@ def test_mla_over_a_token_selection(rng, dtype, blocked, monkeypatch):
     sel = _selection(rng, q_pos, k, LENGTHS)
     # A jit of its own: QUERY_BLOCK_BYTES (patched above) is read when the op is traced.
     out, lse = jax.jit(lambda *a: mla_sparse_attention(*a, scale=0.3, layer=1))(
-        jnp.asarray(q_latent), jnp.asarray(q_rope), latent, rope, tables,
-        TokenSelection(jnp.asarray(sel)))
+        jax.device_put(q_latent), jax.device_put(q_rope), latent, rope, tables,
+        TokenSelection(jax.device_put(sel)))
     want_out, want_lse = _ref_mla(q_latent, q_rope, c, r, sel, 0.3)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(want_lse))
@@ -178,13 +179,13 @@ def test_mla_over_a_token_selection_on_kivi_latents(rng):
                      max_pages_per_seq=MAX_PAGES, indexer=IndexerCacheSpec(head_dim=8),
                      quant=QuantSpec(bits=4, group_size=8, residual=PS))
     cache, status = kc.reserve(jax.jit(kc.init_cache, static_argnums=0)(spec),
-                               jnp.asarray(LENGTHS))
+                               jax.device_put(LENGTHS))
     status.raise_if_error()
     n = int(LENGTHS.max())
-    draw = lambda width: jnp.asarray(  # noqa: E731
+    draw = lambda width: jax.device_put(  # noqa: E731
         rng.standard_normal((len(LENGTHS), n, width)).astype(np.float32))
     cache = jax.jit(lambda cache, a, b, keys: kc.write(
-        cache, 0, a, b, q_lengths=jnp.asarray(LENGTHS), index_keys=keys))(
+        cache, 0, a, b, q_lengths=jax.device_put(LENGTHS), index_keys=keys))(
         cache, draw(16), draw(8), draw(8))
     assert int(cache.quant_lengths.max()) > 0
     c = np.zeros((len(LENGTHS), n, 16))
@@ -198,7 +199,8 @@ def test_mla_over_a_token_selection_on_kivi_latents(rng):
     sel = _selection(rng, _q_pos(rng, q_len), 7, LENGTHS)
     out, lse = jax.jit(lambda ql, qr, cache, sel: quantized_mla_sparse_attention(
         ql, qr, kc.layer_view(cache, 0, whole_pools=True), sel, scale=0.3))(
-        jnp.asarray(q_latent), jnp.asarray(q_rope), cache, TokenSelection(jnp.asarray(sel)))
+        jax.device_put(q_latent), jax.device_put(q_rope), cache,
+        TokenSelection(jax.device_put(sel)))
     want_out, want_lse = _ref_mla(q_latent, q_rope, c, r, sel, 0.3)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
     fin = np.isfinite(want_lse)
@@ -216,12 +218,12 @@ def test_sharded_ops_equal_one_device(rng):
     put = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(
         None, None, "context", None, None))
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        return jax.device_put(rng.standard_normal(shape).astype(np.float32))
 
     q, w = draw(len(LENGTHS), q_len, heads, d), draw(len(LENGTHS), q_len, heads)
-    q_pos = jnp.asarray(_q_pos(rng, q_len))
+    q_pos = jax.device_put(_q_pos(rng, q_len))
     qr = draw(len(LENGTHS), q_len, heads, 8)
-    lengths = jnp.asarray(LENGTHS)
+    lengths = jax.device_put(LENGTHS)
 
     @jax.jit  # each side one program: one device here, the 8 devices below
     def one_device(q, w, qr, pool, rope, tables, lengths, q_pos):

@@ -7,7 +7,8 @@ agree to a couple of bf16 ulps (2e-2 relative), while their float32 lse agrees t
 
 Compiling is most of these tests' time on CPU: each test runs the XLA path and its
 reference in one jitted program (`_run`; the reference eagerly would compile each of its
-ops for each new shape), and inputs are cast on the host.
+ops for each new shape), and inputs are made on the host and sent with `jax.device_put`
+(`jnp.asarray` of a NumPy array compiles a `stage` program per shape).
 """
 
 import functools
@@ -46,7 +47,7 @@ def _run(*args, calls):
 
 def _host(rng, shape, dtype):
     """Fresh normal values as a device array of `dtype`, cast on the host (no program)."""
-    return jnp.asarray(rng.standard_normal(shape).astype(dtype))
+    return jax.device_put(rng.standard_normal(shape).astype(dtype))
 
 
 def _lengths_for(page_size, max_pages, batch, rng):
@@ -77,7 +78,7 @@ def _case(rng, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, dtyp
     q = _host(rng, q_shape, dtype)
     k = _host(rng, (kv_heads, num_pages, page_size, head_dim), dtype)
     v = _host(rng, (kv_heads, num_pages, page_size, head_dim), dtype)
-    return q, k, v, jnp.asarray(lengths), jnp.asarray(tables)
+    return q, k, v, jax.device_put(lengths), jax.device_put(tables)
 
 
 def _close(got, want, dtype):
@@ -150,8 +151,8 @@ def test_unused_pages_are_never_read(rng):
     used = np.arange(6)[None, :] * 8 < lengths_np[:, None]
     live = set(tables_np[used].tolist()) | {0}  # dead entries read page 0 (masked), as the ref
     dead = np.array([p not in live for p in range(k.shape[1])])
-    k = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, k)
-    v = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, v)
+    k = jax.device_put(np.where(dead[None, :, None, None], np.nan, np.asarray(k)))
+    v = jax.device_put(np.where(dead[None, :, None, None], np.nan, np.asarray(v)))
     (out, lse), want = _run(q, k, v, lengths, tables, calls=(
         _call(xla.paged_decode_attention, block_tokens=16),
         _call(paged_ref.paged_decode_attention)))
@@ -167,7 +168,7 @@ def test_prefill_matches_reference(rng, dtype, sliding_window, soft_cap):
     # Chunks of 0 (idle row), 1, the whole row, and random sizes, never past the row's length.
     q_lengths = np.minimum(np.asarray([0, 1, 6, 3, 5, 2]), np.asarray(lengths)).astype(np.int32)
     kw = dict(sliding_window=sliding_window, soft_cap=soft_cap)
-    args = (q, k, v, lengths, tables, jnp.asarray(q_lengths))
+    args = (q, k, v, lengths, tables, jax.device_put(q_lengths))
     got, want = _run(*args, calls=(_call(paged_prefill_attention, impl="xla", **kw),
                                    _call(paged_prefill_attention, impl="reference", **kw)))
     _close(got, want, dtype)
@@ -183,7 +184,7 @@ def _mla_case(rng, dtype, q_len=None, batch=6, heads=4, d_c=32, d_rope=8, page_s
     qr = _host(rng, (*lead, d_rope), dtype)
     lat = _host(rng, (num_pages, page_size, d_c), dtype)
     rope = _host(rng, (num_pages, page_size, d_rope), dtype)
-    return ql, qr, lat, rope, jnp.asarray(lengths), jnp.asarray(tables)
+    return ql, qr, lat, rope, jax.device_put(lengths), jax.device_put(tables)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -200,7 +201,7 @@ def test_mla_decode_matches_reference(rng, dtype):
 
 def test_mla_prefill_matches_reference(rng):
     ql, qr, lat, rope, lengths, tables = _mla_case(rng, jnp.float32, q_len=4)
-    q_lengths = jnp.asarray(np.minimum([0, 1, 4, 2, 3, 4], np.asarray(lengths)), jnp.int32)
+    q_lengths = jax.device_put(np.minimum([0, 1, 4, 2, 3, 4], np.asarray(lengths)).astype(np.int32))
     args = (ql, qr, lat, rope, lengths, tables, q_lengths)
     got, want = _run(*args, calls=(_call(mla_prefill_attention, scale=0.2, impl="xla"),
                                    _call(mla_prefill_attention, scale=0.2, impl="reference")))
@@ -293,14 +294,14 @@ def test_layer_of_whole_pools(rng, dtype):
 def _flipped_first(x, axis):
     """Layers [flip(x, axis), x] (on the host): the pools of 2 layers, x the second."""
     x = np.asarray(x)
-    return jnp.asarray(np.stack([np.flip(x, axis), x]))
+    return jax.device_put(np.stack([np.flip(x, axis), x]))
 
 
 def test_prefill_and_mla_layer_of_whole_pools(rng):
     layer = 1  # of 2 layers
     q, k, v, lengths, tables = _case(rng, batch=4, q_heads=4, kv_heads=2, head_dim=16,
                                      page_size=8, max_pages=4, dtype=jnp.float32, q_len=3)
-    q_lengths = jnp.asarray(np.minimum([3, 1, 2, 3], np.asarray(lengths)).astype(np.int32))
+    q_lengths = jax.device_put(np.minimum([3, 1, 2, 3], np.asarray(lengths)).astype(np.int32))
 
     k_all = _flipped_first(k, 1)
     v_all = _flipped_first(v, 1)

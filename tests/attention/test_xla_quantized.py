@@ -15,7 +15,8 @@ is the cache's own. Unused block-table entries are overwritten with garbage.
 Compiling is most of these tests' time on CPU, so each test runs the implementations it
 compares in one jitted program (`_attend`: the views are taken inside it, with the layer
 a Python int as a model step has it) and draws its inputs on the host (a float64 draw
-cast by `jnp.asarray(x, dtype)` compiles a conversion per shape).
+cast by `jnp.asarray(x, dtype)` compiles a conversion per shape, and `jnp.asarray` of a
+NumPy array a `stage` program per shape: host arrays go over with `jax.device_put`).
 """
 
 import dataclasses
@@ -51,7 +52,7 @@ def _lengths(rng, batch):
 
 def _host(x, dtype):
     """A device array of `x` cast to `dtype` on the host (no conversion program)."""
-    return jnp.asarray(np.asarray(x).astype(dtype))
+    return jax.device_put(np.asarray(x).astype(dtype))
 
 
 def _normal(rng, shape, dtype=np.float32):
@@ -92,7 +93,7 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
         max_seqs=batch, max_pages_per_seq=MAX_PAGES, dtype=dtype,
         quant=QuantSpec(bits=bits, group_size=G, residual=R))
     lengths = _lengths(rng, batch) if lengths is None else np.asarray(lengths, np.int32)
-    cache, status = _reserved_cache(spec, jnp.asarray(lengths))
+    cache, status = _reserved_cache(spec, jax.device_put(lengths))
     status.raise_if_error()
     q_len = np.asarray(cache.quant_lengths)
     tables = np.asarray(cache.block_tables)
@@ -117,7 +118,7 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
             v=tuple(_rand_pool(rng, p, nan_pages=nan_pages) for p in pages.v))
     a, b = (_normal(rng, x.shape, x.dtype) for x in (cache.tail.a, cache.tail.b))
     tail = dataclasses.replace(cache.tail, a=a, b=b)
-    table = dataclasses.replace(cache.table, block_tables=jnp.asarray(tables))
+    table = dataclasses.replace(cache.table, block_tables=jax.device_put(tables))
     return dataclasses.replace(cache, pages=pages, table=table, tail=tail)
 
 
@@ -181,9 +182,9 @@ _reference = jax.jit(qref.quantized_attention, static_argnames=(
 def test_block_sizes(rng, block_tokens):
     # Blocks smaller than a page, of one page, not dividing the table, larger than the table.
     cache = random_cache(rng, bits=4)
-    view = qz.layer_view(cache, 0)
+    view = qz.layer_view(jax.tree.map(np.asarray, cache), 0)  # sliced on the host
     q = _normal(rng, (cache.spec.max_seqs, 1, 8, D))
-    q_pos = jnp.asarray(np.asarray(view.lengths)[:, None] - 1)
+    q_pos = jax.device_put(np.asarray(view.lengths)[:, None] - 1)
     args = (q, view.k.codes, view.k.scale, view.k.zero, view.v.codes, view.v.scale,
             view.v.zero, view.tail_k, view.tail_v, view.quant_lengths, view.lengths,
             view.block_tables, q_pos)
@@ -197,11 +198,11 @@ def test_prefill_rows_soft_cap_window(rng, soft_cap, window):
     cache = random_cache(rng, bits=2)
     # Chunks of 0 (idle row), 1, the whole width, random, never past the row's length;
     # rows are a subset of the slots, in another order.
-    seq_ids = jnp.asarray([8, 0, 5, 3, 7, 2], jnp.int32)
+    seq_ids = jax.device_put(np.asarray([8, 0, 5, 3, 7, 2], np.int32))
     lengths = np.asarray(cache.lengths)[np.asarray(seq_ids)]
     q_lengths = np.minimum([0, 1, 5, 3, 5, 2], lengths).astype(np.int32)
     q = _normal(rng, (6, 5, 8, D))
-    want, got = _attend(cache, q, jnp.asarray(q_lengths), seq_ids, op=_gqa_prefill,
+    want, got = _attend(cache, q, jax.device_put(q_lengths), seq_ids, op=_gqa_prefill,
                         runs=REF_WHOLE, kw=(("soft_cap", soft_cap), ("sliding_window", window)))
     _close(got, want, 2e-5)
     out, lse = want
@@ -251,7 +252,7 @@ def test_mla_matches_reference(rng, bits):
 def test_mla_prefill_matches_reference(rng):
     cache = random_cache(rng, bits=2, mla=True)
     b = cache.spec.max_seqs
-    q_lengths = jnp.asarray(np.minimum(rng.integers(0, 5, b), np.asarray(cache.lengths))
+    q_lengths = jax.device_put(np.minimum(rng.integers(0, 5, b), np.asarray(cache.lengths))
                             .astype(np.int32))
     ql, qr = _normal(rng, (b, 4, 8, DC)), _normal(rng, (b, 4, 8, DR))
     want, got = _attend(cache, ql, qr, q_lengths, op=_mla_prefill, runs=REF_WHOLE)
@@ -362,8 +363,8 @@ def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
     pool = heads * cache.spec.num_pages * PS * width  # one layer, dequantized
     seqs = batch * heads * PS * MAX_PAGES * width  # every sequence's pages, dequantized
     assert seqs <= pool
-    view = qz.layer_view(cache, 1, whole_pools=True)
-    qp = jnp.asarray(np.asarray(view.lengths)[:, None] - 1)
+    view = qz.layer_view(jax.tree.map(np.asarray, cache), 1, whole_pools=True)  # host arrays
+    qp = view.lengths[:, None] - 1
     if mla:
         ql, qr = _normal(rng, (batch, 8, DC)), _normal(rng, (batch, 8, DR))
 
@@ -465,7 +466,7 @@ def test_quantized_cache_decoder_matches_dense_forward(rng, name):
         jax.eval_shape(lambda k: init_tiny(config, k), key), key)
     tokens = rng.integers(0, 256, (2, 44)).astype(np.int32)
     ref = np.asarray(jax.jit(lambda p, t: jax.nn.log_softmax(forward_dense(p, config, t)))(
-        params, jnp.asarray(tokens)))
+        params, jax.device_put(tokens)))
     cc = generate.CacheConfig(dtype="float32", page_size=16,
                               quant=QuantSpec(bits=8, group_size=16, residual=0))
     res = generate.score(tiny_model(config), params, tokens[:, :40].tolist(),
