@@ -8,7 +8,8 @@ float32 results agree to float32 rounding: 2e-5 relative to values of order 1
 the outputs are bf16 in both, so they agree to a couple of bf16 ulps (2e-2).
 
 Caches are built with the real page table (`reserve` allocates the quantized
-pages for the lengths) and then filled with random codes, scales, zeros,
+pages for the lengths, on a one-head cache of the same page geometry: the allocation
+depends on nothing else) and then filled with random codes, scales, zeros,
 k_rope pages and tails, so every layout detail (page ids, ring slots, Q vs L)
 is the cache's own. Unused block-table entries are overwritten with garbage.
 
@@ -60,10 +61,20 @@ def _normal(rng, shape, dtype=np.float32):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _reserved_cache(spec, lengths):
-    """A new cache holding `lengths` tokens per slot, by the public (jitted) reserve: one
-    program with the init, not a fill program per pool shape."""
-    return kvx.cache.reserve(qz.init_cache(spec), lengths)
+def _reserved(spec, lengths):
+    """The public reserve of `lengths` tokens per slot on a new cache of `spec`, as one
+    program: (page table, tail lengths, tail pending, status)."""
+    cache, status = kvx.cache.reserve(qz.init_cache(spec), lengths)
+    return cache.table, cache.tail.lengths, cache.tail.pending, status
+
+
+def _page_geometry(spec):
+    """`spec` with one layer of one 8-wide 8-bit head: the same pages, page size, slots and
+    residual, so `reserve` allocates the same table, tail lengths and pending counts (its
+    program is then one per geometry, not one per spec)."""
+    return dataclasses.replace(
+        spec, attention=kvx.AttentionSpec(q_heads=1, kv_heads=1, head_dim=G), num_layers=1,
+        dtype="float32", quant=QuantSpec(bits=8, group_size=G, residual=spec.quant.residual))
 
 
 def _rand_pool(rng, pool: qz.QuantPool, *, nan_pages=None):
@@ -93,10 +104,12 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
         max_seqs=batch, max_pages_per_seq=MAX_PAGES, dtype=dtype,
         quant=QuantSpec(bits=bits, group_size=G, residual=R))
     lengths = _lengths(rng, batch) if lengths is None else np.asarray(lengths, np.int32)
-    cache, status = _reserved_cache(spec, jax.device_put(lengths))
+    cache = jax.eval_shape(lambda: qz.init_cache(spec))  # its structure; every leaf replaced
+    table, tail_lengths, pending, status = _reserved(_page_geometry(spec),
+                                                     jax.device_put(lengths))
     status.raise_if_error()
-    q_len = np.asarray(cache.quant_lengths)
-    tables = np.asarray(cache.block_tables)
+    q_len = np.asarray(table.lengths)  # the quantized tokens of each slot
+    tables = np.asarray(table.block_tables)
     used = np.arange(MAX_PAGES)[None, :] * PS < q_len[:, None]
     nan_pages = None
     if nan_unused:
@@ -117,9 +130,11 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
             k=tuple(_rand_pool(rng, p, nan_pages=nan_pages) for p in pages.k),
             v=tuple(_rand_pool(rng, p, nan_pages=nan_pages) for p in pages.v))
     a, b = (_normal(rng, x.shape, x.dtype) for x in (cache.tail.a, cache.tail.b))
-    tail = dataclasses.replace(cache.tail, a=a, b=b)
-    table = dataclasses.replace(cache.table, block_tables=jax.device_put(tables))
-    return dataclasses.replace(cache, pages=pages, table=table, tail=tail)
+    tail = dataclasses.replace(cache.tail, a=a, b=b, lengths=tail_lengths, pending=pending)
+    table = dataclasses.replace(table, block_tables=jax.device_put(tables))
+    cache = dataclasses.replace(cache, pages=pages, table=table, tail=tail)
+    assert not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(cache))
+    return cache
 
 
 def _close(got, want, tol):
