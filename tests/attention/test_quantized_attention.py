@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kivi_cache import reserved_cache
 from kivi_numpy import dequantized_sequences
 
 import kvjax as kvx
@@ -21,13 +22,6 @@ from kvjax.cache import quantized as qz
 from kvjax.specs import QuantSpec
 
 _qwrite = jax.jit(qz.write_layer, static_argnames="layer", donate_argnames="cache")
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _reserved_cache(spec, lengths):
-    """A new cache reserving `lengths` tokens per slot (the public, jitted reserve), in one
-    program with the init rather than a fill program per pool shape."""
-    return kvx.cache.reserve(qz.init_cache(spec), lengths)
 
 
 HEAD_DIM = 32
@@ -108,7 +102,7 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
     if outliers:
         ka[..., :2] = ka[..., :2] * 4 + 10
     lengths = np.asarray(lengths, np.int32)
-    cache, st = _reserved_cache(spec, jax.device_put(lengths))
+    cache, st = reserved_cache(spec, lengths)  # one reserve program per page geometry
     st.raise_if_error()
     cache = _qwrite(cache, 0, jax.device_put(ka[:, :chunk]), jax.device_put(vb[:, :chunk]))
     ones = jax.device_put(np.ones(S, np.int32))

@@ -7,11 +7,11 @@ float32 results agree to float32 rounding: 2e-5 relative to values of order 1
 (dequantized elements here lie in about [-4, 4]). With bf16 queries and tails
 the outputs are bf16 in both, so they agree to a couple of bf16 ulps (2e-2).
 
-Caches are built with the real page table (`reserve` allocates the quantized
-pages for the lengths, on a one-head cache of the same page geometry: the allocation
-depends on nothing else) and then filled with random codes, scales, zeros,
-k_rope pages and tails, so every layout detail (page ids, ring slots, Q vs L)
-is the cache's own. Unused block-table entries are overwritten with garbage.
+Caches are built with the real page table (`reserve` allocates the quantized pages for
+the lengths; `kivi_cache.reserved_cache` runs it once per page geometry) and then filled
+with random codes, scales, zeros, k_rope pages and tails, so every layout detail (page
+ids, ring slots, Q vs L) is the cache's own. Unused block-table entries are overwritten
+with garbage.
 
 Compiling is most of these tests' time on CPU, so each test runs the implementations it
 compares in one jitted program (`_attend`: the views are taken inside it, with the layer
@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from hlo_written import written
 from jax.extend import core as jcore
+from kivi_cache import reserved_cache
 
 import kvjax as kvx
 from kernels_pallas.quantized_attention import reference as qref
@@ -60,23 +61,6 @@ def _normal(rng, shape, dtype=np.float32):
     return _host(rng.standard_normal(shape), dtype)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _reserved(spec, lengths):
-    """The public reserve of `lengths` tokens per slot on a new cache of `spec`, as one
-    program: (page table, tail lengths, tail pending, status)."""
-    cache, status = kvx.cache.reserve(qz.init_cache(spec), lengths)
-    return cache.table, cache.tail.lengths, cache.tail.pending, status
-
-
-def _page_geometry(spec):
-    """`spec` with one layer of one 8-wide 8-bit head: the same pages, page size, slots and
-    residual, so `reserve` allocates the same table, tail lengths and pending counts (its
-    program is then one per geometry, not one per spec)."""
-    return dataclasses.replace(
-        spec, attention=kvx.AttentionSpec(q_heads=1, kv_heads=1, head_dim=G), num_layers=1,
-        dtype="float32", quant=QuantSpec(bits=8, group_size=G, residual=spec.quant.residual))
-
-
 def _rand_pool(rng, pool: qz.QuantPool, *, nan_pages=None):
     span = 1.0 / ((1 << pool.bits) - 1)
     scale = rng.uniform(0.5 * span, 2.0 * span, pool.scale.shape)
@@ -104,12 +88,10 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
         max_seqs=batch, max_pages_per_seq=MAX_PAGES, dtype=dtype,
         quant=QuantSpec(bits=bits, group_size=G, residual=R))
     lengths = _lengths(rng, batch) if lengths is None else np.asarray(lengths, np.int32)
-    cache = jax.eval_shape(lambda: qz.init_cache(spec))  # its structure; every leaf replaced
-    table, tail_lengths, pending, status = _reserved(_page_geometry(spec),
-                                                     jax.device_put(lengths))
+    cache, status = reserved_cache(spec, lengths)  # one reserve program per page geometry
     status.raise_if_error()
-    q_len = np.asarray(table.lengths)  # the quantized tokens of each slot
-    tables = np.asarray(table.block_tables)
+    q_len = np.asarray(cache.quant_lengths)
+    tables = np.asarray(cache.block_tables)
     used = np.arange(MAX_PAGES)[None, :] * PS < q_len[:, None]
     nan_pages = None
     if nan_unused:
@@ -130,11 +112,9 @@ def random_cache(rng, *, mla=False, bits=4, kv_heads=2, q_heads=8, layers=1, bat
             k=tuple(_rand_pool(rng, p, nan_pages=nan_pages) for p in pages.k),
             v=tuple(_rand_pool(rng, p, nan_pages=nan_pages) for p in pages.v))
     a, b = (_normal(rng, x.shape, x.dtype) for x in (cache.tail.a, cache.tail.b))
-    tail = dataclasses.replace(cache.tail, a=a, b=b, lengths=tail_lengths, pending=pending)
-    table = dataclasses.replace(table, block_tables=jax.device_put(tables))
-    cache = dataclasses.replace(cache, pages=pages, table=table, tail=tail)
-    assert not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(cache))
-    return cache
+    tail = dataclasses.replace(cache.tail, a=a, b=b)
+    table = dataclasses.replace(cache.table, block_tables=jax.device_put(tables))
+    return dataclasses.replace(cache, pages=pages, table=table, tail=tail)
 
 
 def _close(got, want, tol):
