@@ -372,8 +372,8 @@ def test_quantized_decode_matches_reference(rng, bits, q_heads, kv_heads):
 def test_quantized_bf16_soft_cap_window_mixed_layers(rng):
     """bf16 cache and queries; soft cap and sliding window; layers of different bit widths
     read from their whole pools."""
-    cache = random_cache(rng, bits=(8, 2), layers=2, batch=5, dtype="bfloat16")
-    q = jnp.asarray(rng.standard_normal((5, 8, qz_D)), jnp.bfloat16)
+    cache = random_cache(rng, bits=(8, 2), layers=2, dtype="bfloat16")  # 9 slots: some with
+    q = jnp.asarray(rng.standard_normal((9, 8, qz_D)), jnp.bfloat16)  # quantized pages
     for layer, kw in ((0, dict(soft_cap=2.0)), (1, dict(sliding_window=21))):
         want = _qdecode(qz.layer_view(cache, layer), q, "reference", **kw)
         got = _qdecode(qz.layer_view(cache, layer, whole_pools=True), q, "cpu", **kw)
@@ -383,8 +383,8 @@ def test_quantized_bf16_soft_cap_window_mixed_layers(rng):
 @needs_kernel
 def test_quantized_traced_layer_in_a_scan(rng):
     layers = 3
-    cache = random_cache(rng, bits=4, layers=layers, batch=5)
-    q = jnp.asarray(rng.standard_normal((5, 8, qz_D)), jnp.float32)
+    cache = random_cache(rng, bits=4, layers=layers)  # 9 slots, some with quantized pages
+    q = jnp.asarray(rng.standard_normal((9, 8, qz_D)), jnp.float32)
 
     def run(impl, whole):
         def body(c, layer):
