@@ -58,7 +58,7 @@ def make_tables(rng, lengths, page_size, max_pages, spare_pages=3):
     for b, n in enumerate(used):
         tables[b, :n] = perm[start:start + n]
         start += n
-    return jnp.asarray(tables, jnp.int32), num_pages
+    return jax.device_put(tables.astype(np.int32)), num_pages
 
 
 def gqa_case(rng, *, q_heads, kv_heads, head_dim, page_size, max_pages, dtype, lengths=None):
@@ -67,13 +67,13 @@ def gqa_case(rng, *, q_heads, kv_heads, head_dim, page_size, max_pages, dtype, l
         lengths = edge_lengths(page_size, max_pages)
     tables, num_pages = make_tables(rng, lengths, page_size, max_pages)
 
-    def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    def draw(*shape):  # drawn on the host: no program per shape
+        return jax.device_put(rng.standard_normal(shape).astype(np.float32).astype(dtype))
 
     q = draw(len(lengths), q_heads, head_dim)
     k = draw(kv_heads, num_pages, page_size, head_dim)
     v = draw(kv_heads, num_pages, page_size, head_dim)
-    return q, k, v, jnp.asarray(lengths, jnp.int32), tables
+    return q, k, v, jax.device_put(np.asarray(lengths, np.int32)), tables
 
 
 def mla_case(rng, *, q_heads, d_c, d_rope, page_size, max_pages, dtype, lengths=None):
@@ -82,13 +82,13 @@ def mla_case(rng, *, q_heads, d_c, d_rope, page_size, max_pages, dtype, lengths=
         lengths = edge_lengths(page_size, max_pages)
     tables, num_pages = make_tables(rng, lengths, page_size, max_pages)
 
-    def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    def draw(*shape):  # drawn on the host: no program per shape
+        return jax.device_put(rng.standard_normal(shape).astype(np.float32).astype(dtype))
 
     batch = len(lengths)
     return (draw(batch, q_heads, d_c), draw(batch, q_heads, d_rope),
             draw(num_pages, page_size, d_c), draw(num_pages, page_size, d_rope),
-            jnp.asarray(lengths, jnp.int32), tables)
+            jax.device_put(np.asarray(lengths, np.int32)), tables)
 
 
 def assert_close(got, want, dtype):

@@ -8,6 +8,7 @@ through W_UV — the absorption identity the kernels rely on.
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,14 +26,14 @@ def run_mla(kernel, *args, block_pages=None, num_splits=None, **kwargs):
     bs = None
     if block_pages is not None or num_splits is not None:
         bs = BlockSizes(block_tokens=(block_pages or 1) * page_size, num_splits=num_splits)
-    if kernel in ("gpu", "gpu_native"):
-        return gpu.mla_decode_attention(*args, block_sizes=bs, interpret=kernel == "gpu", **kwargs)
+    if kernel == "gpu_native":
+        return gpu.mla_decode_attention(*args, block_sizes=bs, **kwargs)
     if kernel == "tpu_native":
         return tpu.mla_decode_attention(*args, block_sizes=bs, **kwargs)
-    if kernel == "tpu_interpreter":  # one jitted program (see interpreted())
-        return interpreted(tpu.mla_decode_attention, *args, block_sizes=bs,
-                           interpret=interpret_params(), **kwargs)
-    return tpu.mla_decode_attention(*args, block_sizes=bs, interpret=True, **kwargs)
+    # Interpreted flavours run as one jitted program (see interpreted()).
+    fn = gpu.mla_decode_attention if kernel == "gpu" else tpu.mla_decode_attention
+    interpret = interpret_params() if kernel == "tpu_interpreter" else True
+    return interpreted(fn, *args, block_sizes=bs, interpret=interpret, **kwargs)
 
 
 # (kernel, q_heads, d_c, d_rope, page_size, dtype, block_pages, num_splits): page sizes
@@ -110,21 +111,22 @@ def test_mla_kernel_matches_naive_decompressed_attention(rng, kernel):
     scale = (d_nope + d_rope) ** -0.5
 
     # Absorb W_UK into the query; the kernel attends over the latent.
-    q_latent = jnp.asarray(np.einsum("bhn,hcn->bhc", q_nope, w_uk), jnp.float32)
+    q_latent = jax.device_put(np.einsum("bhn,hcn->bhc", q_nope, w_uk).astype(np.float32))
     out_latent, lse = run_mla(kernel, q_latent, q_rope, latent_pages, rope_pages, lengths,
                               tables, scale=scale, block_pages=2)
     out = np.einsum("bhc,hcv->bhv", np.asarray(out_latent, np.float64), w_uv)
 
     # Dense tokens of every sequence, gathered on the host from the used table entries.
     lengths_np, tables_np = np.asarray(lengths), np.asarray(tables)
+    latent_np, rope_np = np.asarray(latent_pages), np.asarray(rope_pages)
     max_tokens = tables_np.shape[1] * page_size
     c_dense = np.zeros((len(lengths_np), max_tokens, d_c))
     r_dense = np.zeros((len(lengths_np), max_tokens, d_rope))
     for b, n in enumerate(lengths_np):
         for t in range(n):
             page = tables_np[b, t // page_size]
-            c_dense[b, t] = np.asarray(latent_pages[page, t % page_size])
-            r_dense[b, t] = np.asarray(rope_pages[page, t % page_size])
+            c_dense[b, t] = latent_np[page, t % page_size]
+            r_dense[b, t] = rope_np[page, t % page_size]
     want_out, want_lse = naive_mla(q_nope, np.asarray(q_rope, np.float64), c_dense, r_dense,
                                    lengths_np, w_uk, w_uv, scale)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)

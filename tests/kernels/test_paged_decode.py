@@ -34,15 +34,15 @@ def run_kernel(kernel, *args, block_pages=None, num_splits=None, **kwargs):
     bs = None
     if block_pages is not None or num_splits is not None:
         bs = BlockSizes(block_tokens=(block_pages or 1) * page_size, num_splits=num_splits)
-    if kernel in ("gpu", "gpu_native"):
-        return gpu.paged_decode_attention(*args, block_sizes=bs, interpret=kernel == "gpu",
-                                          **kwargs)
+    if kernel == "gpu_native":
+        return gpu.paged_decode_attention(*args, block_sizes=bs, **kwargs)
     if kernel == "tpu_native":
         return tpu.paged_decode_attention(*args, block_sizes=bs, **kwargs)
-    if kernel == "tpu_interpreter":  # one jitted program (see interpreted())
-        return interpreted(tpu.paged_decode_attention, *args, block_sizes=bs,
-                           interpret=tpu.interpret_params(), **kwargs)
-    return tpu.paged_decode_attention(*args, block_sizes=bs, interpret=True, **kwargs)
+    # Interpreted flavours run as one jitted program (see interpreted()): the wrapper's
+    # folding and split merge compile with the kernel instead of op by op.
+    fn = gpu.paged_decode_attention if kernel == "gpu" else tpu.paged_decode_attention
+    interpret = tpu.interpret_params() if kernel == "tpu_interpreter" else True
+    return interpreted(fn, *args, block_sizes=bs, interpret=interpret, **kwargs)
 
 
 # (ratio, head_dim, page_size, dtype, block_pages, num_splits): every ratio, head_dim,
