@@ -1,5 +1,7 @@
 """The quantized paged cache: tail state machine, flushes, allocator (fork/CoW/free), MLA."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,12 @@ from kvjax.cache import quantized as qz
 from kvjax.cache.quant import dequantize
 from kvjax.specs import QuantSpec
 
+# The cache operations as one program each (run op by op they compile every primitive at
+# every shape they meet; the same functions, the same results).
 _qwrite = jax.jit(qz.write_layer, static_argnames="layer", donate_argnames="cache")
+_qreserve = jax.jit(qz.reserve, donate_argnames="cache")
+_qfork = jax.jit(qz.fork, donate_argnames="cache")
+_qfree = jax.jit(qz.free, static_argnames="scrub", donate_argnames="cache")
 
 EPS = np.finfo(np.float32).eps
 
@@ -43,29 +50,37 @@ def _expand(s, grouping, rows, width):
         s, width // s.shape[-1], -1)
 
 
+@functools.partial(jax.jit, static_argnames="layer")
+def _layer_pools(cache, layer):
+    """One layer's pools and rings: quantized pools as (dequantized, scale), every page."""
+    view = qz.layer_view(cache, layer)
+    return [(dequantize(p.codes, p.scale, p.zero, bits=p.bits, grouping=p.grouping), p.scale)
+            if isinstance(p, qz.QuantLayer) else p
+            for p in (view.k, view.tail_k, view.v, view.tail_v)]
+
+
 def reconstruct(cache, layer, seq):
     """Host-side read-back of one sequence: (a, b, step_a, step_b), each [tokens, heads, width].
 
     Quantized positions are dequantized (step = the stored scale of each
-    element); tail positions are read from the ring (step 0).
+    element); tail positions are read from the ring (step 0). The whole layer is
+    dequantized by one program per cache kind and the sequence's pages picked on the host.
     """
     spec = cache.spec
     view = qz.layer_view(cache, layer)
-    L, Q = int(cache.lengths[seq]), int(cache.quant_lengths[seq])
+    pools = jax.tree.map(np.asarray, _layer_pools(cache, layer))
+    L, Q = int(np.asarray(cache.lengths)[seq]), int(np.asarray(cache.quant_lengths)[seq])
     ps, ring = spec.page_size, qz.tail_capacity(spec)
-    pages = np.asarray(cache.block_tables[seq, :Q // ps])
+    pages = np.asarray(cache.block_tables)[seq, :Q // ps]
     outs = []
-    parts = [(view.k, view.tail_k), (view.v, view.tail_v)]
-    for pool, tail in parts:
+    parts = [(view.k, pools[0], pools[1]), (view.v, pools[2], pools[3])]
+    for pool, read, tail in parts:
         if isinstance(pool, qz.QuantLayer):
-            codes, scale, zero = (np.asarray(x)[:, pages] for x in (pool.codes, pool.scale,
-                                                                     pool.zero))
-            q = np.asarray(dequantize(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(zero),
-                                      bits=pool.bits, grouping=pool.grouping))
+            q, scale = read[0][:, pages], read[1][:, pages]
             h, n, _, w = q.shape
             step = _expand(scale, pool.grouping, ps, w)
         else:  # MLA k_rope: full precision pages
-            q = np.asarray(pool)[:, pages].astype(np.float32)
+            q = read[:, pages].astype(np.float32)
             h, n, _, w = q.shape
             step = np.zeros_like(q)
         q = q.reshape(h, n * ps, w)
@@ -89,11 +104,11 @@ def assert_close_to_truth(got, step, want):
 
 
 def _step(cache, num_new, toks_a, toks_b, layers, seq_ids=None):
-    cache, status = qz.reserve(cache, jnp.asarray(num_new, jnp.int32))
+    cache, status = _qreserve(cache, jax.device_put(np.asarray(num_new, np.int32)))
     status.raise_if_error()
     for layer in range(layers):
-        cache = _qwrite(cache, layer, jnp.asarray(toks_a[layer]),
-                                   jnp.asarray(toks_b[layer]), seq_ids)
+        cache = _qwrite(cache, layer, jax.device_put(np.asarray(toks_a[layer], np.float32)),
+                        jax.device_put(np.asarray(toks_b[layer], np.float32)), seq_ids)
     return cache
 
 
@@ -147,7 +162,7 @@ def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
     b = rng.standard_normal((1, 4, 21, 2, 16)).astype(np.float32)
     cache = _step(cache, T, a, b, 1)
     shared = np.asarray(cache.block_tables[0, :1])  # Q = 8: one quantized page
-    cache, status = qz.fork(cache, jnp.array([0, 0]), jnp.array([1, 2]))
+    cache, status = _qfork(cache, np.array([0, 0], np.int32), np.array([1, 2], np.int32))
     status.raise_if_error()
     assert np.asarray(cache.table.refcounts)[shared].tolist() == [3]
     check_invariants(cache.table)
@@ -167,12 +182,12 @@ def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
         assert_close_to_truth(x, sx, hist[s][0])
         assert_close_to_truth(y, sy, hist[s][1])
     # The shared page survives freeing its creator; the new pages are private.
-    cache = qz.free(cache, jnp.array([True, False, False, False]), scrub=True)
+    cache = _qfree(cache, np.array([True, False, False, False]), scrub=True)
     assert np.asarray(cache.table.refcounts)[shared].tolist() == [2]
     check_invariants(cache.table)
     x, _, sx, _ = reconstruct(cache, 0, 1)
     assert_close_to_truth(x, sx, hist[1][0])
-    cache = qz.free(cache, jnp.array([False, True, True, False]), scrub=True)
+    cache = _qfree(cache, np.array([False, True, True, False]), scrub=True)
     assert int(cache.num_free_pages) == spec.num_pages
     # Scrubbed: the pools and the tails hold zeros again.
     assert not np.asarray(cache.pages.k[0].codes).any()
@@ -184,7 +199,7 @@ def test_fork_into_busy_slot_is_refused(rng):
     cache = qz.init_cache(spec)
     x = rng.standard_normal((1, 4, 5, 2, 16)).astype(np.float32)
     cache = _step(cache, np.array([5, 3, 0, 0]), x, x, 1)  # slot 1: tail only, Q = 0
-    cache, status = qz.fork(cache, jnp.array([0]), jnp.array([1]))
+    cache, status = _qfork(cache, np.array([0], np.int32), np.array([1], np.int32))
     with pytest.raises(ValueError, match="fork"):
         status.raise_if_error()
     assert np.asarray(cache.lengths).tolist() == [5, 3, 0, 0]
@@ -193,16 +208,16 @@ def test_fork_into_busy_slot_is_refused(rng):
 def test_out_of_pages_is_cache_full_and_changes_nothing(rng):
     spec = gqa_spec(residual=0, num_pages=3, layers=1)
     cache = qz.init_cache(spec)
-    cache, status = qz.reserve(cache, jnp.array([17, 0, 0, 0], jnp.int32))
+    cache, status = _qreserve(cache, np.array([17, 0, 0, 0], np.int32))
     status.raise_if_error()  # 2 quantized pages, 1 tail token
     before = np.asarray(cache.lengths).copy()
-    cache, status = qz.reserve(cache, jnp.array([8, 8, 0, 0], jnp.int32))
+    cache, status = _qreserve(cache, np.array([8, 8, 0, 0], np.int32))
     with pytest.raises(CacheFullError):
         status.raise_if_error()
     np.testing.assert_array_equal(np.asarray(cache.lengths), before)
     assert np.asarray(cache.quant_lengths).tolist() == [16, 0, 0, 0]
     # The failed step's writes are no-ops.
-    x = jnp.asarray(rng.standard_normal((4, 8, 2, 16)), jnp.float32)
+    x = jax.device_put(rng.standard_normal((4, 8, 2, 16)).astype(np.float32))
     cache2 = _qwrite(cache, 0, x, x)
     assert int(cache2.lengths[1]) == 0
     check_invariants(cache2.table)
@@ -282,14 +297,14 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
             num_new = np.minimum(num_new, spec.max_tokens_per_seq - lengths)
             a = rng.standard_normal((1, S, chunk, 2, 16)).astype(np.float32)
             b = rng.standard_normal((1, S, chunk, 2, 16)).astype(np.float32)
-            cache, status = qz.reserve(cache, jnp.asarray(num_new, jnp.int32))
+            cache, status = _qreserve(cache, np.asarray(num_new, np.int32))
             if int(status.code) != 0:
                 full_seen += 1
                 with pytest.raises(CacheFullError):
                     status.raise_if_error()
                 np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
                 continue
-            cache = _qwrite(cache, 0, jnp.asarray(a[0]), jnp.asarray(b[0]))
+            cache = _qwrite(cache, 0, a[0], b[0])
             for s in range(S):
                 n = num_new[s]
                 truth[s] = (np.concatenate([truth[s][0], a[0, s, :n]]),
@@ -300,14 +315,14 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
             if not live or not empty:
                 continue
             src, dst = int(rng.choice(live)), int(rng.choice(empty))
-            cache, status = qz.fork(cache, jnp.array([src]), jnp.array([dst]))
+            cache, status = _qfork(cache, np.array([src], np.int32), np.array([dst], np.int32))
             status.raise_if_error()
             truth[dst] = truth[src]
         else:
             s = int(rng.integers(S))
             mask = np.zeros(S, bool)
             mask[s] = True
-            cache = qz.free(cache, jnp.asarray(mask), scrub=bool(rng.integers(2)))
+            cache = _qfree(cache, mask, scrub=bool(rng.integers(2)))
             truth[s] = (truth[s][0][:0], truth[s][1][:0])
         check_invariants(cache.table)
         # Donation needs every leaf in its own buffer (XLA may merge equal outputs).
@@ -328,8 +343,8 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
 def test_write_must_cover_reserved_tokens(rng):
     spec = gqa_spec(layers=1)
     cache = qz.init_cache(spec)
-    cache, _ = qz.reserve(cache, jnp.array([5, 0, 0, 0], jnp.int32))
-    x = jnp.asarray(rng.standard_normal((4, 3, 2, 16)), jnp.float32)
+    cache, _ = _qreserve(cache, np.array([5, 0, 0, 0], np.int32))
+    x = jax.device_put(rng.standard_normal((4, 3, 2, 16)).astype(np.float32))
     with pytest.raises(ValueError, match="q_len=3"):
         qz.write_layer(cache, 0, x, x)
     with pytest.raises(TypeError, match="dtype"):
