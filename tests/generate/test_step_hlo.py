@@ -29,12 +29,14 @@ def _model(rng):
     config = llama.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
                                num_layers=2, q_heads=4, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                rope=RopeConfig(theta=10000.0, dim=HEAD_DIM))
-    params = llama.init_params(config, jax.random.key(int(rng.integers(1 << 30))))
+    params = jax.jit(llama.init_params, static_argnums=0)(  # one program, not one per shape
+        config, jax.random.key(int(rng.integers(1 << 30))))
     return get_family("llama").model(config), params
 
 
 def _decode_state(rng, model, params, policy, impl):
-    """A state ready to decode, from `generate`'s own request checks and prefill."""
+    """The shapes of a state ready to decode, from `generate`'s own request checks and
+    prefill (traced, not run: lowering the loop needs only the state's shapes)."""
     prompts = [rng.integers(0, 64, int(n)).tolist() for n in rng.integers(20, 40, BATCH)]
     # A pool 4x the live sequences' pages: a layer's pool outweighs one sequence.
     config = gen.CacheConfig(dtype="float32", page_size=PAGE,
@@ -43,8 +45,9 @@ def _decode_state(rng, model, params, policy, impl):
     req = loop._request(model, params, prompts, max_new_tokens=SEQ_PAGES * PAGE - 64,
                         cache=config, seq_ids=None, chunk_size=32, impl=impl, policy=policy)
     keys = sampling.as_keys(jax.random.key(0), BATCH)
-    state = loop._start(model, req, keys=keys, sampling=loop.GREEDY, eos_ids=(),
-                        free_finished=True, policy=policy, check=True)
+    state = jax.eval_shape(lambda: loop._start(model, req, keys=keys, sampling=loop.GREEDY,
+                                               eos_ids=(), free_finished=True, policy=policy,
+                                               check=False))
     return state, req
 
 
