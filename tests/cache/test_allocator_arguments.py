@@ -34,17 +34,23 @@ KINDS = {
     "plain": (_plain, pt, pt.check_invariants),
     "sharded": (_sharded, st, st.check_invariants),
 }
+# The tables the tests start from are built by one jitted program per operation and kind
+# (op by op, each call compiled every primitive it ran: most of this file's time); the
+# tests themselves call the operations as before, eagerly or under jit.
+_JITTED = {kind: (jax.jit(mod.reserve), jax.jit(mod.fork)) for kind, (_, mod, _) in
+           KINDS.items()}
 
 
 def _filled(kind, rng):
     """A table with a few sequences of random lengths, one of them forked (shared pages)."""
-    make, mod, check = KINDS[kind]
+    make, _, check = KINDS[kind]
+    reserve, fork = _JITTED[kind]
     table = make()
     lengths = np.zeros(MAX_SEQS, np.int32)
     lengths[[0, 1, 3]] = rng.integers(1, MAX_PAGES * PS // 2 + 1, 3)
-    table, _, status = mod.reserve(table, jnp.asarray(lengths))
+    table, _, status = reserve(table, lengths)
     status.raise_if_error()
-    table, status = mod.fork(table, jnp.asarray([0]), jnp.asarray([2]))
+    table, status = fork(table, np.array([0], np.int32), np.array([2], np.int32))
     status.raise_if_error()
     check(table)
     return table
