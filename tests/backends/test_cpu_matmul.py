@@ -238,15 +238,16 @@ def test_llama_decode_with_kernel_matches_xla(rng, cpu_options, dtype="float32")
 
 
 _SPIN_SCRIPT = """
-import jax, jax.numpy as jnp, numpy as np
+import sys
+import jax, numpy as np
 from kvjax.backends.cpu import matmul as m
-ks = jax.random.split(jax.random.key(int(__import__("sys").argv[1])), 2)
-x = jax.random.normal(ks[0], (4, 1024), jnp.float32)
-w = jax.random.normal(ks[1], (1024, 8192), jnp.float32)
+r = np.random.default_rng(int(sys.argv[1]))  # drawn on the host: no programs but f
+x = jax.device_put(r.standard_normal((4, 1024), np.float32))
+w = jax.device_put(r.standard_normal((1024, 8192), np.float32))
 # The next op reads the product at once: a caller that returned before the helpers'
 # last items were written would hand it a partial result.
 f = jax.jit(lambda x, w: m.matmul(x, w) * 2.0)
-want = 2.0 * np.asarray(jnp.matmul(x, w, precision="highest"))
+want = 2.0 * (np.asarray(x, np.float64) @ np.asarray(w, np.float64))
 for _ in range(30):  # calls back to back (helpers spinning) and after a pause (parked)
     np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-4, atol=1e-3)
 __import__("time").sleep(0.01)
