@@ -83,7 +83,11 @@ def _launch_local(n: int, port: int, argv: list[str]) -> int:
             continue
         rest.append(a)
     env = dict(os.environ, JAX_PLATFORMS="cpu", KVJAX_CPU_DEVICES="4")
-    env.pop("XLA_FLAGS", None)  # a device count forced there would override the 4 per process
+    # A device count forced in XLA_FLAGS would override the 4 per process; other flags stay.
+    flags = [f for f in env.pop("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     coordinator = f"localhost:{port or _free_port()}"
     procs = [subprocess.Popen([sys.executable, __file__, "--coordinator", coordinator,
                                "--num-processes", str(n), "--process-id", str(i), *rest],
