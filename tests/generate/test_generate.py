@@ -5,6 +5,7 @@ possible so that programs compile once.
 """
 
 import dataclasses
+import functools
 import warnings
 
 import jax
@@ -47,6 +48,18 @@ def _single_cache(model, max_tokens=64):
 # ---------------------------------------------------------------------------- sampling
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _filtered(logits, cfg):
+    return sampling_mod._filter(logits, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _draws(logits, key, n, cfg):
+    """`n` samples of each row, each row with its own key (one program per config)."""
+    keys = jax.random.split(key, n * logits.shape[0]).reshape(n, logits.shape[0])
+    return jax.vmap(lambda k: gen.sample(logits, k, cfg))(keys)
+
+
 def test_sampling_filters_match_numpy(rng):
     logits = rng.normal(size=(3, 40)).astype(np.float32) * 2
     probs = np.exp(logits - logits.max(1, keepdims=True))
@@ -65,13 +78,12 @@ def test_sampling_filters_match_numpy(rng):
             kp = np.zeros_like(keep)
             np.put_along_axis(kp, order, before < cfg.top_p, 1)
             keep &= kp
-        got = np.isfinite(np.asarray(sampling_mod._filter(jnp.asarray(logits), cfg)))
+        got = np.isfinite(np.asarray(_filtered(logits, cfg)))
         np.testing.assert_array_equal(got, keep)
 
         # Empirical frequencies over many keys follow the renormalised kept probabilities.
         n = 4000
-        keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), n * 3).reshape(n, 3)
-        draws = np.asarray(jax.vmap(lambda k, c=cfg: gen.sample(jnp.asarray(logits), k, c))(keys))
+        draws = np.asarray(_draws(logits, jax.random.key(int(rng.integers(1 << 30))), n, cfg))
         for b in range(3):
             want = np.where(keep[b], probs[b], 0)
             want /= want.sum()
