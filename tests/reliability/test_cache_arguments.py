@@ -45,14 +45,19 @@ def _kv(spec, rng, batch, q_len=Q_LEN, scale=1.0):
     wa, wb = spec.attention.cache_widths
     a = scale * rng.standard_normal((batch, q_len, heads, wa))
     b = scale * rng.standard_normal((batch, q_len, heads, wb))
-    return jnp.asarray(a, spec.dtype), jnp.asarray(b, spec.dtype)
+    return tiny.device(a, spec.dtype), tiny.device(b, spec.dtype)
 
 
 def _query(spec, rng, batch, q_len=1):
     if spec.is_mla:
-        return (jnp.asarray(rng.standard_normal((batch, q_len, 4, 16)), jnp.float32),
-                jnp.asarray(rng.standard_normal((batch, q_len, 4, 4)), jnp.float32))
-    return jnp.asarray(rng.standard_normal((batch, q_len, 4, 8)), jnp.float32)
+        return (tiny.device(rng.standard_normal((batch, q_len, 4, 16)), jnp.float32),
+                tiny.device(rng.standard_normal((batch, q_len, 4, 4)), jnp.float32))
+    return tiny.device(rng.standard_normal((batch, q_len, 4, 8)), jnp.float32)
+
+
+@pytest.fixture(autouse=True)
+def _kivi_writes_compiled_once(monkeypatch):
+    tiny.jit_kivi_writes(monkeypatch)
 
 
 @functools.cache

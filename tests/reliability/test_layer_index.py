@@ -39,15 +39,20 @@ def _spec(kind):
 def _kv(spec, rng, q_len):
     heads = spec.attention.cache_heads
     wa, wb = spec.attention.cache_widths
-    return tuple(jnp.asarray(rng.standard_normal((MAX_SEQS, q_len, heads, w)), jnp.float32)
+    return tuple(tiny.device(rng.standard_normal((MAX_SEQS, q_len, heads, w)), jnp.float32)
                  for w in (wa, wb))
 
 
 def _query(spec, rng):
     if spec.is_mla:
-        return (jnp.asarray(rng.standard_normal((MAX_SEQS, 1, 4, 16)), jnp.float32),
-                jnp.asarray(rng.standard_normal((MAX_SEQS, 1, 4, 4)), jnp.float32))
-    return jnp.asarray(rng.standard_normal((MAX_SEQS, 1, 4, 8)), jnp.float32)
+        return (tiny.device(rng.standard_normal((MAX_SEQS, 1, 4, 16)), jnp.float32),
+                tiny.device(rng.standard_normal((MAX_SEQS, 1, 4, 4)), jnp.float32))
+    return tiny.device(rng.standard_normal((MAX_SEQS, 1, 4, 8)), jnp.float32)
+
+
+@pytest.fixture(autouse=True)
+def _kivi_writes_compiled_once(monkeypatch):
+    tiny.jit_kivi_writes(monkeypatch)
 
 
 def _filled(kind, rng):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import quantized as qz
 from kvjax.models import deepseek as ds
 from kvjax.models import llama
 from kvjax.models.base import get_family
@@ -52,4 +53,28 @@ def assert_same(tree, snap):
 def restore(like, snap):
     """A fresh device copy of `snap` with the static structure of `like`."""
     return jax.tree.unflatten(jax.tree.structure(like),
-                              [jnp.asarray(x) for x in jax.tree.leaves(snap)])
+                              [jax.device_put(x) for x in jax.tree.leaves(snap)])
+
+
+def device(x, dtype):
+    """A host array on the device as `dtype` (`jnp.asarray` would compile a program per
+    shape and dtype to stage it)."""
+    return jax.device_put(np.asarray(x).astype(jnp.dtype(dtype)))
+
+
+def jit_kivi_writes(monkeypatch):
+    """Routes `kvjax.cache.quantized.write_layer` calls with a concrete layer through one
+    jitted program per layer and shapes: run eagerly, its page flush (a `lax.cond`)
+    compiles anew on every call. The checks of `kvjax.cache.write` run before it as they
+    did, and write_layer's own argument checks run while it traces, raising the same
+    errors; only its check that a write covers every reserved token needs a concrete
+    cache (tests/cache/test_quant_cache.py has it)."""
+    original = qz.write_layer
+    jitted = jax.jit(original, static_argnames="layer")
+
+    def write_layer(cache, layer, a, b, seq_ids=None, index_keys=None):
+        if isinstance(layer, int | np.integer) and not isinstance(layer, bool):
+            return jitted(cache, int(layer), a, b, seq_ids, index_keys=index_keys)
+        return original(cache, layer, a, b, seq_ids, index_keys=index_keys)
+
+    monkeypatch.setattr(qz, "write_layer", write_layer)
