@@ -24,14 +24,20 @@ CORPUS = np.frombuffer(b"def add(x, y):\n    return x + y\n\n\nclass A:\n    pas
 
 
 def test_a_few_training_steps_lower_the_loss(rng):
+    # The init, the optimizer's state and the first loss each as one program (run eagerly,
+    # each compiled a program per op and tensor shape).
+    loss_fn = jax.jit(_loss, static_argnums=1)
     for name, config in SMALL.items():
-        params = init_tiny(config, jax.random.key(int(rng.integers(1 << 30))))
+        key = jax.random.key(int(rng.integers(1 << 30)))
+        # The Llama init draws with jax.random (traceable); DeepSeek's on the host.
+        params = (jax.jit(init_tiny, static_argnums=0)(config, key) if name == "llama"
+                  else init_tiny(config, key))
         opt = make_optimizer(1e-2, 10, 1, 0.0)
-        state = opt.init(params)
+        state = jax.jit(opt.init)(params)
         step = make_train_step(config, opt)
         toks, w = data.training_batch(rng, CORPUS, 4, 128, retrieval_fraction=0.25,
                                       answer_weight=2.0)
-        first = float(_loss(params, config, toks, w))
+        first = float(loss_fn(params, config, toks, w))
         for _ in range(8):
             params, state, loss = step(params, state, toks, w)
         # Random init sits near ln(256) = 5.5; 8 Adam steps on one repetitive batch
@@ -82,7 +88,8 @@ def test_shipped_gqa_model_retrieves_and_an_untrained_one_does_not(rng):
 
     config = tiny_config("gqa")
     _, trained = load_tiny("gqa")
-    untrained = init_tiny(config, jax.random.key(int(rng.integers(1 << 30))))
+    untrained = jax.jit(init_tiny, static_argnums=0)(  # one program, not one per tensor shape
+        config, jax.random.key(int(rng.integers(1 << 30))))
     heldout = data.load_corpus("heldout", max_bytes=200_000)
     seed = int(rng.integers(1 << 30))
     acc = {(name, query): retrieval_accuracy(params, config, heldout, n=32, seq_len=96,
