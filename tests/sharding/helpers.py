@@ -52,14 +52,14 @@ def mla_spec(**kw):
 def filled_cache(spec, plan, lengths, rng):
     """A sharded cache holding `lengths` random tokens per sequence in every layer."""
     cache = kvs.init_sharded_cache(spec, plan)
-    cache, status = reserve(cache, jnp.asarray(lengths, jnp.int32))
+    cache, status = reserve(cache, jax.device_put(np.asarray(lengths, np.int32)))
     status.raise_if_error()
     t = max(int(np.max(lengths)), 1)
     heads = spec.attention.cache_heads
     wa, wb = spec.attention.cache_widths
     a = rng.standard_normal((spec.num_layers, spec.max_seqs, t, heads, wa)).astype(np.float32)
     b = rng.standard_normal((spec.num_layers, spec.max_seqs, t, heads, wb)).astype(np.float32)
-    return _fill(cache, jnp.asarray(a), jnp.asarray(b))
+    return _fill(cache, *jax.device_put((a, b)))  # no stage program per shape
 
 
 @jax.jit

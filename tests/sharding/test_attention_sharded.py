@@ -7,7 +7,6 @@ sharded ops run jitted on the sharded pools of `kvjax.sharding.init_sharded_cach
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -56,13 +55,19 @@ def _mla_both(ql, qr, qlp, qrp, c, r, lengths, tables, q_lengths, impl, scale):
                                       impl=impl))
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "window"))
-def _decode(q, k, v, lengths, tables, impl, window=None):
-    return kva.paged_decode_attention(q, k, v, lengths, tables, sliding_window=window, impl=impl)
+@functools.partial(jax.jit, static_argnames=("impl", "window", "cap"))
+def _decode(q, k, v, lengths, tables, impl, window=None, cap=None):
+    return kva.paged_decode_attention(q, k, v, lengths, tables, sliding_window=window,
+                                      soft_cap=cap, impl=impl)
+
+
+def _normal(rng, shape):
+    """Float32 N(0, 1) drawn on the host (jnp.asarray would compile a program per shape)."""
+    return jax.device_put(rng.standard_normal(shape).astype(np.float32))
 
 
 def _q_lengths(rng, lengths, batch):
-    return jnp.asarray(np.minimum(rng.integers(0, Q_LEN + 1, batch), lengths), jnp.int32)
+    return jax.device_put(np.minimum(rng.integers(0, Q_LEN + 1, batch), lengths).astype(np.int32))
 
 
 @pytest.mark.parametrize("plan_args", PLANS, ids=plan_id)
@@ -72,8 +77,8 @@ def test_gqa_decode_and_prefill_match_one_device(plan_args, rng):
     lengths = rng.permutation(LENGTHS)
     cache = filled_cache(spec, plan, lengths, rng)
     b = spec.max_seqs
-    q = jnp.asarray(rng.standard_normal((b, 16, 16)), jnp.float32)
-    qp = jnp.asarray(rng.standard_normal((b, Q_LEN, 16, 16)), jnp.float32)
+    q = _normal(rng, (b, 16, 16))
+    qp = _normal(rng, (b, Q_LEN, 16, 16))
     q_lengths = _q_lengths(rng, lengths, b)
     kw = (("soft_cap", 30.0),)
     v = view(cache)
@@ -93,10 +98,10 @@ def test_mla_decode_and_prefill_match_one_device(plan_args, rng):
     lengths = rng.permutation(LENGTHS)
     cache = filled_cache(spec, plan, lengths, rng)
     b = spec.max_seqs
-    ql = jnp.asarray(rng.standard_normal((b, 8, 32)), jnp.float32)
-    qr = jnp.asarray(rng.standard_normal((b, 8, 8)), jnp.float32)
-    qlp = jnp.asarray(rng.standard_normal((b, Q_LEN, 8, 32)), jnp.float32)
-    qrp = jnp.asarray(rng.standard_normal((b, Q_LEN, 8, 8)), jnp.float32)
+    ql = _normal(rng, (b, 8, 32))
+    qr = _normal(rng, (b, 8, 8))
+    qlp = _normal(rng, (b, Q_LEN, 8, 32))
+    qrp = _normal(rng, (b, Q_LEN, 8, 8))
     q_lengths = _q_lengths(rng, lengths, b)
     scale = 24 ** -0.5
     v = view(cache)
@@ -118,7 +123,7 @@ def test_context_merge_with_devices_holding_no_pages(rng):
     v = view(cache)
     held = v.block_tables[0, :2] // (spec.num_pages // 8)
     assert sorted(held.tolist()) == [0, 1]
-    q = jnp.asarray(rng.standard_normal((2, 16, 16)), jnp.float32)
+    q = _normal(rng, (2, 16, 16))
     want = _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference")
     s = sharded_view(cache)
     _close(_decode(q, s.k, s.v, s.lengths, s.block_tables, kvs.ShardedAttention(plan)), want)
@@ -130,7 +135,7 @@ def test_kv_heads_fallback_replicates_and_matches(rng):
     spec = gqa_spec(attention=AttentionSpec(q_heads=16, kv_heads=2, head_dim=16))
     assert kvs.pool_spec(plan, spec)[1] is None
     cache = filled_cache(spec, plan, rng.permutation(LENGTHS), rng)
-    q = jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 16)), jnp.float32)
+    q = _normal(rng, (spec.max_seqs, 16, 16))
     v = view(cache)
     want = _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference")
     s = sharded_view(cache)
@@ -141,7 +146,7 @@ def test_sequences_sliding_window_matches_and_context_rejects_it(rng):
     plan = make_plan((2, 4), ("data", "model"), ("sequences", "heads"))
     spec = gqa_spec()
     cache = filled_cache(spec, plan, rng.permutation(LENGTHS), rng)
-    q = jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 16)), jnp.float32)
+    q = _normal(rng, (spec.max_seqs, 16, 16))
     v = view(cache)
     want = _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference", 5)
     s = sharded_view(cache)
@@ -161,7 +166,7 @@ def test_pallas_kernels_run_inside_shard_map(rng):
     lengths = rng.permutation(LENGTHS)
     spec = gqa_spec(attention=AttentionSpec(q_heads=16, kv_heads=8, head_dim=64))
     cache = filled_cache(spec, plan, lengths, rng)
-    q = jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 64)), jnp.float32)
+    q = _normal(rng, (spec.max_seqs, 16, 64))
     v, s = view(cache), sharded_view(cache)
     _close(_decode(q, s.k, s.v, s.lengths, s.block_tables, impl),
            _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference"))
@@ -169,8 +174,8 @@ def test_pallas_kernels_run_inside_shard_map(rng):
     spec = mla_spec(attention=MLASpec(q_heads=8, kv_lora_rank=64, qk_rope_head_dim=64,
                                       qk_nope_head_dim=16, v_head_dim=16))
     cache = filled_cache(spec, plan, lengths, rng)
-    ql = jnp.asarray(rng.standard_normal((spec.max_seqs, 8, 64)), jnp.float32)
-    qr = jnp.asarray(rng.standard_normal((spec.max_seqs, 8, 64)), jnp.float32)
+    ql = _normal(rng, (spec.max_seqs, 8, 64))
+    qr = _normal(rng, (spec.max_seqs, 8, 64))
     v, s = view(cache), sharded_view(cache)
     mla = jax.jit(lambda *a, impl: kva.mla_decode_attention(*a, scale=0.1, impl=impl),
                   static_argnames="impl")
@@ -191,7 +196,7 @@ def test_eager_calls_compile_once_per_op_and_options(rng):
     impl = kvs.ShardedAttention(plan)
 
     def draw():
-        return jnp.asarray(rng.standard_normal((spec.max_seqs, 16, 16)), jnp.float32)
+        return jax.device_put(rng.standard_normal((spec.max_seqs, 16, 16)).astype(np.float32))
 
     def entries():
         return {k: fn for k, fn in sharded._JITTED.items() if k[0] == impl}
@@ -201,8 +206,8 @@ def test_eager_calls_compile_once_per_op_and_options(rng):
         q = draw()
         got = kva.paged_decode_attention(q, s.k, s.v, s.lengths, s.block_tables,
                                          soft_cap=cap, impl=impl)
-        want = kva.paged_decode_attention(q, v.k, v.v, v.lengths, v.block_tables,
-                                          soft_cap=cap, impl="reference")
+        # The reference as one program (the sharded op is the one called eagerly here).
+        want = _decode(q, v.k, v.v, v.lengths, v.block_tables, "reference", cap=cap)
         _close(got, want)
     new = {k: fn for k, fn in entries().items() if k not in before}
     assert len(new) == 2  # one program per soft cap

@@ -59,14 +59,22 @@ def _deepseek():
 MODELS = {"gqa": _llama, "mla": _deepseek}
 
 
+@jax.jit
+def _scaled(params):
+    # Random-normal weights larger than init's keep the logits spread (greedy ties unlikely).
+    return jax.tree.map(
+        lambda x: x * 3 if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
 @functools.cache
 def _setup(kind):
     model, kv_heads = MODELS[kind]()
     family = get_family(model.family)
-    params = family.init_params(model.config, jax.random.key(7))
-    # Random-normal weights larger than init's keep the logits spread (greedy ties unlikely).
-    params = jax.tree.map(
-        lambda x: x * 3 if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    # One program each (eagerly, every tensor shape compiles its own draw and scaling);
+    # DeepSeek's init draws on the host and is not traced.
+    init = family.init_params if kind == "mla" else jax.jit(family.init_params,
+                                                             static_argnums=0)
+    params = _scaled(init(model.config, jax.random.key(7)))
     spec = model.make_cache_spec(page_size=4, num_pages=128, max_seqs=8, max_pages_per_seq=8,
                                  dtype="float32")
     rng = np.random.default_rng(3)
