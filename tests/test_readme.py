@@ -20,6 +20,7 @@ The test provides a tiny random HuggingFace checkpoint with a tokenizer.json:
 `$CI_HF_CHECKPOINT` in commands, `CI_HF_CHECKPOINT` in python blocks.
 """
 
+import json
 import re
 import shlex
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,23 +98,51 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
-    """A tiny random Llama saved with save_pretrained, and a word-level tokenizer.json.
+    """A tiny random Llama in HuggingFace's layout, and a word-level tokenizer.json.
 
+    The files `LlamaForCausalLM.save_pretrained` writes for this config (config.json with
+    its fields, model.safetensors with its tensor names, shapes and float32 weights drawn
+    like its initializer: normal(0, 0.02), norms at one, the padding row zero), written
+    with NumPy and safetensors: importing torch and transformers to save it cost 5 s a run.
     Head dim 32, so that the README's KIVI group size (32) divides it; 2 KV heads.
     """
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import save_file
     tokenizers = pytest.importorskip("tokenizers")
 
     d = tmp_path_factory.mktemp("hf_tiny")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(d)
-    vocab = {f"w{i}": i for i in range(64)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w3"))
+    vocab, hidden, inter, layers, heads, kv_heads = 64, 128, 128, 2, 4, 2
+    head_dim = hidden // heads
+    config = dict(
+        architectures=["LlamaForCausalLM"], attention_bias=False, attention_dropout=0.0,
+        bos_token_id=1, dtype="float32", eos_token_id=2, head_dim=head_dim, hidden_act="silu",
+        hidden_size=hidden, initializer_range=0.02, intermediate_size=inter,
+        max_position_embeddings=256, mlp_bias=False, model_type="llama",
+        num_attention_heads=heads, num_hidden_layers=layers, num_key_value_heads=kv_heads,
+        pad_token_id=0, pretraining_tp=1, rms_norm_eps=1e-06,
+        rope_parameters=dict(rope_theta=10000.0, rope_type="default"),
+        tie_word_embeddings=False, use_cache=True, vocab_size=vocab)
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(0)
+    shapes = {"lm_head.weight": (vocab, hidden), "model.embed_tokens.weight": (vocab, hidden),
+              "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,),
+                   p + "mlp.gate_proj.weight": (inter, hidden),
+                   p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter),
+                   p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                   p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                   p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, heads * head_dim)}
+    weights = {name: (np.ones(shape, np.float32) if name.endswith("norm.weight")
+                      else (0.02 * rng.standard_normal(shape)).astype(np.float32))
+               for name, shape in shapes.items()}
+    weights["model.embed_tokens.weight"][0] = 0  # the padding token's row, as HF's init
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    vocab_words = {f"w{i}": i for i in range(vocab)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab_words, unk_token="w3"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.save(str(d / "tokenizer.json"))
     return d
