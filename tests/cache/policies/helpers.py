@@ -22,7 +22,7 @@ from kvjax.rope import RopeConfig
 from kvjax.specs import AttentionSpec, CacheSpec, QuantSpec
 
 __all__ = ["SPEC", "KIVI", "random_filled_cache", "dense_kv", "decode_step", "held_pages",
-           "tiny_llama", "tiny_params"]
+           "tiny_llama", "tiny_params", "write", "select", "attend"]
 
 # The specs most tests share (so that their compiled programs are shared too): GQA 4:2,
 # 2 layers, pages of 4 tokens, 2 slots of up to 36 tokens; and the same with KIVI 4-bit pages
@@ -38,6 +38,26 @@ def _write_all(cache, a, b, q_lengths):
     for layer in range(cache.spec.num_layers):
         cache = kvc.write(cache, layer, a[layer], b[layer], q_lengths=q_lengths)
     return cache
+
+
+# The public operations the tests call one at a time, each as one jitted program (run
+# eagerly, each call compiled every primitive it ran at the shapes it met).
+@functools.partial(jax.jit, static_argnames="layer", donate_argnames="cache")
+def write(cache, layer, a, b, q_lengths):
+    """`kvjax.cache.write` of one layer's tokens."""
+    return kvc.write(cache, layer, a, b, q_lengths=q_lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "layer"))
+def select(policy, cache, state, layer, q):
+    """`policy.before_attention` at a static layer."""
+    return policy.before_attention(cache, state, layer, q)
+
+
+@functools.partial(jax.jit, static_argnames="layer")
+def attend(cache, layer, q, q_lengths, selection=None):
+    """`kvjax.cache.attend` of q [seqs, q_len, q_heads, d] at a static layer (out, lse)."""
+    return kvc.attend(cache, layer, q, q_lengths=q_lengths, selection=selection)
 
 
 def _reserve_and_write(cache, num_new, a, b):
@@ -191,8 +211,12 @@ def tiny_llama():
 def tiny_params(rng: np.random.Generator):
     """Fresh random params of `tiny_llama()`, weights scaled up so that greedy choices are
     rarely near ties."""
-    model = tiny_llama()
-    params = get_family("llama").init_params(model.config,
-                                             jax.random.key(int(rng.integers(1 << 30))))
+    return _scaled_params(jax.random.key(int(rng.integers(1 << 30))))
+
+
+@jax.jit
+def _scaled_params(key):
+    # One program: drawn eagerly, every tensor shape and the scaling compiled on its own.
+    params = get_family("llama").init_params(tiny_llama().config, key)
     return jax.tree.map(
         lambda x: x * 3 if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, params)

@@ -8,7 +8,7 @@ import pytest
 from kvjax import cache as kvc
 from kvjax.cache.policies import H2O, H2OState
 from kvjax.specs import AttentionSpec, CacheSpec, MLASpec
-from tests.cache.policies.helpers import SPEC, dense_kv, random_filled_cache
+from tests.cache.policies.helpers import SPEC, dense_kv, random_filled_cache, write
 
 
 def test_hand_example(rng):
@@ -18,10 +18,9 @@ def test_hand_example(rng):
     # 1/5 to each of the 5 tokens, 2/5 per KV head (two query heads per group).
     key = rng.standard_normal((1, 1, 2, 2)).astype(np.float32)
     vals = rng.standard_normal((1, 5, 2, 2)).astype(np.float32)
-    cache, status = kvc.reserve(kvc.init_cache(spec), jnp.asarray([5]))
+    cache, status = kvc.reserve(kvc.init_cache(spec), np.array([5], np.int32))
     status.raise_if_error()
-    cache = kvc.write(cache, 0, jnp.asarray(np.repeat(key, 5, axis=1)), jnp.asarray(vals),
-                      q_lengths=jnp.asarray([5]))
+    cache = write(cache, 0, np.repeat(key, 5, axis=1), vals, np.array([5], np.int32))
     acc = np.zeros((1, 1, 2, 8), np.float32)
     acc[0, 0, 0, :5] = [0.9, 0.1, 0.5, 0.2, 0.0]
     acc[0, 0, 1, :5] = [0.1, 0.9, 0.5, 0.3, 0.0]

@@ -16,7 +16,13 @@ from kvjax import cache as kvc
 from kvjax.cache import quantized as qz
 from kvjax.cache.policies import H2O, H2OState, Quest, UndefinedCombination, kivi_key_bounds
 from kvjax.specs import QuantSpec
-from tests.cache.policies.helpers import decode_step, dense_kv, held_pages, random_filled_cache
+from tests.cache.policies.helpers import (
+    decode_step,
+    dense_kv,
+    held_pages,
+    random_filled_cache,
+    select,
+)
 
 PS, RES, HQ, HKV, D, LAYERS, SEQS = 8, 8, 4, 2, 16, 2, 3
 
@@ -39,7 +45,7 @@ def filled(rng, lengths, *, bits=4, constant_channel=False):
 
 def deq_keys(cache, layer, seq):
     """float32 [heads, pages, page_size, D]: the dequantized key pages of a sequence."""
-    n = int(cache.quant_lengths[seq]) // PS
+    n = int(np.asarray(cache.quant_lengths)[seq]) // PS
     dk, _ = dense_kv(cache)
     return dk[layer, seq, :, :n * PS].reshape(HKV, n, PS, D)
 
@@ -47,7 +53,7 @@ def deq_keys(cache, layer, seq):
 def readback(cache, layer, seq):
     """(K, V) float32 [tokens, heads, D] of a sequence: dequantized pages, then the tail."""
     dk, dv = dense_kv(cache)
-    n = int(cache.lengths[seq])
+    n = int(np.asarray(cache.lengths)[seq])
     return dk[layer, seq, :, :n].transpose(1, 0, 2), dv[layer, seq, :, :n].transpose(1, 0, 2)
 
 
@@ -79,7 +85,7 @@ def test_bounds_from_scales_equal_bounds_of_dequantized_keys(bits, rng):
         kmin_all, kmax_all = jax.jit(kivi_key_bounds, static_argnums=2)(
             view.k.scale, view.k.zero, bits)
         for seq in range(2):
-            n = int(cache.quant_lengths[seq]) // PS
+            n = int(np.asarray(cache.quant_lengths)[seq]) // PS
             pages = np.asarray(cache.block_tables)[seq, :n]
             kmin, kmax = np.asarray(kmin_all)[:, pages], np.asarray(kmax_all)[:, pages]
             k = deq_keys(cache, layer, seq)  # [H, n, ps, D]
@@ -91,8 +97,8 @@ def test_bounds_from_scales_equal_bounds_of_dequantized_keys(bits, rng):
                 bound = np.maximum(q[h] * kmax[h // 2], q[h] * kmin[h // 2]).sum(-1)
                 assert (bound[:, None] >= qk - 1e-5).all()
     # The constant channel (scale 0) gives min == max == its value on page 0.
-    p0 = int(cache.block_tables[0, 0])
-    assert float(kmin_all[0, p0, 0]) == float(kmax_all[0, p0, 0]) == 0.375
+    p0 = int(np.asarray(cache.block_tables)[0, 0])
+    assert float(np.asarray(kmin_all)[0, p0, 0]) == float(np.asarray(kmax_all)[0, p0, 0]) == 0.375
 
 
 def test_quest_selects_top_pages_and_attends_over_them_plus_tail(rng):
@@ -132,7 +138,7 @@ def test_quest_with_every_page_equals_plain_quantized_attention(rng):
     state = Quest(top_k=8, dense_layers=0).init_state(cache)
     assert Quest(top_k=8, dense_layers=0).before_attention(cache, state, 1, q) is None
     # top_k = 5 >= every sequence's quantized pages: the selected path reads them all.
-    sel = Quest(top_k=5, dense_layers=0).before_attention(cache, state, 1, q)
+    sel = select(Quest(top_k=5, dense_layers=0), cache, state, 1, q)
     assert np.asarray(sel.lengths).tolist() == [[40] * 2, [24] * 2, [0] * 2]
     out, lse = _decode(cache, q, sel)
     # Same pages in the same order; only the batching of the einsums differs (f32).

@@ -11,7 +11,7 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax.cache.policies.quest import Quest, quest_page_bounds
 from kvjax.specs import AttentionSpec, CacheSpec
-from tests.cache.policies.helpers import random_filled_cache
+from tests.cache.policies.helpers import random_filled_cache, select, write
 
 
 def _prefill_state(policy, cache, rng):
@@ -21,8 +21,13 @@ def _prefill_state(policy, cache, rng):
     q = rng.standard_normal((spec.num_layers, spec.max_seqs, int(np.max(cache.lengths)),
                              spec.attention.q_heads, spec.attention.head_dim))
     _, state, _ = jax.jit(policy.after_prefill)(cache, policy.init_state(cache),
-                                                jnp.asarray(q, jnp.float32), cache.lengths)
+                                                jax.device_put(q.astype(np.float32)),
+                                                cache.lengths)
     return state
+
+
+# One program per shape (eagerly, each of its operations compiled on its own).
+_bounds = jax.jit(quest_page_bounds)
 
 
 @functools.partial(jax.jit, static_argnames="layer")
@@ -45,19 +50,18 @@ def test_hand_example(rng):
                      [0.5, 0.5], [0, 2],  # page 2: min [0, 0.5],  max [0.5, 2]
                      [5, 5]], np.float32)  # page 3 (current, 1 token)
     vals = rng.standard_normal((7, 1, 2)).astype(np.float32)
-    cache, status = kvc.reserve(kvc.init_cache(spec), jnp.asarray([7]))
+    cache, status = kvc.reserve(kvc.init_cache(spec), np.array([7], np.int32))
     status.raise_if_error()
-    cache = kvc.write(cache, 0, jnp.asarray(keys[None, :, None]), jnp.asarray(vals[None]),
-                      q_lengths=jnp.asarray([7]))
-    q = jnp.asarray([[[1.0, -1.0]]])
+    cache = write(cache, 0, keys[None, :, None], vals[None], np.array([7], np.int32))
+    q = jax.device_put(np.array([[[1.0, -1.0]]], np.float32))
     policy = Quest(top_k=2, dense_layers=0)
     state = _prefill_state(policy, cache, rng)
     bt = np.asarray(cache.block_tables)[0]
-    kmin = state.kmin[0][:, jnp.asarray(bt[:4])][None]
-    kmax = state.kmax[0][:, jnp.asarray(bt[:4])][None]
+    kmin = np.asarray(state.kmin[0])[:, bt[:4]][None]
+    kmax = np.asarray(state.kmax[0])[:, bt[:4]][None]
     # U = sum_i max(q_i M_i, q_i m_i): page0 1 + 0, page1 3 + 1, page2 0.5 - 0.5, page3 5 - 5.
-    np.testing.assert_array_equal(quest_page_bounds(q, kmin, kmax)[0, 0], [1, 4, 0, 0])
-    sel = policy.before_attention(cache, state, 0, q)
+    np.testing.assert_array_equal(_bounds(q, kmin, kmax)[0, 0], [1, 4, 0, 0])
+    sel = select(policy, cache, state, 0, q)
     assert np.asarray(sel.block_tables)[0, 0].tolist() == [bt[1], bt[3]]  # best page, current
     assert np.asarray(sel.lengths).tolist() == [[3]]  # 2 tokens of page 1 + 1 of page 3
     out, _ = _decode(cache, 0, q, sel)
@@ -65,7 +69,7 @@ def test_hand_example(rng):
     p = np.exp(logits - logits.max())
     p /= p.sum()
     np.testing.assert_allclose(out[0, 0], p @ vals[[2, 3, 6], 0], rtol=1e-6)
-    sel3 = Quest(top_k=3, dense_layers=0).before_attention(cache, state, 0, q)
+    sel3 = select(Quest(top_k=3, dense_layers=0), cache, state, 0, q)
     assert np.asarray(sel3.block_tables)[0, 0].tolist() == [bt[1], bt[0], bt[3]]
     assert np.asarray(sel3.lengths).tolist() == [[5]]
 
@@ -86,10 +90,10 @@ def test_bound_is_an_upper_bound_exactly(rng):
     bt = np.asarray(cache.block_tables)
     ps = SPEC.page_size
     for layer in range(2):
-        safe = jnp.asarray(np.clip(bt, 0, None))
-        kmin = jnp.swapaxes(state.kmin[layer][:, safe], 0, 1)
-        kmax = jnp.swapaxes(state.kmax[layer][:, safe], 0, 1)
-        bound = np.asarray(quest_page_bounds(jnp.asarray(q), kmin, kmax))
+        safe = np.clip(bt, 0, None)
+        kmin = np.swapaxes(np.asarray(state.kmin[layer])[:, safe], 0, 1)
+        kmax = np.swapaxes(np.asarray(state.kmax[layer])[:, safe], 0, 1)
+        bound = np.asarray(_bounds(q, kmin, kmax))
         for s, n in enumerate(lengths):
             for c in range(-(-n // ps)):
                 toks = np.arange(c * ps, min(n, (c + 1) * ps))
@@ -106,17 +110,17 @@ def test_all_pages_equals_dense(rng):
     cache, _, _ = random_filled_cache(SPEC, lengths, rng)
     policy = Quest(top_k=5, dense_layers=0)
     state = _prefill_state(policy, cache, rng)
-    q = jnp.asarray(rng.standard_normal((3, 6, 16)), jnp.float32)
+    q = jax.device_put(rng.standard_normal((3, 6, 16)).astype(np.float32))
     want, want_lse = _decode(cache, 1, q)
     for layer in (1, jnp.int32(1)):  # static layer: 5-wide table; traced: max_pages wide
         sel = jax.jit(policy.before_attention)(cache, state, layer, q) if not isinstance(
-            layer, int) else policy.before_attention(cache, state, layer, q)
+            layer, int) else select(policy, cache, state, layer, q)
         assert np.asarray(sel.block_tables).shape[-1] == (5 if isinstance(layer, int) else 8)
         got, got_lse = _decode(cache, 1, q, sel)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-6)
     # Fewer pages than a sequence holds: not dense any more (the selection matters).
-    sel = Quest(top_k=2, dense_layers=0).before_attention(cache, state, 1, q)
+    sel = select(Quest(top_k=2, dense_layers=0), cache, state, 1, q)
     assert np.asarray(sel.lengths)[0].tolist() == [4 + 4] * 2
     got, _ = _decode(cache, 1, q, sel)
     assert np.abs(got - want)[0].max() > 1e-4

@@ -7,7 +7,15 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax.cache.policies import PyramidKV, SnapKV, snapkv_scores
 from kvjax.specs import AttentionSpec, CacheSpec
-from tests.cache.policies.helpers import KIVI, SPEC, dense_kv, random_filled_cache
+from tests.cache.policies.helpers import (
+    KIVI,
+    SPEC,
+    attend,
+    dense_kv,
+    random_filled_cache,
+    select,
+    write,
+)
 
 # The observation window (queries at positions 6 and 7) of one GQA group of two query heads,
 # written out. Head A, then head B; position 7 is invisible to the query at 6.
@@ -26,20 +34,20 @@ def _setup(rng, num_layers):
     spec = CacheSpec(attention=AttentionSpec(q_heads=2, kv_heads=1, head_dim=8),
                      num_layers=num_layers, page_size=2, num_pages=12, max_seqs=1,
                      max_pages_per_seq=6)
-    cache, status = kvc.reserve(kvc.init_cache(spec), jnp.asarray([8]))
+    cache, status = kvc.reserve(kvc.init_cache(spec), np.array([8], np.int32))
     status.raise_if_error()
     # Key j is the unit vector e_j, so logit_j = q_j / sqrt(8): a query of sqrt(8) log p
     # gives exactly the probabilities p.
-    keys = jnp.asarray(np.eye(8, dtype=np.float32)[None, :, None])
+    keys = np.eye(8, dtype=np.float32)[None, :, None]
     for layer in range(num_layers):
-        vals = jnp.asarray(rng.standard_normal((1, 8, 1, 8)), jnp.float32)
-        cache = kvc.write(cache, layer, keys, vals, q_lengths=jnp.asarray([8]))
+        vals = rng.standard_normal((1, 8, 1, 8)).astype(np.float32)
+        cache = write(cache, layer, keys, vals, np.array([8], np.int32))
     q = rng.standard_normal((num_layers, 1, 8, 2, 8)).astype(np.float32)
     with np.errstate(divide="ignore"):
         for t, row in enumerate((6, 7)):
             for h, p in enumerate((P_A, P_B)):
                 q[:, 0, row, h] = np.sqrt(8) * np.where(p[t] > 0, np.log(p[t]), 0.0)
-    return cache, jnp.asarray(q)
+    return cache, jax.device_put(q)
 
 
 def test_snapkv_hand_example(rng):
@@ -82,10 +90,10 @@ def test_pyramidkv_hand_example(rng):
     np.testing.assert_array_equal(dk[1, 0, 0, 2:5], np.eye(8)[top])
     np.testing.assert_array_equal(dv[1, 0, 0, 2:5], v_before[1, 0, 0, top])
     # The top layer reads only its 3 tokens: attention equals attention over them alone.
-    qd = jnp.asarray(rng.standard_normal((1, 2, 8)), jnp.float32)
-    sel = policy.before_attention(out, state, 1, qd)
+    qd = jax.device_put(rng.standard_normal((1, 2, 8)).astype(np.float32))
+    sel = select(policy, out, state, 1, qd)
     assert np.asarray(sel.lengths).tolist() == [[3]]
-    got, _ = kvc.attend(out, 1, qd[:, None], q_lengths=jnp.asarray([1]), selection=sel)
+    got, _ = attend(out, 1, qd[:, None], np.array([1], np.int32), sel)
     logits = np.asarray(qd[0]) @ np.eye(8)[top].T / np.sqrt(8)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -105,12 +113,12 @@ def test_pyramidkv_keeps_a_prompt_within_the_bottom_budget_whole(rng):
     for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(cache), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert not np.asarray(state.skip).any()
-    qd = jnp.asarray(rng.standard_normal((2, 1, 4, 8)), jnp.float32)
-    ones = jnp.ones((2,), jnp.int32)
+    qd = jax.device_put(rng.standard_normal((2, 1, 4, 8)).astype(np.float32))
+    ones = np.ones((2,), np.int32)
     for layer in range(2):
-        want, _ = kvc.attend(out, layer, qd, q_lengths=ones)
-        sel = policy.before_attention(out, state, layer, qd[:, 0])
-        got, _ = kvc.attend(out, layer, qd, q_lengths=ones, selection=sel)
+        want, _ = attend(out, layer, qd, ones)
+        sel = select(policy, out, state, layer, qd[:, 0])
+        got, _ = attend(out, layer, qd, ones, sel)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -205,12 +213,11 @@ def test_kivi_pyramidkv_frees_to_the_bottom_budget_and_each_layer_reads_its_own_
     read1 = [c for i, c in enumerate(cols) if not drop[1, i]]
     assert votes[1, read1[0]] >= votes[1, [c for c in cols if c != read1[0]]].max() - 1e-5
     # Each layer's attention reads exactly its pages plus the tail.
-    qd = jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.float32)
+    qd = jax.device_put(rng.standard_normal((2, 4, 8)).astype(np.float32))
     da, db = dense_kv(out)
     for layer, read in ((0, [0, 1, 2]), (1, [cols.index(read1[0])])):
-        sel = policy.before_attention(out, state, layer, qd)
-        got, _ = kvc.attend(out, layer, qd[:, None], q_lengths=jnp.asarray([1, 1]),
-                            selection=sel)
+        sel = select(policy, out, state, layer, qd)
+        got, _ = attend(out, layer, qd[:, None], np.array([1, 1], np.int32), sel)
         toks = np.r_[tuple(np.arange(4 * i, 4 * i + 4) for i in read) + (np.arange(12, 18),)]
         for h in range(4):
             k, v = da[layer, 0, h // 2, toks], db[layer, 0, h // 2, toks]
