@@ -18,7 +18,9 @@ For the model of benchmarks/decode_e2e.py (a 58.5M Llama, float32) on the CPU ba
 Every comparison is interleaved call by call (the machine's load drifts), reported as the
 median and the minimum of `--repeats` calls, with the load average beside it; each
 kernel's result is checked against XLA's in the same run. `--march` picks the kernels'
-build (default native; haswell: the AVX2 code on an AVX-512 machine).
+build (default native; haswell: the AVX2 code on an AVX-512 machine). `--quick` takes
+decode_e2e.py's --quick model (2 layers, hidden 128) instead: a check that every part runs
+and agrees, at CI sizes.
 
     python benchmarks/breakdown.py --decode --batches 1,8 --march haswell
     python benchmarks/breakdown.py --prefill --march haswell
@@ -38,7 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import result_path  # noqa: E402
-from benchmarks.decode_e2e import FULL, build_hf, machine  # noqa: E402
+from benchmarks.decode_e2e import FULL, QUICK, build_hf, machine  # noqa: E402
 from kvjax.attention import xla as xla_attention  # noqa: E402
 from kvjax.backends import cpu  # noqa: E402
 from kvjax.backends.cpu import matmul as cpu_matmul  # noqa: E402
@@ -49,8 +51,7 @@ from kvjax.models.layers import RopeConfig  # noqa: E402
 PAGE = 16
 
 
-def _config():
-    c = FULL
+def _config(c):
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     return llama.LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
@@ -93,8 +94,8 @@ def _check(name, got, want, tol=1e-4):
         raise AssertionError(f"{name}: the kernel differs from XLA by {err:.2e} (max relative)")
 
 
-def decode(batch, context, repeats, rng):
-    config = _config()
+def decode(batch, context, repeats, rng, hf_config=FULL):
+    config = _config(hf_config)
     params = llama.init_params(config, jax.random.key(0))
     steps = repeats + 4
     pages = -(-(context + steps) // PAGE)
@@ -133,8 +134,9 @@ def decode(batch, context, repeats, rng):
     q = jnp.asarray(rng.standard_normal((batch, config.q_heads, config.head_dim)), jnp.float32)
     cache = state["cache"]
     args = (q, cache.pages.k, cache.pages.v, cache.table.lengths, cache.table.block_tables)
-    att_kernel = jax.jit(lambda *a: cpu.paged_decode_attention(*a, layer=3)[0])
-    att_xla = jax.jit(lambda *a: xla_attention.paged_decode_attention(*a, layer=3)[0])
+    layer = min(3, config.num_layers - 1)
+    att_kernel = jax.jit(lambda *a: cpu.paged_decode_attention(*a, layer=layer)[0])
+    att_xla = jax.jit(lambda *a: xla_attention.paged_decode_attention(*a, layer=layer)[0])
     _check("attention", att_kernel(*args), att_xla(*args))
     t = interleaved({"kernel": lambda: att_kernel(*args), "xla": lambda: att_xla(*args)},
                     3 * repeats)
@@ -145,7 +147,7 @@ def decode(batch, context, repeats, rng):
     return dict(batch=batch, context=context, step=t_step, rest=t_step[0] - parts, rows=rows)
 
 
-def prefill(batch, prompt_len, chunk, repeats, rng, skip_hf):
+def prefill(batch, prompt_len, chunk, repeats, rng, skip_hf, hf_config=FULL):
     import torch
 
     from kvjax import generate as gen
@@ -153,8 +155,8 @@ def prefill(batch, prompt_len, chunk, repeats, rng, skip_hf):
     from kvjax.models.loading import load
 
     torch.set_num_threads(os.cpu_count())
-    config = _config()
-    hf = build_hf(FULL)
+    config = _config(hf_config)
+    hf = build_hf(hf_config)
     tmp = tempfile.mkdtemp(prefix="kvjax-breakdown-")
     hf.save_pretrained(tmp)
     model, params = load(tmp, dtype="float32")
@@ -244,6 +246,9 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode", action="store_true", help="break down a decode step")
     parser.add_argument("--prefill", action="store_true", help="break down the prefill")
+    parser.add_argument("--quick", action="store_true",
+                        help="decode_e2e.py's --quick model (2 layers, hidden 128) instead of "
+                             "the 58.5M one: CI sizes")
     parser.add_argument("--batches", default="1,8", help="--decode: comma-separated batches")
     parser.add_argument("--context", type=int, default=1024, help="--decode: cached tokens")
     parser.add_argument("--batch", type=int, default=8, help="--prefill: prompts")
@@ -268,10 +273,11 @@ def main(argv=None):
           f"-march={lib.march} ({lib.isa_class}); load average {os.getloadavg()[0]:.1f}; "
           "ms: median (min)")
     rng = np.random.default_rng(0)
+    hf_config = QUICK if args.quick else FULL
     out = dict(machine=mach, march=lib.march, isa_class=lib.isa_class, decode=[], prefill=None)
     if args.decode:
         for b in [int(x) for x in args.batches.split(",")]:
-            r = decode(b, args.context, args.repeats, rng)
+            r = decode(b, args.context, args.repeats, rng, hf_config)
             r["load_average"] = os.getloadavg()
             out["decode"].append(r)
             print(f"\ndecode step, batch {b}, context {args.context}: {_fmt(r['step'])} ms; "
@@ -284,7 +290,8 @@ def main(argv=None):
                 print(f"{row['part']:46s} {row['count']:3d} {_fmt(row['kernel']):>20s} "
                       f"{_fmt(row['xla']):>20s} {row['auto']:>6s} {chosen * 1e3:15.2f}")
     if args.prefill:
-        r = prefill(args.batch, args.prompt_len, args.chunk, args.repeats, rng, args.skip_hf)
+        r = prefill(args.batch, args.prompt_len, args.chunk, args.repeats, rng, args.skip_hf,
+                    hf_config)
         r["load_average"] = os.getloadavg()
         out["prefill"] = r
         w = r["whole"]

@@ -1,8 +1,8 @@
 """benchmarks/breakdown.py: the op-by-op breakdown of the CPU decode step and prefill.
 
 The script checks each kernel's result against XLA's in the same run (and raises on a
-mismatch); this runs it at a toy size and checks its command line and its JSON. It
-asserts nothing about speed.
+mismatch); this runs it at a toy size (`--quick`: decode_e2e's small model) and checks its
+command line and its JSON. It asserts nothing about speed.
 """
 
 import json
@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_help_and_a_missing_mode(capsys, monkeypatch):
     breakdown = benchmark_cli.load(monkeypatch, "breakdown")
     benchmark_cli.assert_help_lists(breakdown.main, capsys, (
-        "--decode", "--prefill", "--batches", "--context", "--batch", "--prompt-len", "--chunk",
-        "--skip-hf", "--repeats", "--march", "--out"))
+        "--decode", "--prefill", "--quick", "--batches", "--context", "--batch", "--prompt-len",
+        "--chunk", "--skip-hf", "--repeats", "--march", "--out"))
     benchmark_cli.assert_refuses(breakdown.main, capsys, ["--repeats", "1"],
                                  "give --decode and/or --prefill")
 
@@ -35,7 +35,7 @@ def test_toy_decode_and_prefill_write_every_part(tmp_path, child_env):
 
     out = tmp_path / "breakdown.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "breakdown.py"), "--decode",
+        [sys.executable, os.path.join(ROOT, "benchmarks", "breakdown.py"), "--quick", "--decode",
          "--batches", "1", "--context", "48", "--prefill", "--batch", "1", "--prompt-len", "24",
          "--chunk", "16", "--skip-hf", "--repeats", "1", "--out", str(out)],
         cwd=ROOT, env=dict(child_env, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
