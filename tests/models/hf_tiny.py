@@ -10,6 +10,11 @@ REASON = ("needs torch and transformers, the HuggingFace reference (`pip install
 torch = pytest.importorskip("torch", reason=REASON)
 T = pytest.importorskip("transformers", reason=REASON)
 
+# One torch thread: on models this small the intra-op pool's threads mostly spin waiting
+# for work, which costs far more CPU than it saves (a 32-token greedy `generate` of a tiny
+# DeepSeek: about 2.4 s of CPU with 2 threads, 0.13 s with 1), more so on a busy machine.
+torch.set_num_threads(1)
+
 _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                initializer_range=0.1, rms_norm_eps=1e-6, max_position_embeddings=256)
 

@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
+torch.set_num_threads(1)  # tiny models: see tests/models/hf_tiny.py
 
 from kvjax import cache as kcache  # noqa: E402
 from kvjax.attention import mla_decode_attention, mla_prefill_attention  # noqa: E402
