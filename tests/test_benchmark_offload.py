@@ -30,7 +30,9 @@ def _run(args, tmp_path, capsys):
 
 
 def test_gpu_preset_at_toy_size_runs_on_cpu(tmp_path, capsys):
-    d, stdout = _run(["--gpu", "--quick", "--seed", "4"], tmp_path, capsys)
+    # --probe-mib 4: the bandwidth probes (64 MiB at --quick) only feed the step / bound
+    # figures, which nothing here asserts on.
+    d, stdout = _run(["--gpu", "--quick", "--seed", "4", "--probe-mib", "4"], tmp_path, capsys)
     assert d["ok"] and d["run"]["preset"] == "gpu_quick" and d["run"]["caches"] == ["bf16"]
     # The context is twice the device budget of bf16 KV over the batch: at 50% each tier
     # holds the budget.
@@ -52,7 +54,7 @@ def test_dropping_the_host_pages_fails_the_run(monkeypatch, tmp_path):
         jax.clear_caches()
         try:
             assert offload.main(["--quick", "--caches", "bf16", "--fractions", "0,0.5",
-                                 "--seed", "5", "--json", str(out)]) == 1
+                                 "--seed", "5", "--probe-mib", "4", "--json", str(out)]) == 1
         finally:
             jax.clear_caches()
     d = json.loads(out.read_text())
