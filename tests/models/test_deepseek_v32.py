@@ -92,6 +92,17 @@ _assert_greedy = hf_tiny.assert_greedy
 _forward = jax.jit(v32.forward, static_argnames=("config", "impl"), donate_argnames="cache")
 
 
+def _put(x, dtype=np.int32):
+    """A host array on the device (jnp.asarray would compile a program per shape)."""
+    return jax.device_put(np.asarray(x, dtype))
+
+
+# One compiled prefill, start and decode loop serve every float32 `generate` of "v32_moe"
+# here (two prompts of at most 24 tokens, NEW tokens, pages kept): the parity test, the
+# one-device reference of the sharded test and StreamingLLM's uncompacted run.
+GEN = dict(max_new_tokens=NEW, cache=CC, chunk_size=16, free_finished=False)
+
+
 def _prefill(params, config, cache, prompts, seq_ids, chunk):
     """Feeds the prompts `chunk` tokens per forward (rows padded; a row that has run out
     has none); returns (cache, each prompt's logits at its every token)."""
@@ -104,12 +115,11 @@ def _prefill(params, config, cache, prompts, seq_ids, chunk):
         q_lengths = np.array([len(r) for r in rows], np.int32)
         counts = np.zeros(cache.spec.max_seqs, np.int32)
         counts[seq_ids] = q_lengths
-        cache, status = kc.reserve(cache, jnp.asarray(counts))
+        cache, status = kc.reserve(cache, _put(counts))
         status.raise_if_error()
         positions = s + np.arange(chunk, dtype=np.int32)[None].repeat(len(rows), 0)
-        out, cache = _forward(params, config, jnp.asarray(tokens), jnp.asarray(positions),
-                              cache, q_lengths=jnp.asarray(q_lengths),
-                              seq_ids=jnp.asarray(seq_ids))
+        out, cache = _forward(params, config, _put(tokens), _put(positions), cache,
+                              q_lengths=_put(q_lengths), seq_ids=_put(seq_ids))
         for i, r in enumerate(rows):
             logits[i].extend(np.asarray(out)[i, :len(r)])
     return cache, [np.stack(x) for x in logits]
@@ -136,11 +146,9 @@ def test_matches_transformers(name, root, rng, full_sweeps):
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[i], _hf_logits(m, p), atol=LOGIT_ATOL, rtol=0,
                                    err_msg=f"prefill logits, prompt {i}")
-    batch = prompts if full_sweeps else prompts[1:]
-    res = gen.generate(model, params, batch, key=jax.random.key(0), max_new_tokens=NEW,
-                       cache=CC, chunk_size=16)
-    for i, p in enumerate(batch):
-        _assert_greedy(m, p, res.tokens[i].tolist(), _hf_greedy(m, p))
+    res = gen.generate(model, params, prompts, key=jax.random.key(0), **GEN)
+    for i in range(len(prompts)) if full_sweeps else [1]:
+        _assert_greedy(m, prompts[i], res.tokens[i].tolist(), _hf_greedy(m, prompts[i]))
 
 
 @pytest.mark.parametrize("name", ["v32_moe", "v32_dense"])
@@ -217,20 +225,26 @@ def _spec(quant=None, **kw):
                      indexer=IndexerCacheSpec(head_dim=8), quant=quant, **kw)
 
 
+@jax.jit
+def _write_layers(cache, c_kv, k_rope, keys, counts):
+    """kc.write of each layer's rows (one program instead of one per eager operation)."""
+    for layer in range(2):
+        cache = kc.write(cache, layer, c_kv[layer], k_rope[layer], q_lengths=counts,
+                         index_keys=keys[layer])
+    return cache
+
+
 def _fill(cache, rng, counts):
     """Reserves `counts` tokens per slot and writes random latents and indexer keys in both
     layers; returns (cache, {layer: keys [max_seqs, n, 8]})."""
-    counts = np.asarray(counts, np.int32)
-    cache, status = kc.reserve(cache, jnp.asarray(counts))
+    counts = _put(counts)
+    cache, status = kc.reserve(cache, counts)
     status.raise_if_error()
-    n = int(counts.max())
-    keys = {}
-    for layer in range(2):
-        c_kv, k_rope, k = (rng.standard_normal((3, n, w)).astype(np.float32) for w in (16, 4, 8))
-        cache = kc.write(cache, layer, c_kv, k_rope, q_lengths=jnp.asarray(counts),
-                         index_keys=k)
-        keys[layer] = k
-    return cache, keys
+    n = int(np.max(counts))
+    c_kv, k_rope, keys = (rng.standard_normal((2, 3, n, w)).astype(np.float32)
+                          for w in (16, 4, 8))
+    cache = _write_layers(cache, c_kv, k_rope, keys, counts)
+    return cache, dict(enumerate(keys))
 
 
 def _index_rows(cache, layer, slot, n):
@@ -265,7 +279,7 @@ def test_indexer_keys_ride_the_latent_pages(rng):
     # Compaction (StreamingLLM's eviction on full-precision pages) moves every pool.
     keep = np.tile(np.arange(8), (2, 3, 1, 1)).astype(np.int32)
     keep[:, 0, 0, 2:8] = [4, 5, 6, 7, 8, 9]  # slot 0 keeps tokens 0, 1, 4 .. 9
-    cache, _, status = compact(cache, jnp.asarray(keep), jnp.array([8, 11, 0], jnp.int32))
+    cache, _, status = jax.jit(compact)(cache, _put(keep), _put([8, 11, 0]))
     assert bool(status.ok)
     for layer in range(2):
         np.testing.assert_array_equal(_index_rows(cache, layer, 0, 8),
@@ -302,7 +316,7 @@ def test_kivi_flushes_indexer_keys_with_the_latent(rng):
                                   np.asarray(cache.tail.c)[:, :, 0])
     drop = np.zeros((3, 6), bool)
     drop[0, 0] = True  # evict slot 0's first quantized page: positions shift by 4
-    cache, _, status = quantized.drop_pages(cache, jnp.asarray(drop))
+    cache, _, status = jax.jit(quantized.drop_pages)(cache, _put(drop, bool))
     assert bool(status.ok) and int(cache.lengths[0]) == 10
     for layer in range(2):
         np.testing.assert_array_equal(_index_rows(cache, layer, 0, 4), keys[layer][0, 4:8])
@@ -407,14 +421,14 @@ def _stepwise_greedy(model, params, prompts, config, new):
     seq_ids = np.arange(len(prompts), dtype=np.int32)
     cache, logits = _prefill(params, model.config, cache, prompts, seq_ids, chunk=16)
     steps = [np.stack([x[-1] for x in logits])]
+    ones = _put(np.ones(len(prompts)))
     for t in range(new - 1):
         tok = steps[-1].argmax(-1).astype(np.int32)[:, None]
-        cache, status = kc.reserve(cache, jnp.ones(len(prompts), jnp.int32))
+        cache, status = kc.reserve(cache, ones)
         status.raise_if_error()
         pos = np.array([[len(p) + t] for p in prompts], np.int32)
-        out, cache = _forward(params, model.config, jnp.asarray(tok), jnp.asarray(pos), cache,
-                              q_lengths=jnp.ones(len(prompts), jnp.int32),
-                              seq_ids=jnp.asarray(seq_ids))
+        out, cache = _forward(params, model.config, _put(tok), _put(pos), cache,
+                              q_lengths=ones, seq_ids=_put(seq_ids))
         steps.append(np.asarray(out)[:, 0])
     steps = np.stack(steps, axis=1)  # [batch, new, vocab]
     return steps.argmax(-1), steps
@@ -468,15 +482,18 @@ def test_sharded_decode_equals_one_device(cache, strategies, root, rng):
     and attention gathers each device's selected rows: the greedy tokens equal one
     device's (float32: lossless; KIVI int4: the same codes on every layout)."""
     _, model, params, _ = _case("v32_moe", root)
-    prompts = _prompts(rng, (27, 19))
+    # The one-device runs compile nothing new: float32 is shaped like GEN, int4 like
+    # test_low_precision_caches' KIVI generate (6 pages of 8 per row, 12 tokens).
+    prompts = _prompts(rng, (24, 19) if cache == "float32" else (27, 19))
     quant = QuantSpec(bits=4, group_size=8, residual=8) if cache == "int4" else None
+    new = NEW if cache == "float32" else 12
     mesh = (kvs.make_mesh((2, 4), ("data", "model")) if "heads" in strategies
             else kvs.make_mesh((8,), ("context",)))
     want = None
     for plan in (None, kvs.ShardingPlan(mesh=mesh, strategies=strategies)):
-        res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=8,
+        res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=new,
                            cache=gen.CacheConfig(page_size=PAGE, quant=quant, plan=plan),
-                           chunk_size=16)
+                           chunk_size=16, free_finished=False)
         if want is None:
             want = res.tokens.tolist()
         assert res.tokens.tolist() == want, plan
@@ -488,10 +505,9 @@ def test_streaming_llm_composes(root, rng):
     its position only) equal those of the same prompt cached without eviction: the keys
     moved with their tokens."""
     _, model, params, _ = _case("v32_moe", root)
-    prompts = _prompts(rng, (27, 22))
-    n_sink, window, new = 4, 20, 6
-    run = functools.partial(gen.generate, model, params, prompts, key=jax.random.key(0),
-                            max_new_tokens=new, cache=CC, chunk_size=16, free_finished=False)
+    prompts = _prompts(rng, (24, 22))
+    n_sink, window, new = 4, 36, NEW
+    run = functools.partial(gen.generate, model, params, prompts, key=jax.random.key(0), **GEN)
     evicted, full = run(policy=StreamingLLM(n_sink=n_sink, window=window)).cache, run().cache
     assert np.asarray(evicted.lengths)[:2].tolist() == [n_sink + window] * 2
 
