@@ -80,6 +80,11 @@ _assert_greedy = hf_tiny.assert_greedy
 _forward = jax.jit(q3n.forward, static_argnames=("config", "impl"), donate_argnames="cache")
 
 
+def _put(x):
+    """An int32 host array on the device (jnp.asarray would compile a program per shape)."""
+    return jax.device_put(np.asarray(x, np.int32))
+
+
 def _run(params, config, cache, rows, seq_ids, start, width=1):
     """One forward over `rows` (token lists, maybe empty) padded to at least `width`, of the
     slots `seq_ids`, whose tokens start at positions `start`: reserves, runs, returns
@@ -91,11 +96,11 @@ def _run(params, config, cache, rows, seq_ids, start, width=1):
     q_lengths = np.array([len(r) for r in rows], np.int32)
     counts = np.zeros(cache.spec.max_seqs, np.int32)
     counts[seq_ids] = q_lengths
-    cache, status = kc.reserve(cache, jnp.asarray(counts))
+    cache, status = kc.reserve(cache, _put(counts))
     status.raise_if_error()
     positions = np.asarray(start, np.int32)[:, None] + np.arange(width, dtype=np.int32)
-    logits, cache = _forward(params, config, jnp.asarray(tokens), jnp.asarray(positions), cache,
-                             q_lengths=jnp.asarray(q_lengths), seq_ids=jnp.asarray(seq_ids))
+    logits, cache = _forward(params, config, _put(tokens), _put(positions), cache,
+                             q_lengths=_put(q_lengths), seq_ids=_put(seq_ids))
     return np.asarray(logits), cache
 
 
@@ -181,13 +186,14 @@ def test_delta_rule_chunked_equals_recurrence(rng):
         states.append(s)
     np.testing.assert_array_equal(states[-1], states[real - 1])  # padding changed nothing
 
-    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, s0)]
+    f32 = [x.astype(np.float32) for x in (q, k, v, g, beta, s0)]
     for chunk in (3, 8, 64):
         out, state = jax.jit(delta_rule.gated_delta_chunked, static_argnames="chunk")(
-            *f32, chunk=chunk)
+            *map(jax.device_put, f32), chunk=chunk)
         np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(state), states[-1], atol=1e-5, rtol=1e-5)
-    out, state = jax.jit(delta_rule.gated_delta_step)(*(x[:, 0] for x in f32[:5]), f32[5])
+    out, state = jax.jit(delta_rule.gated_delta_step)(*(jax.device_put(x[:, 0]) for x in f32[:5]),
+                                                      jax.device_put(f32[5]))
     np.testing.assert_allclose(np.asarray(out), want[:, 0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(state), states[0], atol=1e-5, rtol=1e-5)
 
