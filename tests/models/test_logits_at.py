@@ -135,8 +135,14 @@ def test_score_matches_dense_forward(rng):
     prompts = [rng.integers(0, model.vocab_size, n).tolist() for n in (5, 19)]
     conts = [rng.integers(0, model.vocab_size, 4).tolist() for _ in prompts]
     res = gen.score(model, params, prompts, conts, chunk_size=8)
+    # Both sequences in one causal forward, the shorter right-padded: a position's logits
+    # see only the tokens before it, so the padding changes none that are read.
+    seqs = np.zeros((2, max(len(p) + len(c) for p, c in zip(prompts, conts, strict=True))),
+                    np.int32)
     for b, (p, c) in enumerate(zip(prompts, conts, strict=True)):
-        seq = jnp.asarray([p + c], jnp.int32)
-        logp = jax.nn.log_softmax(llama.forward_dense(params, model.config, seq)[0], axis=-1)
-        want = np.asarray(logp)[np.arange(len(p) - 1, len(p) + len(c) - 1), c]
+        seqs[b, :len(p) + len(c)] = p + c
+    logps = np.asarray(jax.jit(lambda p, s: jax.nn.log_softmax(
+        llama.forward_dense(p, model.config, s), axis=-1))(params, seqs))
+    for b, (p, c) in enumerate(zip(prompts, conts, strict=True)):
+        want = logps[b, np.arange(len(p) - 1, len(p) + len(c) - 1), c]
         np.testing.assert_allclose(res.logprobs[b, : len(c)], want, rtol=0, atol=1e-4)
