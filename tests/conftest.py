@@ -93,9 +93,18 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import cpu_builds  # noqa: E402
+import hypothesis  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from sweep_sampling import commit_seed, covering_sample, rotation  # noqa: E402
+
+# Hypothesis draws the same examples on every run and every machine (a seed from each
+# test's own code), and keeps no example database: a failure another run found in a
+# local .hypothesis/ folder would otherwise be replayed here and not in CI's clean clone.
+# HYPOTHESIS_PROFILE=explore draws fresh examples each run, saving failures locally.
+hypothesis.settings.register_profile("kvjax", derandomize=True, database=None, print_blob=True)
+hypothesis.settings.register_profile("explore")
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvjax"))
 
 
 def _memory_mappings() -> int:
@@ -312,4 +321,5 @@ def pytest_report_header(config):
     source = ("--sweep-seed" if config.getoption("--sweep-seed") is not None
               else config._kvjax_commit_seed[1])
     return [*lines, f"sweeps: a covering sample, rotations: k of each list; --sweep-seed {seed} "
-                    f"(from {source}; --slow for all of them)"]
+                    f"(from {source}; --slow for all of them); hypothesis profile "
+                    f"{hypothesis.settings.get_current_profile_name()}"]

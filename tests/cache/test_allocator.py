@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvjax as kvx
@@ -225,6 +225,10 @@ ops = st.lists(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, seed=st.integers(0, 2**31 - 1))
+# A fork family freed in one call, then grown again from the pages it gave back: each
+# shared page must go back to the pool once.
+@example(ops=[("grow", [6, 3, 0, 0]), ("fork", 0, 2), ("fork", 2, 3),
+              ("free", [True, False, True, True]), ("grow", [6, 6, 6, 6])], seed=1)
 def test_random_interleavings_keep_invariants(ops, seed):
     rng = np.random.default_rng(seed)
     cache = kvx.init_cache(SPEC)
