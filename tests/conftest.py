@@ -255,19 +255,23 @@ def _sweep_seed(config) -> int:
     return config._kvjax_commit_seed[0]
 
 
-# The longest files (their tests' seconds in a clean run on a 2-core machine: 35-135 s each)
-# run first. xdist hands out whole files (`--dist loadfile`), by default the files with the
-# most tests first, which put the longest (few, long tests: the quick benchmark run, the
-# multi-host run) last: one worker ran them alone for the last two minutes while the other
-# idled (a 2-core EPYC, 113 s of 1181). With `--no-loadscope-reorder` (pyproject.toml) files
-# go out in collection order: longest first, the short files even out the workers' ends.
+# The longest files run first, longest first (their tests' seconds in a clean run of the
+# default suite on a 2-core Zen 4: 20-130 s each; the CPU-kernel builds count in the first
+# two, the Python 3.12 job's files keep the same relative order). xdist hands out whole
+# files (`--dist loadfile`), by default the files with the most tests first, which put the
+# longest (few, long tests) last: one worker ran them alone for the last two minutes while
+# the other idled. With `--no-loadscope-reorder` (pyproject.toml) files go out in
+# collection order: longest first, the short files even out the workers' ends.
 LONGEST_FIRST = (
-    "notebooks/test_notebooks.py", "cache/test_host_tier.py", "test_benchmarks_quick.py",
-    "test_composition.py", "models/test_qwen3_next.py", "serve/test_engine_host_tier.py",
-    "serve/test_engine_scheduling.py", "kernels/test_quantized_kernels.py",
-    "attention/test_xla_quantized.py", "serve/test_engine.py", "test_demo_models.py",
-    "attention/test_invisible_nonfinite.py", "generate/test_step_hlo.py", "test_multihost.py",
-    "test_readme.py",
+    "backends/test_cpu_builds.py", "backends/test_cpu_kernels.py",
+    "models/test_deepseek_v32.py", "cache/test_host_tier.py",
+    "kernels/test_quantized_kernels.py", "serve/test_engine_scheduling.py",
+    "serve/test_engine_host_tier.py", "test_composition.py", "test_demo_models.py",
+    "attention/test_xla_path.py", "models/test_qwen3_next.py",
+    "attention/test_xla_quantized.py", "test_readme.py", "serve/test_engine.py",
+    "attention/test_invisible_nonfinite.py", "test_benchmark_offload.py",
+    "test_benchmarks_quick.py", "reliability/test_fuzz_cache_api.py", "serve/test_server.py",
+    "models/test_logits_at.py",
 )
 
 

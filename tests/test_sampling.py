@@ -41,3 +41,23 @@ def test_the_seed_is_the_commits(request):
         assert (seed, source) == (int(head[:8], 16), f"commit {head[:12]}")
     else:
         assert source.startswith("a hash of the sources")
+
+
+def test_the_longest_files_exist_and_go_out_first(request):
+    """conftest.LONGEST_FIRST names test files that exist (a renamed file would silently
+    lose its place), and collection puts them first, in the listed order."""
+    import conftest
+
+    here = request.config.rootpath / "tests"
+    missing = [name for name in conftest.LONGEST_FIRST if not (here / name).is_file()]
+    assert not missing, missing
+
+    class Item:
+        def __init__(self, rel):
+            self.path = here / rel
+
+    names = ["test_rope.py", *reversed(conftest.LONGEST_FIRST), "cache/test_quant.py"]
+    items = [Item(n) for n in names]
+    conftest._longest_first(items)
+    order = [str(it.path.relative_to(here)) for it in items]
+    assert order == [*conftest.LONGEST_FIRST, "test_rope.py", "cache/test_quant.py"]
