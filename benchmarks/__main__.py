@@ -57,6 +57,7 @@ status is 0 only if every section ran and verified its results.
 """
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import io
@@ -64,6 +65,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -304,6 +306,7 @@ def main(argv=None):
     out_dir = a.out or default_out
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvjax-bench-"))  # the sections' own JSON files
+    atexit.register(shutil.rmtree, work, True)  # removed however the run ends
     print(f"kvjax benchmarks ({'quick' if a.quick else 'full'}): {machine['cpu']}, "
           f"{machine['cores']} cores, backend {backend} ({machine['device']}), load average "
           f"{machine['load_average_start'][0]:.1f}; sections {', '.join(sections)}", flush=True)

@@ -157,9 +157,9 @@ def prefill(batch, prompt_len, chunk, repeats, rng, skip_hf, hf_config=FULL):
     torch.set_num_threads(os.cpu_count())
     config = _config(hf_config)
     hf = build_hf(hf_config)
-    tmp = tempfile.mkdtemp(prefix="kvjax-breakdown-")
-    hf.save_pretrained(tmp)
-    model, params = load(tmp, dtype="float32")
+    with tempfile.TemporaryDirectory(prefix="kvjax-breakdown-") as tmp:  # the checkpoint, read once
+        hf.save_pretrained(tmp)
+        model, params = load(tmp, dtype="float32")
     prompts = rng.integers(3, config.vocab_size, size=(batch, prompt_len))
 
     def kvjax_prefill():

@@ -193,9 +193,9 @@ def main(argv=None):
 
     hf = build_hf(cfg)
     n_params = sum(p.numel() for p in hf.parameters())
-    tmp = tempfile.mkdtemp(prefix="kvjax-e2e-")
-    hf.save_pretrained(tmp)
-    model, params = load(tmp, dtype=args.dtype)
+    with tempfile.TemporaryDirectory(prefix="kvjax-e2e-") as tmp:  # the checkpoint, read once
+        hf.save_pretrained(tmp)
+        model, params = load(tmp, dtype=args.dtype)
     itemsize = jnp.dtype(args.dtype).itemsize
     embed = cfg["vocab_size"] * cfg["hidden_size"]
     weight_bytes = (n_params - embed) * itemsize  # the input embedding is only indexed

@@ -34,13 +34,17 @@ def test_toy_decode_and_prefill_write_every_part(tmp_path, child_env):
     from kvjax.backends import cpu
 
     out = tmp_path / "breakdown.json"
+    scratch = tmp_path / "tmp"  # the run's temporary files (the toy checkpoint), removed
+    scratch.mkdir()
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "breakdown.py"), "--quick", "--decode",
          "--batches", "1", "--context", "48", "--prefill", "--batch", "1", "--prompt-len", "24",
          "--chunk", "16", "--skip-hf", "--repeats", "1", "--out", str(out)],
-        cwd=ROOT, env=dict(child_env, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+        cwd=ROOT, env=dict(child_env, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", TMPDIR=str(scratch)),
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # (torch keeps its own compile cache there, torchinductor_<user>: not the run's.)
+    assert not [p.name for p in scratch.glob("kvjax*")], "left behind in TMPDIR"
     result = json.loads(out.read_text())
     assert result["isa_class"] == cpu.library().isa_class
 

@@ -30,11 +30,15 @@ PARTS = {
 @pytest.mark.rotate(1)
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_quick_run_exits_zero_and_writes_json(tmp_path, child_env, part):
-    env = dict(child_env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    scratch = tmp_path / "tmp"  # the run's temporary files, which it must remove
+    scratch.mkdir()
+    env = dict(child_env, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMPDIR=str(scratch))
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-plots",
                            "--only", ",".join(PARTS[part]), "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # (torch keeps its own compile cache there, torchinductor_<user>: not the run's.)
+    assert not [p.name for p in scratch.glob("kvjax*")], "left behind in TMPDIR"
     run = json.loads((tmp_path / "run.json").read_text())
     sections = run["sections"]
     assert set(sections) == set(PARTS[part])
