@@ -53,14 +53,19 @@ def _jit(fn, **static):
 
 
 def _tpu(impl, fn, *args, **kw):
-    """A TPU kernel in interpret mode: plain ("tpu") or the TPU interpreter. The
-    interpreter's callbacks run JAX ops while its kernel runs; called eagerly, the ops
-    dispatched after the kernel (the tail merge, the comparisons) can queue ahead of
-    them and wait on the kernel for ever, so the interpreter runs as one jitted program
-    whose result is ready before anything else is dispatched."""
-    if impl != "tpu_interpreter":
-        return fn(*args, interpret=True, **kw)
-    return jax.block_until_ready(_jit(fn, interpret=interpret_params(), **kw)(*args))
+    """A TPU kernel in interpret mode: plain ("tpu") or the TPU interpreter, as one jitted
+    program (called eagerly, the wrapper's reshapes and tail merge compile a program per
+    op). The interpreter's callbacks run JAX ops while its kernel runs: ops dispatched
+    after the kernel (the comparisons) could queue ahead of them and wait on the kernel
+    for ever, so its result is ready before anything else is dispatched."""
+    interpret = interpret_params() if impl == "tpu_interpreter" else True
+    return jax.block_until_ready(_jit(fn, interpret=interpret, **kw)(*args))
+
+
+def _dev(x, dtype=None):
+    """A device array of host `x` (cast to `dtype` on the host): no conversion program."""
+    x = np.asarray(x)
+    return jax.device_put(x if dtype is None else x.astype(dtype))
 
 
 def _tables(rng, lengths, page_size, max_pages):
@@ -106,18 +111,28 @@ def _page_rows(tables, seen, rows, page_size, num_pages):
     return keep
 
 
-def _poison(rng, x, keep):
-    """x with every element outside `keep` (broadcast to x's shape) NaN, +inf or -inf."""
+def _poison_host(rng, x, keep):
+    """x (as a host array) with every element outside `keep` (broadcast to x's shape) NaN,
+    +inf or -inf."""
+    x = np.asarray(x)
     bad = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), x.shape)
-    y = np.where(np.broadcast_to(keep, x.shape), np.asarray(x.astype(jnp.float32)), bad)
-    return jnp.asarray(y).astype(x.dtype)
+    y = np.where(np.broadcast_to(keep, x.shape), x.astype(np.float32), bad)
+    return y.astype(x.dtype)
+
+
+def _scramble_host(rng, codes, keep):
+    """uint8 codes (as a host array) with every byte outside `keep` redrawn."""
+    fresh = rng.integers(0, 256, codes.shape)
+    return np.where(np.broadcast_to(keep, codes.shape), np.asarray(codes), fresh).astype(
+        np.uint8)
+
+
+def _poison(rng, x, keep):
+    return _dev(_poison_host(rng, x, keep))
 
 
 def _scramble(rng, codes, keep):
-    """uint8 codes with every byte outside `keep` redrawn."""
-    fresh = rng.integers(0, 256, codes.shape)
-    return jnp.asarray(np.where(np.broadcast_to(keep, codes.shape), np.asarray(codes), fresh),
-                       jnp.uint8)
+    return _dev(_scramble_host(rng, codes, keep))
 
 
 def _victims(rng, batch, seen):
@@ -127,25 +142,29 @@ def _victims(rng, batch, seen):
 
 
 def _junk(rng, x):
-    """An array like x of NaN/inf (floats) or random codes (uint8)."""
+    """A host array like x of NaN/inf (floats) or random codes (uint8)."""
     if x.dtype == jnp.uint8:
-        return _scramble(rng, x, np.zeros(x.shape, bool))
-    return _poison(rng, x, np.zeros(x.shape, bool))
+        return _scramble_host(rng, x, np.zeros(x.shape, bool))
+    return _poison_host(rng, x, np.zeros(x.shape, bool))
 
 
-def _stack_layer(rng, pool):
-    """[2, *pool.shape]: the real pool at layer 1, junk at layer 0."""
-    return jnp.stack([_junk(rng, pool), pool])
+def _stack_layer(rng, pool, index=()):
+    """[2, *pool.shape][index]: the real pool at layer 1, junk at layer 0 (stacked on the
+    host)."""
+    return _dev(np.stack([_junk(rng, pool), np.asarray(pool)])[index])
 
 
 def _check_rows(clean, poisoned, rows, ref, tol):
     """The rows' outputs and lse are bit-identical to the clean run; clean matches ref."""
+    def f32(x):
+        return np.asarray(x).astype(np.float32)
+
     for got, want, r in zip(poisoned, clean, ref, strict=True):
-        got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+        got, want = f32(got), f32(want)
         np.testing.assert_array_equal(got[rows], want[rows])
-        np.testing.assert_allclose(want, np.asarray(r.astype(jnp.float32)), rtol=tol, atol=tol)
+        np.testing.assert_allclose(want, f32(r), rtol=tol, atol=tol)
     out, lse = clean
-    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+    assert np.all(np.isfinite(f32(out)))
     assert not np.any(np.isnan(np.asarray(lse)))
 
 
@@ -161,19 +180,19 @@ def _edge_lengths(rng, page_size, max_pages):
 
 def _gqa_decode(impl, rng, q, k, v, lengths, tables, window, soft_cap):
     kw = dict(sliding_window=window, soft_cap=soft_cap)
-    lengths, tables = jnp.asarray(lengths), jnp.asarray(tables)
+    lengths, tables = _dev(lengths), _dev(tables)
     if impl in ("reference", "xla", "cpu"):
         return _jit(attention.paged_decode_attention, impl=impl, **kw)(q, k, v, lengths, tables)
     if impl == "xla_layer":
-        return xla.paged_decode_attention(q, _stack_layer(rng, k), _stack_layer(rng, v),
-                                          lengths, tables, layer=1, block_tokens=2 * PS, **kw)
+        return _jit(xla.paged_decode_attention, layer=1, block_tokens=2 * PS, **kw)(
+            q, _stack_layer(rng, k), _stack_layer(rng, v), lengths, tables)
     if impl == "cpu_layer":
-        return cpu_backend.paged_decode_attention(q, _stack_layer(rng, k), _stack_layer(rng, v),
-                                                  lengths, tables, layer=1, **kw)
+        return _jit(cpu_backend.paged_decode_attention, layer=1, **kw)(
+            q, _stack_layer(rng, k), _stack_layer(rng, v), lengths, tables)
     if impl == "gpu":
-        return paged_gpu.paged_decode_attention(
-            q, k, v, lengths, tables, block_sizes=BlockSizes(block_tokens=16, num_splits=2),
-            interpret=True, **kw)
+        return _jit(paged_gpu.paged_decode_attention,
+                    block_sizes=BlockSizes(block_tokens=16, num_splits=2), interpret=True, **kw)(
+            q, k, v, lengths, tables)
     return _tpu(impl, paged_tpu.paged_decode_attention, q, k, v, lengths, tables,
                 block_sizes=BlockSizes(block_tokens=2 * PS), **kw)
 
@@ -195,7 +214,7 @@ def test_gqa_decode(rng, impl, dtype, window, soft_cap):
     tables, num_pages = _tables(rng, lengths, PS, MAX_PAGES)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+        return _dev(rng.standard_normal(shape).astype(np.float32), dtype)
 
     q = draw(len(lengths), q_heads, head_dim)
     k, v = (draw(kv_heads, num_pages, PS, head_dim) for _ in range(2))
@@ -222,20 +241,20 @@ def test_gqa_prefill(rng, impl, window, soft_cap):
     # An idle row (0 queries) beside a long one, chunks of 1 and of q_len.
     q_lengths = np.minimum(np.asarray([0, 1, 3, q_len, 0, 4]), lengths).astype(np.int32)
     tables, num_pages = _tables(rng, lengths, PS, MAX_PAGES)
-    q = jnp.asarray(rng.standard_normal((len(lengths), q_len, q_heads, head_dim)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((kv_heads, num_pages, PS, head_dim)), jnp.float32)
+    q = _dev(rng.standard_normal((len(lengths), q_len, q_heads, head_dim)), np.float32)
+    k, v = (_dev(rng.standard_normal((kv_heads, num_pages, PS, head_dim)), np.float32)
             for _ in range(2))
     seen = _seen(_q_positions(lengths, q_lengths, q_len), lengths, PS * MAX_PAGES, window)
     kw = dict(sliding_window=window, soft_cap=soft_cap)
-    args = (jnp.asarray(lengths), jnp.asarray(tables), jnp.asarray(q_lengths))
+    args = (_dev(lengths), _dev(tables), _dev(q_lengths))
 
     def run(impl, k, v):
         if impl == "xla_layer":
-            return xla.paged_prefill_attention(q, _stack_layer(rng, k), _stack_layer(rng, v),
-                                               *args, layer=1, block_tokens=2 * PS, **kw)
+            return _jit(xla.paged_prefill_attention, layer=1, block_tokens=2 * PS, **kw)(
+                q, _stack_layer(rng, k), _stack_layer(rng, v), *args)
         if impl == "cpu_layer":
-            return cpu_backend.paged_prefill_attention(
-                q, _stack_layer(rng, k), _stack_layer(rng, v), *args, layer=1, **kw)
+            return _jit(cpu_backend.paged_prefill_attention, layer=1, **kw)(
+                q, _stack_layer(rng, k), _stack_layer(rng, v), *args)
         return _jit(attention.paged_prefill_attention, impl=impl, **kw)(q, k, v, *args)
 
     clean, ref = run(impl, k, v), run("reference", k, v)
@@ -249,21 +268,21 @@ def test_gqa_prefill(rng, impl, window, soft_cap):
 
 
 def _mla_decode(impl, rng, ql, qr, lat, rope, lengths, tables, scale):
-    lengths, tables = jnp.asarray(lengths), jnp.asarray(tables)
+    lengths, tables = _dev(lengths), _dev(tables)
     if impl in ("reference", "xla", "cpu"):
         return _jit(attention.mla_decode_attention, scale=scale, impl=impl)(
             ql, qr, lat, rope, lengths, tables)
     if impl in ("xla_layer", "cpu_layer"):
-        lat2, rope2 = (_stack_layer(rng, x[None]) for x in (lat, rope))
+        lat2, rope2 = (_stack_layer(rng, np.asarray(x)[None]) for x in (lat, rope))
         if impl == "xla_layer":
-            return xla.mla_decode_attention(ql, qr, lat2, rope2, lengths, tables, scale=scale,
-                                            layer=1, block_tokens=2 * PS)
-        return cpu_backend.mla_decode_attention(ql, qr, lat2, rope2, lengths, tables,
-                                                scale=scale, layer=1)
+            fn = _jit(xla.mla_decode_attention, scale=scale, layer=1, block_tokens=2 * PS)
+        else:
+            fn = _jit(cpu_backend.mla_decode_attention, scale=scale, layer=1)
+        return fn(ql, qr, lat2, rope2, lengths, tables)
     if impl == "gpu":
-        return mla_gpu.mla_decode_attention(
-            ql, qr, lat, rope, lengths, tables, scale=scale, interpret=True,
-            block_sizes=BlockSizes(block_tokens=16, num_splits=2))
+        return _jit(mla_gpu.mla_decode_attention, scale=scale, interpret=True,
+                    block_sizes=BlockSizes(block_tokens=16, num_splits=2))(
+            ql, qr, lat, rope, lengths, tables)
     return _tpu(impl, mla_tpu.mla_decode_attention, ql, qr, lat, rope, lengths, tables,
                 scale=scale, block_sizes=BlockSizes(block_tokens=2 * PS))
 
@@ -275,7 +294,7 @@ def test_mla_decode(rng, impl):
     tables, num_pages = _tables(rng, lengths, PS, MAX_PAGES)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        return _dev(rng.standard_normal(shape), np.float32)
 
     ql, qr = draw(len(lengths), heads, d_c), draw(len(lengths), heads, d_rope)
     lat, rope = draw(num_pages, PS, d_c), draw(num_pages, PS, d_rope)
@@ -298,18 +317,18 @@ def test_mla_prefill(rng, impl):
     tables, num_pages = _tables(rng, lengths, PS, MAX_PAGES)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        return _dev(rng.standard_normal(shape), np.float32)
 
     ql, qr = draw(len(lengths), q_len, heads, d_c), draw(len(lengths), q_len, heads, d_rope)
     lat, rope = draw(num_pages, PS, d_c), draw(num_pages, PS, d_rope)
     seen = _seen(_q_positions(lengths, q_lengths, q_len), lengths, PS * MAX_PAGES, None)
-    args = (jnp.asarray(lengths), jnp.asarray(tables), jnp.asarray(q_lengths))
+    args = (_dev(lengths), _dev(tables), _dev(q_lengths))
 
     def run(impl, lat, rope):
         if impl == "xla_layer":
-            return xla.mla_prefill_attention(
-                ql, qr, _stack_layer(rng, lat[None]), _stack_layer(rng, rope[None]), *args,
-                scale=scale, layer=1, block_tokens=2 * PS)
+            return _jit(xla.mla_prefill_attention, scale=scale, layer=1, block_tokens=2 * PS)(
+                ql, qr, _stack_layer(rng, np.asarray(lat)[None]),
+                _stack_layer(rng, np.asarray(rope)[None]), *args)
         return _jit(attention.mla_prefill_attention, scale=scale, impl=impl)(
             ql, qr, lat, rope, *args)
 
@@ -341,8 +360,8 @@ def _quant_pool(rng, lead, width, bits, grouping, scale_dtype):
     shape = (*lead, QPS // G, width) if grouping == "tokens" else (*lead, QPS, width // G)
     scale = rng.uniform(0.5, 3.0, shape) / (2**bits - 1)
     zero = rng.uniform(-1.5, 0.0, shape)
-    return (jnp.asarray(codes), jnp.asarray(scale, jnp.float32).astype(scale_dtype),
-            jnp.asarray(zero, jnp.float32).astype(scale_dtype))
+    return (_dev(codes), _dev(scale.astype(np.float32), scale_dtype),
+            _dev(zero.astype(np.float32), scale_dtype))
 
 
 def _tail_keep(quant, lengths, seen, rows):
@@ -375,16 +394,16 @@ def _gqa_quant(impl, rng, args, kw):
     if impl == "reference":
         return _jit(qref.quantized_attention, **kw)(*args)
     if impl == "xla":
-        return xq.quantized_attention(*args, **kw, block_tokens=QPS)
+        return _jit(xq.quantized_attention, **kw, block_tokens=QPS)(*args)
     if impl in ("xla_layer", "cpu_layer"):
         layered = tuple(_stack_layer(rng, p) for p in pools)
         fn = xq.quantized_attention if impl == "xla_layer" else cpu_backend.quantized_attention
-        return fn(q, *layered, *rest, layer=1, **kw)
+        return _jit(fn, layer=1, **kw)(q, *layered, *rest)
     if impl == "cpu":
-        return cpu_backend.quantized_attention(*args, **kw)
+        return _jit(cpu_backend.quantized_attention, **kw)(*args)
     if impl == "gpu":
-        return qgpu.quantized_attention(
-            *args, **kw, interpret=True, block_sizes=BlockSizes(block_tokens=QPS, num_splits=2))
+        return _jit(qgpu.quantized_attention, **kw, interpret=True,
+                    block_sizes=BlockSizes(block_tokens=QPS, num_splits=2))(*args)
     return _tpu(impl, qtpu.quantized_attention, *args, **kw,
                 block_sizes=BlockSizes(block_tokens=QPS))
 
@@ -416,11 +435,11 @@ def test_quantized(rng, impl, bits, head_dim, q_len, window, soft_cap, dtype,
     batch = len(quant)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+        return _dev(rng.standard_normal(shape).astype(np.float32), dtype)
 
     q = draw(batch, q_len, q_heads, head_dim)
     tail_k, tail_v = (draw(kv_heads, batch, RING, head_dim) for _ in range(2))
-    ints = tuple(jnp.asarray(x, jnp.int32) for x in (quant, lengths, tables, q_pos))
+    ints = tuple(_dev(x, np.int32) for x in (quant, lengths, tables, q_pos))
     kw = dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5, soft_cap=soft_cap,
               sliding_window=window)
     clean = _gqa_quant(impl, rng, (q, *k, *v, tail_k, tail_v, *ints), kw)
@@ -440,15 +459,15 @@ def _mla_quant(impl, rng, args, kw):
     if impl == "reference":
         return _jit(qref.quantized_mla_attention, **kw)(*args)
     if impl == "xla":
-        return xq.quantized_mla_attention(*args, **kw, block_tokens=QPS)
+        return _jit(xq.quantized_mla_attention, **kw, block_tokens=QPS)(*args)
     if impl == "xla_layer":
         ql, qr, codes, scale, zero, rope, *rest = args
-        layered = tuple(_stack_layer(rng, p)[:, None] for p in (codes, scale, zero, rope))
-        return xq.quantized_mla_attention(ql, qr, *layered, *rest, layer=1, rope_layer=1,
-                                          block_tokens=QPS, **kw)
+        layered = tuple(_stack_layer(rng, p, np.s_[:, None]) for p in (codes, scale, zero, rope))
+        return _jit(xq.quantized_mla_attention, layer=1, rope_layer=1, block_tokens=QPS, **kw)(
+            ql, qr, *layered, *rest)
     if impl == "gpu":
-        return qgpu.quantized_mla_attention(
-            *args, **kw, interpret=True, block_sizes=BlockSizes(block_tokens=QPS, num_splits=2))
+        return _jit(qgpu.quantized_mla_attention, **kw, interpret=True,
+                    block_sizes=BlockSizes(block_tokens=QPS, num_splits=2))(*args)
     return _tpu(impl, qtpu.quantized_mla_attention, *args, **kw,
                 block_sizes=BlockSizes(block_tokens=QPS))
 
@@ -465,12 +484,12 @@ def test_quantized_mla(rng, impl, bits, q_len):
     batch = len(quant)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        return _dev(rng.standard_normal(shape), np.float32)
 
     ql, qr = draw(batch, q_len, heads, d_c), draw(batch, q_len, heads, d_rope)
     rope = draw(num_pages, QPS, d_rope)
     tail_c, tail_r = draw(batch, RING, d_c), draw(batch, RING, d_rope)
-    ints = tuple(jnp.asarray(x, jnp.int32) for x in (quant, lengths, tables, q_pos))
+    ints = tuple(_dev(x, np.int32) for x in (quant, lengths, tables, q_pos))
     kw = dict(bits=bits, scale=scale)
     clean = _mla_quant(impl, rng, (ql, qr, *c, rope, tail_c, tail_r, *ints), kw)
     ref = _mla_quant("reference", rng, (ql, qr, *c, rope, tail_c, tail_r, *ints), kw)
@@ -495,7 +514,7 @@ def test_poison_reaches_every_invisible_element(rng):
     # Row 2 sees positions PS-2 .. PS+1: the last two rows of its first page, two of its second.
     assert keep.sum() == 4 and not keep[0].any()
     assert keep[tables[2, 0], PS - 2:].all() and keep[tables[2, 1], :2].all()
-    x = jnp.asarray(rng.standard_normal((1, num_pages, PS, 4)) + 5.0, jnp.float32)
+    x = _dev(rng.standard_normal((1, num_pages, PS, 4)) + 5.0, np.float32)
     y = np.asarray(_poison(rng, x, keep[None, :, :, None]))
     assert np.isfinite(y).sum() == 4 * 4 and np.all(y[np.isfinite(y)] > 0)
     quant = np.asarray([0, 16, 16])
