@@ -6,8 +6,7 @@ kernel on TPU/GPU and the XLA path on CPU, "pallas" runs the backend's kernel
 test_pallas_models.py.
 """
 
-
-import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +17,15 @@ from kvjax.attention import ops, pallas_impls, registry
 from kvjax.attention import paged_decode_attention as decode_op
 from kvjax.backends.cpu import options as cpu_options
 
+# The oracles, jitted: run eagerly, each of their ops compiles a program of its own.
+_paged_ref = jax.jit(paged_ref.paged_decode_attention)
+_mla_ref = jax.jit(mla_ref.mla_decode_attention, static_argnames="scale")
+
+
+def _dev(x, dtype=np.float32):
+    """A device array of host `x` cast to `dtype` on the host (no conversion program)."""
+    return jax.device_put(np.asarray(x).astype(dtype))
+
 
 def _gqa_inputs(rng, batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=3):
     num_pages = batch * max_pages + 2
@@ -25,11 +33,11 @@ def _gqa_inputs(rng, batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=8, m
     lengths = rng.integers(1, max_pages * page_size + 1, size=batch)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        return _dev(rng.standard_normal(shape))
 
     return (draw(batch, q_heads, head_dim), draw(kv_heads, num_pages, page_size, head_dim),
-            draw(kv_heads, num_pages, page_size, head_dim), jnp.asarray(lengths, jnp.int32),
-            jnp.asarray(tables, jnp.int32))
+            draw(kv_heads, num_pages, page_size, head_dim), _dev(lengths, np.int32),
+            _dev(tables, np.int32))
 
 
 def _pretend(monkeypatch, platform):
@@ -70,7 +78,7 @@ def test_auto_runs_xla_where_the_kernel_does_not_take_the_pages(monkeypatch, rng
     with pytest.raises(ValueError, match=r"head_dim|page_size"):
         decode_op(*args, impl="pallas", interpret=True)
     got = decode_op(*args)  # "auto": the XLA path, not the kernel's error
-    want = paged_ref.paged_decode_attention(*args)
+    want = _paged_ref(*args)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     # Pages the kernel takes still go to it.
@@ -99,7 +107,7 @@ def test_auto_runs_xla_on_a_gpu_triton_does_not_know(monkeypatch, rng):
 def test_pallas_on_cpu_interprets_by_default(rng):
     args = _gqa_inputs(rng)
     got = decode_op(*args, impl="pallas")
-    want = paged_ref.paged_decode_attention(*args)
+    want = _paged_ref(*args)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
@@ -122,7 +130,7 @@ def test_pallas_on_gpu_platform_runs_the_gpu_kernel(rng, monkeypatch):
     args = _gqa_inputs(rng)
     out, lse = decode_op(*args, impl="pallas", interpret=True)
     assert calls == [True]
-    want_out, want_lse = paged_ref.paged_decode_attention(*args)
+    want_out, want_lse = _paged_ref(*args)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
 
@@ -130,23 +138,23 @@ def test_pallas_on_gpu_platform_runs_the_gpu_kernel(rng, monkeypatch):
 def test_mla_and_prefill_through_pallas(rng):
     batch, heads, d_c, d_rope, page_size, max_pages = 2, 4, 128, 64, 8, 2
     num_pages = batch * max_pages
-    tables = jnp.asarray(rng.permutation(num_pages).reshape(batch, max_pages), jnp.int32)
-    lengths = jnp.asarray([5, 16], jnp.int32)
+    tables = _dev(rng.permutation(num_pages).reshape(batch, max_pages), np.int32)
+    lengths = _dev([5, 16], np.int32)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        return _dev(rng.standard_normal(shape))
 
     mla_args = (draw(batch, heads, d_c), draw(batch, heads, d_rope),
                 draw(num_pages, page_size, d_c), draw(num_pages, page_size, d_rope),
                 lengths, tables)
     got = ops.mla_decode_attention(*mla_args, scale=0.1, impl="pallas")
-    want = mla_ref.mla_decode_attention(*mla_args, scale=0.1)
+    want = _mla_ref(*mla_args, scale=0.1)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
     q = draw(batch, 3, 4, 64)
     k, v = draw(2, num_pages, page_size, 64), draw(2, num_pages, page_size, 64)
-    q_lengths = jnp.asarray([2, 3], jnp.int32)
+    q_lengths = _dev([2, 3], np.int32)
     got = ops.paged_prefill_attention(q, k, v, lengths, tables, q_lengths, impl="pallas")
     want = ops.paged_prefill_attention(q, k, v, lengths, tables, q_lengths, impl="xla")
     for g, w in zip(got, want, strict=True):
