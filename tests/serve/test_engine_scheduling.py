@@ -58,9 +58,10 @@ def test_stop_ids_eos_and_cancel(tiny, rng):
     eos = ref_e[k]
     # Calls of at most 8 decode steps, and e ends at most 10 steps after its first token:
     # b, admitted once a ends, has at most 1 + 2 * 8 of its 40 tokens by then, so it is
-    # running when it is cancelled.
+    # running when it is cancelled. One prefill lane: the step (its EOS is this test's
+    # alone) compiles for no lane and one lane only.
     engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
-                    eos_ids=[eos], max_decode_steps=8)
+                    eos_ids=[eos], max_decode_steps=8, prefill_rows=1)
     a = engine.add_request(prompts[0], max_tokens=12, stop_ids=[stop])
     e = engine.add_request(prompts[3], max_tokens=12)
     b, c, d = (engine.add_request(p, max_tokens=40) for p in prompts[1:3] + [prompts[0]])
@@ -123,13 +124,16 @@ def test_a_waiting_request_takes_a_row_the_step_it_frees(tiny, rng):
 def test_prompts_sharing_a_prefix_wait_for_the_first_to_prefill_it(tiny, rng):
     """Requests that arrive together with the same system prompt: the first prefills it,
     the others wait for its pages instead of computing them too (every one hits), and
-    each gets generate's tokens."""
+    each gets generate's tokens. On the small engine (its programs are compiled once for
+    the file): 3 rows, so the fourth request takes the first free row; prompts of 35 to 48
+    tokens and up to 8 new ones fit its rows of 56, and three rows (4 shared pages + 3
+    of their own each) its pool of 14: nothing is preempted (each prompt is computed
+    once)."""
     model, params = tiny
-    system = 3 * CHUNK  # three chunks
-    prompts, max_new = _workload(rng, model.vocab_size, 4, system=system)
+    system = 2 * CHUNK  # two chunks
+    prompts, max_new = _workload(rng, model.vocab_size, 4, system=system, new=(2, 9))
     cfg = gen.CacheConfig(page_size=PAGE)
-    engine = Engine(model, params, max_seqs=4, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
-                    prefill_rows=4)
+    engine = _small_engine(model, params)
     ids = [engine.add_request(p, max_tokens=m) for p, m in zip(prompts, max_new, strict=True)]
     out = engine.run()
     engine.check()
@@ -165,7 +169,9 @@ def test_salt_separates_tenants(tiny, rng):
 
 def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng):
     model, params = tiny
-    prompts, max_new = _workload(rng, model.vocab_size, 2)
+    # Prompts of 35 to 48 tokens (past the policy's window; one reference program, the
+    # other tests').
+    prompts, max_new = _workload(rng, model.vocab_size, 2, system=32)
     policy = StreamingLLM(n_sink=4, window=24)
     cfg = gen.CacheConfig(page_size=PAGE)
     engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
@@ -193,8 +199,8 @@ def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
     engine.warmup()
     programs = (engine_mod._step, engine_mod._release, engine_mod._share)
     compiled = [f._cache_size() for f in programs]
-    prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, suffix=(3, 20),
-                                 new=(2, 12))
+    # Prompts of 35 to 48 tokens: the references' programs are the other tests'.
+    prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, new=(2, 12))
     got, _ = _drive(engine, prompts, max_new)  # hits, evictions, host stops, bursts
     assert engine.stats["hit_pages"] > 0 and engine.stats["evictions"] > 0, engine.stats
     assert [f._cache_size() for f in programs] == compiled
@@ -207,13 +213,12 @@ def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
 
 def test_bad_requests_raise_before_anything_runs(tiny):
     model, params = tiny
-    engine = Engine(model, params, max_seqs=2, max_seq_len=32, chunk_size=CHUNK,
-                    cache=gen.CacheConfig(page_size=PAGE))
+    engine = _small_engine(model, params)  # rows of up to 56 tokens
     for kwargs, match in [
         (dict(prompt_ids=[], max_tokens=4), "non-empty"),
         (dict(prompt_ids=[1, model.vocab_size], max_tokens=4), "outside the vocabulary"),
         (dict(prompt_ids=[1, 2], max_tokens=0), "max_tokens"),
-        (dict(prompt_ids=[1] * 30, max_tokens=4), "max_seq_len"),
+        (dict(prompt_ids=[1] * 54, max_tokens=3), "max_seq_len"),
         (dict(prompt_ids=[1, 2], max_tokens=4, stop_ids=[-1]), "outside the vocabulary"),
     ]:
         with pytest.raises(ValueError, match=match):
