@@ -1,7 +1,5 @@
 """The quantized paged cache: tail state machine, flushes, allocator (fork/CoW/free), MLA."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +31,15 @@ def gqa_spec(*, bits=4, group=8, residual=16, page_size=8, num_pages=64, max_seq
     )
 
 
+def small_spec():
+    """The one-layer cache of 8 pages (6 a sequence) that the allocator tests share: their
+    reserve, write (chunks of CHUNK tokens), fork and free compile once."""
+    return gqa_spec(residual=8, num_pages=8, layers=1, max_pages=6)
+
+
+CHUNK = 8
+
+
 def mla_spec(*, bits=4, group=8, residual=8, page_size=8, num_pages=48, max_seqs=3,
              max_pages=8):
     return kvx.CacheSpec(
@@ -50,25 +57,38 @@ def _expand(s, grouping, rows, width):
         s, width // s.shape[-1], -1)
 
 
-@functools.partial(jax.jit, static_argnames="layer")
-def _layer_pools(cache, layer):
-    """One layer's pools and rings: quantized pools as (dequantized, scale), every page."""
-    view = qz.layer_view(cache, layer)
-    return [(dequantize(p.codes, p.scale, p.zero, bits=p.bits, grouping=p.grouping), p.scale)
-            if isinstance(p, qz.QuantLayer) else p
-            for p in (view.k, view.tail_k, view.v, view.tail_v)]
+@jax.jit
+def _layer_pools(cache):
+    """Every layer's pools and rings: quantized pools as (dequantized, scale), every page
+    (one program per cache kind)."""
+    views = [qz.layer_view(cache, layer) for layer in range(cache.spec.num_layers)]
+    return [[(dequantize(p.codes, p.scale, p.zero, bits=p.bits, grouping=p.grouping), p.scale)
+             if isinstance(p, qz.QuantLayer) else p
+             for p in (view.k, view.tail_k, view.v, view.tail_v)] for view in views]
+
+
+_VIEWS = {}
+
+
+def _view_kinds(cache, layer):
+    """The layer view's structure (which pools are quantized, their grouping), traced once
+    per cache kind and layer: no eager slicing programs."""
+    key = (cache.spec, layer)
+    if key not in _VIEWS:
+        _VIEWS[key] = jax.eval_shape(lambda c: qz.layer_view(c, layer), cache)
+    return _VIEWS[key]
 
 
 def reconstruct(cache, layer, seq):
     """Host-side read-back of one sequence: (a, b, step_a, step_b), each [tokens, heads, width].
 
     Quantized positions are dequantized (step = the stored scale of each
-    element); tail positions are read from the ring (step 0). The whole layer is
-    dequantized by one program per cache kind and the sequence's pages picked on the host.
+    element); tail positions are read from the ring (step 0). Every layer is dequantized
+    by one program per cache kind and the sequence's pages picked on the host.
     """
     spec = cache.spec
-    view = qz.layer_view(cache, layer)
-    pools = jax.tree.map(np.asarray, _layer_pools(cache, layer))
+    view = _view_kinds(cache, layer)
+    pools = jax.tree.map(np.asarray, _layer_pools(cache)[layer])
     L, Q = int(np.asarray(cache.lengths)[seq]), int(np.asarray(cache.quant_lengths)[seq])
     ps, ring = spec.page_size, qz.tail_capacity(spec)
     pages = np.asarray(cache.block_tables)[seq, :Q // ps]
@@ -155,13 +175,16 @@ def test_tail_state_machine_random_prefill_then_decode(rng, residual):
 
 
 def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
-    spec = gqa_spec(residual=8, num_pages=32, layers=1)
+    spec = small_spec()
     cache = qz.init_cache(spec)
-    T = np.array([21, 0, 0, 0])
-    a = rng.standard_normal((1, 4, 21, 2, 16)).astype(np.float32)
-    b = rng.standard_normal((1, 4, 21, 2, 16)).astype(np.float32)
-    cache = _step(cache, T, a, b, 1)
-    shared = np.asarray(cache.block_tables[0, :1])  # Q = 8: one quantized page
+    # 21 tokens in slot 0, written in chunks of CHUNK (8, 8, 5).
+    a = rng.standard_normal((1, 4, 24, 2, 16)).astype(np.float32)
+    b = rng.standard_normal((1, 4, 24, 2, 16)).astype(np.float32)
+    for start, n in ((0, 8), (8, 8), (16, 5)):
+        cache = _step(cache, np.array([n, 0, 0, 0]), a[:, :, start:start + CHUNK],
+                      b[:, :, start:start + CHUNK], 1)
+    a, b = a[:, :, :21], b[:, :, :21]
+    shared = np.asarray(cache.block_tables)[0, :1]  # Q = 8: one quantized page
     cache, status = _qfork(cache, np.array([0, 0], np.int32), np.array([1, 2], np.int32))
     status.raise_if_error()
     assert np.asarray(cache.table.refcounts)[shared].tolist() == [3]
@@ -195,9 +218,9 @@ def test_fork_shares_pages_copies_tail_and_free_returns_them(rng):
 
 
 def test_fork_into_busy_slot_is_refused(rng):
-    spec = gqa_spec(residual=16, layers=1)
+    spec = small_spec()
     cache = qz.init_cache(spec)
-    x = rng.standard_normal((1, 4, 5, 2, 16)).astype(np.float32)
+    x = rng.standard_normal((1, 4, CHUNK, 2, 16)).astype(np.float32)
     cache = _step(cache, np.array([5, 3, 0, 0]), x, x, 1)  # slot 1: tail only, Q = 0
     cache, status = _qfork(cache, np.array([0], np.int32), np.array([1], np.int32))
     with pytest.raises(ValueError, match="fork"):
@@ -206,20 +229,22 @@ def test_fork_into_busy_slot_is_refused(rng):
 
 
 def test_out_of_pages_is_cache_full_and_changes_nothing(rng):
-    spec = gqa_spec(residual=0, num_pages=3, layers=1)
+    spec = small_spec()
     cache = qz.init_cache(spec)
-    cache, status = _qreserve(cache, np.array([17, 0, 0, 0], np.int32))
-    status.raise_if_error()  # 2 quantized pages, 1 tail token
+    cache, status = _qreserve(cache, np.array([41, 0, 0, 0], np.int32))
+    status.raise_if_error()  # 4 quantized pages of the 8, 9 tail tokens
     before = np.asarray(cache.lengths).copy()
-    cache, status = _qreserve(cache, np.array([8, 8, 0, 0], np.int32))
+    # 1 + 4 more pages: refused.
+    cache, status = _qreserve(cache, np.array([7, 40, 0, 0], np.int32))
     with pytest.raises(CacheFullError):
         status.raise_if_error()
     np.testing.assert_array_equal(np.asarray(cache.lengths), before)
-    assert np.asarray(cache.quant_lengths).tolist() == [16, 0, 0, 0]
+    assert np.asarray(cache.quant_lengths).tolist() == [32, 0, 0, 0]
+    assert int(cache.num_free_pages) == 4
     # The failed step's writes are no-ops.
-    x = jax.device_put(rng.standard_normal((4, 8, 2, 16)).astype(np.float32))
-    cache2 = _qwrite(cache, 0, x, x)
-    assert int(cache2.lengths[1]) == 0
+    x = jax.device_put(rng.standard_normal((4, CHUNK, 2, 16)).astype(np.float32))
+    cache2 = _qwrite(cache, 0, x, x, None)
+    assert np.asarray(cache2.lengths)[1] == 0
     check_invariants(cache2.table)
 
 
@@ -283,8 +308,8 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
     # and frees (with and without scrub), out-of-pages included. After every
     # operation the page table is consistent, and every live sequence reads back
     # as what was written into it (quantized part within half a step).
-    spec = gqa_spec(residual=8, num_pages=8, layers=1, max_pages=6)
-    S, chunk = spec.max_seqs, 8
+    spec = small_spec()
+    S, chunk, ps = spec.max_seqs, CHUNK, spec.page_size
     cache = qz.init_cache(spec)
     truth = {s: (np.zeros((0, 2, 16), np.float32), np.zeros((0, 2, 16), np.float32))
              for s in range(S)}
@@ -304,7 +329,7 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
                     status.raise_if_error()
                 np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
                 continue
-            cache = _qwrite(cache, 0, a[0], b[0])
+            cache = _qwrite(cache, 0, jax.device_put(a[0]), jax.device_put(b[0]), None)
             for s in range(S):
                 n = num_new[s]
                 truth[s] = (np.concatenate([truth[s][0], a[0, s, :n]]),
@@ -331,7 +356,7 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
         L = np.asarray(cache.lengths)
         np.testing.assert_array_equal(L, [len(truth[s][0]) for s in range(S)])
         np.testing.assert_array_equal(np.asarray(cache.quant_lengths),
-                                      qz.quantized_tokens(spec, jnp.asarray(L)))
+                                      ps * (np.maximum(L - spec.quant.residual, 0) // ps))
         for s in range(S):
             if L[s]:
                 x, y, sx, sy = reconstruct(cache, 0, s)
@@ -341,13 +366,15 @@ def test_random_interleavings_of_reserve_write_fork_free(rng):
 
 
 def test_write_must_cover_reserved_tokens(rng):
-    spec = gqa_spec(layers=1)
+    spec = small_spec()
     cache = qz.init_cache(spec)
     cache, _ = _qreserve(cache, np.array([5, 0, 0, 0], np.int32))
-    x = jax.device_put(rng.standard_normal((4, 3, 2, 16)).astype(np.float32))
+    xn = rng.standard_normal((4, 3, 2, 16)).astype(np.float32)
+    x = jax.device_put(xn)
     with pytest.raises(ValueError, match="q_len=3"):
         qz.write_layer(cache, 0, x, x)
+    half = jax.device_put(xn.astype(jnp.bfloat16))
     with pytest.raises(TypeError, match="dtype"):
-        qz.write_layer(cache, 0, x.astype(jnp.bfloat16), x.astype(jnp.bfloat16))
+        qz.write_layer(cache, 0, half, half)
     with pytest.raises(ValueError, match=r"\[batch, q_len, 2, 16\]"):
-        qz.write_layer(cache, 0, x[..., :8], x)
+        qz.write_layer(cache, 0, jax.device_put(xn[..., :8]), x)
