@@ -5,7 +5,8 @@ only on the page geometry of the spec: pages, page size, slots, pages per slot a
 residual. So it runs once per geometry, on a one-layer cache of one 8-wide 8-bit head
 (`page_geometry`), instead of compiling a reserve of every pool of every spec; the
 cache's structure comes from `jax.eval_shape` of `init_cache` and its pools and rings
-are zeros made on the host, as `init_cache` makes them.
+are zeros made on the host, as `init_cache` makes them. `reserve` of a filled cache runs
+the same way, on the geometry's cache holding the filled cache's table and tail counts.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ import kvjax as kvx
 from kvjax.cache import quantized as qz
 from kvjax.specs import QuantSpec
 
-__all__ = ["page_geometry", "reserved_cache"]
+__all__ = ["page_geometry", "reserve", "reserved_cache"]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -49,3 +50,26 @@ def reserved_cache(spec, lengths):
     zeros = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), shapes)
     tail = dataclasses.replace(zeros.tail, lengths=tail_lengths, pending=pending)
     return dataclasses.replace(zeros, table=table, tail=tail), status
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _reserve_geometry(spec, table, lengths, pending, num_new):
+    """The public reserve on a new cache of `spec` given the table and tail counts, as one
+    program: (page table, tail lengths, tail pending, status)."""
+    new = qz.init_cache(spec)
+    tail = dataclasses.replace(new.tail, lengths=lengths, pending=pending)
+    cache, status = kvx.cache.reserve(dataclasses.replace(new, table=table, tail=tail),
+                                      num_new)
+    return cache.table, cache.tail.lengths, cache.tail.pending, status
+
+
+def reserve(cache, num_new):
+    """`kvx.cache.reserve(cache, num_new)` of a KIVI cache without compiling it for
+    `cache.spec`: (cache, status). Run on `page_geometry(cache.spec)` (one program per
+    geometry); the pools and rings are the cache's own, as reserve leaves them (KIVI's
+    pages are complete when allocated: reserve plans no copy-on-write)."""
+    table, lengths, pending, status = _reserve_geometry(
+        page_geometry(cache.spec), cache.table, cache.tail.lengths, cache.tail.pending,
+        jax.device_put(np.asarray(num_new, np.int32)))
+    tail = dataclasses.replace(cache.tail, lengths=lengths, pending=pending)
+    return dataclasses.replace(cache, table=table, tail=tail), status

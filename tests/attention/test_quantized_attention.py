@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kivi_cache import reserved_cache
+from kivi_cache import reserve, reserved_cache
 from kivi_numpy import dequantized_sequences
 
 import kvjax as kvx
@@ -82,6 +82,10 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
           page_size=16, num_pages=64, outliers=False, mla=False):
     """A quantized cache filled by a prefill of `lengths` then `decode` single-token steps.
 
+    Every write takes `chunk` tokens a row, so that one write program per spec serves the
+    prefill and the decode steps (a row's tokens past what the last reserve added are
+    padding, never written); every reserve runs on the spec's page geometry (`kivi_cache`).
+
     Returns (cache, K, V) with the true full-precision tokens per sequence.
     """
     S = len(lengths)
@@ -105,12 +109,12 @@ def build(rng, *, bits, residual, kv_heads=2, lengths=(37, 1, 16, 60), decode=5,
     cache, st = reserved_cache(spec, lengths)  # one reserve program per page geometry
     st.raise_if_error()
     cache = _qwrite(cache, 0, jax.device_put(ka[:, :chunk]), jax.device_put(vb[:, :chunk]))
-    ones = jax.device_put(np.ones(S, np.int32))
     for i in range(decode):
-        cache, st = kvx.cache.reserve(cache, ones)
+        cache, st = reserve(cache, np.ones(S, np.int32))
         st.raise_if_error()
-        cache = _qwrite(cache, 0, jax.device_put(ka[np.arange(S), chunk + i][:, None]),
-                        jax.device_put(vb[np.arange(S), chunk + i][:, None]))
+        # Token chunk + i in column 0, then padding (prefill tokens: never written).
+        cache = _qwrite(cache, 0, *(jax.device_put(np.concatenate(
+            [x[:, chunk + i:chunk + i + 1], x[:, :chunk - 1]], 1)) for x in (ka, vb)))
     # True tokens of sequence s: its prefill, then the decoded ones (stored past the chunk).
     ks = [np.concatenate([ka[s, :lengths[s]], ka[s, chunk:]]) for s in range(S)]
     vs = [np.concatenate([vb[s, :lengths[s]], vb[s, chunk:]]) for s in range(S)]
@@ -129,7 +133,7 @@ def test_decode_equals_dense_attention_on_dequantized_kv(rng, bits, kv_heads):
     cache, _, _ = build(rng, bits=bits, residual=16, kv_heads=kv_heads)
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, lse = _attend(cache, jax.device_put(q), op=_decode)
+    out, lse = map(np.asarray, _attend(cache, jax.device_put(q), op=_decode))
     assert out.shape == (S, 4, HEAD_DIM) and lse.shape == (S, 4)
     for s, (k, v) in enumerate(dequantized_sequences(cache)):
         want = dense(q[s][None], k, v, np.array([len(k) - 1]), HEAD_DIM ** -0.5)[0]
@@ -142,9 +146,9 @@ def test_prefill_rows_padding_and_seq_ids(rng, soft_cap, window):
     seq_ids = jax.device_put(np.asarray([3, 0], np.int32))
     q_lengths = np.array([5, 2])
     q = rng.standard_normal((2, 6, 4, HEAD_DIM)).astype(np.float32)
-    out, lse = _attend(cache, jax.device_put(q), jax.device_put(q_lengths.astype(np.int32)),
-                       seq_ids, op=_prefill,
-                       kw=(("soft_cap", soft_cap), ("sliding_window", window)))
+    out, lse = map(np.asarray, _attend(
+        cache, jax.device_put(q), jax.device_put(q_lengths.astype(np.int32)), seq_ids,
+        op=_prefill, kw=(("soft_cap", soft_cap), ("sliding_window", window))))
     kv = dequantized_sequences(cache)
     for r, s in enumerate([3, 0]):
         k, v = kv[s]
@@ -215,7 +219,7 @@ def test_low_bit_error_below_scale_bound(rng, bits):
     cache, ks, vs = build(rng, bits=bits, residual=16, lengths=(70, 40, 33, 90))
     S = cache.spec.max_seqs
     q = rng.standard_normal((S, 4, HEAD_DIM)).astype(np.float32)
-    out, _ = _attend(cache, jax.device_put(q), op=_decode)
+    out = np.asarray(_attend(cache, jax.device_put(q), op=_decode)[0])
     scale = HEAD_DIM ** -0.5
     for s in range(S):
         want = dense(q[s][None], ks[s], vs[s], np.array([len(ks[s]) - 1]), scale)[0]
@@ -270,8 +274,8 @@ def test_mla_equals_dense_on_dequantized_and_8bit_close(rng, bits):
     ql = rng.standard_normal((S, 4, 64)).astype(np.float32)
     qr = rng.standard_normal((S, 4, 16)).astype(np.float32)
     scale = 32 ** -0.5
-    out, _ = _attend(cache, jax.device_put(ql), jax.device_put(qr), op=_mla_decode,
-                     kw=(("scale", scale),))
+    out = np.asarray(_attend(cache, jax.device_put(ql), jax.device_put(qr), op=_mla_decode,
+                             kw=(("scale", scale),))[0])
     for s, (c, r) in enumerate(dequantized_sequences(cache)):
         np.testing.assert_array_equal(r, rs[s])  # k_rope is kept in full precision
         pos = np.array([len(c) - 1])
@@ -344,16 +348,28 @@ def test_decode_step_never_materialises_a_dequantized_pool(rng, mla):
 
 
 def test_bad_inputs(rng):
+    # Shapes and static arguments are checked while tracing: traced abstractly (no program
+    # compiled for any of the ops the call would run before the check that raises).
     cache, _, _ = build(rng, bits=4, residual=16, decode=1)
-    view = qz.layer_view(cache, 0)
+
+    def q(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def decode(q, **kw):
+        return jax.eval_shape(lambda q, c: attention.quantized_decode_attention(
+            q, qz.layer_view(c, 0), **kw), q, cache)
+
     with pytest.raises(ValueError, match="head_dim"):
-        attention.quantized_decode_attention(jnp.ones((4, 4, 8)), view)
+        decode(q(4, 4, 8))
     with pytest.raises(ValueError, match="seq_ids"):
-        attention.quantized_decode_attention(jnp.ones((2, 4, HEAD_DIM)), view)
+        decode(q(2, 4, HEAD_DIM))
     with pytest.raises(ValueError, match="impl"):
-        attention.quantized_decode_attention(jnp.ones((4, 4, HEAD_DIM)), view, impl="cuda")
+        decode(q(4, 4, HEAD_DIM), impl="cuda")
     with pytest.raises(ValueError, match="head_dim = 32 is not supported by the TPU kernel"):
-        attention.quantized_decode_attention(jnp.ones((4, 4, HEAD_DIM)), view, impl="pallas")
+        decode(q(4, 4, HEAD_DIM), impl="pallas")
     with pytest.raises(TypeError, match="MLA"):
-        attention.quantized_mla_decode_attention(jnp.ones((4, 4, HEAD_DIM)),
-                                                 jnp.ones((4, 4, 8)), view, scale=0.1)
+        jax.eval_shape(lambda ql, qr, c: attention.quantized_mla_decode_attention(
+            ql, qr, qz.layer_view(c, 0), scale=0.1), q(4, 4, HEAD_DIM), q(4, 4, 8), cache)
+    # The shapes are right for the cache: the same call passes.
+    out, lse = decode(q(4, 4, HEAD_DIM))
+    assert out.shape == (4, 4, HEAD_DIM) and lse.shape == (4, 4)
