@@ -225,22 +225,28 @@ def test_bad_inputs_raise_before_tracing(rng):
     q, kc, ks, kz, vc, vs, vz, _, _, ql, ln, bt, qp = args
     pages = (kc, ks, kz, vc, vs, vz, ql, bt, qp)
     opts = dict(k_bits=4, v_bits=4, scale=0.1, interpret=True)
+
+    def cut(x, index, dtype=None):  # edited on the host: no eager program per edit
+        return jax.device_put(np.asarray(x, dtype)[index])
+
+    q32, q3 = cut(q, np.s_[..., :32]), cut(q, np.s_[:, :, :3])
+    ks32, kz32 = cut(ks, np.s_[..., :32]), cut(kz, np.s_[..., :32])
     for mod in (qtpu, qgpu):
         f = mod.quantized_pages_attention
         with pytest.raises(ValueError, match="q head_dim 32"):
-            f(q[..., :32], *pages, **opts)
+            f(q32, *pages, **opts)
         with pytest.raises(ValueError, match="per-channel key groups"):  # 128 channels at 2 bits
             f(q, *pages, **{**opts, "k_bits": 2})
         with pytest.raises(ValueError, match="bits must be one of"):
             f(q, *pages, **{**opts, "k_bits": 3})
         with pytest.raises(ValueError, match="not a multiple of kv_heads"):
-            f(q[:, :, :3], *pages, **opts)
+            f(q3, *pages, **opts)
         with pytest.raises(TypeError, match="uint8"):
-            f(q, kc.astype(jnp.int32), *pages[1:], **opts)
+            f(q, cut(kc, ..., np.int32), *pages[1:], **opts)
         with pytest.raises(ValueError, match="per-channel key groups"):
-            f(q, kc, ks[..., :32], kz[..., :32], *pages[3:], **opts)
+            f(q, kc, ks32, kz32, *pages[3:], **opts)
         with pytest.raises(ValueError, match="q_pos"):
-            f(q, *pages[:-1], qp[:, :0], **opts)
+            f(q, *pages[:-1], cut(qp, np.s_[:, :0]), **opts)
         with pytest.raises(ValueError, match="max_pages"):
             f(q, *pages, **opts, max_pages=MAX_PAGES - 1)
     # Widths the hardware kernels do not tile.
@@ -250,7 +256,9 @@ def test_bad_inputs_raise_before_tracing(rng):
         qtpu.quantized_pages_attention(small[0], *sp, k_bits=2, v_bits=2, scale=0.1)
     with pytest.raises(ValueError, match="8-channel slices"):
         qgpu.quantized_pages_attention(small[0], *sp, k_bits=2, v_bits=2, scale=0.1)
-    # The public op: impl="pallas" cannot run compiled on CPU.
+    # The public op: impl="pallas" cannot run compiled on CPU. Traced (eval_shape) rather
+    # than run: its eager setup would compile a program per op; a missing check would let
+    # the trace finish without the error.
     from kvjax import attention
     from kvjax.cache.quantized import QuantizedLayerView, QuantLayer
 
@@ -259,11 +267,12 @@ def test_bad_inputs_raise_before_tracing(rng):
                               tail_v=args[8], block_tables=bt, quant_lengths=ql, lengths=ln)
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="interpret=False needs a TPU or GPU"):
-            attention.quantized_decode_attention(q[:, 0], view, impl="pallas", interpret=False)
+            jax.eval_shape(lambda q, view: attention.quantized_decode_attention(
+                q, view, impl="pallas", interpret=False), cut(q, np.s_[:, 0]), view)
     m = mla_case(rng, bits=4, batch=2)
     with pytest.raises(ValueError, match="query widths"):
-        qtpu.quantized_mla_pages_attention(m[0], m[1][..., :32], *m[2:6], m[8], m[10], m[11],
-                                           bits=4, scale=0.1)
+        qtpu.quantized_mla_pages_attention(m[0], cut(m[1], np.s_[..., :32]), *m[2:6], m[8],
+                                           m[10], m[11], bits=4, scale=0.1)
     with pytest.raises(ValueError, match="scale must be positive"):
         qgpu.quantized_mla_pages_attention(*m[:6], m[8], m[10], m[11], bits=4, scale=0.0)
 
@@ -334,15 +343,17 @@ def _tiny(family):
 @pytest.mark.parametrize("family", ["llama", pytest.param("mla", marks=pytest.mark.slow)])
 def test_tiny_model_decodes_same_tokens_with_pallas(rng, family):
     from kvjax import generate as gen
+    from kvjax.models.deepseek.params import init_from_shapes
     from kvjax.models.tiny import init_tiny, tiny_model
     from kvjax.specs import QuantSpec
 
     config = _tiny(family)
     model = tiny_model(config)
-    # Llama's init traced as one program (eagerly, each tensor shape compiles its own draw);
-    # DeepSeek's draws on the host.
-    init = jax.jit(init_tiny, static_argnums=0) if family == "llama" else init_tiny
-    params = init(config, jax.random.key(int(rng.integers(1 << 30))))
+    # Random params drawn on the host, as DeepSeek's init does (Llama's draws on the device:
+    # a compiled program for nothing the test checks).
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    params = init_tiny(config, key) if family == "mla" else init_from_shapes(
+        jax.eval_shape(lambda k: init_tiny(config, k), key), key)
     prompts = rng.integers(0, 256, (2, 40)).astype(np.int32)
     cc = gen.CacheConfig(dtype="float32", page_size=PS,
                          quant=QuantSpec(bits=4, group_size=16, residual=16))
