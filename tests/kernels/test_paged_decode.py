@@ -9,6 +9,7 @@ page it did not copy and never indexes past a buffer.
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,7 +124,8 @@ def test_float32_queries_over_bf16_pages(rng, kernel):
     # under strict dtype promotion (the tests' setting) as on the device.
     q, k, v, lengths, tables = gqa_case(rng, q_heads=8, kv_heads=2, head_dim=64, page_size=8,
                                         max_pages=4, dtype=jnp.bfloat16)
-    q = q.astype(jnp.float32) + jnp.asarray(rng.standard_normal(q.shape) * 1e-2, jnp.float32)
+    q = jax.device_put((np.asarray(q, np.float32) + rng.standard_normal(q.shape) * 1e-2)
+                       .astype(np.float32))  # on the host: no eager program per op
     out, lse = run_kernel(kernel, q, k, v, lengths, tables, block_pages=2)
     assert out.dtype == jnp.float32
     assert_close((out, lse), ref_decode(q, k, v, lengths, tables), jnp.bfloat16)
@@ -175,11 +177,12 @@ def test_gpu_page_size_must_be_power_of_two(rng, no_kernel_tracing):
 
 def test_tpu_table_larger_than_smem_raises(rng, no_kernel_tracing):
     q, k, v, lengths, _ = _small(rng)
-    q = jnp.tile(q, (64, 1, 1))[:128]
-    tables = jnp.zeros((128, 1024), jnp.int32)
+    # Built on the host: no eager program per op.
+    q, lengths, tables = jax.device_put((np.tile(np.asarray(q), (64, 1, 1))[:128],
+                                         np.ones((128,), np.int32),
+                                         np.zeros((128, 1024), np.int32)))
     with pytest.raises(ValueError, match=r"keeps the table in SMEM"):
-        tpu.paged_decode_attention(q, k, v, jnp.ones((128,), jnp.int32), tables,
-                                   interpret=True)
+        tpu.paged_decode_attention(q, k, v, lengths, tables, interpret=True)
 
 
 @pytest.mark.parametrize(
