@@ -85,18 +85,36 @@ def test_swaps_and_host_prefix_hits_keep_the_tokens(tiny, rng, kind):
     assert kinds == {host.HOST_MEMORY}, kinds
 
 
+def _host_engine(model, params):
+    """Like test_engine_scheduling's small engine (14 pages, rows of up to 56 tokens) with a
+    host tier of 4 pages and 2 rows: a request of up to 32 tokens swaps, a longer one (or
+    one that finds the tier taken by another) is recomputed, and parked prefixes are
+    dropped for room. The tests below share its programs (a fresh engine each)."""
+    return Engine(model, params, max_seqs=3, max_seq_len=56, chunk_size=CHUNK, prefill_rows=2,
+                  cache=gen.CacheConfig(page_size=PAGE, num_pages=14), prefix_slots=3,
+                  host_pages=4, host_rows=2)
+
+
 def test_a_host_tier_too_small_falls_back_to_recompute(tiny, rng):
+    """Two requests of 8 + 48 tokens start (one call: 17 tokens each); then a third of
+    48 + 8 joins: its prefill ends with the first two at 20 tokens (3 + 3 + 7 pages of 14).
+    Once they need a fourth page each, the pool cannot hold all three: the latest admitted,
+    the third, holding 49 tokens or more, is preempted; the tier of 4 pages (32 tokens)
+    cannot take it, so it is recomputed. Every request gets generate's tokens."""
     model, params = tiny
-    cfg = CONFIGS["bfloat16"]
-    prompts, max_new = _two_tenants(rng, model.vocab_size, 4)
-    # One host page: no sequence of more than 8 tokens fits, every prompt has 35 or more.
-    engine = _engine(model, params, dataclasses.replace(cfg, num_pages=POOL),
-                     host_pages=1, host_rows=1)
-    got, reasons = _drive(engine, prompts, max_new)
-    assert engine.stats["swaps"] == 0 and engine.stats["preemptions"] > 0, engine.stats
-    assert reasons == ["length"] * len(prompts)
-    assert got[0] == _alone(model, params, prompts[0], max_new[0], cfg)
-    assert [len(g) for g in got] == max_new
+    cfg = gen.CacheConfig(page_size=PAGE)
+    engine = _host_engine(model, params)
+    replay = _Replay(engine)
+    first = [replay.add(rng.integers(3, model.vocab_size, PAGE).tolist(), 48)
+             for _ in range(2)]
+    replay.step()
+    assert all(len(replay.out[i]) == 9 for i in first), replay.out
+    replay.add(rng.integers(3, model.vocab_size, 48).tolist(), 8)
+    while engine.has_unfinished():
+        replay.step()
+    s = replay.stats()
+    assert s["swaps"] == 0 and s["preemptions"] > 0, s
+    replay.check_tokens(lambda p, n: _alone(model, params, p, n, cfg))
 
 
 def test_prefix_cache_parks_unparks_and_drops(rng):
@@ -138,14 +156,7 @@ def test_bad_host_tier_arguments(tiny):
 
 @pytest.fixture(scope="module")
 def host_engine(tiny):
-    model, params = tiny
-    # Like test_engine_scheduling's small_engine (14 pages, rows of up to 56 tokens) with a
-    # host tier of 4 pages and 2 rows: a request of up to 32 tokens swaps, a longer one (or
-    # one that finds the tier taken by another) is recomputed, and parked prefixes are
-    # dropped for room.
-    return Engine(model, params, max_seqs=3, max_seq_len=56, chunk_size=CHUNK, prefill_rows=2,
-                  cache=gen.CacheConfig(page_size=PAGE, num_pages=14), prefix_slots=3,
-                  host_pages=4, host_rows=2)
+    return _host_engine(*tiny)
 
 
 @settings(max_examples=8, deadline=None,
