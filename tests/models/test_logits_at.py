@@ -40,11 +40,11 @@ def _prompt_cache(model, rng, batch, q_len):
     spec = gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=batch, max_tokens=q_len)
     cache = kv_cache.init_cache(spec)
     q_lengths = rng.integers(1, q_len + 1, batch).astype(np.int32)
-    cache, st = kv_cache.reserve(cache, jnp.asarray(q_lengths))
+    cache, st = kv_cache.reserve(cache, q_lengths)
     st.raise_if_error()
     tokens = rng.integers(0, model.vocab_size, (batch, q_len)).astype(np.int32)
     positions = np.broadcast_to(np.arange(q_len, dtype=np.int32), (batch, q_len))
-    return cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(q_lengths)
+    return cache, *jax.device_put((tokens, positions, q_lengths))
 
 
 @pytest.mark.parametrize("name,untied,unstack", [("gqa", False, False), ("gqa", True, False),
@@ -57,17 +57,19 @@ def test_logits_at_equals_full_forward(name, untied, unstack, rng):
     cache, tokens, positions, q_lengths = _prompt_cache(model, rng, batch, q_len)
     idx = rng.integers(0, q_len, (batch, k)).astype(np.int32)
 
-    full, _ = model.apply(params, tokens, positions, cache, q_lengths=q_lengths)
-    some, _ = model.apply(params, tokens, positions, cache, q_lengths=q_lengths,
-                          logits_at=jnp.asarray(idx))
+    # One program per case: the full forward, concrete indices (a constant of the trace:
+    # the forward sees them as values, as an eager call would) and traced indices (what
+    # prefill passes), the latter with the policy hook's observe=True too.
+    @jax.jit
+    def fwd(p, c, i):
+        def apply(**kw):
+            return model.apply(p, tokens, positions, c, q_lengths=q_lengths, **kw)
+        return apply()[0], apply(logits_at=idx)[0], apply(logits_at=i, observe=True)
+
+    full, some, (jitted, _, queries) = fwd(params, cache, jax.device_put(idx))
     assert some.shape == (batch, k, model.vocab_size) and some.dtype == jnp.float32
     want = np.take_along_axis(np.asarray(full), idx[:, :, None], axis=1)
     np.testing.assert_allclose(np.asarray(some), want, rtol=0, atol=ATOL)
-
-    # Traced indices (what prefill passes), with the policy hook's observe=True too.
-    fwd = jax.jit(lambda p, c, i: model.apply(p, tokens, positions, c, q_lengths=q_lengths,
-                                              logits_at=i, observe=True))
-    jitted, _, queries = fwd(params, cache, jnp.asarray(idx))
     np.testing.assert_allclose(np.asarray(jitted), want, rtol=0, atol=ATOL)
     assert queries.shape[:3] == (model.config.num_layers, batch, q_len)
 
@@ -107,14 +109,14 @@ def test_prefill_last_logits_without_all_logits(name, with_policy, rng):
     lengths = np.array([1, 8, 9, rng.integers(10, 24), 32], np.int32)
     tokens = rng.integers(0, model.vocab_size, (len(lengths), width)).astype(np.int32)
     spec = gen.CacheConfig(page_size=PAGE).spec(model, num_seqs=len(lengths), max_tokens=width)
-    ids = jnp.arange(len(lengths), dtype=jnp.int32)
+    ids = jax.device_put(np.arange(len(lengths), dtype=np.int32))
     policy = StreamingLLM(n_sink=2, window=12) if with_policy else None
 
     def run(return_logits):
         cache = kv_cache.init_cache(spec)
         pstate = None if policy is None else policy.init_state(cache)
         cache, last, st, logits, _ = gen.prefill(
-            model, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), ids,
+            model, params, cache, *jax.device_put((tokens, lengths)), ids,
             chunk_size=chunk, return_logits=return_logits, policy=policy, policy_state=pstate)
         st.raise_if_error()
         return np.asarray(last), logits, np.asarray(cache.lengths)
