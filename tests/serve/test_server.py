@@ -84,9 +84,16 @@ def client(served):
                          timeout=120)
 
 
+def _ref_cache(model):
+    """The references' cache: one sequence of up to MAX_SEQ_LEN tokens, whatever the prompt
+    (a cache sized to each prompt would compile the decode loop once per size)."""
+    return CACHE.build(model, num_seqs=1, max_tokens=MAX_SEQ_LEN)
+
+
 @pytest.fixture(scope="module")
 def reference(loaded):
-    """Greedy tokens of `kvjax.generate` on one prompt alone (memoized)."""
+    """Greedy tokens of `kvjax.generate` on one prompt alone (memoized), on a cache of one
+    size for every prompt (`_ref_cache`): one compiled decode loop."""
     model, params, _ = loaded
     memo = {}
 
@@ -94,8 +101,8 @@ def reference(loaded):
         key = tuple(ids)
         if key not in memo:
             res = gen.generate(model, params, [list(ids)], key=jax.random.key(0),
-                               max_new_tokens=NEW, eos_ids=ENGINE["eos_ids"], cache=CACHE,
-                               chunk_size=ENGINE["chunk_size"])
+                               max_new_tokens=NEW, eos_ids=ENGINE["eos_ids"],
+                               cache=_ref_cache(model), chunk_size=ENGINE["chunk_size"])
             memo[key] = res.sequences()[0]
         return memo[key]
     return run
@@ -215,7 +222,7 @@ def test_sampled_completions_equal_generate_with_their_seed(client, loaded, rng)
     def run(seed, config):
         res = gen.generate(model, params, [ids], key=jax.random.key(seed)[None],
                            max_new_tokens=NEW, sampling=config, eos_ids=ENGINE["eos_ids"],
-                           cache=CACHE, chunk_size=ENGINE["chunk_size"])
+                           cache=_ref_cache(model), chunk_size=ENGINE["chunk_size"])
         return res.sequences()[0]
     greedy = run(0, gen.GREEDY)
     # At this temperature the tiny model's draws nearly always leave the greedy tokens;
