@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_paged
-from kernel_cases import gqa_case
+from kernel_cases import gqa_case, interpreted
 
 from kernels_pallas.paged_attention import tpu
 from kernels_pallas.paged_attention.block_sizes import BlockSizes
@@ -28,13 +28,16 @@ def test_tpu_kernel_agrees_with_jax_paged_attention(rng, q_heads, kv_heads, page
         rng, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         max_pages=max_pages, dtype=jnp.bfloat16, lengths=lengths,
     )
+    # Edited on the host (no eager program per op); numpy's bfloat16 rounds to nearest
+    # even as XLA's convert does.
     num_pages = k.shape[1]
-    tables = jnp.where((tables >= 0) & (tables < num_pages), tables, 0)
+    tables = np.asarray(tables)
+    tables = jax.device_put(np.where((tables >= 0) & (tables < num_pages), tables, 0))
     scale = head_dim ** -0.5
-    q = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    q = jax.device_put((np.asarray(q, np.float32) * np.float32(scale)).astype(jnp.bfloat16))
 
-    ours, _ = tpu.paged_decode_attention(
-        q, k, v, lengths, tables, scale=1.0,
+    ours, _ = interpreted(
+        tpu.paged_decode_attention, q, k, v, lengths, tables, scale=1.0,
         block_sizes=BlockSizes(block_tokens=pages_per_block * page_size),
         interpret=tpu.interpret_params(),
     )
