@@ -29,6 +29,16 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
 # Jitted: run op by op, the reference's dispatch dominates these tests' time.
 reference = jax.jit(paged_ref.paged_decode_attention,
                     static_argnames=("scale", "soft_cap", "sliding_window"))
+# One program per case shape, shared by every build and test that draws that case.
+quantized_reference = jax.jit(qref.quantized_attention,
+                              static_argnames=("k_bits", "v_bits", "scale", "soft_cap",
+                                               "sliding_window"))
+
+
+def _put(x, dtype):
+    """`x` converted on the host and committed: eager jnp.asarray compiles a program per
+    shape and dtype."""
+    return jax.device_put(np.asarray(x, dtype))
 
 
 def _case(rng, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, dtype,
@@ -42,11 +52,11 @@ def _case(rng, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, dtyp
         lengths = rng.integers(1, max_pages * page_size + 1, batch)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
+        return _put(rng.standard_normal(shape), dtype)
 
     return (draw(batch, q_heads, head_dim), draw(kv_heads, num_pages, page_size, head_dim),
             draw(kv_heads, num_pages, page_size, head_dim),
-            jnp.asarray(lengths, jnp.int32), jnp.asarray(tables, jnp.int32))
+            _put(lengths, np.int32), _put(tables, np.int32))
 
 
 def _close(got, want, dtype):
@@ -81,8 +91,8 @@ def test_matches_reference(rng, dtype, q_heads, kv_heads, head_dim, page_size):
                      shared=shared, lengths=lengths)
         got = paged_decode_attention(*args, impl="cpu")
         _close(got, reference(*args), dtype)
-        out, lse = got
-        assert np.all(np.asarray(out[3], np.float32) == 0.0) and np.all(np.isneginf(lse[3]))
+        out, lse = np.asarray(got[0], np.float32), np.asarray(got[1])
+        assert np.all(out[3] == 0.0) and np.all(np.isneginf(lse[3]))
 
 
 @needs_kernel
@@ -113,7 +123,7 @@ def _shared_prefix_case(rng, *, q_heads, kv_heads, head_dim, page_size, dtype):
     lengths[2], lengths[7] = prefix * page_size, 0
     args = _case(rng, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                  page_size=page_size, max_pages=max_pages, dtype=dtype, lengths=lengths)
-    return (*args[:4], jnp.asarray(tables, jnp.int32))
+    return (*args[:4], _put(tables, np.int32))
 
 
 @pytest.mark.slow
@@ -196,13 +206,13 @@ def test_prefill_matches_reference(rng, dtype, q_heads, kv_heads, head_dim, page
     _, k, v, lengths, tables = _case(rng, batch=5, q_heads=q_heads, kv_heads=kv_heads,
                                      head_dim=head_dim, page_size=page_size,
                                      max_pages=max_pages, dtype=dtype, lengths=lengths)
-    q = jnp.asarray(rng.standard_normal((5, q_len, q_heads, head_dim)), dtype)
-    args = (q, k, v, lengths, tables, jnp.asarray(q_lengths, jnp.int32))
+    q = _put(rng.standard_normal((5, q_len, q_heads, head_dim)), dtype)
+    args = (q, k, v, lengths, tables, _put(q_lengths, np.int32))
     got = jax.jit(functools.partial(cpu_kernels.paged_prefill_attention,
                                     item_rows=item_rows))(*args)
     _close(got, prefill_reference(*args), dtype if dtype != jnp.float16 else jnp.bfloat16)
-    out, lse = got
-    assert np.all(np.asarray(out[3], np.float32) == 0.0) and np.all(np.isneginf(lse[3]))
+    out, lse = np.asarray(got[0], np.float32), np.asarray(got[1])
+    assert np.all(out[3] == 0.0) and np.all(np.isneginf(lse[3]))
     assert np.all(np.isneginf(lse[2, 1:])) and np.all(np.isneginf(lse[4, 45:]))
 
 
@@ -214,10 +224,11 @@ def test_prefill_window_soft_cap_and_layer(rng):
     _, k, v, lengths, tables = _case(rng, batch=3, q_heads=8, kv_heads=2, head_dim=64,
                                      page_size=16, max_pages=10, dtype=jnp.float32,
                                      lengths=[160, 97, 40])
-    q = jnp.asarray(rng.standard_normal((3, 40, 8, 64)), jnp.float32)
-    q_lengths = jnp.asarray([40, 33, 40], jnp.int32)
-    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), jnp.float32).at[1].set(k)
-    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), jnp.float32).at[1].set(v)
+    q = _put(rng.standard_normal((3, 40, 8, 64)), np.float32)
+    q_lengths = _put([40, 33, 40], np.int32)
+    k_all, v_all = (rng.standard_normal((layers, *x.shape)).astype(np.float32) for x in (k, v))
+    k_all[1], v_all[1] = k, v
+    k_all, v_all = jax.device_put((k_all, v_all))
     for kw in (dict(sliding_window=5), dict(sliding_window=70, soft_cap=4.0, scale=0.2)):
         want = prefill_reference(q, k, v, lengths, tables, q_lengths, **kw)
         _close(attention.paged_prefill_attention(q, k, v, lengths, tables, q_lengths,
@@ -233,8 +244,8 @@ def test_jit_and_layers_scan_read_pools_in_place(rng):
     layers, dtype = 3, jnp.bfloat16
     q, k, v, lengths, tables = _case(rng, batch=4, q_heads=8, kv_heads=2, head_dim=64,
                                      page_size=16, max_pages=4, dtype=dtype)
-    k_all = jnp.asarray(rng.standard_normal((layers, *k.shape)), dtype)
-    v_all = jnp.asarray(rng.standard_normal((layers, *v.shape)), dtype)
+    k_host, v_host = (np.asarray(rng.standard_normal((layers, *x.shape)), dtype) for x in (k, v))
+    k_all, v_all = jax.device_put((k_host, v_host))
 
     def run(impl):
         def step(x, layer):
@@ -243,10 +254,10 @@ def test_jit_and_layers_scan_read_pools_in_place(rng):
             return x, out
         return jax.jit(lambda x: jax.lax.scan(step, x, jnp.arange(layers))[1])
 
-    got = run("cpu")(q)
+    got = np.asarray(run("cpu")(q), np.float32)
     for layer in range(layers):
-        want = reference(q, k_all[layer], v_all[layer], lengths, tables)
-        np.testing.assert_allclose(np.asarray(got[layer], np.float32),
+        want = reference(q, *jax.device_put((k_host[layer], v_host[layer])), lengths, tables)
+        np.testing.assert_allclose(got[layer],
                                    np.asarray(want[0], np.float32), rtol=1e-2, atol=1e-2)
 
     def scan_kv(q, k_all, v_all):
@@ -264,10 +275,13 @@ def test_vmap_runs_per_element(rng):
     """vmap is not needed by kvjax; it works by running the kernel per mapped element."""
     args = _case(rng, batch=2, q_heads=4, kv_heads=2, head_dim=64, page_size=16, max_pages=2,
                  dtype=jnp.float32)
-    qs = jnp.stack([args[0], -args[0]])
-    got = jax.vmap(lambda q: cpu_kernels.paged_decode_attention(q, *args[1:]))(qs)
+    q = np.asarray(args[0])
+    qs = np.stack([q, -q])
+    got = jax.vmap(lambda q: cpu_kernels.paged_decode_attention(q, *args[1:]))(
+        jax.device_put(qs))
+    got = jax.device_get(got)
     for i in range(2):
-        _close((got[0][i], got[1][i]), reference(qs[i], *args[1:]),
+        _close((got[0][i], got[1][i]), reference(jax.device_put(qs[i]), *args[1:]),
                jnp.float32)
 
 
@@ -362,7 +376,7 @@ def test_quantized_decode_matches_reference(rng, bits, q_heads, kv_heads):
     """KIVI int2/int4/int8 pages with f16 scales, GQA 4 / MQA / MHA, lengths at the page
     and tail edges (random_cache), whole pools and one layer: equal to the reference."""
     cache = random_cache(rng, bits=bits, q_heads=q_heads, kv_heads=kv_heads)
-    q = jnp.asarray(rng.standard_normal((cache.spec.max_seqs, q_heads, qz_D)), jnp.float32)
+    q = _put(rng.standard_normal((cache.spec.max_seqs, q_heads, qz_D)), np.float32)
     want = _qdecode(qz.layer_view(cache, 0), q, "reference")
     q_close(_qdecode(qz.layer_view(cache, 0), q, "cpu"), want, 2e-5)
     q_close(_qdecode(qz.layer_view(cache, 0, whole_pools=True), q, "cpu"), want, 2e-5)
@@ -373,7 +387,7 @@ def test_quantized_bf16_soft_cap_window_mixed_layers(rng):
     """bf16 cache and queries; soft cap and sliding window; layers of different bit widths
     read from their whole pools."""
     cache = random_cache(rng, bits=(8, 2), layers=2, dtype="bfloat16")  # 9 slots: some with
-    q = jnp.asarray(rng.standard_normal((9, 8, qz_D)), jnp.bfloat16)  # quantized pages
+    q = _put(rng.standard_normal((9, 8, qz_D)), jnp.bfloat16)  # quantized pages
     for layer, kw in ((0, dict(soft_cap=2.0)), (1, dict(sliding_window=21))):
         want = _qdecode(qz.layer_view(cache, layer), q, "reference", **kw)
         got = _qdecode(qz.layer_view(cache, layer, whole_pools=True), q, "cpu", **kw)
@@ -384,7 +398,7 @@ def test_quantized_bf16_soft_cap_window_mixed_layers(rng):
 def test_quantized_traced_layer_in_a_scan(rng):
     layers = 3
     cache = random_cache(rng, bits=4, layers=layers)  # 9 slots, some with quantized pages
-    q = jnp.asarray(rng.standard_normal((9, 8, qz_D)), jnp.float32)
+    q = _put(rng.standard_normal((9, 8, qz_D)), np.float32)
 
     def run(impl, whole):
         def body(c, layer):
@@ -418,24 +432,25 @@ def _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads):
     span = 1.0 / ((1 << bits) - 1)
 
     def codes():
-        return jnp.asarray(rng.integers(0, 256, (kv_heads, num_pages, ps, head_dim * bits // 8)),
-                           jnp.uint8)
+        return _put(rng.integers(0, 256, (kv_heads, num_pages, ps, head_dim * bits // 8)),
+                    np.uint8)
 
     def scale_zero(shape):
-        return (jnp.asarray(rng.uniform(0.5 * span, 2 * span, shape), scale_dtype),
-                jnp.asarray(rng.uniform(-2.0, 0.0, shape), scale_dtype))
+        return (_put(rng.uniform(0.5 * span, 2 * span, shape), scale_dtype),
+                _put(rng.uniform(-2.0, 0.0, shape), scale_dtype))
 
     pools = (codes(), *scale_zero((kv_heads, num_pages, ps // group, head_dim)), codes(),
              *scale_zero((kv_heads, num_pages, ps, head_dim // group)))
     lengths = np.asarray([1, 20, 70, max_pages * ps, 100], np.int32)
     quant_lengths = ps * np.maximum(lengths - 16, 0) // ps
-    tables = jnp.asarray(rng.integers(0, num_pages, (batch, max_pages)), jnp.int32)
+    tables = _put(rng.integers(0, num_pages, (batch, max_pages)), np.int32)
     # The tail ring in the scales' dtype: f16, bf16 and f32 rows widened by the kernel.
-    tail_k, tail_v = (jnp.asarray(rng.standard_normal((kv_heads, batch, ring, head_dim)),
-                                  jnp.float32).astype(scale_dtype) for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim)), jnp.float32)
-    args = (q, *pools, tail_k, tail_v, jnp.asarray(quant_lengths), jnp.asarray(lengths),
-            tables, jnp.asarray(lengths - 1)[:, None])
+    tail_k, tail_v = (_put(rng.standard_normal((kv_heads, batch, ring, head_dim))
+                           .astype(np.float32), scale_dtype) for _ in range(2))
+    q = _put(rng.standard_normal((batch, 1, q_heads, head_dim)), np.float32)
+    quant_lengths, lengths, q_pos = jax.device_put(
+        tuple(x.astype(np.int32) for x in (quant_lengths, lengths, (lengths - 1)[:, None])))
+    args = (q, *pools, tail_k, tail_v, quant_lengths, lengths, tables, q_pos)
     return args, dict(k_bits=bits, v_bits=bits, scale=head_dim**-0.5)
 
 
@@ -455,7 +470,7 @@ def test_quantized_vectorised_rows(rng, cpu_build, cpu_options, bits, head_dim, 
     values (int_logits and int_values off) the kernel is float32-exact:
     equal to the reference to 2e-6."""
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
-    want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
+    want = quantized_reference(*args, **kw)
     q_close(cpu_kernels.quantized_attention(*args, **kw), want, 2e-5)
     cpu_options(int_logits=False, int_values=False)
     got = cpu_kernels.quantized_attention(*args, **kw)
@@ -476,10 +491,10 @@ def test_quantized_int_logits_within_their_bound(rng, cpu_build, cpu_options, bi
     cpu_options(int_values=False)
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
     q, _, k_scale, _, _, v_scale, v_zero, _, tail_v = args[:9]
-    want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
+    want = quantized_reference(*args, **kw)
     got = cpu_kernels.quantized_attention(*args, **kw)
     f32 = functools.partial(np.asarray, dtype=np.float32)
-    m = f32(jnp.abs(q)).max() * kw["scale"] * f32(k_scale).max()
+    m = np.abs(f32(q)).max() * kw["scale"] * f32(k_scale).max()
     eps = m / 65534 * head_dim * ((1 << bits) - 1)
     v_max = max(((1 << bits) - 1) * f32(v_scale).max() + np.abs(f32(v_zero)).max(),
                 np.abs(f32(tail_v)).max())
@@ -506,7 +521,7 @@ def test_quantized_int_values_within_their_bound(rng, cpu_build, cpu_options, bi
     cpu_options(int_logits=False)
     args, kw = _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads)
     v_scale = args[5]
-    want = jax.jit(functools.partial(qref.quantized_attention, **kw))(*args)
+    want = quantized_reference(*args, **kw)
     got = cpu_kernels.quantized_attention(*args, **kw)
     f32 = functools.partial(np.asarray, dtype=np.float32)
     eps = 16 * ((1 << bits) - 1) * f32(v_scale).max() / 65534
@@ -527,23 +542,26 @@ def test_mla_decode_matches_reference(rng, dtype):
     full table and partial pages; one layer and whole pools with a traced layer."""
     batch, heads, dc, dr, ps, max_pages, layers = 5, 8, 64, 16, 16, 4, 2
     num_pages = 14
-    lengths = jnp.asarray([0, 1, max_pages * ps, 17, 40], jnp.int32)
-    tables = jnp.asarray(rng.integers(0, num_pages, (batch, max_pages)), jnp.int32)
+    lengths = _put([0, 1, max_pages * ps, 17, 40], np.int32)
+    tables = _put(rng.integers(0, num_pages, (batch, max_pages)), np.int32)
 
     def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
+        return np.asarray(rng.standard_normal(shape), dtype)
 
-    ql, qr = draw(batch, heads, dc), draw(batch, heads, dr)
-    lat, rope = draw(layers, 1, num_pages, ps, dc), draw(layers, 1, num_pages, ps, dr)
+    ql, qr = jax.device_put((draw(batch, heads, dc), draw(batch, heads, dr)))
+    lat_host, rope_host = draw(layers, 1, num_pages, ps, dc), draw(layers, 1, num_pages, ps, dr)
+    lat, rope = jax.device_put((lat_host, rope_host))
     ref = jax.jit(functools.partial(mla_ref.mla_decode_attention, scale=0.1))
+    # One program for both layers: the layer is traced.
+    whole = jax.jit(lambda i: attention.mla_decode_attention(
+        ql, qr, lat, rope, lengths, tables, scale=0.1, impl="cpu", layer=i))
     for layer in range(layers):
-        want = ref(ql, qr, lat[layer, 0], rope[layer, 0], lengths, tables)
-        got = attention.mla_decode_attention(ql, qr, lat[layer, 0], rope[layer, 0], lengths,
-                                             tables, scale=0.1, impl="cpu")
+        lat_l, rope_l = jax.device_put((lat_host[layer, 0], rope_host[layer, 0]))
+        want = ref(ql, qr, lat_l, rope_l, lengths, tables)
+        got = attention.mla_decode_attention(ql, qr, lat_l, rope_l, lengths, tables,
+                                             scale=0.1, impl="cpu")
         _close(got, want, dtype)
-        got = jax.jit(lambda i: attention.mla_decode_attention(
-            ql, qr, lat, rope, lengths, tables, scale=0.1, impl="cpu", layer=i))(layer)
-        _close(got, want, dtype)
+        _close(whole(layer), want, dtype)
 
 
 @needs_kernel
@@ -556,9 +574,9 @@ def test_quantized_mixed_scale_dtypes_run_the_xla_path(rng):
     cache = random_cache(rng, bits=4, q_heads=8, kv_heads=2)
     view = qz.layer_view(cache, 0)
     view = dataclasses.replace(view, v=dataclasses.replace(
-        view.v, scale=view.v.scale.astype(jnp.float32), zero=view.v.zero.astype(jnp.float32)))
+        view.v, scale=_put(view.v.scale, np.float32), zero=_put(view.v.zero, np.float32)))
     assert view.k.scale.dtype != view.v.scale.dtype
-    q = jnp.asarray(rng.standard_normal((cache.spec.max_seqs, 8, qz_D)), jnp.float32)
+    q = _put(rng.standard_normal((cache.spec.max_seqs, 8, qz_D)), np.float32)
     q_close(_qdecode(view, q, "cpu"), _qdecode(view, q, "reference"), 2e-5)
     lowered = jax.jit(lambda q, v: attention.quantized_decode_attention(q, v, impl="cpu"))
     assert "kvjax_quantized_decode" not in lowered.lower(q, view).as_text()
@@ -572,16 +590,20 @@ def test_quantized_mixed_scale_dtypes_run_the_xla_path(rng):
 def test_write_rows_matches_scatter(rng, dtype):
     """The in-place row write equals `.at[layer, :, i1, i2, :].set(x, mode="drop")`: rows
     with an out-of-range index (the cache's sink) or an out-of-range layer are dropped."""
-    pool = jnp.asarray(rng.standard_normal((3, 2, 6, 4, 16)), dtype)
+    pool = _put(rng.standard_normal((3, 2, 6, 4, 16)), dtype)
     n = 9
     i1 = rng.integers(0, 7, n)  # 6 = out of range
     i2 = rng.integers(0, 5, n)  # 4 = out of range
     i1[0], i2[1] = 6, 4
-    x = jnp.asarray(rng.standard_normal((n, 2, 16)), dtype)
-    i1, i2 = jnp.asarray(i1, jnp.int32), jnp.asarray(i2, jnp.int32)
+    x = _put(rng.standard_normal((n, 2, 16)), dtype)
+    i1, i2 = _put(i1, np.int32), _put(i2, np.int32)
+    # One program each for both layers (the layer is traced in both).
+    scatter = jax.jit(lambda pool, layer, i1, i2, x: pool.at[layer, :, i1, i2, :].set(
+        x, mode="drop"))
+    write = jax.jit(cpu_kernels.write_rows)
     for layer in (1, 3):
-        want = pool.at[layer, :, i1, i2, :].set(x, mode="drop")
-        got = jax.jit(cpu_kernels.write_rows)(pool, layer, i1, i2, x)
+        want = scatter(pool, layer, i1, i2, x)
+        got = write(pool, layer, i1, i2, x)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -590,11 +612,12 @@ def test_write_rows_matches_scatter(rng, dtype):
 def test_copy_pages_matches_scatter(rng, dtype):
     """In-place page copies equal `.at[:, :, dst].set(pool[:, :, src], mode="drop")` for
     fresh destinations; pairs with the sink index (out of range) are skipped."""
-    pool = jnp.asarray(rng.standard_normal((2, 3, 8, 4, 16)), dtype)
+    pool = _put(rng.standard_normal((2, 3, 8, 4, 16)), dtype)
     perm = rng.permutation(8)
     src, dst = perm[:3].copy(), perm[3:6].copy()
     dst[1] = 8  # the sink: nothing copied for this pair
-    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
-    want = pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+    src, dst = _put(src, np.int32), _put(dst, np.int32)
+    want = jax.jit(lambda pool, src, dst: pool.at[:, :, dst].set(pool[:, :, src], mode="drop"))(
+        pool, src, dst)
     got = jax.jit(cpu_kernels.copy_pages)(pool, src, dst)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
