@@ -96,7 +96,7 @@ import cpu_builds  # noqa: E402
 import hypothesis  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from sweep_sampling import commit_seed, covering_sample, rotation  # noqa: E402
+from sweep_sampling import commit_seed, covering_sample, longest_first, rotation  # noqa: E402
 
 # Hypothesis draws the same examples on every run and every machine (a seed from each
 # test's own code), and keeps no example database: a failure another run found in a
@@ -255,39 +255,8 @@ def _sweep_seed(config) -> int:
     return config._kvjax_commit_seed[0]
 
 
-# The longest files run first, longest first (their tests' seconds in a clean run of the
-# default suite on a 2-core Zen 4: 20-130 s each; the CPU-kernel builds count in the first
-# two, the Python 3.12 job's files keep the same relative order). xdist hands out whole
-# files (`--dist loadfile`), by default the files with the most tests first, which put the
-# longest (few, long tests) last: one worker ran them alone for the last two minutes while
-# the other idled. With `--no-loadscope-reorder` (pyproject.toml) files go out in
-# collection order: longest first, the short files even out the workers' ends.
-LONGEST_FIRST = (
-    "backends/test_cpu_builds.py", "backends/test_cpu_kernels.py",
-    "models/test_deepseek_v32.py", "cache/test_host_tier.py",
-    "kernels/test_quantized_kernels.py", "serve/test_engine_scheduling.py",
-    "serve/test_engine_host_tier.py", "test_composition.py", "test_demo_models.py",
-    "attention/test_xla_path.py", "models/test_qwen3_next.py",
-    "attention/test_xla_quantized.py", "test_readme.py", "serve/test_engine.py",
-    "attention/test_invisible_nonfinite.py", "test_benchmark_offload.py",
-    "test_benchmarks_quick.py", "reliability/test_fuzz_cache_api.py", "serve/test_server.py",
-    "models/test_logits_at.py",
-)
-
-
-def _longest_first(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def key(item):
-        rel = os.path.relpath(str(item.path), here).replace(os.sep, "/")
-        return rank.get(rel, len(rank))
-
-    items.sort(key=key)  # stable: the other files, and each file's own tests, keep their order
-
-
 def pytest_collection_modifyitems(config, items):
-    _longest_first(items)
+    longest_first(items, os.path.dirname(os.path.abspath(__file__)))
     if _full_sweeps(config):
         return
     seed = _sweep_seed(config)

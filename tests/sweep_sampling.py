@@ -1,6 +1,8 @@
-"""The default run's samples of `slow` sweeps and `rotate(k)` lists (used by conftest.py)."""
+"""The default run's samples of `slow` sweeps and `rotate(k)` lists, and the order its files
+go out in (used by conftest.py)."""
 
 import hashlib
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -52,3 +54,35 @@ def commit_seed(root: str) -> tuple[int, str]:
         for path in sorted((Path(root) / folder).rglob("*.py")):
             h.update(path.read_bytes())
     return int(h.hexdigest()[:8], 16), "a hash of the sources (not a git checkout)"
+
+
+# The longest files run first, longest first (their tests' seconds in a clean run of the
+# default suite on a 2-core Zen 4: 20-130 s each; the CPU-kernel builds count in the first
+# two, the Python 3.12 job's files keep the same relative order). xdist hands out whole
+# files (`--dist loadfile`), by default the files with the most tests first, which put the
+# longest (few, long tests) last: one worker ran them alone for the last two minutes while
+# the other idled. With `--no-loadscope-reorder` (pyproject.toml) files go out in
+# collection order: longest first, the short files even out the workers' ends.
+LONGEST_FIRST = (
+    "backends/test_cpu_builds.py", "backends/test_cpu_kernels.py",
+    "models/test_deepseek_v32.py", "cache/test_host_tier.py",
+    "kernels/test_quantized_kernels.py", "serve/test_engine_scheduling.py",
+    "serve/test_engine_host_tier.py", "test_composition.py", "test_demo_models.py",
+    "attention/test_xla_path.py", "models/test_qwen3_next.py",
+    "attention/test_xla_quantized.py", "test_readme.py", "serve/test_engine.py",
+    "attention/test_invisible_nonfinite.py", "test_benchmark_offload.py",
+    "test_benchmarks_quick.py", "reliability/test_fuzz_cache_api.py", "serve/test_server.py",
+    "models/test_logits_at.py",
+)
+
+
+def longest_first(items, tests_dir: str) -> None:
+    """Sorts `items` (pytest items, or anything with a `.path`) so the files of
+    LONGEST_FIRST come first, in its order; the rest keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item):
+        rel = os.path.relpath(str(item.path), tests_dir).replace(os.sep, "/")
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)  # stable: the other files, and each file's own tests, keep their order

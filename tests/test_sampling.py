@@ -4,7 +4,7 @@ import itertools
 import math
 import random
 
-from sweep_sampling import commit_seed, covering_sample, rotation
+from sweep_sampling import LONGEST_FIRST, commit_seed, covering_sample, longest_first, rotation
 
 
 def test_rotation_runs_every_point_within_its_period():
@@ -44,20 +44,17 @@ def test_the_seed_is_the_commits(request):
 
 
 def test_the_longest_files_exist_and_go_out_first(request):
-    """conftest.LONGEST_FIRST names test files that exist (a renamed file would silently
-    lose its place), and collection puts them first, in the listed order."""
-    import conftest
-
+    """LONGEST_FIRST names test files that exist (a renamed file would silently lose its
+    place), and the collection order puts them first, in the listed order."""
     here = request.config.rootpath / "tests"
-    missing = [name for name in conftest.LONGEST_FIRST if not (here / name).is_file()]
+    missing = [name for name in LONGEST_FIRST if not (here / name).is_file()]
     assert not missing, missing
 
     class Item:
         def __init__(self, rel):
             self.path = here / rel
 
-    names = ["test_rope.py", *reversed(conftest.LONGEST_FIRST), "cache/test_quant.py"]
-    items = [Item(n) for n in names]
-    conftest._longest_first(items)
+    items = [Item(n) for n in ["test_rope.py", *reversed(LONGEST_FIRST), "cache/test_quant.py"]]
+    longest_first(items, str(here))
     order = [str(it.path.relative_to(here)) for it in items]
-    assert order == [*conftest.LONGEST_FIRST, "test_rope.py", "cache/test_quant.py"]
+    assert order == [*LONGEST_FIRST, "test_rope.py", "cache/test_quant.py"]
