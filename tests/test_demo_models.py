@@ -75,6 +75,8 @@ def test_demo_output_matches_a_reference_run_and_the_cache_layouts():
     # StreamingLLM's figure comes from the cache's own length after decoding: it held the
     # budget (plus the last token, never fed back), not the whole context.
     assert kv_bytes[f"StreamingLLM {budget} tok"] == (budget + 1) * 1024
+
+
 def test_eval_quick_runs(tmp_path):
     _run("eval", "--quick", "--models", "gqa", "--configs", "bf16,=KIVI-2,^H2O",
          "--out", str(tmp_path))
