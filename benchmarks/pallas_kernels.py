@@ -1,22 +1,32 @@
-"""Times the Pallas decode kernels against the XLA path on the current backend.
+"""Times the Pallas decode kernels against the XLA path and the peers on the current backend.
 
 For every size in batch x context x GQA ratio (plus MLA over batch x context)
 this script builds a random paged cache (randomly permuted block tables,
 every sequence at the full context), times each implementation (warm-up, then
-the median of --repeats runs, each ending in `block_until_ready`), checks each
-result against the jnp reference in the same run, and reports the achieved
-bandwidth of the KV read (bytes the op must read / median time) and its
-fraction of a measured device copy bandwidth (read + write bytes of a large
-array copy / time).
+the median of --repeats runs; on accelerators each run is a burst of back-to-back
+calls ending in one `block_until_ready`, so microsecond kernels are not timed by the
+launch latency), checks each result against the jnp reference in the same run, and
+reports the bytes the op must move (K/V or latents at the true lengths, Q and O; codes,
+scales, zeros and tails for quantized pages) over the median time of the whole call
+(the split merge included), against the card's nominal bandwidth and against a read
+ceiling measured in the same process (`benchmarks/gpu_peers.py`: torch's reduction over
+a cold 4 GiB buffer where torch has CUDA, and a device copy; the faster of the two).
+MLA rows also give TFLOP/s against a bf16 matmul measured in the same run: at 128 heads
+MLA decode is compute-bound on Hopper.
 
-On TPU and GPU the kernels run natively ("native"). On CPU only Pallas'
-interpret mode exists: the TPU kernel is then timed interpreted ("interpret"
-in the table): a correctness run, not a kernel speed. The XLA path is marked
-"xla" everywhere. The quantized ops ("qgqa", "qmla": KIVI `--bits` pages, the public
+Implementations: "xla" (kvjax's XLA path) everywhere; on GPU "mosaic" (the Mosaic GPU
+kernels, on Hopper), "triton" (the Triton kernels), "jax-op" (jax's own paged attention
+op for GPU, where the installed jax ships it) and "torch" (torch's
+scaled_dot_product_attention on contiguous K/V of the same bytes, where torch has CUDA);
+on TPU "native"; on CPU only Pallas' interpret mode exists: the TPU kernel is then timed
+interpreted ("interpret"): a correctness run, not a kernel speed. The quantized ops
+("qgqa", "qmla": KIVI `--bits` pages, the public
 `kvjax.attention.quantized_*decode_attention` with impl "xla" and "pallas") count the
 packed codes, scales and zeros as the bytes read.
 
   python benchmarks/pallas_kernels.py --quick      # < 3 min on a GPU; a minute or two on CPU
+  python benchmarks/pallas_kernels.py --targets --plan   # the target sizes and bytes, no GPU
+  python benchmarks/pallas_kernels.py --targets --ops gqa   # on a GPU: the GQA target rows
   python benchmarks/pallas_kernels.py --help
 
 Results go to benchmarks/results/kernels-<backend>-<UTC time>.json.
@@ -40,6 +50,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks import gpu_peers  # noqa: E402
 from kernels_pallas.mla_decode import gpu as mla_gpu  # noqa: E402
 from kernels_pallas.mla_decode import reference as mla_ref  # noqa: E402
 from kernels_pallas.mla_decode import tpu as mla_tpu  # noqa: E402
@@ -61,6 +72,17 @@ PRESETS = {
     ("full", "cpu"): dict(batch=[1, 4, 8], context=[512, 2048, 4096], gqa=[1, 4, 8]),
 }
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
+# The decode sizes a GPU kernel is held to (--targets): (op, batch, context, query heads,
+# KV heads, widths, page size), bf16. GQA: 32 query / 8 KV heads x 128; MLA: DeepSeek-V3's
+# 128 heads over a 512 + 64 latent in 64-token pages.
+TARGETS = (
+    ("gqa", 8, 32768, 32, 8, (128, 128), 16),
+    ("gqa", 64, 8192, 32, 8, (128, 128), 16),
+    ("gqa", 1, 131072, 32, 8, (128, 128), 16),
+    ("mla", 8, 32768, 128, 1, (512, 64), 64),
+    ("mla", 64, 8192, 128, 1, (512, 64), 64),
+    ("mla", 1, 1024, 128, 1, (512, 64), 64),
+)
 
 
 @dataclasses.dataclass
@@ -76,9 +98,14 @@ class Row:
     page_size: int
     dtype: str
     kv_bytes: int
+    bytes_moved: int
     median_ms: float
     gbps: float
     frac_copy: float
+    frac_nominal: float | None
+    frac_ceiling: float | None
+    tflops: float
+    frac_matmul: float | None
     max_abs_err: float
     ok: bool
 
@@ -89,6 +116,13 @@ def parse_args(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--quick", action="store_true",
                    help="small preset (under 3 minutes on a GPU); default is the full sweep")
+    p.add_argument("--targets", action="store_true",
+                   help="the decode sizes the GPU kernels are held to (bf16; GQA 32/8 heads x "
+                        "128 at 8 x 32K, 64 x 8K, 1 x 128K; MLA 128 heads x (512 + 64) at "
+                        "8 x 32K, 64 x 8K, 1 x 1K) instead of the preset; --ops still selects")
+    p.add_argument("--plan", action="store_true",
+                   help="print the sizes, bytes and FLOPs of the rows and exit (no timing; "
+                        "runs anywhere)")
     p.add_argument("--batch", type=int, nargs="+", help="batch sizes (overrides the preset)")
     p.add_argument("--context", type=int, nargs="+",
                    help="tokens per sequence (overrides the preset)")
@@ -224,13 +258,103 @@ def quant_inputs(rng, batch, context, kv_heads, q_heads, widths, page_size, dtyp
 
 
 def kernel_fns(backend):
-    """(mode, gqa kernel, mla kernel) for the backend; CPU interprets the TPU kernel."""
+    """{impl: (mode, gqa kernel, mla kernel)} for the backend's Pallas kernels; CPU interprets
+    the TPU kernel. On GPU: the Mosaic GPU kernels on a Hopper (where they import) and the
+    Triton kernels."""
     if backend == "gpu":
-        return "native", paged_gpu.paged_decode_attention, mla_gpu.mla_decode_attention
+        fns = {}
+        from kvjax.attention import pallas_impls
+
+        if pallas_impls.gpu_kernel("paged_decode_attention")[0] == "mosaic":
+            from kernels_pallas.mla_decode import mosaic_gpu as mla_mosaic
+            from kernels_pallas.paged_attention import mosaic_gpu as paged_mosaic
+
+            sms = pallas_impls._num_sms(pallas_impls.gpu_device())
+            fns["mosaic"] = ("native",
+                             functools.partial(paged_mosaic.paged_decode_attention, num_sms=sms),
+                             functools.partial(mla_mosaic.mla_decode_attention, num_sms=sms))
+        fns["triton"] = ("native", paged_gpu.paged_decode_attention, mla_gpu.mla_decode_attention)
+        return fns
     if backend == "tpu":
-        return "native", paged_tpu.paged_decode_attention, mla_tpu.mla_decode_attention
-    return ("interpret", functools.partial(paged_tpu.paged_decode_attention, interpret=True),
-            functools.partial(mla_tpu.mla_decode_attention, interpret=True))
+        return {"pallas": ("native", paged_tpu.paged_decode_attention,
+                           mla_tpu.mla_decode_attention)}
+    return {"pallas": ("interpret",
+                       functools.partial(paged_tpu.paged_decode_attention, interpret=True),
+                       functools.partial(mla_tpu.mla_decode_attention, interpret=True))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One row's size: op, batch, context, query / KV heads, widths (K, V or latent, rope),
+    page size."""
+
+    op: str
+    batch: int
+    context: int
+    q_heads: int
+    kv_heads: int
+    widths: tuple[int, int]
+    page_size: int
+
+    def kv_bytes(self, itemsize: int) -> int:
+        """K/V (or latent + rope) bytes at the true lengths."""
+        return self.batch * self.kv_heads * self.context * sum(self.widths) * itemsize
+
+    def qo_bytes(self, itemsize: int) -> int:
+        """Query parts read, output written (plus the float32 log-sum-exp)."""
+        q = self.batch * self.q_heads * (sum(self.widths) if self.op in ("mla", "qmla")
+                                         else self.widths[0])
+        o = self.batch * self.q_heads * (self.widths[0] if self.op in ("mla", "qmla")
+                                         else self.widths[1])
+        return (q + o) * itemsize + self.batch * self.q_heads * 4
+
+    def flops(self) -> int:
+        """2 x (scores + weighted sum) multiply-adds over the visible tokens."""
+        k_width = sum(self.widths) if self.op in ("mla", "qmla") else self.widths[0]
+        v_width = self.widths[0] if self.op in ("mla", "qmla") else self.widths[1]
+        return 2 * self.batch * self.q_heads * self.context * (k_width + v_width)
+
+
+def make_jobs(args, preset, q_heads):
+    """The rows to run: the --targets sizes or the preset's product."""
+    if args.targets:
+        return [Job(*t) for t in TARGETS if t[0] in args.ops]
+    jobs = []
+    gqa_widths = (args.head_dim, args.head_dim)
+    for op in ("gqa", "qgqa"):
+        if op in args.ops:
+            jobs += [Job(op, b, c, q_heads, q_heads // g, gqa_widths, args.page_size)
+                     for b in preset["batch"] for c in preset["context"] for g in preset["gqa"]
+                     if q_heads % g == 0]
+    for op in ("mla", "qmla"):
+        if op in args.ops:
+            jobs += [Job(op, b, c, args.mla_heads, 1, tuple(args.mla_dims), args.page_size)
+                     for b in preset["batch"] for c in preset["context"]]
+    return jobs
+
+
+def print_plan(jobs, dtype):
+    """The rows' sizes, bytes and FLOPs (what --plan prints)."""
+    print(f"{'op':4} {'B':>3} {'ctx':>7} {'Hq/Hkv':>7} {'widths':>9} {'page':>4} "
+          f"{'KV MiB':>9} {'Q+O MiB':>8} {'GFLOP':>8} {'FLOP/B':>7}")
+    for j in jobs:
+        kv, qo = j.kv_bytes(dtype.itemsize), j.qo_bytes(dtype.itemsize)
+        print(f"{j.op:4} {j.batch:>3} {j.context:>7} {f'{j.q_heads}/{j.kv_heads}':>7} "
+              f"{'+'.join(map(str, j.widths)):>9} {j.page_size:>4} {kv / 2**20:>9.1f} "
+              f"{qo / 2**20:>8.2f} {j.flops() / 1e9:>8.1f} {j.flops() / (kv + qo):>7.1f}")
+
+
+def peer_fns(backend, job, inputs, scale):
+    """{impl: fn(*inputs) -> out} of the peers that take `job` on this backend (GPU: jax's
+    own paged attention op for GQA), and torch's SDPA as (fn, args) or None."""
+    if backend != "gpu" or job.op != "gqa":
+        return {}, None
+    peers = {}
+    jax_op = gpu_peers.jax_paged_attention()
+    if jax_op is not None:
+        peers["jax-op"] = jax.jit(functools.partial(jax_op, scale=scale))
+    q, k_pages, v_pages, _, tables = inputs
+    return peers, gpu_peers.torch_sdpa(q, k_pages, v_pages, tables, scale=scale)
 
 
 def main(argv=None):
@@ -242,48 +366,50 @@ def main(argv=None):
         if getattr(args, name):
             preset[name] = getattr(args, name)
     dtype_name = args.dtype if args.dtype != "auto" else (
-        "float32" if backend == "cpu" else "bfloat16")
+        "float32" if backend == "cpu" and not args.targets else "bfloat16")
     dtype = jnp.dtype(dtype_name)
     q_heads = args.q_heads or (8 if backend == "cpu" else 32)
     repeats = args.repeats or (3 if backend == "cpu" else 20)
     copy_mib = args.copy_mib or (256 if backend == "cpu" else 1024)
+    jobs = make_jobs(args, preset, q_heads)
+    if args.plan:
+        print_plan(jobs, dtype)
+        return 0
     rng = np.random.default_rng(args.seed)
-    mode, gqa_kernel, mla_kernel = kernel_fns(backend)
+    kernels = {} if args.no_kernel else kernel_fns(backend)
+    device_kind = jax.devices()[0].device_kind
 
-    print(f"backend={backend} device={jax.devices()[0].device_kind} dtype={dtype_name} "
-          f"kernel mode={mode}")
+    print(f"backend={backend} device={device_kind} dtype={dtype_name} "
+          f"kernels={', '.join(f'{k} ({v[0]})' for k, v in kernels.items()) or 'none'}")
     copy_gbps = copy_bandwidth(copy_mib, repeats)
     print(f"measured copy bandwidth (read+write of {copy_mib} MiB): {copy_gbps:.1f} GB/s")
+    nominal = gpu_peers.nominal_gbps(device_kind) if backend == "gpu" else None
+    ceiling = matmul = None
+    if kind == "accel":
+        ceiling = gpu_peers.read_ceiling(copy_mib=copy_mib)
+        matmul = gpu_peers.matmul_tflops()
+        print(f"read ceiling {ceiling['gbps']:.0f} GB/s ({ceiling['probe']}); nominal "
+              f"{nominal or float('nan'):.0f} GB/s; bf16 matmul {matmul:.0f} TFLOP/s")
 
-    jobs = []
-    if "gqa" in args.ops:
-        for b in preset["batch"]:
-            for c in preset["context"]:
-                for g in preset["gqa"]:
-                    if q_heads % g:
-                        continue
-                    jobs.append(("gqa", b, c, g))
-    for op in ("mla", "qmla"):
-        if op in args.ops:
-            jobs += [(op, b, c, args.mla_heads) for b in preset["batch"]
-                     for c in preset["context"]]
-    if "qgqa" in args.ops:
-        jobs += [("qgqa", b, c, g) for b in preset["batch"] for c in preset["context"]
-                 for g in preset["gqa"] if q_heads % g == 0]
+    def timed(fn, inputs):
+        if kind == "accel":
+            return gpu_peers.pipelined_ms(fn, inputs, calls=repeats)
+        return time_fn(fn, inputs, args.warmup, repeats)
 
     rows, skipped = [], []
-    for op, b, c, g in tqdm(jobs, desc="sizes", file=sys.stderr):
-        if op in ("gqa", "qgqa"):
-            kv_heads, widths, heads = q_heads // g, (args.head_dim, args.head_dim), q_heads
-        else:
-            kv_heads, widths, heads = 1, tuple(args.mla_dims), g
-        ctx_padded = -(-c // args.page_size) * args.page_size
+    for job in tqdm(jobs, desc="sizes", file=sys.stderr):
+        op, b, c, heads, kv_heads, widths = (job.op, job.batch, job.context, job.q_heads,
+                                            job.kv_heads, job.widths)
+        ctx_padded = -(-c // job.page_size) * job.page_size
         pool_bytes = b * kv_heads * ctx_padded * sum(widths) * dtype.itemsize
         if pool_bytes > args.max_gib * 2**30:
-            skipped.append(dict(op=op, batch=b, context=c, gqa=g, gib=pool_bytes / 2**30))
+            skipped.append(dict(op=op, batch=b, context=c, heads=heads,
+                                gib=pool_bytes / 2**30))
             continue
+        kv_bytes = job.kv_bytes(dtype.itemsize)
+        peers, torch_peer = {}, None
         if op in ("qgqa", "qmla"):
-            qs, view, kv_bytes = quant_inputs(rng, b, c, kv_heads, heads, widths, args.page_size,
+            qs, view, kv_bytes = quant_inputs(rng, b, c, kv_heads, heads, widths, job.page_size,
                                               dtype, args.bits, args.group, op == "qmla")
             if op == "qgqa":
                 inputs, fn, opts = (qs[0], view), attention.quantized_decode_attention, {}
@@ -295,46 +421,70 @@ def main(argv=None):
                      for impl in (("xla",) if args.no_kernel else ("xla", "pallas"))}
         else:
             qs, pools, lengths, tables = paged_inputs(rng, b, c, kv_heads, heads, widths,
-                                                      args.page_size, dtype)
-            kv_bytes = b * kv_heads * c * sum(widths) * dtype.itemsize
+                                                      job.page_size, dtype)
         if op == "gqa":
+            scale = 1.0 / np.sqrt(widths[0])
             inputs = (qs[0], pools[0], pools[1], lengths, tables)
             ref = jax.jit(paged_ref.paged_decode_attention)
             impls = {"xla": jax.jit(functools.partial(attention.paged_decode_attention,
                                                       impl="xla"))}
-            if not args.no_kernel:
-                impls["pallas"] = jax.jit(gqa_kernel)
+            impls.update({name: jax.jit(k[1]) for name, k in kernels.items()})
+            peers, torch_peer = peer_fns(backend, job, inputs, scale)
         elif op == "mla":
-            scale = 1.0 / np.sqrt(192.0)  # DeepSeek-V2: qk_nope 128 + qk_rope 64
+            scale = 1.0 / np.sqrt(192.0)  # DeepSeek-V2/V3: qk_nope 128 + qk_rope 64
             inputs = (qs[0], qs[1], pools[0][0], pools[1][0], lengths, tables)
             ref = jax.jit(functools.partial(mla_ref.mla_decode_attention, scale=scale))
             impls = {"xla": jax.jit(functools.partial(attention.mla_decode_attention,
                                                       scale=scale, impl="xla"))}
-            if not args.no_kernel:
-                impls["pallas"] = jax.jit(functools.partial(mla_kernel, scale=scale))
+            impls.update({name: jax.jit(functools.partial(k[2], scale=scale))
+                          for name, k in kernels.items()})
         want_out, want_lse = jax.block_until_ready(ref(*inputs))
-        for impl, fn in impls.items():
-            ms, (out, lse) = time_fn(fn, inputs, args.warmup, repeats)
-            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want_out.astype(jnp.float32))))
-            lse_err = float(jnp.max(jnp.abs(lse - want_lse)))
-            gbps = kv_bytes / (ms * 1e-3) / 1e9
-            rows.append(Row(
-                op=op, impl=impl, mode="xla" if impl == "xla" else mode, batch=b, context=c,
-                q_heads=heads, kv_heads=kv_heads, head_dim=widths[0],
-                page_size=args.page_size, dtype=dtype_name, kv_bytes=kv_bytes,
-                median_ms=ms, gbps=gbps, frac_copy=gbps / copy_gbps,
-                max_abs_err=max(err, lse_err), ok=max(err, lse_err) <= TOL[dtype_name],
-            ))
+        want_np = np.asarray(want_out.astype(jnp.float32))
+        moved = kv_bytes + job.qo_bytes(dtype.itemsize)
 
-    header = (f"{'op':4} {'impl':6} {'mode':9} {'B':>3} {'ctx':>6} {'Hq/Hkv':>7} "
-              f"{'KV MiB':>8} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'maxerr':>8} ok")
+        def add(impl, mode, ms, err, job=job, kv_bytes=kv_bytes, moved=moved):
+            gbps = moved / (ms * 1e-3) / 1e9
+            tflops = job.flops() / (ms * 1e-3) / 1e12
+            rows.append(Row(
+                op=job.op, impl=impl, mode=mode, batch=job.batch, context=job.context,
+                q_heads=job.q_heads, kv_heads=job.kv_heads, head_dim=job.widths[0],
+                page_size=job.page_size, dtype=dtype_name, kv_bytes=kv_bytes,
+                bytes_moved=moved, median_ms=ms, gbps=gbps, frac_copy=gbps / copy_gbps,
+                frac_nominal=gbps / nominal if nominal else None,
+                frac_ceiling=gbps / ceiling["gbps"] if ceiling else None, tflops=tflops,
+                frac_matmul=tflops / matmul if matmul else None, max_abs_err=err,
+                ok=err <= TOL[dtype_name]))
+
+        for impl, fn in impls.items():
+            ms, (out, lse) = timed(fn, inputs)
+            err = float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want_np)))
+            lse_err = float(jnp.max(jnp.abs(lse - want_lse)))
+            mode = "xla" if impl == "xla" else (kernels[impl][0] if impl in kernels else
+                                                "native" if kind == "accel" else "interpret")
+            add(impl, mode, ms, max(err, lse_err))
+        for impl, fn in peers.items():  # output only: the peers return no log-sum-exp
+            ms, out = timed(fn, inputs)
+            add(impl, "peer", ms,
+                float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - want_np))))
+        if torch_peer is not None:
+            ms, out = gpu_peers.torch_ms(*torch_peer, calls=repeats)
+            add("torch", "peer", ms, float(np.max(np.abs(out - want_np))))
+
+    header = (f"{'op':4} {'impl':7} {'mode':9} {'B':>3} {'ctx':>6} {'Hq/Hkv':>7} "
+              f"{'MiB':>8} {'ms':>9} {'GB/s':>8} {'%nom':>5} {'%ceil':>5} {'%copy':>6} "
+              f"{'TFLOP/s':>7} {'maxerr':>8} ok")
     print(header)
     print("-" * len(header))
+
+    def pct(x):
+        return f"{100 * x:5.1f}" if x is not None else "    -"
+
     for r in rows:
-        print(f"{r.op:4} {r.impl:6} {r.mode:9} {r.batch:>3} {r.context:>6} "
-              f"{f'{r.q_heads}/{r.kv_heads}':>7} {r.kv_bytes / 2**20:>8.1f} {r.median_ms:>9.3f} "
-              f"{r.gbps:>8.2f} {100 * r.frac_copy:>6.1f} {r.max_abs_err:>8.1e} "
-              f"{'yes' if r.ok else 'NO'}")
+        print(f"{r.op:4} {r.impl:7} {r.mode:9} {r.batch:>3} {r.context:>6} "
+              f"{f'{r.q_heads}/{r.kv_heads}':>7} {r.bytes_moved / 2**20:>8.1f} "
+              f"{r.median_ms:>9.4f} {r.gbps:>8.1f} {pct(r.frac_nominal)} "
+              f"{pct(r.frac_ceiling)} {100 * r.frac_copy:>6.1f} {r.tflops:>7.1f} "
+              f"{r.max_abs_err:>8.1e} {'yes' if r.ok else 'NO'}")
     for s in skipped:
         print(f"skipped {s} (over --max-gib {args.max_gib})")
 
@@ -342,10 +492,12 @@ def main(argv=None):
     out = args.out or RESULTS / f"kernels-{backend}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        backend=backend, device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
-        python=platform.python_version(), kernel_mode=mode, dtype=dtype_name,
-        copy_gbps=copy_gbps, copy_mib=copy_mib, repeats=repeats, warmup=args.warmup,
-        quick=args.quick, rows=[dataclasses.asdict(r) for r in rows], skipped=skipped,
+        backend=backend, device_kind=device_kind, jax=jax.__version__,
+        python=platform.python_version(), kernels={k: v[0] for k, v in kernels.items()},
+        dtype=dtype_name, copy_gbps=copy_gbps, copy_mib=copy_mib, nominal_gbps=nominal,
+        read_ceiling=ceiling, matmul_tflops=matmul, repeats=repeats, warmup=args.warmup,
+        quick=args.quick, targets=args.targets, date=stamp,
+        rows=[dataclasses.asdict(r) for r in rows], skipped=skipped,
     ), indent=1))
     print(f"wrote {out}")
     bad = [r for r in rows if not r.ok]

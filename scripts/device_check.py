@@ -8,6 +8,10 @@ a part failed or timed out.
 
 Parts, in order:
 
+  gqa      benchmarks/pallas_kernels.py --targets --ops gqa: paged GQA decode at the target
+           sizes, the Mosaic GPU and Triton kernels beside jax's op, torch's SDPA and the
+           XLA path, against the nominal bandwidth and a read ceiling measured in the run
+  mla      the same for absorbed-MLA decode (128 heads), with TFLOP/s against a bf16 matmul
   kernels  the compiled Pallas kernels against their references (tests/kernels -k native)
   host     the host-memory tier (tests/cache/test_host_tier.py, --slow)
   engine   the serving engine and the models' greedy tokens through the Pallas kernels
@@ -17,6 +21,7 @@ Parts, in order:
 
   JAX_PLATFORMS=cuda python scripts/device_check.py --out /tmp/device
   python scripts/device_check.py --parts kernels,host --budget 240 --out /tmp/device
+  python scripts/device_check.py --plan     # the parts, their limits and the sizes; no GPU
 """
 
 import argparse
@@ -33,6 +38,10 @@ PYTEST = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovi
           "-rs", "--tb=short"]
 # (name, command, seconds it may take)
 PARTS = {
+    "gqa": ([sys.executable, "benchmarks/pallas_kernels.py", "--targets", "--ops", "gqa",
+             "--out", "{out}/gqa_decode.json"], 150),
+    "mla": ([sys.executable, "benchmarks/pallas_kernels.py", "--targets", "--ops", "mla",
+             "--out", "{out}/mla_decode.json"], 120),
     "kernels": (PYTEST + ["--slow", "tests/kernels", "-k", "native"], 150),
     "host": (PYTEST + ["--slow", "tests/cache/test_host_tier.py"], 120),
     "engine": (PYTEST + ["--slow", "tests/serve/test_engine.py",
@@ -54,6 +63,9 @@ def parse_args(argv=None):
                    help=f"comma-separated parts among {','.join(PARTS)} (default: all)")
     p.add_argument("--budget", type=float, default=540.0,
                    help="seconds for all parts together (default 540)")
+    p.add_argument("--plan", action="store_true",
+                   help="print each part's command and time limit, and the benchmark parts' "
+                        "sizes and bytes, then exit (runs anywhere, no GPU)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")),
                    help="folder for the logs and device_check.json (default $OUT or .)")
     args = p.parse_args(argv)
@@ -75,10 +87,29 @@ def outcome(log: str) -> str:
     return lines[-1][:160] if lines else "(no output)"
 
 
+def plan(args, env) -> int:
+    """What a run would do: each part's command and limit, and the benchmarks' sizes."""
+    total = 0
+    for name in args.parts:
+        cmd, limit = PARTS[name]
+        total += limit
+        fits = ("runs" if total <= args.budget else
+                "runs if the parts before it leave it the time (else skipped)")
+        print(f"{name}: up to {limit} s, {fits}: "
+              f"{' '.join(c.format(out=args.out) for c in cmd[1:])}")
+        if "benchmarks/pallas_kernels.py" in cmd:
+            subprocess.run([c for c in cmd if not c.startswith("--out") and "{out}" not in c]
+                           + ["--plan"], cwd=ROOT, env=env, check=True)
+    print(f"total {total} s of limits against a --budget of {args.budget:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    if args.plan:
+        return plan(args, env)
+    args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results = []
     for name in args.parts:

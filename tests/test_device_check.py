@@ -55,3 +55,32 @@ def test_a_part_runs_and_is_summarised(script, tmp_path, monkeypatch):
     (r,) = json.loads((tmp_path / "device_check.json").read_text())["results"]
     assert r["status"] == "ok" and r["seconds"] > 0 and "skipped" in r["outcome"]
     assert "needs a GPU backend" in (tmp_path / "kernels.log").read_text()
+
+
+def test_plan_lists_parts_and_limits_without_running_them(script, tmp_path, capsys):
+    out_dir = tmp_path / "never"
+    assert script.main(["--plan", "--parts", "kernels,host", "--budget", "200",
+                        "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels: up to 150 s, runs:" in out and "tests/kernels" in out
+    assert "host: up to 120 s, runs if the parts before it leave it the time" in out
+    assert not out_dir.exists()  # nothing ran, nothing written
+
+
+def test_decode_target_plan_bytes_and_flops_match_hand_arithmetic(capsys):
+    """The GPU decode targets' sizes as `--plan` prints them (no GPU needed): K+V or the
+    latent at the true lengths in bf16, Q and O, and MLA's FLOPs per byte near 240."""
+    from benchmarks import pallas_kernels
+
+    assert pallas_kernels.main(["--targets", "--plan"]) == 0
+    rows = {tuple(ln.split()[:3]): ln.split() for ln in capsys.readouterr().out.splitlines()[1:]}
+    gqa = rows[("gqa", "8", "32768")]
+    assert float(gqa[6]) == 8 * 8 * 32768 * (128 + 128) * 2 / 2**20  # 1024 MiB of K and V
+    q_o = 8 * 32 * (128 + 128) * 2 + 8 * 32 * 4  # bf16 Q and O, float32 log-sum-exp
+    assert abs(float(gqa[7]) - q_o / 2**20) < 0.005
+    mla = rows[("mla", "8", "32768")]
+    assert float(mla[6]) == 8 * 32768 * (512 + 64) * 2 / 2**20  # 288 MiB of latents
+    flops = 2 * 8 * 128 * 32768 * (576 + 512)
+    assert abs(float(mla[8]) - flops / 1e9) < 0.05
+    assert 235 < float(mla[9]) < 241  # compute-bound on Hopper (ridge near 206)
+    assert {k[:1] for k in rows} == {("gqa",), ("mla",)} and len(rows) == 6
