@@ -3,7 +3,8 @@
 Prints the jax / jaxlib versions, the default backend and its devices with their
 memory kinds, the CPU backend's options (and which came from the environment), whether
 the C++ CPU kernels built (or the compiler's reason why not), for each CPU op which
-implementation "auto" takes and why, the Pallas backend and the kernel cache directory.
+implementation "auto" takes and why, the Pallas backend (on a GPU, for each kernel op whether
+the Mosaic GPU or the Triton kernel runs, and why) and the kernel cache directory.
 """
 
 import argparse
@@ -78,12 +79,15 @@ def collect(build: bool = True) -> dict:
         kw = dict(dtype="bfloat16") if op in ("write_rows", "copy_pages") else {}
         choice = cpu.choose(op, options=opts, **kw)
         ops[op] = dict(impl="cpu" if choice.use_kernel else "xla", reason=choice.reason)
+    gpu_ops = _gpu_ops()
     if backend == "tpu":
         pallas = "TPU (Mosaic) kernels"
-    elif backend == "gpu":
-        pallas = "GPU kernels (Triton / Mosaic GPU)"
+    elif gpu_ops is not None:
+        pallas = ("GPU kernels: Mosaic GPU on Hopper (sm_90) where the op has one, Triton "
+                  "otherwise")
     else:
-        pallas = f"interpret mode only on {backend} (the kernels run compiled on TPU / GPU)"
+        pallas = (f"interpret mode only on {backend} (the kernels run compiled on TPU / GPU; on "
+                  f"a Hopper GPU the Mosaic GPU kernels, on other GPUs the Triton kernels)")
     return dict(
         jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(),
         machine=platform.machine(), cpu_model=_cpu_model(), backend=backend, devices=devices,
@@ -95,7 +99,21 @@ def collect(build: bool = True) -> dict:
         cpu_ops=ops, note_cpu_ops=(
             "the CPU backend's choice per op ('auto' on the CPU backend; other backends run "
             "their Pallas kernels or the XLA path)"),
-        pallas=pallas, cache_dir=str(opts.cache_path))
+        pallas=pallas, gpu_ops=gpu_ops, cache_dir=str(opts.cache_path))
+
+
+def _gpu_ops() -> dict | None:
+    """On a GPU backend, per kernel op: the GPU kernel "auto" runs ("mosaic" or "triton")
+    and why; None on other backends."""
+    from kvjax.attention import pallas_impls
+
+    if pallas_impls.platform() != "gpu":
+        return None
+    ops = {}
+    for op in pallas_impls.KERNEL_OPS:
+        kernel, reason = pallas_impls.gpu_kernel(op)
+        ops[op] = dict(kernel=kernel, reason=reason)
+    return ops
 
 
 def main(args) -> int:
@@ -129,6 +147,10 @@ def main(args) -> int:
     for op, c in report["cpu_ops"].items():
         print(f"  {op:<{width}}  {c['impl']:<4} {c['reason']}")
     print(f"Pallas: {report['pallas']}")
+    if report["gpu_ops"]:
+        width = max(len(op) for op in report["gpu_ops"])
+        for op, c in report["gpu_ops"].items():
+            print(f"  {op:<{width}}  {c['kernel']:<6} {c['reason']}")
     print(f"kernel cache directory: {report['cache_dir']}")
     return 0
 

@@ -1,11 +1,15 @@
 """The "pallas" implementations behind `kvjax.attention`'s ops.
 
 Each function has its op's reference signature plus `interpret`. The
-backend decides the kernel: the Triton (GPU) kernel on a GPU backend, the TPU
-kernel otherwise — natively on TPU, in Pallas' plain interpret mode on CPU,
-where it is fastest to interpret (its pools stay in "HBM" and only the pages a
-sequence uses are copied).
+backend decides the kernel: on a GPU backend the Mosaic GPU kernel where the
+op has one and the GPU is a Hopper (sm_90: its TMA copies and `wgmma`), the
+Triton kernel otherwise (`gpu_kernel` says which and why; `python -m kvjax info`
+prints it); the TPU kernel on every other backend — natively on TPU, in Pallas'
+plain interpret mode on CPU, where it is fastest to interpret (its pools stay in
+"HBM" and only the pages a sequence uses are copied).
 """
+
+import importlib
 
 import jax
 from jax.experimental.pallas import triton as plgpu
@@ -19,12 +23,20 @@ from kernels_pallas.quantized_attention import gpu as quant_gpu
 from kernels_pallas.quantized_attention import tpu as quant_tpu
 
 __all__ = [
-    "KERNEL_OPS", "platform", "kernel_takes", "paged_decode_attention", "mla_decode_attention",
-    "quantized_attention", "quantized_mla_attention",
+    "KERNEL_OPS", "MOSAIC_GPU_OPS", "platform", "gpu_kernel", "gpu_device", "kernel_takes",
+    "paged_decode_attention", "mla_decode_attention", "quantized_attention",
+    "quantized_mla_attention",
 ]
 
 # Ops that have a kernel of their own ("auto" picks "pallas" for them on TPU/GPU).
 KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
+# Ops with a Mosaic GPU kernel, and its module.
+MOSAIC_GPU_OPS = {
+    "paged_decode_attention": "kernels_pallas.paged_attention.mosaic_gpu",
+    "mla_decode_attention": "kernels_pallas.mla_decode.mosaic_gpu",
+}
+# Mosaic GPU kernels run where the GPU has Hopper's TMA and warpgroup MMA (sm_90).
+_MOSAIC_CAPABILITIES = ("9.0",)
 
 
 def platform() -> str:
@@ -69,6 +81,48 @@ def _triton_knows_this_gpu() -> bool:
     return True
 
 
+def gpu_device():
+    """The default backend's first device (one place to stub in tests)."""
+    return jax.devices()[0]
+
+
+def _mosaic_module(op: str):
+    """The op's Mosaic GPU kernel module, or the reason it cannot be imported."""
+    try:
+        return importlib.import_module(MOSAIC_GPU_OPS[op]), None
+    except Exception as e:  # an older jax without Mosaic GPU, or an API that moved
+        return None, f"the Mosaic GPU kernel does not import on jax {jax.__version__} ({e})"
+
+
+def gpu_kernel(op: str, *arrays) -> tuple[str, str]:
+    """Which GPU kernel runs `op` on the default device, and why: ("mosaic", reason) on a
+    Hopper GPU (compute capability 9.0) where the op has a Mosaic GPU kernel that takes
+    `arrays` (the op's query and page arrays, in its argument order; none: any shapes),
+    ("triton", reason) otherwise."""
+    if op not in MOSAIC_GPU_OPS:
+        return "triton", f"{op} has no Mosaic GPU kernel"
+    device = gpu_device()
+    cap = getattr(device, "compute_capability", None)
+    if cap not in _MOSAIC_CAPABILITIES:
+        return "triton", (f"{device.device_kind} (compute capability {cap}) is not a Hopper "
+                          f"GPU (sm_90), which the Mosaic GPU kernel is built for")
+    module, why_not = _mosaic_module(op)
+    if module is None:
+        return "triton", why_not
+    if arrays:
+        why_not = module.unsupported_reason(*arrays)
+        if why_not is not None:
+            return "triton", f"the Mosaic GPU kernel does not take these shapes: {why_not}"
+    return "mosaic", (f"{device.device_kind} is a Hopper GPU (sm_90): TMA page copies and "
+                      f"warpgroup MMA")
+
+
+def _num_sms(device) -> int:
+    """The device's SM count (jax's `core_count` on GPU), passed to the kernels' split-K."""
+    count = getattr(device, "core_count", None)
+    return int(count) if count else 132
+
+
 def _backend_and_interpret(interpret: bool | None) -> tuple[str, bool]:
     backend = platform()
     if interpret is None:
@@ -85,6 +139,13 @@ def paged_decode_attention(q, k_pages, v_pages, lengths, block_tables, *, scale=
                            soft_cap=None, sliding_window=None, interpret=None):
     """Paged GQA decode through the backend's kernel (see the module docstring)."""
     backend, interpret = _backend_and_interpret(interpret)
+    if backend == "gpu" and gpu_kernel("paged_decode_attention", q, k_pages,
+                                       v_pages)[0] == "mosaic":
+        module, _ = _mosaic_module("paged_decode_attention")
+        return module.paged_decode_attention(
+            q, k_pages, v_pages, lengths, block_tables, scale=scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, num_sms=_num_sms(gpu_device()), interpret=interpret,
+        )
     kernel = paged_gpu if backend == "gpu" else paged_tpu
     return kernel.paged_decode_attention(
         q, k_pages, v_pages, lengths, block_tables, scale=scale, soft_cap=soft_cap,
@@ -96,6 +157,13 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, bl
                          scale, interpret=None):
     """Absorbed-MLA decode through the backend's kernel (see the module docstring)."""
     backend, interpret = _backend_and_interpret(interpret)
+    if backend == "gpu" and gpu_kernel("mla_decode_attention", q_latent, q_rope, latent_pages,
+                                       rope_pages)[0] == "mosaic":
+        module, _ = _mosaic_module("mla_decode_attention")
+        return module.mla_decode_attention(
+            q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale,
+            num_sms=_num_sms(gpu_device()), interpret=interpret,
+        )
     kernel = mla_gpu if backend == "gpu" else mla_tpu
     return kernel.mla_decode_attention(
         q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, scale=scale,
