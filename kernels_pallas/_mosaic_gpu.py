@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = [
@@ -40,6 +42,11 @@ __all__ = [
     "abstract_gpu",
     "lower_for_cuda",
     "transpose_ref",
+    "load",
+    "wgmma_a_from_smem",
+    "layout_cast",
+    "broadcasted_iota",
+    "dot_transposed_b",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -158,3 +165,58 @@ def transpose_ref(ref: Any, permutation: tuple[int, ...]) -> Any:
     if JAX_VERSION < (0, 11):
         return plgpu.transpose_ref(ref, permutation)
     return ref.transpose(permutation)
+
+
+def load(ref: Any, layout: Any = None) -> Any:
+    """The whole of a shared-memory ref in registers, in `layout` (a `plgpu.Layout`)."""
+    if JAX_VERSION < (0, 11):
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def wgmma_a_from_smem(interpret: Any) -> bool:
+    """Whether a kernel must stage a register `wgmma` A operand in shared memory.
+
+    Compiled kernels take A from registers. The interpreter of jax before 0.12 reads A only
+    from shared memory (0.12 takes either), so interpreted kernels there stage it.
+    """
+    return resolve_interpret(interpret) is not None and JAX_VERSION < (0, 12)
+
+
+def _interpreter_lacks_layouts(interpret: Any) -> bool:
+    # jax 0.10's interpreter has no rule for plgpu.layout_cast; layouts mean nothing there.
+    return resolve_interpret(interpret) is not None and JAX_VERSION < (0, 11)
+
+
+def layout_cast(x: jax.Array, layout: Any, *, interpret: Any) -> jax.Array:
+    """`plgpu.layout_cast(x, layout)` in a kernel compiled or interpreted as `interpret` says."""
+    if _interpreter_lacks_layouts(interpret):
+        return x
+    return plgpu.layout_cast(x, layout)
+
+
+def broadcasted_iota(
+    dtype: Any, shape: tuple[int, ...], dimension: int, *, layout: Any, interpret: Any
+) -> jax.Array:
+    """`plgpu.broadcasted_iota` in a kernel compiled or interpreted as `interpret` says."""
+    if _interpreter_lacks_layouts(interpret):
+        return jax.lax.broadcasted_iota(dtype, shape, dimension)
+    return plgpu.broadcasted_iota(dtype, shape, dimension, layout=layout)
+
+
+def dot_transposed_b(a_ref: Any, b_ref: Any, *, interpret: Any) -> jax.Array:
+    """`a @ b.T` in float32 for shared-memory refs a [m, k] and b [n, k] (e.g. Q K^T): one
+    `wgmma` with b's transposed view.
+
+    m must be a multiple of 64 and n of 8. jax 0.10's interpreter cannot read a transposed
+    `wgmma` operand, so there (interpreting only) the product is a plain `jnp.dot`.
+    """
+    m, n = a_ref.shape[0], b_ref.shape[0]
+    if resolve_interpret(interpret) is not None and JAX_VERSION < (0, 11):
+        return jnp.dot(a_ref[...], b_ref[...].T, preferred_element_type=jnp.float32)
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, transpose_ref(b_ref, (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((m, n), jnp.float32))
