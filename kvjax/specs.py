@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["AttentionSpec", "MLASpec", "CacheSpec", "QuantSpec", "RecurrentSpec",
-           "IndexerCacheSpec", "canonical_dtype"]
+           "IndexerCacheSpec", "WindowGroupSpec", "window_groups", "canonical_dtype"]
 
 _CACHE_DTYPES = ("float32", "bfloat16", "float16")
 _QUANT_BITS = (2, 4, 8)
@@ -308,6 +308,85 @@ class IndexerCacheSpec:
         return num_layers * self.head_dim * self.dtype.itemsize
 
 
+def ring_pages(window: int, chunk: int, page_size: int) -> int:
+    """Pages a sequence of a windowed layer group holds: `ceil((window + chunk - 2) /
+    page_size) + 1`.
+
+    A reserve adds at most `chunk` tokens to a sequence, taking it from L to L + n tokens
+    (n <= chunk), and the ring then holds logical pages [P - R, P), P = ceil((L + n) /
+    page_size). The step's first query (position L) reads keys from L - window + 1, so
+    (P - R) * page_size <= L - window + 1 must hold for the worst alignment
+    (P * page_size = L + n + page_size - 1): R * page_size >= window + chunk + page_size - 2.
+    The page a write overwrites in place is then one no query of the step reads.
+    """
+    return -(-(window + chunk - 2) // page_size) + 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowGroupSpec:
+    """Layers of one sliding window that keep only the pages their window reaches.
+
+    Each sequence of the group holds a ring of `ring_pages(window, chunk, page_size)`
+    pages in the group's own pool (`num_pages` pages for all sequences): logical page p
+    lives in ring slot p mod R, so once the ring is full the page that leaves the window is
+    overwritten in place by the page that enters it and the group allocates nothing more
+    for that sequence (`kvjax.cache.window`).
+
+    Args:
+      layers: the model's layer indices in the group (distinct, increasing).
+      window: the attention window of those layers (a query at p sees keys k with
+        p - k < window).
+      chunk: the most tokens one `reserve` adds to a sequence (the prefill chunk; 1 for
+        decode only). A larger reserve is refused (status TOO_MANY_NEW).
+      num_pages: pages in the group's pool; None (the default) gives every slot its ring.
+    """
+
+    layers: tuple[int, ...]
+    window: int
+    chunk: int
+    num_pages: int | None = None
+
+    def __post_init__(self):
+        layers = tuple(self.layers) if isinstance(self.layers, list | tuple) else None
+        if not layers or any(isinstance(i, bool) or not isinstance(i, int | np.integer)
+                             or i < 0 for i in layers) or list(layers) != sorted(set(layers)):
+            raise ValueError(f"WindowGroupSpec.layers must be distinct, increasing layer "
+                             f"indices >= 0, got {self.layers!r}.")
+        object.__setattr__(self, "layers", tuple(int(i) for i in layers))
+        _positive_int("WindowGroupSpec", "window", self.window)
+        _positive_int("WindowGroupSpec", "chunk", self.chunk)
+        if self.num_pages is not None:
+            _positive_int("WindowGroupSpec", "num_pages", self.num_pages)
+
+    def ring_pages(self, page_size: int) -> int:
+        """Ring slots per sequence (see the module function `ring_pages`)."""
+        return ring_pages(self.window, self.chunk, page_size)
+
+
+def window_groups(windows, *, chunk: int, num_pages: int | None = None
+                  ) -> tuple[WindowGroupSpec, ...]:
+    """Window groups for a model's per-layer windows: one group per distinct window.
+
+    Args:
+      windows: per layer, the attention window or None (a global layer), as a model config
+        lists them (`LlamaConfig.sliding_windows`); None or all-None gives no group.
+      chunk: the most tokens one reserve adds to a sequence (the prefill chunk).
+      num_pages: each group's pool size; None: every slot its ring.
+
+    Returns:
+      The groups, ordered by their first layer, for `CacheSpec(window_groups=...)`.
+    """
+    if windows is None:
+        return ()
+    by_window: dict[int, list[int]] = {}
+    for i, w in enumerate(windows):
+        if w is not None:
+            by_window.setdefault(int(w), []).append(i)
+    groups = [WindowGroupSpec(layers=tuple(ls), window=w, chunk=chunk, num_pages=num_pages)
+              for w, ls in by_window.items()]
+    return tuple(sorted(groups, key=lambda g: g.layers[0]))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheSpec:
     """Shape and layout of a paged KV cache.
@@ -327,6 +406,10 @@ class CacheSpec:
         `num_layers` then counts the full-attention layers, which hold pages.
       indexer: an MLA cache's lightning-indexer keys (`IndexerCacheSpec`, DeepSeek-V3.2):
         a third pool beside the latent pools, sharing their pages.
+      window_groups: layers that keep only their sliding window's pages
+        (`WindowGroupSpec`, `window_groups`), each group in pools and a page table of its
+        own; the main pools (`pool_shapes`, `num_pages`) then hold the other layers only
+        (`global_layers`). Full-precision K/V caches (MHA/GQA/MQA) only.
     """
 
     attention: AttentionSpec | MLASpec
@@ -339,6 +422,7 @@ class CacheSpec:
     quant: QuantSpec | None = None
     recurrent: RecurrentSpec | None = None
     indexer: IndexerCacheSpec | None = None
+    window_groups: tuple[WindowGroupSpec, ...] = ()
 
     def __post_init__(self):
         if self.indexer is not None:
@@ -377,6 +461,57 @@ class CacheSpec:
                     f"CacheSpec.quant must be a QuantSpec or None, got {type(self.quant).__name__}."
                 )
             self.quant.validate_for(self)
+        self._check_window_groups()
+
+    def _check_window_groups(self) -> None:
+        groups = self.window_groups
+        if not isinstance(groups, tuple | list) or not all(
+                isinstance(g, WindowGroupSpec) for g in groups):
+            raise ValueError(f"CacheSpec.window_groups must be a tuple of WindowGroupSpec, got "
+                             f"{groups!r}.")
+        groups = tuple(groups)
+        object.__setattr__(self, "window_groups", groups)
+        if not groups:
+            return
+        if self.is_mla or self.quant is not None or self.recurrent is not None:
+            raise ValueError("CacheSpec.window_groups apply to full-precision MHA/GQA/MQA "
+                             "caches (no MLA, quant or recurrent state).")
+        seen: set[int] = set()
+        for g in groups:
+            if g.layers[-1] >= self.num_layers:
+                raise ValueError(f"CacheSpec.window_groups: layer {g.layers[-1]} is outside "
+                                 f"the cache's {self.num_layers} layers.")
+            if seen & set(g.layers):
+                raise ValueError(f"CacheSpec.window_groups: layer {min(seen & set(g.layers))} "
+                                 f"is in two groups.")
+            seen |= set(g.layers)
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers held in the main pools: those in no window group."""
+        local = {i for g in self.window_groups for i in g.layers}
+        return tuple(i for i in range(self.num_layers) if i not in local)
+
+    def layer_home(self, layer: int) -> tuple[int | None, int]:
+        """(group index or None for the main pools, the layer's index in those pools)."""
+        for gi, g in enumerate(self.window_groups):
+            if layer in g.layers:
+                return gi, g.layers.index(layer)
+        return None, self.global_layers.index(layer)
+
+    def group_num_pages(self, g: int) -> int:
+        """Pages in window group g's pool (its `num_pages`, or every slot its ring)."""
+        group = self.window_groups[g]
+        if group.num_pages is not None:
+            return group.num_pages
+        return self.max_seqs * group.ring_pages(self.page_size)
+
+    def group_pool_shape(self, g: int) -> tuple[int, ...]:
+        """Shape of window group g's K (and V) pool `[layers_g, heads, pages, page_size,
+        head_dim]`."""
+        group = self.window_groups[g]
+        return (len(group.layers), self.attention.cache_heads, self.group_num_pages(g),
+                self.page_size, self.attention.cache_widths[0])
 
     @property
     def max_tokens_per_seq(self) -> int:
@@ -395,7 +530,7 @@ class CacheSpec:
         """Shapes of the two page pools: `[layers, heads, pages, page_size, width]`."""
         w0, w1 = self.attention.cache_widths
         h = self.attention.cache_heads
-        base = (self.num_layers, h, self.num_pages, self.page_size)
+        base = (len(self.global_layers), h, self.num_pages, self.page_size)
         return (*base, w0), (*base, w1)
 
     @property

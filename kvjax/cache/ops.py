@@ -42,7 +42,7 @@ from kvjax.attention import sparse as ksparse
 from kvjax.attention import xla as xla_path
 from kvjax.attention import xla_quantized
 from kvjax.attention.pages import QuantizedLayerView, Selection, TokenSelection
-from kvjax.cache import host, paged, quantized, recurrent
+from kvjax.cache import host, paged, quantized, recurrent, window
 from kvjax.cache import page_table as pt
 from kvjax.cache import quant as kquant
 from kvjax.cache.state import LayerView, PagedKVCache
@@ -70,6 +70,8 @@ def init_cache(spec: CacheSpec) -> PagedKVCache:
     if not isinstance(spec, CacheSpec):
         raise TypeError(f"init_cache: expected a CacheSpec, got {type(spec).__name__}.")
     cache = paged.init_cache(spec) if spec.quant is None else quantized.init_cache(spec)
+    if spec.window_groups:
+        cache = dataclasses.replace(cache, groups=window.init_groups(spec))
     if spec.recurrent is None:
         return cache
     return dataclasses.replace(cache, recurrent=recurrent.init_state(spec))
@@ -113,6 +115,8 @@ def _seq_vector(op: str, name: str, x, spec: CacheSpec, kind: str):
 
 @functools.partial(jax.jit, donate_argnames="cache")
 def _reserve(cache, num_new):
+    if cache.groups:
+        return window.reserve(cache, num_new.astype(jnp.int32))
     return _kind(cache).reserve(cache, num_new.astype(jnp.int32))
 
 
@@ -147,6 +151,7 @@ def reserve(
 @functools.partial(jax.jit, donate_argnames="cache")
 def _fork(cache, src, dst):
     new, status = _kind(cache).fork(cache, src, dst)
+    new = window.fork(new, src, dst)
     new = recurrent.fork_rows(new, src, dst, status.ok)
     return host.after_fork(new, src, dst, status), status
 
@@ -194,7 +199,8 @@ def fork(
 
 @functools.partial(jax.jit, donate_argnames="cache", static_argnames="scrub")
 def _free(cache, seqs, scrub):
-    cache = recurrent.free_rows(_kind(cache).free(cache, seqs, scrub=scrub), seqs)
+    cache = window.free(_kind(cache).free(cache, seqs, scrub=scrub), seqs, scrub=scrub)
+    cache = recurrent.free_rows(cache, seqs)
     return host.after_free(cache, seqs)
 
 
@@ -214,11 +220,13 @@ def free(
 
 @functools.partial(jax.jit, donate_argnames="cache")
 def _truncate(cache, new_lengths):
-    allowed = host.truncate_allowed(cache, new_lengths)
+    allowed = host.truncate_allowed(cache, new_lengths) & window.truncate_allowed(cache,
+                                                                                 new_lengths)
     if cache.recurrent is not None:
         # A recurrent state cannot be rolled back: a sequence keeps its length or ends.
         allowed &= jnp.all((new_lengths == cache.lengths) | (new_lengths == 0))
     new, status = _kind(cache).truncate(cache, jnp.where(allowed, new_lengths, cache.lengths))
+    new = window.truncate(new, jnp.where(allowed & status.ok, new_lengths, new.lengths))
     status = dataclasses.replace(
         status, code=jnp.where(allowed, status.code, pt.BAD_TRUNCATE).astype(jnp.int32))
     ended = status.ok & (new_lengths == 0) & (cache.lengths > 0)
@@ -271,6 +279,12 @@ def truncate(
                     f"truncate: a hybrid model's cache keeps a recurrent state per slot, "
                     f"which cannot be rolled back; slot {s} can keep its {old[s]} tokens or "
                     f"end (0), got {new[s]}.")
+        if cache.groups and not bool(window.truncate_allowed(cache, jnp.asarray(new))):
+            raise ValueError(
+                f"truncate: a window group no longer holds the pages the new lengths' windows "
+                f"reach (its ring keeps the last pages only); new lengths {new.tolist()}, "
+                f"current {old.tolist()}. Keep a length, end a sequence (0), or shorten it "
+                f"by less.")
         if cache.host is not None:
             hl = np.asarray(host.host_pages(cache)) * cache.spec.page_size
             bad = np.nonzero((new < hl) & (new % cache.spec.page_size != 0))[0]
@@ -432,8 +446,15 @@ def write(
         _check_kivi_values(cache, a, b, seq_ids)
         return quantized.write_layer(cache, layer, a, b, seq_ids, index_keys=index_keys)
     positions, valid = _positions(cache, q_lengths, q_len, seq_ids)
+    g, index = window.home(spec, layer)
+    if g is not None:
+        want = (batch, q_len, spec.attention.kv_heads, spec.attention.head_dim)
+        if a.shape != want or b.shape != want:
+            raise ValueError(f"write: K and V must have shape [batch, q_len, kv_heads, "
+                             f"head_dim] = {want}, got {a.shape} and {b.shape}.")
+        return window.write_layer(cache, g, index, positions, valid, seq_ids, a, b)
     slots = paged.token_slots(cache, positions, valid, seq_ids)
-    return paged.write_layer(cache, layer, slots, a, b, index_keys=index_keys)
+    return paged.write_layer(cache, index, slots, a, b, index_keys=index_keys)
 
 
 def layer_view(
@@ -447,7 +468,13 @@ def layer_view(
     """
     if cache.tail is not None:
         return quantized.layer_view(cache, layer, whole_pools=whole_pools)
-    return paged.layer_view(cache, layer)
+    paged.check_layer(cache.spec, layer)
+    (k, v), tables, index = window.attention_inputs(cache, layer)
+    if tables is cache.block_tables:
+        return paged.layer_view(cache, index)
+    ok = paged.traced_layer_ok(cache.spec, layer)
+    return LayerView(k=paged.poison_unless(ok, k[index]), v=paged.poison_unless(ok, v[index]),
+                     block_tables=tables, lengths=cache.lengths)
 
 
 def _rows_view(view: QuantizedLayerView, seq_ids) -> QuantizedLayerView:
@@ -534,6 +561,18 @@ def attend(
                              f"[batch, q_len] = {want}, got {selection.positions.shape}.")
     elif selection is not None and q_len != 1:
         raise ValueError(f"attend: a selection applies to decode (q_len 1), got q_len {q_len}.")
+    if spec.window_groups:
+        g, _ = window.home(spec, layer)
+        if g is not None:
+            w = spec.window_groups[g].window
+            if sliding_window is None or sliding_window > w:
+                raise ValueError(
+                    f"attend: layer {layer} keeps only the pages of its {w}-token window "
+                    f"(CacheSpec.window_groups), so it must attend with sliding_window <= {w}"
+                    f", got {sliding_window}.")
+            if selection is not None:
+                raise ValueError("attend: a selection names pages by position; a window "
+                                 "group's layer holds only its window's pages.")
     if scale is None:
         if mla:
             raise ValueError("attend: MLA needs its softmax scale (scale=...).")
@@ -583,10 +622,8 @@ def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sli
         return kattn.quantized_prefill_attention(
             q, view, q_lengths, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
             seq_ids=seq_ids, **kw)
-    pools = paged._pools(cache.pages)
+    pools, tables, kw["layer"] = window.attention_inputs(cache, layer, seq_ids)
     lengths = cache.lengths if seq_ids is None else cache.lengths[seq_ids]
-    tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
-    kw["layer"] = layer
     if selection is not None:
         sel = selection.rows(seq_ids)
         if mla:
@@ -742,6 +779,10 @@ def attention_probs(
       NaN for a traced layer outside the cache (never another layer's probabilities).
     """
     paged.check_layer(cache.spec, layer)
+    if cache.groups:
+        raise ValueError("attention_probs: a cache with window groups (CacheSpec.window_groups) "
+                         "does not combine with a scoring policy; its windowed layers hold "
+                         "only their windows' pages.")
     probs = _attention_probs(cache, layer, q, q_lengths, scale=scale, soft_cap=soft_cap,
                              weights=weights)
     return paged.poison_unless(paged.traced_layer_ok(cache.spec, layer), probs)
@@ -793,6 +834,7 @@ def check_invariants(cache: PagedKVCache | pt.PageTable) -> None:
     if not isinstance(cache, PagedKVCache):
         return paged.allocator(cache).check_invariants(cache)
     paged.allocator(cache.table).check_invariants(cache.table)
+    window.check_invariants(cache)
     if cache.tail is None:
         return None
     lengths = np.asarray(cache.lengths)

@@ -58,6 +58,7 @@ TOO_LONG = 2
 BAD_FORK = 3
 BAD_TRUNCATE = 4
 BAD_COUNT = 5
+TOO_MANY_NEW = 6
 
 
 class CacheFullError(RuntimeError):
@@ -82,7 +83,8 @@ class AllocStatus:
       code: int32[], 0 ok, 1 out of pages, 2 a sequence would exceed
         max_pages_per_seq * page_size tokens, 3 a fork target is in use,
         4 a truncation asked to grow a sequence or for a negative length,
-        5 a reserve asked for a negative number of tokens.
+        5 a reserve asked for a negative number of tokens, 6 a reserve added more
+        tokens to a sequence than a window group's chunk (`kvjax.cache.window`).
       pages_needed: int32[], new pages the operation asked for.
       pages_free: int32[], pages that were free before it.
     """
@@ -118,6 +120,13 @@ class AllocStatus:
             raise ValueError(
                 "reserve: a count of new tokens was negative; counts must be >= 0 (shorten "
                 "a sequence with truncate). Nothing was reserved."
+            )
+        if code == TOO_MANY_NEW:
+            raise ValueError(
+                "reserve: a sequence would receive more tokens in one reserve than a window "
+                "group's chunk (WindowGroupSpec.chunk), whose ring holds only the pages its "
+                "window and one chunk reach; reserve in smaller steps or build the cache with "
+                "a larger chunk. Nothing was reserved."
             )
 
 

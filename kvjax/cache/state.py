@@ -35,6 +35,7 @@ __all__ = [
     "KIVITail",
     "HostTier",
     "RecurrentState",
+    "WindowGroup",
     "PagedKVCache",
     "LayerView",
     "Slots",
@@ -182,6 +183,21 @@ class HostTier:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class WindowGroup:
+    """One window group's pages (`CacheSpec.window_groups`, `kvjax.cache.window`).
+
+    Attributes:
+      pages: the group's K and V pools `[layers_g, kv_heads, pages_g, page_size, head_dim]`.
+      table: its page table, one ring of `ring_pages` entries per sequence: logical page p
+        of sequence s lives at `block_tables[s, p % ring]`; its lengths equal the cache's.
+    """
+
+    pages: KVPages
+    table: pt.PageTable
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """A paged KV cache of any page kind: pools for every layer and the page table.
 
@@ -194,6 +210,8 @@ class PagedKVCache:
       tail: `KIVITail` for a quantized cache, None otherwise.
       host: `HostTier` when the cache has a host-memory tier (`kvjax.cache.host`).
       recurrent: `RecurrentState` when the spec has a `RecurrentSpec` (hybrid models).
+      groups: one `WindowGroup` per `spec.window_groups` entry (the windowed layers'
+        pages); `pages` then holds the other layers (`spec.global_layers`) only.
     """
 
     pages: KVPages | LatentPages | QuantizedKVPages | QuantizedLatentPages
@@ -202,6 +220,7 @@ class PagedKVCache:
     tail: KIVITail | None = None
     host: HostTier | None = None
     recurrent: RecurrentState | None = None
+    groups: tuple[WindowGroup, ...] = ()
 
     @property
     def is_quantized(self) -> bool:

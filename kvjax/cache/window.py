@@ -1,0 +1,363 @@
+"""Window groups: sliding-window layers that keep only the pages their window reaches.
+
+A layer whose queries see only the last `window` keys never reads a page that left
+its window, so the cache need not keep it. `CacheSpec.window_groups` puts such layers
+in groups (`WindowGroupSpec`), each with pools and a page table of its own
+(`WindowGroup`); the main pools and table hold the other layers. In a group's table a
+sequence's row is a ring of
+
+    R = ring_pages(window, chunk, page_size) = ceil((window + chunk - 2) / page_size) + 1
+
+entries: logical page p (tokens [p * page_size, (p + 1) * page_size)) lives in ring
+slot p mod R. Slots are allocated as the sequence first reaches them; once all R are
+held, the page entering the window takes the slot of the page leaving it and is
+written in place: a sequence of any length holds at most R pages of the group, and
+its growth allocates nothing there (unless the slot's page is shared after a fork:
+then the slot gets a fresh page, copy-on-write without a copy, since the new page's
+tokens are all new).
+
+Attention reads the group's pools through a virtual block table of the cache's usual
+width whose entry p is `ring[p mod R]` (`virtual_tables`, one small int gather): every
+implementation of `kvjax.attention` masks keys outside `[q - window + 1, q]` by
+position (the XLA path and the Pallas kernels select them away, the CPU kernels start
+at the window), so entries before the window, which name newer pages, are never seen.
+`ring_pages` sizes R so that a reserve of up to `chunk` tokens overwrites no page a
+query of the same step reads (see `kvjax.specs.ring_pages`).
+
+Every allocator operation covers the groups: `reserve` (all or nothing over the main
+table and every group; a reserve of more than `chunk` tokens is refused, status
+TOO_MANY_NEW), `fork` (rings are shared page for page), `free`, `truncate` (allowed
+while the group still holds the pages the new length's window reaches) and
+`check_invariants`. The functions here are called by `kvjax.cache`'s generic
+operations, which dispatch on `cache.groups`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+from kvjax.cache import page_table as pt
+from kvjax.cache import paged
+from kvjax.cache.state import KVPages, PagedKVCache, Slots, WindowGroup
+from kvjax.specs import CacheSpec
+
+__all__ = [
+    "init_groups",
+    "ring_size",
+    "reserve_ring",
+    "reserve",
+    "fork",
+    "free",
+    "truncate_allowed",
+    "truncate",
+    "home",
+    "virtual_tables",
+    "write_layer",
+    "attention_inputs",
+    "pages_in_use",
+    "check_invariants",
+]
+
+
+def ring_size(spec: CacheSpec, g: int) -> int:
+    """Ring slots per sequence of window group g."""
+    return spec.window_groups[g].ring_pages(spec.page_size)
+
+
+def init_groups(spec: CacheSpec) -> tuple[WindowGroup, ...]:
+    """Empty window groups for `spec`: zeroed pools, empty rings, every page free."""
+    groups = []
+    for g in range(len(spec.window_groups)):
+        shape = spec.group_pool_shape(g)
+        pages = KVPages(k=jnp.zeros(shape, spec.dtype), v=jnp.zeros(shape, spec.dtype))
+        table = pt.init_page_table(num_pages=spec.group_num_pages(g), max_seqs=spec.max_seqs,
+                                   max_pages_per_seq=ring_size(spec, g),
+                                   page_size=spec.page_size)
+        groups.append(WindowGroup(pages=pages, table=table))
+    return tuple(groups)
+
+
+def reserve_ring(
+    table: pt.PageTable, num_new: Int[Array, " max_seqs"], *, chunk: int, max_tokens: int
+) -> tuple[pt.PageTable, pt.CopyPlan, pt.AllocStatus]:
+    """`page_table.reserve` for a ring table: grows sequences by `num_new[s]` tokens.
+
+    New logical pages take their ring slots (p mod R): a slot never held gets a fresh
+    page; a held one is reused in place (its page has left the window), or, if its
+    page is shared, gets a fresh page without a copy. The partly filled last page is
+    copied first if it is shared, as in `page_table.reserve`. Where every holder of a
+    shared page gives it up in this call, the last of them (row-major) keeps it.
+
+    All or nothing: a negative count (BAD_COUNT), a sequence past `max_tokens`
+    (TOO_LONG), a count above `chunk` (TOO_MANY_NEW) or too few free pages
+    (OUT_OF_PAGES) change nothing.
+
+    Args:
+      table: the group's page table (rows of R ring slots).
+      num_new: int32[max_seqs] >= 0.
+      chunk: the most tokens one reserve may add to a sequence (static).
+      max_tokens: the longest sequence the cache holds (static).
+
+    Returns:
+      (table, copy_plan, status): copy_plan has max_seqs * R entries (dst == num_pages:
+      no copy).
+    """
+    ps = table.page_size
+    max_seqs, ring = table.block_tables.shape
+    num_pages = table.num_pages
+    sink = jnp.int32(num_pages)
+    num_new = pt.check_reserve_counts(table, num_new)
+    old_len = table.lengths
+    negative = jnp.any(num_new < 0)
+    too_long = jnp.any(num_new > max_tokens - old_len)
+    too_many = jnp.any(num_new > chunk)
+    num_new = jnp.where(negative | too_long | too_many, 0, num_new)
+    new_len = old_len + num_new
+    old_np, new_np = table.pages_used(old_len), table.pages_used(new_len)
+
+    j = jnp.arange(ring, dtype=jnp.int32)[None, :]
+    grow = jnp.mod(j - old_np[:, None], ring) < (new_np - old_np)[:, None]
+    fresh_slot = grow & (j >= old_np[:, None])  # a slot the sequence never held
+    replace = grow & ~fresh_slot  # a held slot whose page left the window
+    partial = ((num_new > 0) & (old_len % ps != 0))[:, None] & (
+        j == jnp.mod(old_np - 1, ring)[:, None])
+
+    flat_bt = table.block_tables.reshape(-1)
+    safe = jnp.clip(flat_bt, 0, num_pages - 1)
+    flagged = (replace | partial).reshape(-1) & (table.refcounts[safe] > 1)
+    target = jnp.where(flagged, flat_bt, sink)
+    n_flagged = jnp.zeros((num_pages,), jnp.int32).at[target].add(1, mode="drop")
+    idx = jnp.arange(flat_bt.shape[0], dtype=jnp.int32)
+    last_holder = jnp.full((num_pages,), -1, jnp.int32).at[target].max(idx, mode="drop")
+    keeps = flagged & (table.refcounts[safe] == n_flagged[safe]) & (last_holder[safe] == idx)
+    cow = flagged & ~keeps
+    needed = cow | fresh_slot.reshape(-1)
+    pages_needed = jnp.sum(needed, dtype=jnp.int32)
+    code = jnp.where(negative, pt.BAD_COUNT, jnp.where(
+        too_long, pt.TOO_LONG, jnp.where(too_many, pt.TOO_MANY_NEW, jnp.where(
+            pages_needed > table.num_free, pt.OUT_OF_PAGES, pt.OK))))
+    ok = code == pt.OK
+    fresh = pt._pop(table, jnp.cumsum(needed, dtype=jnp.int32) - 1)
+    do = ok & needed
+    refcounts = table.refcounts.at[jnp.where(do, fresh, sink)].set(1, mode="drop")
+    refcounts = refcounts.at[jnp.where(ok & cow, flat_bt, sink)].add(-1, mode="drop")
+    copy_needed = ok & cow & partial.reshape(-1)
+    copy = pt.CopyPlan(src=jnp.where(copy_needed, flat_bt, 0),
+                       dst=jnp.where(copy_needed, fresh, sink))
+    status = pt.AllocStatus(code=code.astype(jnp.int32), pages_needed=pages_needed,
+                            pages_free=table.num_free)
+    table = dataclasses.replace(
+        table,
+        block_tables=jnp.where(do, fresh, flat_bt).reshape(max_seqs, ring),
+        lengths=jnp.where(ok, new_len, old_len),
+        refcounts=refcounts,
+        num_free=table.num_free - jnp.where(ok, pages_needed, 0),
+    )
+    return table, copy, status
+
+
+def _ring_reserve(spec: CacheSpec, g: int, table: pt.PageTable, num_new):
+    return reserve_ring(table, num_new, chunk=spec.window_groups[g].chunk,
+                        max_tokens=spec.max_tokens_per_seq)
+
+
+def reserve(
+    cache: PagedKVCache, num_new: Int[Array, " max_seqs"]
+) -> tuple[PagedKVCache, pt.AllocStatus]:
+    """`paged.reserve` over the main pools and every window group, all or nothing.
+
+    The tables' outcomes are computed first (no pool touched); only when all succeed
+    do the sequences grow, else nothing changes and the status is the first failure
+    (main table first, then the groups in order).
+    """
+    spec = cache.spec
+    num_new = pt.check_reserve_counts(cache.table, num_new)
+    statuses = [paged.allocator(cache.table).reserve(cache.table, num_new)[2]]
+    statuses += [_ring_reserve(spec, g, grp.table, num_new)[2]
+                 for g, grp in enumerate(cache.groups)]
+    status = statuses[-1]
+    for st in reversed(statuses[:-1]):
+        status = jax.tree.map(lambda a, b, bad=~st.ok: jnp.where(bad, a, b), st, status)
+    ok = jnp.all(jnp.stack([st.ok for st in statuses]))
+    n = jnp.where(ok, num_new, 0)
+    cache, _ = paged.reserve(cache, n)
+    groups = []
+    for g, grp in enumerate(cache.groups):
+        table, copy, _ = _ring_reserve(spec, g, grp.table, n)
+        groups.append(WindowGroup(pages=paged.copy_pages(grp.pages, copy.src, copy.dst),
+                                  table=table))
+    return dataclasses.replace(cache, groups=tuple(groups)), status
+
+
+def fork(cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]) -> PagedKVCache:
+    """Each group's ring of `src[i]` shared by `dst[i]` (the main table's `fork` checks the
+    same slots and lengths, so both succeed or fail together)."""
+    groups = tuple(dataclasses.replace(grp, table=pt.fork(grp.table, src, dst)[0])
+                   for grp in cache.groups)
+    return dataclasses.replace(cache, groups=groups)
+
+
+def free(cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
+         ) -> PagedKVCache:
+    """Frees the flagged sequences' rings; pages nobody else holds return to the group."""
+    groups = []
+    for grp in cache.groups:
+        table, released = pt.free(grp.table, seqs)
+        pages = grp.pages
+        if scrub:
+            pages = jax.tree.map(
+                lambda x, r=released: paged.set_drop(x, (slice(None), slice(None), r), 0), pages)
+        groups.append(WindowGroup(pages=pages, table=table))
+    return dataclasses.replace(cache, groups=tuple(groups))
+
+
+def truncate_allowed(cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]
+                     ) -> Bool[Array, ""]:
+    """Whether every group still holds the pages the new lengths' windows reach.
+
+    A sequence may keep its length, end (0), or shorten to L' when its ring never
+    wrapped or still holds the page of position L' - window + 1 (the first key a
+    later query reads).
+    """
+    spec, ps = cache.spec, cache.spec.page_size
+    old = cache.lengths
+    allowed = jnp.bool_(True)
+    for g, gs in enumerate(spec.window_groups):
+        ring = ring_size(spec, g)
+        old_np = (old + ps - 1) // ps
+        first = jnp.maximum(new_lengths - gs.window + 1, 0) // ps
+        ok = (new_lengths == old) | (new_lengths == 0) | (old_np <= ring) | (
+            first >= old_np - ring)
+        allowed &= jnp.all(ok)
+    return allowed
+
+
+def truncate(cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]) -> PagedKVCache:
+    """Each group's rings shortened to `new_lengths` (checked by `truncate_allowed` and the
+    main table's truncate: call with the lengths that were allowed)."""
+    groups = tuple(dataclasses.replace(grp, table=pt.truncate(grp.table, new_lengths)[0])
+                   for grp in cache.groups)
+    return dataclasses.replace(cache, groups=groups)
+
+
+def home(spec: CacheSpec, layer) -> tuple[int | None, int | Int[Array, ""]]:
+    """(window group or None for the main pools, the layer's index in those pools).
+
+    A traced layer (a scan over layers) is its own index when no layer is in a group,
+    or when one group holds every layer.
+
+    Raises:
+      ValueError: a traced layer in a cache whose layers live in different pools.
+    """
+    if not isinstance(layer, jax.core.Tracer):
+        return spec.layer_home(int(layer))
+    groups = spec.window_groups
+    if not groups:
+        return None, layer
+    if len(groups) == 1 and len(groups[0].layers) == spec.num_layers:
+        return 0, layer
+    raise ValueError(
+        "A traced layer index (a scan over layers) needs every layer in one pool, but this "
+        f"cache keeps layers {spec.global_layers} in the main pools and "
+        f"{[g.layers for g in groups]} in window groups; run the layers in a Python loop "
+        "(static indices).")
+
+
+def virtual_tables(table: pt.PageTable, max_pages: int,
+                   seq_ids: Int[Array, " batch"] | None = None) -> Int[Array, "batch max_pages"]:
+    """Block tables of width `max_pages` over a ring table: entry p is `ring[p mod R]`.
+
+    Entries before a sequence's last R pages name newer pages; attention with the
+    group's window masks them by position.
+    """
+    rows = table.block_tables if seq_ids is None else table.block_tables[seq_ids]
+    cols = np.arange(max_pages, dtype=np.int32) % table.max_pages_per_seq
+    return rows[:, cols]
+
+
+def token_slots(spec: CacheSpec, table: pt.PageTable, positions: Int[Array, "batch q_len"],
+                valid: Bool[Array, "batch q_len"], seq_ids: Int[Array, " batch"] | None
+                ) -> Slots:
+    """Page and offset in a group's pool of the tokens at `positions` (ring slot p mod R)."""
+    ring = table.max_pages_per_seq
+    if seq_ids is None:
+        bt = table.block_tables
+    else:
+        ok = (seq_ids >= 0) & (seq_ids < spec.max_seqs)
+        bt = jnp.where(ok[:, None], table.block_tables[jnp.clip(seq_ids, 0, spec.max_seqs - 1)],
+                       -1)
+    col = jnp.mod(positions // spec.page_size, ring)
+    page = jnp.take_along_axis(bt, col, axis=1)
+    inside = (positions >= 0) & (positions < spec.max_tokens_per_seq) & (page >= 0)
+    page = jnp.where(valid & inside, page, table.num_pages)
+    return Slots(page=page.astype(jnp.int32),
+                 offset=(positions % spec.page_size).astype(jnp.int32))
+
+
+def write_layer(cache: PagedKVCache, g: int, index, positions, valid, seq_ids, k, v
+                ) -> PagedKVCache:
+    """Writes K/V `[batch, q_len, kv_heads, head_dim]` (cache dtype, checked by the caller)
+    of the group's layer `index` at `positions` (valid tokens only)."""
+    grp = cache.groups[g]
+    n = grp.pages.k.shape[0]
+    if isinstance(index, jax.core.Tracer):  # out of range: dropped by the scatter
+        index = jnp.where((index >= 0) & (index < n), index, n)
+    slots = token_slots(cache.spec, grp.table, positions, valid, seq_ids)
+    page, off = slots.page.reshape(-1), slots.offset.reshape(-1)
+    k = paged.set_rows(grp.pages.k, index, page, off, k.reshape(-1, *k.shape[2:]))
+    v = paged.set_rows(grp.pages.v, index, page, off, v.reshape(-1, *v.shape[2:]))
+    groups = list(cache.groups)
+    groups[g] = WindowGroup(pages=KVPages(k=k, v=v), table=grp.table)
+    return dataclasses.replace(cache, groups=tuple(groups))
+
+
+def attention_inputs(cache: PagedKVCache, layer, seq_ids=None):
+    """(pools, block tables of the batch rows, pool layer index) attention reads for `layer`:
+    the main pools and tables, or its group's pools and virtual tables."""
+    g, index = home(cache.spec, layer)
+    if g is None:
+        tables = cache.block_tables if seq_ids is None else cache.block_tables[seq_ids]
+        return paged._pools(cache.pages), tables, index
+    grp = cache.groups[g]
+    tables = virtual_tables(grp.table, cache.spec.max_pages_per_seq, seq_ids)
+    return (grp.pages.k, grp.pages.v), tables, index
+
+
+def pages_in_use(cache: PagedKVCache) -> tuple[int, ...]:
+    """Host-side: pages each window group holds (its pool size minus its free pages)."""
+    return tuple(int(grp.table.num_pages - grp.table.num_free) for grp in cache.groups)
+
+
+def check_invariants(cache: PagedKVCache) -> None:
+    """Host-side check of every group's ring table; AssertionError naming a breach.
+
+    The allocator's invariants over the held slots (a sequence of P pages holds slots
+    [0, min(P, R))), the group's lengths equal to the cache's, and no sequence holding
+    more than R pages.
+    """
+    spec = cache.spec
+    lengths = np.asarray(cache.lengths)
+    for g, grp in enumerate(cache.groups):
+        ring = ring_size(spec, g)
+        glen = np.asarray(grp.table.lengths)
+        if not (glen == lengths).all():
+            raise AssertionError(f"window group {g}: lengths {glen.tolist()} differ from the "
+                                 f"cache's {lengths.tolist()}")
+        if (lengths > spec.max_tokens_per_seq).any():
+            raise AssertionError(f"window group {g}: a length exceeds "
+                                 f"{spec.max_tokens_per_seq} tokens: {lengths.tolist()}")
+        bt = np.asarray(grp.table.block_tables)
+        held = np.minimum(-(-lengths // spec.page_size), ring)
+        for s in range(spec.max_seqs):
+            if (bt[s, :held[s]] < 0).any():
+                raise AssertionError(f"window group {g}: sequence {s} of {lengths[s]} tokens "
+                                     f"misses a page in its ring {bt[s].tolist()}")
+        # The allocator's own check, over each row's held slots: lengths capped at the ring.
+        clipped = np.minimum(lengths, ring * spec.page_size).astype(np.int32)
+        try:
+            pt.check_invariants(dataclasses.replace(grp.table, lengths=clipped))
+        except AssertionError as e:
+            raise AssertionError(f"window group {g}: {e}") from None
