@@ -187,7 +187,7 @@ def kernel_config(
     block_tokens = _BLOCK_TOKENS
     chunk = min(page_size, block_tokens)
     stage_bytes = block_tokens * (head_dim + v_dim) * itemsize
-    q_bytes = _MMA_ROWS * head_dim * itemsize
+    q_bytes = 2 * _MMA_ROWS * head_dim * itemsize  # room for float32 queries' two parts
     stages = max(2, min(_MAX_STAGES, (_SMEM_BUDGET - q_bytes) // stage_bytes))
     pages_per_step = max(1, block_tokens // page_size)
     steps_per_page = max(1, page_size // block_tokens)
@@ -272,7 +272,9 @@ def _decode_kernel(
         for c in range(chunks):
             plgpu.barrier_wait(k_bars.at[slot * chunks + c])
 
-        s = mgpu.dot_transposed_b(q_smem, k_smem.at[slot], interpret=interpret)
+        s = mgpu.dot_transposed_b(q_smem.at[0], k_smem.at[slot], interpret=interpret)
+        for part in range(1, q_smem.shape[0]):  # float32 queries: + q_lo K^T
+            s = s + mgpu.dot_transposed_b(q_smem.at[part], k_smem.at[slot], interpret=interpret)
         s = s * jnp.float32(scale)
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
@@ -340,8 +342,13 @@ def _decode(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, slid
     splits, pps = cfg.num_splits, cfg.pages_per_split
     chunks = cfg.block_tokens // cfg.chunk
 
-    qg = q.reshape(batch, kv_heads, group, head_dim).astype(dtype)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _MMA_ROWS - group), (0, 0)))
+    qg = q.reshape(batch, kv_heads, 1, group, head_dim)
+    if q.dtype == jnp.float32:
+        # Two parts in the pages' dtype, hi + lo, carry a float32 query to ~2^-16 relative.
+        hi = qg.astype(dtype)
+        qg = jnp.concatenate([hi, (qg - hi.astype(jnp.float32)).astype(dtype)], axis=2)
+    qg = jnp.pad(qg.astype(dtype), ((0, 0), (0, 0), (0, 0), (0, _MMA_ROWS - group), (0, 0)))
+    q_parts = qg.shape[2]
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, (splits - 1) * pps + cfg.table_window - max_pages)))
     kernel = functools.partial(
@@ -355,7 +362,7 @@ def _decode(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, slid
             jax.ShapeDtypeStruct((splits, batch, kv_heads, _MMA_ROWS), jnp.float32),
         ),
         scratch_types=(
-            plgpu.SMEM((_MMA_ROWS, head_dim), dtype,
+            plgpu.SMEM((q_parts, _MMA_ROWS, head_dim), dtype,
                        transforms=_smem_transforms(head_dim, itemsize)),
             plgpu.SMEM((cfg.num_stages, cfg.block_tokens, head_dim), dtype,
                        transforms=_smem_transforms(head_dim, itemsize)),
@@ -397,8 +404,9 @@ def paged_decode_attention(
     `reference.paged_decode_attention`.
 
     Args:
-      q: [batch, q_heads, head_dim]; q_heads a multiple of kv_heads. Cast to the pages'
-        dtype for the tensor cores.
+      q: [batch, q_heads, head_dim]; q_heads a multiple of kv_heads; in the pages' dtype or
+        float32 (then split into two parts in the pages' dtype, hi + lo, for the tensor
+        cores: logits to ~2^-16 relative).
       k_pages, v_pages: one layer's pools [kv_heads, pages, page_size, head_dim |
         v_head_dim], bfloat16 or float16.
       lengths: int32[batch], tokens per sequence including the new one.

@@ -1,0 +1,167 @@
+"""The Mosaic GPU paged decode kernel, checked on a CPU-only machine.
+
+Correctness runs in Mosaic GPU's interpreter (simulated shared memory, TMA,
+barriers and wgmma) with its race detector on, against the jnp reference, on
+tiny shapes: the interpreter is slow. Lowering for an H100 from CPU runs the
+whole Mosaic GPU lowering (layouts, wgmma shapes, shared-memory transforms) at
+production shapes. `choose_splits` is a pure function, checked by its
+properties.
+"""
+
+import functools
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import _mosaic_gpu as mgpu
+from kernels_pallas.paged_attention import mosaic_gpu as mk
+from tests.kernels.kernel_cases import ref_decode
+
+S = jax.ShapeDtypeStruct
+
+
+def _case(rng, *, q_heads, kv_heads, head_dim, page_size, max_pages, lengths, q_dtype):
+    """Random inputs with permuted pages, two sequences sharing their first page (a forked
+    prefix), garbage table entries past each length and NaN in every cached row no query
+    may see (the rest of each last page, the dead pages)."""
+    lengths = np.asarray(lengths, np.int32)
+    used = -(-lengths // page_size)
+    num_pages = int(used.sum()) + 2
+    perm = rng.permutation(num_pages)
+    tables = rng.choice([-3, num_pages, 10**6], size=(len(lengths), max_pages)).astype(np.int32)
+    start = 0
+    for b, n in enumerate(used):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    tables[1, 0] = tables[0, 0]  # shared prefix page (lengths[0] ends inside it)
+
+    def draw(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    k = draw(kv_heads, num_pages, page_size, head_dim)
+    v = draw(kv_heads, num_pages, page_size, head_dim)
+    seen = np.zeros((num_pages, page_size), bool)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            seen[tables[b, t // page_size], t % page_size] = True
+    k[:, ~seen] = np.nan
+    v[:, ~seen] = np.nan
+    q = draw(len(lengths), q_heads, head_dim)
+    put = jax.device_put
+    return (put(q.astype(q_dtype)), put(k.astype(jnp.bfloat16)), put(v.astype(jnp.bfloat16)),
+            put(lengths), put(tables))
+
+
+# lengths: shorter than a page, ending mid-page, the shared-prefix page's owner and a
+# sequence filling the table; the first two leave the second split empty.
+CASES = {
+    "bf16_group4_page16": dict(
+        shape=dict(q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_pages=8,
+                   lengths=[11, 37, 128, 100], q_dtype=jnp.bfloat16),
+        static=dict(),
+    ),
+    "f32q_window_softcap_page8": dict(
+        shape=dict(q_heads=2, kv_heads=2, head_dim=32, page_size=8, max_pages=16,
+                   lengths=[5, 61, 128, 77], q_dtype=jnp.float32),
+        static=dict(sliding_window=40, soft_cap=4.0),
+    ),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("soft_cap", "sliding_window"))
+def _interpreted(q, k, v, lengths, tables, soft_cap=None, sliding_window=None):
+    return mk.paged_decode_attention(
+        q, k, v, lengths, tables, soft_cap=soft_cap, sliding_window=sliding_window,
+        interpret=mgpu.interpret_params(detect_races=True),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreted_matches_reference(name):
+    case = CASES[name]
+    shape = case["shape"]
+    q, k, v, lengths, tables = _case(np.random.default_rng(zlib.crc32(name.encode())), **shape)
+    cfg = mk.kernel_config(len(shape["lengths"]), shape["kv_heads"], shape["max_pages"],
+                           shape["page_size"], shape["head_dim"], shape["head_dim"], 2, 132)
+    span = cfg.pages_per_split * shape["page_size"]
+    assert cfg.num_splits > 1 and min(shape["lengths"]) <= span  # an empty split runs
+
+    mgpu.reset_interpreter()
+    out, lse = jax.block_until_ready(_interpreted(q, k, v, lengths, tables, **case["static"]))
+    assert not mgpu.interpreter_races_found()
+    ref_out, ref_lse = ref_decode(q, k, v, lengths, tables, **case["static"])
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    # bf16 P before P V (2^-8 relative) and, for bf16 queries, a bf16 output; the logits
+    # are exact products of bf16 values (float32 queries: hi + lo parts, ~2^-16).
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-4)
+
+
+def _efficiency(programs, splits, slots):
+    waves = programs * splits / slots
+    return waves / math.ceil(waves)
+
+
+@pytest.mark.parametrize("num_sms", [8, 132])
+def test_choose_splits_properties(num_sms):
+    for programs in (1, 3, 8, 20, 64, 105, 106, 512):
+        for num_steps in (1, 2, 7, 64, 2048):
+            s = mk.choose_splits(programs, num_steps, num_sms)
+            assert 1 <= s <= min(num_steps, 128)
+            if programs >= 0.8 * num_sms:
+                assert s == 1
+                continue
+            # Split counts that change the steps per split (more splits that leave it
+            # unchanged only add empty programs).
+            eligible = [t for t in range(1, min(128, num_steps, num_sms) + 1)
+                        if t == 1 or -(-num_steps // t) != -(-num_steps // (t - 1))]
+            best = max(_efficiency(programs, t, num_sms) for t in eligible)
+            assert s in eligible and _efficiency(programs, s, num_sms) >= 0.85 * best
+            assert all(_efficiency(programs, t, num_sms) < 0.85 * best  # the fewest
+                       for t in eligible if t < s)
+            if num_steps >= num_sms:  # a long sequence fills the GPU in whole waves
+                assert _efficiency(programs, s, num_sms) >= 0.85
+    with pytest.raises(ValueError, match="num_sms"):
+        mk.choose_splits(8, 10, 0)
+
+
+def test_kernel_config_fills_the_gpu():
+    # One 128K-token sequence over 8 KV heads (page 16) spreads over >= 85% of 132 SMs;
+    # 64 x 8K needs no split; every split's pages are whole steps and the table is covered.
+    cfg = mk.kernel_config(1, 8, 8192, 16, 128, 128, 2, 132)
+    assert 8 * cfg.num_splits >= 0.85 * 132 and 8 * cfg.num_splits <= 2 * 132
+    assert cfg.num_splits * cfg.pages_per_split >= 8192
+    assert (cfg.pages_per_split * 16) % cfg.block_tokens == 0
+    assert cfg.num_stages == 4
+    assert mk.kernel_config(64, 8, 512, 16, 128, 128, 2, 132).num_splits == 1
+    assert mk.kernel_config(1, 8, 64, 16, 256, 256, 2, 132).num_stages >= 2
+
+
+def test_unsupported_reason():
+    q, pages = S((2, 32, 128), jnp.bfloat16), S((8, 64, 16, 128), jnp.bfloat16)
+    assert mk.unsupported_reason(q, pages, pages) is None
+    assert mk.unsupported_reason(S((2, 32, 128), jnp.float32), pages, pages) is None
+    f32_pages = S((8, 64, 16, 128), jnp.float32)
+    assert "float32" in mk.unsupported_reason(q, f32_pages, f32_pages)
+    small = S((8, 64, 4, 128), jnp.bfloat16)
+    assert "page sizes" in mk.unsupported_reason(q, small, small)
+    wide_q, wide = S((2, 32, 512), jnp.bfloat16), S((8, 64, 16, 512), jnp.bfloat16)
+    assert "head_dim" in mk.unsupported_reason(wide_q, wide, wide)
+    lengths, tables = S((2,), jnp.int32), S((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="page sizes"):
+        jax.eval_shape(mk.paged_decode_attention, q, small, small, lengths, tables)
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(16, 128), (64, 128), (16, 64), (16, 256)])
+def test_lowers_for_h100(page_size, head_dim):
+    pages = S((8, 256, page_size, head_dim), jnp.bfloat16)
+    lowered = mgpu.lower_for_cuda(
+        mk.paged_decode_attention, S((4, 32, head_dim), jnp.bfloat16), pages, pages,
+        S((4,), jnp.int32), S((4, 64), jnp.int32), sliding_window=1000, soft_cap=30.0,
+    )
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
