@@ -545,8 +545,21 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
     n_forced = np.array([len(f) for f in forced_prompt], np.int32)
     total = lengths + n_forced + max_new
     cache, impl, plan = setup.prepare_cache(model, cache, impl, num_seqs=num_seqs or batch,
-                                            max_tokens=int(total.max()) + extra_tokens)
+                                            max_tokens=int(total.max()) + extra_tokens,
+                                            chunk=chunk)
     seq_ids = setup.check_slots(seq_ids, batch, cache.spec)
+    small = [g.chunk for g in cache.spec.window_groups if g.chunk < chunk]
+    if small:
+        raise ValueError(f"the cache's window groups take at most {min(small)} tokens per "
+                         f"reserve (WindowGroupSpec.chunk) but prefill runs chunks of {chunk}; "
+                         f"pass chunk_size={min(small)} or build the cache with a larger chunk.")
+    if policy is not None and cache.groups:
+        from kvjax.cache.policies import UndefinedCombination
+
+        raise UndefinedCombination(
+            f"{type(policy).__name__} selects or scores pages by position; a cache with "
+            f"window-only pages (CacheSpec.window_groups) keeps only its windowed layers' "
+            f"last pages. Decode without the policy or without window_pages.")
     if policy is not None and cache.host is not None and cache.host.stream_pages > 0:
         from kvjax.cache.policies import UndefinedCombination
 

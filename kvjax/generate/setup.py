@@ -27,7 +27,7 @@ from kvjax.sharding import (
     init_sharded_cache,
     shard_params,
 )
-from kvjax.specs import CacheSpec, QuantSpec, canonical_dtype
+from kvjax.specs import CacheSpec, QuantSpec, canonical_dtype, window_groups
 
 __all__ = ["CacheConfig", "prepare_cache", "check_prompts", "check_slots", "check_room",
            "check_policy", "shard_for_plan"]
@@ -44,6 +44,12 @@ class CacheConfig:
       num_pages: pages in the pool; None gives every row room for its whole length.
       plan: a `kvjax.sharding.ShardingPlan` to lay the cache (and the params) out on a
         device mesh; attention then runs as `ShardedAttention(plan, impl)`.
+      window_pages: the model's sliding-window layers keep only the pages their window
+        (plus one prefill chunk) reaches, in window groups of their own
+        (`kvjax.specs.window_groups` over `model.config.sliding_windows`; see
+        `kvjax.cache.window`). None (the default) follows the model config's
+        `window_pages` attribute (off where it has none, as for the Llama family).
+        Full-precision caches without a sharding plan.
     """
 
     dtype: str = "float32"
@@ -51,6 +57,7 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None
     plan: ShardingPlan | None = None
+    window_pages: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype).name)
@@ -64,9 +71,29 @@ class CacheConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {v!r}.")
+        if self.window_pages is not None and not isinstance(self.window_pages, bool):
+            raise TypeError(f"CacheConfig.window_pages must be a bool or None, got "
+                            f"{self.window_pages!r}.")
+        if self.window_pages and (self.quant is not None or self.plan is not None):
+            raise ValueError("CacheConfig.window_pages applies to full-precision caches "
+                             "without a sharding plan (quant and plan must be None).")
 
-    def spec(self, model, *, num_seqs: int, max_tokens: int) -> CacheSpec:
-        """The `CacheSpec` of a cache with `num_seqs` slots of up to `max_tokens` tokens."""
+    def windows_for(self, model) -> tuple[int | None, ...] | None:
+        """The per-layer windows whose layers keep window-only pages (None: none do)."""
+        windows = getattr(model.config, "sliding_windows", None)
+        use = self.window_pages
+        if use is None:
+            use = bool(getattr(model.config, "window_pages", False))
+        if not use or windows is None or all(w is None for w in windows):
+            return None
+        return tuple(windows)
+
+    def spec(self, model, *, num_seqs: int, max_tokens: int, chunk: int = 1) -> CacheSpec:
+        """The `CacheSpec` of a cache with `num_seqs` slots of up to `max_tokens` tokens.
+
+        `chunk`: the most tokens one reserve adds to a sequence (the prefill chunk), the
+        ring size of window-only pages (`window_pages`).
+        """
         ps = self.page_size
         max_pages = math.ceil(max_tokens / ps)
         if self.quant is not None:  # the tail holds residual + page_size tokens beside
@@ -81,11 +108,15 @@ class CacheConfig:
         pages = -(-pages // shards) * shards
         spec = model.make_cache_spec(page_size=ps, num_pages=pages, max_seqs=num_seqs,
                                      max_pages_per_seq=max_pages, dtype=self.dtype)
+        windows = self.windows_for(model)
+        if windows is not None:
+            spec = spec.replace(window_groups=window_groups(windows, chunk=chunk))
         return spec if self.quant is None else spec.replace(quant=self.quant)
 
-    def build(self, model, *, num_seqs: int, max_tokens: int) -> kv_cache.PagedKVCache:
+    def build(self, model, *, num_seqs: int, max_tokens: int, chunk: int = 1
+              ) -> kv_cache.PagedKVCache:
         """An empty cache for a request (laid out for `plan` when one is set)."""
-        spec = self.spec(model, num_seqs=num_seqs, max_tokens=max_tokens)
+        spec = self.spec(model, num_seqs=num_seqs, max_tokens=max_tokens, chunk=chunk)
         if self.plan is not None:
             return init_sharded_cache(spec, self.plan)
         return kv_cache.init_cache(spec)
@@ -101,7 +132,7 @@ def _sharded_layout_ok(cache: kv_cache.PagedKVCache, plan: ShardingPlan) -> bool
     return bool(ok)
 
 
-def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int):
+def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int, chunk: int = 1):
     """The cache a request runs on and the attention impl to run it with.
 
     Args:
@@ -112,6 +143,7 @@ def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int):
         laid out (same spec).
       impl: the attention implementation asked for.
       num_seqs, max_tokens: the slots and the longest sequence a built cache must hold.
+      chunk: the most tokens one reserve adds to a sequence (window-only pages' rings).
 
     Returns:
       (cache, impl, plan): impl is `ShardedAttention(plan, impl)` when the config has a
@@ -137,7 +169,10 @@ def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int):
                                      "than the CacheConfig's; give one plan.")
             else:
                 impl = ShardedAttention(plan, impl)
-        cache = cache.build(model, num_seqs=num_seqs, max_tokens=max_tokens)
+        if plan is not None and cache.windows_for(model) is not None:
+            raise ValueError("window-only pages (CacheConfig.window_pages) do not combine "
+                             "with a sharding plan yet; build the cache without one.")
+        cache = cache.build(model, num_seqs=num_seqs, max_tokens=max_tokens, chunk=chunk)
     elif not isinstance(cache, kv_cache.PagedKVCache):
         raise TypeError(f"cache must be a kvjax PagedKVCache, a CacheConfig or None, got "
                         f"{type(cache).__name__}.")
