@@ -208,6 +208,9 @@ def attach(
     if not isinstance(cache.table, pt.PageTable) or type(cache.table) is not pt.PageTable:
         raise ValueError("attach: a host tier needs an unsharded page table (the cache's pages "
                          "are sharded over a context axis).")
+    if cache.groups:
+        raise ValueError("attach: a cache with window groups (CacheSpec.window_groups) does not "
+                         "take a host tier yet; build it without window-only pages.")
     if cache.recurrent is not None:
         raise ValueError("attach: a hybrid model's cache (recurrent state per slot) does not "
                          "take a host tier yet: a swapped-out slot would lose its state.")

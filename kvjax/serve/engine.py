@@ -369,6 +369,10 @@ class Engine:
         if not isinstance(cfg, setup.CacheConfig):
             raise TypeError(f"cache must be a kvjax.generate.CacheConfig, got "
                             f"{type(cfg).__name__}.")
+        if cfg.windows_for(model) is not None:
+            raise ValueError("Engine: window-only pages (CacheConfig.window_pages) are not "
+                             "served by the engine yet (its prefix cache shares pages by "
+                             "position); use kvjax.generate, or window_pages=False.")
         for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
                         ("chunk_size", chunk_size), ("prefill_rows", prefill_rows),
                         ("decode_steps", decode_steps),

@@ -143,6 +143,10 @@ def init_sharded_cache(spec: CacheSpec, plan: ShardingPlan) -> PagedKVCache:
     Under `"sequences"` or `"context"` the table is a `ShardedPageTable`
     (`num_free` is then int32[shards]); otherwise a plain `PageTable`.
     """
+    if spec.window_groups:
+        raise ValueError("init_sharded_cache: a cache with window groups "
+                         "(CacheSpec.window_groups) cannot be sharded yet; build it with "
+                         "kvjax.init_cache on one device.")
     shardings = cache_shardings(plan, spec)
     return jax.jit(lambda: _build(plan, spec), out_shardings=shardings)()
 
