@@ -117,22 +117,38 @@ class RopeConfig:
                              f"{self.attention_factor!r}.")
 
     @classmethod
-    def from_hf(cls, hf_config: dict, dim: int, *, interleaved: bool = False) -> "RopeConfig":
+    def from_hf(cls, hf_config: dict, dim: int, *, interleaved: bool = False,
+                layer_type: str | None = None) -> "RopeConfig":
         """Reads `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling` (older).
 
         Args:
           hf_config: a parsed `config.json`.
           dim: the rotated width per head.
           interleaved: the model's pair layout (not stored in config.json).
+          layer_type: for models whose layer types rotate differently (Gemma 3's
+            "sliding_attention" and "full_attention"), transformers keys
+            `rope_parameters` by layer type: read this type's entry. Such a config's
+            top-level `rope_theta` and `rope_scaling` are not consulted (they are
+            model-specific legacy fields; the family maps them).
 
         Raises:
           ValueError: naming an unsupported rope type or partial rotary factor, or a
-            field the rope type needs that is missing or not a number.
+            field the rope type needs that is missing or not a number; with
+            `layer_type`, a `rope_parameters` without an object for that type.
         """
         params, legacy = (hf_config.get(k) or {} for k in ("rope_parameters", "rope_scaling"))
         for key, v in (("rope_parameters", params), ("rope_scaling", legacy)):
             if not isinstance(v, dict):
                 raise ValueError(f"config.json: {key} must be an object (a dict), got {v!r}.")
+        if layer_type is not None:
+            params = params.get(layer_type)
+            if not isinstance(params, dict):
+                raise ValueError(
+                    f"config.json: rope_parameters must hold an object for layer type "
+                    f"{layer_type!r}, got {params!r}.")
+            hf_config = {k: v for k, v in hf_config.items()
+                         if k not in ("rope_theta", "rope_scaling")}
+            legacy = {}
         params = dict(params)
         for k, v in legacy.items():
             params.setdefault(k, v)

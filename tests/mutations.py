@@ -267,3 +267,69 @@ def _h2o_keeps_lowest(mp):
     mp.setattr(h2o, "keep_heavy_and_recent", lambda scores, *a, **k: keep(-scores, *a, **k))
     mp.setattr(h2o, "evict_lowest_pages", lambda cache, mass, *a, **k: evict(cache, -mass, *a,
                                                                               **k))
+
+
+_GEMMA = "tests/models/test_gemma.py"
+
+
+@mutation("gemma_window_ignored", "Gemma's local layers attend to every earlier token (their "
+                                  "sliding_window is not passed to the cache)",
+          (f"{_GEMMA}::test_matches_transformers", f"{_GEMMA}::test_bfloat16_params_and_cache",
+           f"{_GEMMA}::test_sharded_plan_matches_transformers"))
+def _gemma_window_ignored(mp):
+    from kvjax.models.gemma.config import GemmaConfig
+
+    mp.setattr(GemmaConfig, "window", lambda self, layer: None)
+
+
+@mutation("gemma3_global_rope_is_local", "Gemma 3's global layers rotate with the local "
+                                         "layers' RoPE (base 10k, unscaled)",
+          (f"{_GEMMA}::test_matches_transformers[gemma3]",
+           f"{_GEMMA}::test_cli_generate_matches_transformers[gemma3]"))
+def _gemma3_global_rope_is_local(mp):
+    from kvjax.models.gemma import config
+
+    ropes = config._gemma3_ropes
+    mp.setattr(config, "_gemma3_ropes", lambda text, dim: (ropes(text, dim)[0],) * 2)
+
+
+@mutation("gemma_final_softcap_off", "Gemma 2's final logits are not soft-capped",
+          (f"{_GEMMA}::test_matches_transformers[gemma2]",
+           f"{_GEMMA}::test_beam_search_matches_transformers"))
+def _gemma_final_softcap_off(mp):
+    from kvjax.models.gemma import model
+
+    mp.setattr(model, "soft_cap", lambda x, cap: x)
+
+
+@mutation("gemma_attn_softcap_off", "Gemma 2's attention logits are not soft-capped",
+          (f"{_GEMMA}::test_matches_transformers[gemma2]",
+           f"{_GEMMA}::test_sharded_plan_matches_transformers"))
+def _gemma_attn_softcap_off(mp):
+    import types
+
+    from kvjax import cache
+    from kvjax.models.gemma import model
+
+    uncapped = types.SimpleNamespace(write=cache.write, attend=lambda *a, soft_cap=None, **k:
+                                     cache.attend(*a, **k))
+    mp.setattr(model, "kv_cache", uncapped)
+
+
+@mutation("gemma_query_scale_head_dim", "Gemma scales queries by head_dim ** -0.5 instead of "
+                                        "query_pre_attn_scalar ** -0.5",
+          (f"{_GEMMA}::test_matches_transformers",))
+def _gemma_query_scale_head_dim(mp):
+    from kvjax.models.gemma.config import GemmaConfig
+
+    mp.setattr(GemmaConfig, "scale", property(lambda self: self.head_dim ** -0.5))
+
+
+@mutation("gemma3_multimodal_prefix", "a Gemma3ForConditionalGeneration checkpoint's text "
+                                      "model is looked up under transformers 5's module names "
+                                      "only (model.language_model.)",
+          (f"{_GEMMA}::test_conditional_generation_checkpoint_loads_its_text_model",))
+def _gemma3_multimodal_prefix(mp):
+    from kvjax.models.gemma import checkpoint
+
+    mp.setattr(checkpoint, "_MULTIMODAL_PREFIXES", ("model.language_model.",))

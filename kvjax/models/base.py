@@ -153,6 +153,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek", "kvjax.models.deepseek"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "kvjax.models.deepseek_v32"),
     "Qwen3NextForCausalLM": ("qwen3_next", "kvjax.models.qwen3_next"),
+    "Gemma2ForCausalLM": ("gemma", "kvjax.models.gemma"),
+    "Gemma3ForCausalLM": ("gemma", "kvjax.models.gemma"),
+    "Gemma3ForConditionalGeneration": ("gemma", "kvjax.models.gemma"),
 }
 _FAMILIES: dict[str, Family] = {}
 
@@ -197,7 +200,7 @@ def _module_family(name: str, module_path: str) -> Family:
 
 def get_family(name: str) -> Family:
     """The registered family called `name` ("llama", "deepseek", "deepseek_v32",
-    "qwen3_next")."""
+    "qwen3_next", "gemma")."""
     if name not in _FAMILIES:
         paths = {fam: mod for fam, mod in _ARCHITECTURES.values()}
         if name not in paths:

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, SwiGLU, and RoPE from `kvjax.rope`.
+"""Building blocks shared by the model families: RMSNorms, SwiGLU, and RoPE from `kvjax.rope`.
 
 Plain functions over arrays: the params live in the families' params pytrees,
 so the same function serves a `lax.scan` over stacked layers and a Python loop.
@@ -18,6 +18,7 @@ from kvjax.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 __all__ = [
     "RopeConfig",
     "rms_norm",
+    "rms_norm_1p",
     "rope_inv_freq",
     "rope_cos_sin",
     "apply_rope",
@@ -40,6 +41,20 @@ def rms_norm(
     var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype)
     return weight.astype(x.dtype) * y
+
+
+def rms_norm_1p(
+    x: Float[Array, "*batch width"], weight: Float[Array, " width"], eps: float
+) -> Float[Array, "*batch width"]:
+    """The (1 + weight) RMSNorm of Gemma and Qwen3-Next: `x / rms(x) * (1 + weight)`.
+
+    All in float32 and cast to x's dtype at the end: the weight multiplies before the
+    cast, unlike `rms_norm` (transformers' Gemma and Qwen3-Next norms round there).
+    """
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(var + jnp.float32(eps))
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def swiglu(

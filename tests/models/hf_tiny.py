@@ -90,9 +90,30 @@ DSA_VARIANTS = {
 }
 
 
+# Gemma: 8-token windows on 4-token pages. "gemma2": local/global alternating, soft caps
+# small enough that tanh bends these logits, a query scale apart from head_dim, an untied
+# LM head (the released models tie it; the loader reads either). "gemma3":
+# QK-norm, local RoPE base 10k, global base 1M with linear scaling 8, two local layers to
+# one global, query_pre_attn_scalar apart from head_dim (as Gemma 3 27B's).
+GEMMA_VARIANTS = {
+    "gemma2": (T.Gemma2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=1.5,
+        tie_word_embeddings=False)),
+    "gemma3": (T.Gemma3TextConfig, dict(
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention",
+                                          "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=12,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1e6,
+                                                factor=8.0)})),
+}
+
+
 def build(name: str, seed: int = 0):
     """A tiny random float32 HF causal LM for variant `name`, in eval mode."""
-    cls, extra = {**VARIANTS, **HYBRID_VARIANTS, **DSA_VARIANTS}[name]
+    cls, extra = {**VARIANTS, **HYBRID_VARIANTS, **DSA_VARIANTS, **GEMMA_VARIANTS}[name]
     config = cls(**{**_COMMON, **extra}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

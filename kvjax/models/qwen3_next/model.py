@@ -20,13 +20,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from kvjax import cache as kcache
 from kvjax.cache import PagedKVCache
 from kvjax.models import layers
 from kvjax.models.base import check_logits_at, gather_positions
 from kvjax.models.deepseek import moe as ds_moe
+from kvjax.models.layers import rms_norm_1p
 from kvjax.models.qwen3_next import delta_rule
 from kvjax.models.qwen3_next.config import FULL, Qwen3NextConfig
 from kvjax.models.qwen3_next.params import (
@@ -49,16 +50,6 @@ def cache_spec(
         attention=config.attention, num_layers=config.num_layers, page_size=page_size,
         num_pages=num_pages, max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq,
         dtype=canonical_dtype(dtype), recurrent=config.recurrent)
-
-
-def rms_norm_1p(x: Float[Array, "*batch width"], weight: Float[Array, " width"], eps: float
-                ) -> Float[Array, "*batch width"]:
-    """Qwen3-Next's RMSNorm: `x / rms(x) * (1 + weight)` in float32, then cast to x's dtype
-    (the weight multiplies before the cast, unlike `layers.rms_norm`)."""
-    xf = x.astype(jnp.float32)
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    y = xf * jax.lax.rsqrt(var + jnp.float32(eps))
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def _gated_norm(x, gate, weight, eps):

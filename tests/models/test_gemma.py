@@ -1,0 +1,252 @@
+"""Gemma 2 and Gemma 3 against transformers (PyTorch CPU), on tiny random configs.
+
+Two configs (`hf_tiny.GEMMA_VARIANTS`): "gemma2" (local/global alternating, attention and
+final soft caps) and "gemma3" (two local layers to one global, QK-norm, local RoPE base
+10k and global base 1M with linear scaling), both with an 8-token window on 4-token pages
+and prompts and generations more than 3x the window, built and saved with transformers
+and loaded with `kvjax.models.load`. Checked: float32 last-position logits within 1e-4;
+32 greedy tokens identical through `kvjax.generate.generate`, through `python -m kvjax
+generate` (two greedy samples of one prompt: the prompt's pages forked) and on a
+`ShardingPlan` over 4 CPU devices; `beam_search` against transformers' beams; bf16 params
+and cache against float32 within transformers' own bf16 error; a
+`Gemma3ForConditionalGeneration` checkpoint's text model loads to the same params.
+"""
+
+import copy
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.models import hf_tiny
+
+torch = hf_tiny.torch
+T = hf_tiny.T
+
+import kvjax.generate as gen  # noqa: E402
+import kvjax.models as models  # noqa: E402
+import kvjax.sharding as kvs  # noqa: E402
+from kvjax.__main__ import main  # noqa: E402
+from kvjax.models import gemma  # noqa: E402
+
+PAGE = 4
+WINDOW = 8  # hf_tiny's Gemma windows
+LENS = (26, 31)  # both > 3 windows; the longer one prefills in two chunks of 16
+CHUNK = 16
+NEW = 32
+LOGIT_ATOL = 1e-4  # float32 on both sides; they sum in different orders (~1e-6 here)
+CC = gen.CacheConfig(page_size=PAGE)
+
+
+@functools.cache
+def _case(name: str, root: str):
+    """(hf_model, kvjax model, params, directory) of a variant, built once per session.
+
+    transformers' init gives these tiny models a hidden state dominated by the last
+    token's own embedding, so greedy decoding tends to repeat one token; larger norm
+    weights and a smaller embedding make the tokens vary (and the window's contents
+    matter) for most draws.
+    """
+    seed = int(os.environ.get("KVJAX_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+    print(f"{name} weights: KVJAX_TEST_SEED={seed}")
+    m = hf_tiny.build(name, seed=seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p))
+            elif "embed" in n:
+                p.mul_(0.3)
+    d = f"{root}/{name}"
+    m.save_pretrained(d)
+    model, params = models.load(d)
+    return m, model, params, d
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("gemma"))
+
+
+def _prompts(rng, lens=LENS):
+    return [rng.integers(3, 96, n).tolist() for n in lens]
+
+
+# ------------------------------------------------------------------- transformers parity
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_matches_transformers(name, root, rng):
+    """Last-position logits of each prompt and 32 greedy tokens through `generate`."""
+    m, model, params, _ = _case(name, root)
+    assert model.family == "gemma"
+    c = model.config
+    assert c.sliding_window == WINDOW and gemma.LOCAL in c.layer_types
+    assert gemma.GLOBAL in c.layer_types
+    prompts = _prompts(rng)
+    # The prefill `generate` runs (same cache spec, shapes and chunk: one program).
+    tokens, lengths, chunk = gen.pad_prompts(prompts, CHUNK)
+    cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW)
+    _, last, status, _, _ = gen.prefill(model, params, cache, jax.device_put(tokens),
+                                        jax.device_put(lengths),
+                                        jax.device_put(np.arange(2, dtype=np.int32)),
+                                        chunk_size=chunk)
+    status.raise_if_error()
+    last = np.asarray(last)
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(last[i], hf_tiny.hf_logits(m, p)[-1], atol=LOGIT_ATOL,
+                                   rtol=0, err_msg=f"last-position logits, prompt {i}")
+    res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
+                       cache=CC, chunk_size=CHUNK)
+    for i, p in enumerate(prompts):
+        hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), hf_tiny.hf_greedy(m, p, NEW))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_cli_generate_matches_transformers(name, root, rng, capsys):
+    """`python -m kvjax generate` on the saved checkpoint: transformers' greedy tokens.
+    (Prompts of `test_matches_transformers`' lengths: the same prefill program.)"""
+    m, _, _, d = _case(name, root)
+    capsys.readouterr()  # the case's seed line, when this test built it
+    prompts = _prompts(rng)
+    args = ["generate", "--model", d, "--max-new-tokens", str(NEW), "--page-size", str(PAGE),
+            "--eos-id", "none", "--chunk-size", str(CHUNK)]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    lines = out.out.strip().splitlines()
+    assert len(lines) == len(prompts)
+    for j, (line, p) in enumerate(zip(lines, prompts, strict=True)):
+        head, ids = line.split(" ", 1)
+        ids = [int(t) for t in ids.split(",")]
+        assert head == f"[{j}]" and ids[:len(p)] == p
+        hf_tiny.assert_greedy(m, p, ids[len(p):], hf_tiny.hf_greedy(m, p, NEW))
+    assert f"loaded {m.config.architectures[0]} (gemma" in out.err
+
+
+def test_beam_search_matches_transformers(root, rng):
+    """Beams sharing forked pages through the soft-capped model: transformers' best beam,
+    and its summed log-probability."""
+    m, model, params, _ = _case("gemma2", root)
+    prompt = _prompts(rng, (26,))[0]
+    new = 3 * WINDOW
+    beams = gen.beam_search(model, params, prompt, beam_width=3, max_new_tokens=new,
+                            cache=CC, chunk_size=CHUNK)
+    with torch.no_grad():
+        ref = m.generate(torch.tensor([prompt]), num_beams=3, do_sample=False,
+                         max_new_tokens=new, eos_token_id=None, pad_token_id=0,
+                         length_penalty=1.0, early_stopping=False)[0, len(prompt):].tolist()
+    logp = torch.log_softmax(torch.tensor(hf_tiny.hf_logits(m, prompt + ref)), -1).numpy()
+    want = sum(logp[len(prompt) - 1 + i, t] for i, t in enumerate(ref))
+    if beams.best != ref:  # a tie between beams' sums is the only excuse
+        assert abs(beams.scores[0] - want) < 1e-4, (beams.best, ref)
+    np.testing.assert_allclose(beams.scores[0], want, rtol=0, atol=1e-3)
+
+
+def test_sharded_plan_matches_transformers(root, rng):
+    """Params and KV heads tensor-parallel over `model` (2 KV heads, one per device), the
+    two sequences over `data` (the 'context' strategy refuses windows): transformers'
+    greedy tokens from the windowed, soft-capped attention."""
+    m, model, params, _ = _case("gemma2", root)
+    plan = kvs.ShardingPlan(mesh=kvs.make_mesh((2, 2), ("data", "model")),
+                            strategies=("sequences", "heads"))
+    prompts = _prompts(rng)
+    res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
+                       cache=gen.CacheConfig(page_size=PAGE, plan=plan), chunk_size=CHUNK)
+    pool = jax.tree.leaves(res.cache.pages)[0]
+    assert len(pool.sharding.device_set) == 4
+    for i, p in enumerate(prompts):
+        hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), hf_tiny.hf_greedy(m, p, NEW))
+
+
+def test_bfloat16_params_and_cache(root, rng):
+    """bf16 params, activations and pages through `generate`: every token is float32
+    transformers' argmax up to bf16's error, which transformers' own bf16 model bounds."""
+    m, model, _, d = _case("gemma3", root)
+    model16, params16 = models.load(d, dtype="bfloat16")
+    assert params16.embed.dtype == jnp.bfloat16 and model16.config.dtype == "bfloat16"
+    prompts = _prompts(rng)
+    res = gen.generate(model16, params16, prompts, key=jax.random.key(0), max_new_tokens=NEW,
+                       cache=gen.CacheConfig(page_size=PAGE, dtype="bfloat16"),
+                       chunk_size=CHUNK, free_finished=False)
+    assert res.cache.pages.k.dtype == jnp.bfloat16
+    m16 = copy.deepcopy(m).to(torch.bfloat16)
+    for i, p in enumerate(prompts):
+        toks = res.tokens[i].tolist()
+        ref = hf_tiny.hf_logits(m, p + toks)[len(p) - 1:-1]  # float32, predicting each token
+        with torch.no_grad():
+            hf16 = m16(torch.tensor([p + toks])).logits[0].float().numpy()[len(p) - 1:-1]
+        hf_err = np.abs(hf16 - ref).max()  # bf16 rounding is the only error on both sides
+        assert 0 < hf_err < 0.1
+        chosen = ref[np.arange(NEW), toks]
+        gap = ref.max(-1) - chosen
+        # A wrong window, RoPE or scale picks tokens far below the best (these logits
+        # spread over ~1): each choice must be within twice transformers' bf16 error.
+        assert (gap <= 2 * hf_err).all(), (gap.max(), hf_err)
+
+
+# ------------------------------------------------------------------------ checkpoints
+
+
+def test_conditional_generation_checkpoint_loads_its_text_model(root, tmp_path):
+    """`Gemma3ForConditionalGeneration` saved by transformers (text under
+    `language_model.model.`) and with transformers 5's module names (`model.language_model.`)
+    load to the causal LM's config and params; the vision tower is not read."""
+    m, model, params, _ = _case("gemma3", root)
+    vision = T.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, image_size=28, patch_size=14)
+    mm = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+        text_config=m.config.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4))
+    missing, unexpected = mm.model.language_model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in m.state_dict().items()
+         if k.startswith("model.")}, strict=False)
+    assert not missing and not unexpected
+    mm.save_pretrained(tmp_path)
+    mm_model, mm_params = models.load(str(tmp_path))
+    assert mm_model.family == "gemma" and mm_model.config.architecture == (
+        "Gemma3ForConditionalGeneration")
+    assert mm_model.config == gemma.GemmaConfig(**{
+        **{f: getattr(model.config, f) for f in model.config.__dataclass_fields__},
+        "architecture": "Gemma3ForConditionalGeneration"})
+    jax.tree.map(np.testing.assert_array_equal, mm_params, params)
+
+    reader = models.CheckpointReader(str(tmp_path))
+    assert any(k.startswith("language_model.model.") for k in reader.keys())
+    renamed = {k.replace("language_model.model.", "model.language_model.", 1): k
+               for k in reader.keys()}
+    _, p2 = models.load(str(tmp_path), get_tensor=lambda n: reader(renamed[n]))
+    jax.tree.map(np.testing.assert_array_equal, p2, params)
+
+
+def test_released_configs_read_as_transformers_reads_them():
+    """The released checkpoints' config formats (`test_gemma_config`) give the config
+    that transformers' own normalised config (its `to_dict()`, transformers 5's format)
+    gives, and the RoPE frequencies of transformers' rotary module per layer type."""
+    from kvjax.rope import rope_inv_freq
+    from tests.models.test_gemma_config import GEMMA2_9B, GEMMA3_1B, GEMMA3_27B
+
+    hf_configs = {"gemma3_27b": T.Gemma3Config(text_config=GEMMA3_27B["text_config"]),
+                  "gemma3_1b": T.Gemma3TextConfig(**GEMMA3_1B), "gemma2_9b":
+                  T.Gemma2Config(**GEMMA2_9B)}
+    for (name, hf), raw in zip(hf_configs.items(), (GEMMA3_27B, GEMMA3_1B, GEMMA2_9B),
+                               strict=True):
+        ours = gemma.GemmaConfig.from_hf(raw)
+        theirs = gemma.GemmaConfig.from_hf({**hf.to_dict(), "architectures":
+                                            raw["architectures"]}, dtype=ours.dtype)
+        assert ours == theirs, name
+        text = hf.get_text_config()
+        if name == "gemma2_9b":
+            rotary = {gemma.LOCAL: T.models.gemma2.modeling_gemma2.Gemma2RotaryEmbedding(
+                text).inv_freq}
+            rotary[gemma.GLOBAL] = rotary[gemma.LOCAL]
+        else:
+            module = T.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(text)
+            rotary = {t: getattr(module, f"{t}_inv_freq") for t in (gemma.LOCAL, gemma.GLOBAL)}
+        assert ours.layer_types == tuple(text.layer_types), name
+        for kind, rope in ((gemma.LOCAL, ours.rope_local), (gemma.GLOBAL, ours.rope_global)):
+            # kvjax.rope's float32 pow (NumPy's) and torch's round apart by up to 2 ulp on
+            # some exponents (9 of 64 at base 10k, dim 128); a wrong base or scale is far off.
+            np.testing.assert_array_max_ulp(rope_inv_freq(rope), rotary[kind].numpy(), 2)
