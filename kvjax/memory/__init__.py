@@ -1,7 +1,8 @@
 """Byte accounting for KV caches, real-model presets, a paging-waste simulator, a host tier.
 
 Beyond K/V: the fixed-size state of hybrid models' linear-attention layers
-(`linear_state`) and the DSA lightning indexer's key cache (`indexer`).
+(`linear_state`), the DSA lightning indexer's key cache (`indexer`), and sliding-window
+models' local layers with window-only pages (`window`).
 
 Pure Python: importing this package does not import JAX.
 """
@@ -33,6 +34,7 @@ from kvjax.memory.linear_state import (
 )
 from kvjax.memory.paging import PagingWaste, paging_waste
 from kvjax.memory.presets import PRESETS, ModelPreset, get_preset, preset_names
+from kvjax.memory.window import WindowCacheBytes, window_cache_bytes
 
 __all__ = [
     "DSACacheBytes",
@@ -47,6 +49,7 @@ __all__ = [
     "ModelPreset",
     "PRESETS",
     "PagingWaste",
+    "WindowCacheBytes",
     "as_kv_format",
     "bytes_per_batch",
     "bytes_per_sequence",
@@ -65,4 +68,5 @@ __all__ = [
     "preset_names",
     "reduction",
     "weight_bytes",
+    "window_cache_bytes",
 ]

@@ -11,6 +11,7 @@ Examples:
       --host-bandwidth 55 --hbm-bandwidth 4800
   python -m kvjax memory --model qwen3-next-80b-a3b --context 262144 --compare
   python -m kvjax memory --model deepseek-v3.2 --context 131072 --batch 4
+  python -m kvjax memory --model gemma-3-27b --context 131072 --compare
 """
 
 import argparse
@@ -22,6 +23,7 @@ from fractions import Fraction
 from kvjax.memory import accounting as acc
 from kvjax.memory import indexer as dsa
 from kvjax.memory import linear_state as gdn
+from kvjax.memory import window as swa
 from kvjax.memory.host_tier import HostTier, host_tier_bytes
 from kvjax.memory.paging import paging_waste
 from kvjax.memory.presets import PRESETS, ModelPreset, get_preset
@@ -132,6 +134,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "state beside the KV of the full-attention layers; for a DeepSeek Sparse Attention "
             "model (deepseek-v3.2) the lightning indexer's key cache beside the MLA latent cache "
             "and the bytes one decode step reads with DSA against dense MLA. "
+            "For a sliding-window model (gemma-2-*, gemma-3-*) --compare also prints the local "
+            "layers' KV with every page kept against window-only pages. "
             "Decimal units (GB = 10^9 bytes) and binary units (GiB = 2^30 bytes) are both shown."
         ),
         epilog=__doc__.split("\n", 2)[2],
@@ -199,7 +203,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         f"and an MLA variant (d_c = 4*head_dim, d_rope = head_dim/2) across "
         f"{', '.join(_COMPARE_DTYPES)}; for a hybrid model instead compare its state + KV per "
         "sequence and per batch with a dense GQA model of the same width (every layer full "
-        "attention with the same KV heads, head_dim and KV dtype)",
+        "attention with the same KV heads, head_dim and KV dtype); for a sliding-window "
+        "model also the KV of its local layers with every page kept against window-only "
+        "pages (a ring of ceil((window + chunk - 2) / page_size) + 1 pages per local layer "
+        "and sequence, kvjax.generate.CacheConfig(window_pages=True)), in --page-size pages",
+    )
+    p.add_argument(
+        "--chunk", type=_positive_int, default=256, metavar="TOKENS",
+        help="sliding-window models with --compare: the prefill chunk, the most tokens one "
+        "step adds to a sequence, which the window-only ring must also hold (default 256, "
+        "kvjax.generate's chunk_size)",
     )
     p.add_argument(
         "--state-dtype", type=_dtype, default=None, metavar="DTYPE",
@@ -317,6 +330,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                batch=args.batch, fmt=kv)
         blocks.append(_host_tier(preset, kv, tier, args.host_bandwidth, args.hbm_bandwidth))
     if args.compare:
+        if preset.sliding_window is not None:
+            blocks.append(_window_compare(preset, kv, context, args))
         blocks.append(_hybrid_compare(preset, kv, hybrid) if preset.is_hybrid
                       else _compare(preset, args, context))
     if lengths is not None:
@@ -505,6 +520,14 @@ def _describe(preset: ModelPreset) -> str:
             f"key heads, {g.num_value_heads} value heads, head dims {g.key_head_dim}/"
             f"{g.value_head_dim}, conv kernel {g.conv_kernel}), {params}"
         )
+    if preset.sliding_window is not None:
+        return (
+            f"{preset.name}: {preset.label}, {preset.num_layers} layers: "
+            f"{preset.local_layers} local (sliding window {preset.sliding_window:,}) and "
+            f"{preset.kv_layers - preset.local_layers} global (layer i when (i + 1) % "
+            f"{preset.global_attention_interval} == 0); {preset.q_heads} query heads, "
+            f"{preset.kv_heads} KV heads, head_dim {preset.head_dim}, {params}"
+        )
     if preset.is_mla:
         heads = (
             f"{preset.q_heads} query heads, MLA latent d_c {preset.kv_lora_rank}, "
@@ -687,6 +710,49 @@ def _hybrid_compare(preset: ModelPreset, kv: acc.KVFormat, h: gdn.HybridCacheByt
     return "\n".join([*head, _table(headers, rows)]) + tail
 
 
+def _window_compare(preset: ModelPreset, kv: acc.KVFormat, context: int,
+                    args: argparse.Namespace) -> str:
+    ps, chunk = args.page_size, args.chunk
+    head = [
+        f"Sliding-window cache of {preset.name}: {preset.local_layers} local layers (window "
+        f"{preset.sliding_window:,}) and {preset.kv_layers - preset.local_layers} global "
+        f"layers; {context:,} tokens per sequence, batch {args.batch}, {ps}-token pages.",
+    ]
+    if kv.name not in swa.FULL_PRECISION or kv.group_size is not None or kv.residual:
+        kinds = ", ".join(swa.FULL_PRECISION)
+        return "\n".join([*head, f"Window-only pages are full-precision ({kinds}) in kvjax; "
+                                 f"not priced for {kv.describe()}."])
+    w = swa.window_cache_bytes(preset, context, batch=args.batch, fmt=kv, page_size=ps,
+                               chunk=chunk)
+    head += [
+        f"Full context: every layer keeps ceil({context:,} / {ps}) = {w.context_pages:,} pages "
+        f"per sequence. Window-only pages: a local layer keeps at most ceil((window + chunk - "
+        f"2) / page_size) + 1 = ceil(({w.window:,} + {chunk} - 2) / {ps}) + 1 = "
+        f"{w.ring_pages:,} pages (--chunk {chunk}, the prefill chunk), here "
+        f"{w.window_pages:,}; the global layers keep all theirs.",
+        f"One page of one layer: {ps} tokens x {_n(w.page_bytes / ps)} B = {_n(w.page_bytes)} "
+        f"B, {kv.describe()}.",
+        "",
+    ]
+
+    def row(label: str, n: Fraction) -> list[str]:
+        return [label, _n(n), acc.format_bytes(n, binary=True), _n(w.batch_bytes(n)),
+                acc.format_bytes(w.batch_bytes(n), binary=True), _percent(n, w.full_bytes)]
+
+    rows = [
+        row(f"local layers ({w.local_layers}), full context", w.local_full_bytes),
+        row(f"local layers ({w.local_layers}), window-only", w.local_window_bytes),
+        row(f"global layers ({w.global_layers})", w.global_bytes),
+        row("all layers, full context", w.full_bytes),
+        row("all layers, window-only local pages", w.window_bytes),
+    ]
+    headers = ["KV", "per sequence", "binary", f"per batch ({w.batch})", "binary",
+               "of full context"]
+    tail = (f"\nwindow-only / full context: {float(w.window_bytes / w.full_bytes):.4f} "
+            f"({float(w.full_bytes / w.window_bytes):.2f}x smaller)" if w.window_bytes else "")
+    return "\n".join([*head, _table(headers, rows)]) + tail
+
+
 def _dsa(preset: ModelPreset, kv: acc.KVFormat, d: dsa.DSACacheBytes, indexer_dtype: str) -> str:
     ix, layers, ctx, b = preset.indexer, preset.num_layers, d.context, d.batch
     head = [
@@ -839,6 +905,8 @@ def _list_presets() -> str:
         if p.indexer is not None:
             keys = dsa.indexer_bytes_per_token(p.indexer, p.num_layers)
             other = f"indexer keys {_n(keys)} B/token ({dsa.INDEXER_DTYPE})"
+        if p.sliding_window is not None:
+            other = f"{p.local_layers} of {p.num_layers} layers local, window {p.sliding_window:,}"
         rows.append([
             p.name, p.label, layers, str(p.q_heads), heads, str(p.head_dim),
             _params(p.num_params), _n(per_token), acc.format_bytes(per_token, binary=True),

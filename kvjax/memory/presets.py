@@ -42,6 +42,19 @@ decode step reads in full: every weight except the routed experts and the input
 embedding table (one row is read), plus `num_experts_per_tok` routed experts
 per MoE layer. The model cards quote 80B / 3B and 671B / 37B.
 
+The Gemma presets mix sliding-window (local) and global layers: layer i is global
+when (i + 1) % `global_attention_interval` == 0 (transformers' `layer_types` for
+configs without one: Gemma 2 alternates, interval 2; Gemma 3 has five local layers to
+one global, `sliding_window_pattern` 6), the others attend to the last
+`sliding_window` tokens (4096 for Gemma 2; 512 for Gemma 3 1B, 1024 for 4B, 12B, 27B).
+Shapes come from each repository's `config.json` (Gemma 3 4B, 12B and 27B:
+its `text_config`), with `head_dim` set explicitly (256; 128 for the two 27B models).
+Their parameter counts are the exact totals of the text model the config implies
+(tied embeddings, q/k/v/o, the gated MLP, four RMSNorms per layer, Gemma 3's per-head
+q/k norms and the final norm), which equal the model cards' 2.61B, 9.24B, 27.2B and
+1B; Gemma 3 4B, 12B and 27B checkpoints also hold a SigLIP vision encoder and projector
+(about 0.4B; the cards quote 4.3B, 12.2B and 27.4B in all), which kvjax does not load.
+
 For MLA models `kv_heads` and `head_dim` describe the multi-head attention the
 latent cache replaces: `kv_heads` is the config's `num_key_value_heads`
 (= `num_attention_heads`) and `head_dim` is the paper's per-head d_h
@@ -87,6 +100,10 @@ class ModelPreset:
       linear_attention: hybrid models: the linear-attention layers' state
         geometry; given together with `full_attention_interval`.
       indexer: DSA models: the lightning indexer, present in every layer.
+      sliding_window: sliding-window models: the local layers' window (a query sees the
+        last `sliding_window` tokens); given together with `global_attention_interval`.
+      global_attention_interval: sliding-window models: layers i with (i + 1) % interval
+        == 0 are global (full attention), the others local.
     """
 
     name: str
@@ -107,6 +124,8 @@ class ModelPreset:
     full_attention_interval: int | None = None
     linear_attention: GatedDeltaNetSpec | None = None
     indexer: IndexerSpec | None = None
+    sliding_window: int | None = None
+    global_attention_interval: int | None = None
 
     def __post_init__(self):
         given = [f for f in _MLA_FIELDS if getattr(self, f) is not None]
@@ -133,6 +152,23 @@ class ModelPreset:
                 f"[2, num_layers={self.num_layers}], got {interval!r}."
             )
 
+        if (self.sliding_window is None) != (self.global_attention_interval is None):
+            raise ValueError(
+                f"ModelPreset {self.name!r}: a sliding-window preset needs both sliding_window "
+                f"and global_attention_interval; got {self.sliding_window!r} and "
+                f"{self.global_attention_interval!r}.")
+        if self.sliding_window is not None:
+            g = self.global_attention_interval
+            if not (isinstance(self.sliding_window, int) and self.sliding_window >= 1
+                    and isinstance(g, int) and 1 <= g <= self.num_layers):
+                raise ValueError(
+                    f"ModelPreset {self.name!r}: sliding_window must be an int >= 1 and "
+                    f"global_attention_interval an int in [1, num_layers={self.num_layers}]; "
+                    f"got {self.sliding_window!r} and {g!r}.")
+            if given or interval is not None:
+                raise ValueError(f"ModelPreset {self.name!r}: sliding-window presets are "
+                                 f"GQA/MQA/MHA models without linear-attention layers.")
+
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
@@ -144,17 +180,25 @@ class ModelPreset:
 
     @property
     def layer_types(self) -> tuple[str, ...]:
-        """'full_attention' or 'linear_attention' per layer, as transformers' `layer_types`."""
-        n = self.full_attention_interval
+        """'full_attention', 'linear_attention' or 'sliding_attention' per layer, as
+        transformers' `layer_types`."""
+        n, g = self.full_attention_interval, self.global_attention_interval
         return tuple(
-            "linear_attention" if n is not None and (i + 1) % n else "full_attention"
+            "linear_attention" if n is not None and (i + 1) % n
+            else "sliding_attention" if g is not None and (i + 1) % g
+            else "full_attention"
             for i in range(self.num_layers)
         )
 
     @property
     def kv_layers(self) -> int:
-        """Layers with a KV cache: all of them, or a hybrid's full-attention layers."""
-        return self.layer_types.count("full_attention")
+        """Layers with a KV cache: all but a hybrid's linear-attention layers."""
+        return self.num_layers - self.layer_types.count("linear_attention")
+
+    @property
+    def local_layers(self) -> int:
+        """Sliding-window layers (0 for models without them)."""
+        return self.layer_types.count("sliding_attention")
 
     @property
     def linear_layers(self) -> int:
@@ -183,9 +227,11 @@ class ModelPreset:
 
     @property
     def label(self) -> str:
-        """`kind`, plus '+GDN' for a Gated DeltaNet hybrid and '+DSA' for an indexer."""
+        """`kind`, plus '+GDN' for a Gated DeltaNet hybrid, '+DSA' for an indexer and '+SWA'
+        for sliding-window local layers."""
         return (self.kind + ("+GDN" if self.is_hybrid else "")
-                + ("+DSA" if self.indexer is not None else ""))
+                + ("+DSA" if self.indexer is not None else "")
+                + ("+SWA" if self.sliding_window is not None else ""))
 
     @property
     def kind(self) -> str:
@@ -349,7 +395,49 @@ _PRESET_LIST = (
     ),
 )
 
-PRESETS: Mapping[str, ModelPreset] = types.MappingProxyType({p.name: p for p in _PRESET_LIST})
+
+def _gemma(name: str, repo: str, *, layers: int, hidden: int, inter: int, heads: int,
+           kv_heads: int, head_dim: int, vocab: int, window: int, interval: int,
+           params: int, note: str) -> ModelPreset:
+    return ModelPreset(
+        name=name, num_layers=layers, hidden_size=hidden, q_heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, num_params=params, vocab=vocab, sliding_window=window,
+        global_attention_interval=interval,
+        source=_hf(repo, f"num_hidden_layers {layers}, hidden_size {hidden}, intermediate_size "
+                         f"{inter}, num_attention_heads {heads}, num_key_value_heads "
+                         f"{kv_heads}, head_dim {head_dim}, sliding_window {window}, layer i "
+                         f"global when (i + 1) % {interval} == 0; params: {note}"))
+
+
+_GEMMA_TEXT = "exact count of the text model the config implies (= model card)"
+_GEMMA3_MM = ("exact count of the text model the config's text_config implies; the "
+              "checkpoint's SigLIP vision encoder is not counted")
+_GEMMA_PRESETS = (
+    _gemma("gemma-2-2b", "google/gemma-2-2b", layers=26, hidden=2304, inter=9216, heads=8,
+           kv_heads=4, head_dim=256, vocab=256_000, window=4096, interval=2,
+           params=2_614_341_888, note=_GEMMA_TEXT),
+    _gemma("gemma-2-9b", "google/gemma-2-9b", layers=42, hidden=3584, inter=14336, heads=16,
+           kv_heads=8, head_dim=256, vocab=256_000, window=4096, interval=2,
+           params=9_241_705_984, note=_GEMMA_TEXT),
+    _gemma("gemma-2-27b", "google/gemma-2-27b", layers=46, hidden=4608, inter=36864, heads=32,
+           kv_heads=16, head_dim=128, vocab=256_000, window=4096, interval=2,
+           params=27_227_128_320, note=_GEMMA_TEXT),
+    _gemma("gemma-3-1b", "google/gemma-3-1b-pt", layers=26, hidden=1152, inter=6912, heads=4,
+           kv_heads=1, head_dim=256, vocab=262_144, window=512, interval=6,
+           params=999_885_952, note=_GEMMA_TEXT),
+    _gemma("gemma-3-4b", "google/gemma-3-4b-pt", layers=34, hidden=2560, inter=10240, heads=8,
+           kv_heads=4, head_dim=256, vocab=262_208, window=1024, interval=6,
+           params=3_880_263_168, note=_GEMMA3_MM),
+    _gemma("gemma-3-12b", "google/gemma-3-12b-pt", layers=48, hidden=3840, inter=15360,
+           heads=16, kv_heads=8, head_dim=256, vocab=262_208, window=1024, interval=6,
+           params=11_766_034_176, note=_GEMMA3_MM),
+    _gemma("gemma-3-27b", "google/gemma-3-27b-pt", layers=62, hidden=5376, inter=21504,
+           heads=32, kv_heads=16, head_dim=128, vocab=262_208, window=1024, interval=6,
+           params=27_009_346_304, note=_GEMMA3_MM),
+)
+
+PRESETS: Mapping[str, ModelPreset] = types.MappingProxyType(
+    {p.name: p for p in (*_PRESET_LIST, *_GEMMA_PRESETS)})
 """Presets keyed by lowercase name, in the order above."""
 
 

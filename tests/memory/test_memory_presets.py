@@ -10,6 +10,8 @@ EXPECTED_NAMES = (
     "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b",
     "mistral-7b", "qwen2.5-7b", "qwen2.5-72b", "deepseek-67b", "deepseek-v2",
     "deepseek-v2-lite", "deepseek-v3", "deepseek-v3.2", "qwen3-next-80b-a3b",
+    "gemma-2-2b", "gemma-2-9b", "gemma-2-27b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
+    "gemma-3-27b",
 )
 
 
@@ -50,9 +52,11 @@ def test_deepseek_mla_presets(name, layers, heads, q_lora, params):
     )
 
 
-# Qwen3-Next (hybrid) sets head_dim 256 in its config, wider than hidden_size / heads = 128.
+# Qwen3-Next (hybrid) sets head_dim 256 in its config, wider than hidden_size / heads = 128;
+# the Gemma configs set theirs too (tests/memory/test_memory_window.py checks them).
 @pytest.mark.parametrize(
-    "name", [n for n in EXPECTED_NAMES if not PRESETS[n].is_mla and not PRESETS[n].is_hybrid])
+    "name", [n for n in EXPECTED_NAMES if not PRESETS[n].is_mla and not PRESETS[n].is_hybrid
+             and PRESETS[n].sliding_window is None])
 def test_dense_presets_are_consistent(name):
     p = PRESETS[name]
     assert p.head_dim * p.q_heads == p.hidden_size
