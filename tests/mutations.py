@@ -285,7 +285,8 @@ def _gemma_window_ignored(mp):
 @mutation("gemma3_global_rope_is_local", "Gemma 3's global layers rotate with the local "
                                          "layers' RoPE (base 10k, unscaled)",
           (f"{_GEMMA}::test_matches_transformers[gemma3]",
-           f"{_GEMMA}::test_cli_generate_matches_transformers[gemma3]"))
+           f"{_GEMMA}::test_cli_generate_matches_transformers[gemma3]",
+           f"{_GEMMA}::test_bfloat16_params_and_cache"))
 def _gemma3_global_rope_is_local(mp):
     from kvjax.models.gemma import config
 

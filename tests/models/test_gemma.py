@@ -30,7 +30,9 @@ import kvjax.generate as gen  # noqa: E402
 import kvjax.models as models  # noqa: E402
 import kvjax.sharding as kvs  # noqa: E402
 from kvjax.__main__ import main  # noqa: E402
+from kvjax.cache import window  # noqa: E402
 from kvjax.models import gemma  # noqa: E402
+from kvjax.specs import ring_pages  # noqa: E402
 
 PAGE = 4
 WINDOW = 8  # hf_tiny's Gemma windows
@@ -128,13 +130,16 @@ def test_cli_generate_matches_transformers(name, root, rng, capsys):
 
 
 def test_beam_search_matches_transformers(root, rng):
-    """Beams sharing forked pages through the soft-capped model: transformers' best beam,
+    """Beams sharing forked pages through the soft-capped model, its local layers keeping
+    only their window's pages (`CacheConfig(window_pages=True)`): transformers' best beam,
     and its summed log-probability."""
     m, model, params, _ = _case("gemma2", root)
     prompt = _prompts(rng, (26,))[0]
     new = 3 * WINDOW
     beams = gen.beam_search(model, params, prompt, beam_width=3, max_new_tokens=new,
-                            cache=CC, chunk_size=CHUNK)
+                            cache=gen.CacheConfig(page_size=PAGE, window_pages=True),
+                            chunk_size=CHUNK, keep_cache=True)
+    assert len(beams.cache.groups) == 1  # the local layers' ring pages
     with torch.no_grad():
         ref = m.generate(torch.tensor([prompt]), num_beams=3, do_sample=False,
                          max_new_tokens=new, eos_token_id=None, pad_token_id=0,
@@ -163,16 +168,20 @@ def test_sharded_plan_matches_transformers(root, rng):
 
 
 def test_bfloat16_params_and_cache(root, rng):
-    """bf16 params, activations and pages through `generate`: every token is float32
-    transformers' argmax up to bf16's error, which transformers' own bf16 model bounds."""
+    """bf16 params, activations and pages through `generate`, the local layers keeping only
+    their window's pages: every token is float32 transformers' argmax up to bf16's error,
+    which transformers' own bf16 model bounds."""
     m, model, _, d = _case("gemma3", root)
     model16, params16 = models.load(d, dtype="bfloat16")
     assert params16.embed.dtype == jnp.bfloat16 and model16.config.dtype == "bfloat16"
     prompts = _prompts(rng)
     res = gen.generate(model16, params16, prompts, key=jax.random.key(0), max_new_tokens=NEW,
-                       cache=gen.CacheConfig(page_size=PAGE, dtype="bfloat16"),
+                       cache=gen.CacheConfig(page_size=PAGE, dtype="bfloat16",
+                                             window_pages=True),
                        chunk_size=CHUNK, free_finished=False)
     assert res.cache.pages.k.dtype == jnp.bfloat16
+    # Both rows are past their rings: the two local layers hold ring_pages each per row.
+    assert window.pages_in_use(res.cache) == (2 * ring_pages(WINDOW, CHUNK, PAGE),)
     m16 = copy.deepcopy(m).to(torch.bfloat16)
     for i, p in enumerate(prompts):
         toks = res.tokens[i].tolist()
