@@ -1,0 +1,10 @@
+"""Ragged paged attention: one kernel for decode, chunked prefill and mixed batches.
+
+Every row of a batch brings its own number of new queries (0 up to the chunk
+width, 1 for a decode row) at its own position, causal against its cache
+pages. The contract is `paged_prefill_attention` / `mla_prefill_attention` of
+`kernels_pallas/paged_attention/reference.py` and
+`kernels_pallas/mla_decode/reference.py`, which are this op's references.
+`tpu.py` is the Pallas TPU kernel (GQA/MQA/MHA and absorbed MLA, bf16 or f32
+pages); `block_sizes.py` holds its tiling dataclass.
+"""
