@@ -43,6 +43,10 @@ Design (each choice and the number behind it):
 * Masking: logits outside [first visible, length) are selected to -inf; on a
   range's first and last step the invisible rows of the V stage are zeroed in
   shared memory before P V, so NaN or inf there never reaches the output.
+* Dtypes: bfloat16 or float16 pages. float32 queries become two parts in the
+  pages' dtype (hi + lo, one more Q K^T wgmma per step). float32 pages are
+  refused (`unsupported_reason`): wgmma would read them as tf32, and P V with
+  tf32 needs V transposed in shared memory; the Triton kernel serves them.
 
 Checked on CPU in Mosaic GPU's interpreter with race detection and by
 lowering for an H100 (tests/kernels/test_mosaic_gpu_decode.py).
