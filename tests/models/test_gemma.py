@@ -197,6 +197,28 @@ def test_bfloat16_params_and_cache(root, rng):
         assert (gap <= 2 * hf_err).all(), (gap.max(), hf_err)
 
 
+def test_unstacked_layers_give_every_position_of_transformers(root, rng):
+    """Per-layer weights (`unstack_layers`, the CPU decode loop's form for big models) and
+    stacked ones: transformers' logits at every position of 3-window prompts."""
+    m, model, params, _ = _case("gemma3", root)
+    prompts = _prompts(rng, (24, 24))
+    flat = gemma.unstack_layers(params)
+    assert isinstance(flat.layers, tuple) and len(flat.layers) == model.config.num_layers
+    tokens = jax.device_put(np.asarray(prompts, np.int32))
+    lengths = jax.device_put(np.asarray([24, 24], np.int32))
+    rows = jax.device_put(np.arange(2, dtype=np.int32))
+    out = []
+    for p in (params, flat):
+        cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW)
+        _, _, status, logits, _ = gen.prefill(model, p, cache, tokens, lengths, rows,
+                                              chunk_size=24, return_logits=True)
+        status.raise_if_error()
+        out.append(np.asarray(logits))
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(out[0][i], hf_tiny.hf_logits(m, p), atol=LOGIT_ATOL, rtol=0)
+    np.testing.assert_allclose(out[1], out[0], atol=1e-6, rtol=0)
+
+
 # ------------------------------------------------------------------------ checkpoints
 
 
