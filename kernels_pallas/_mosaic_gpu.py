@@ -44,6 +44,7 @@ __all__ = [
     "transpose_ref",
     "load",
     "wgmma_a_from_smem",
+    "wgmma_acc_in_place",
     "layout_cast",
     "broadcasted_iota",
     "dot_transposed_b",
@@ -167,8 +168,12 @@ def transpose_ref(ref: Any, permutation: tuple[int, ...]) -> Any:
     return ref.transpose(permutation)
 
 
-def load(ref: Any, layout: Any = None) -> Any:
-    """The whole of a shared-memory ref in registers, in `layout` (a `plgpu.Layout`)."""
+def load(ref: Any, layout: Any = None, *, interpret: Any = None) -> Any:
+    """The whole of a shared-memory ref in registers, in `layout` (a `plgpu.Layout`), in a
+    kernel compiled or interpreted as `interpret` says (jax 0.10's interpreter runs no
+    `plgpu.load`; layouts mean nothing there, so it is a plain read)."""
+    if _interpreter_lacks_layouts(interpret):
+        return ref[...]
     if JAX_VERSION < (0, 11):
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
@@ -181,6 +186,17 @@ def wgmma_a_from_smem(interpret: Any) -> bool:
     from shared memory (0.12 takes either), so interpreted kernels there stage it.
     """
     return resolve_interpret(interpret) is not None and JAX_VERSION < (0, 12)
+
+
+def wgmma_acc_in_place(interpret: Any) -> bool:
+    """Whether a kernel may carry a `wgmma` accumulator through `pl.run_state(...)(
+    plgpu.ACC.init(x))` (wgmma accumulating into x's own registers).
+
+    Compiled kernels may. The interpreter of jax before 0.12 runs no `pl.run_state` and
+    stores into no accumulator, so interpreted kernels there take the product in a fresh
+    accumulator and add it.
+    """
+    return resolve_interpret(interpret) is None or JAX_VERSION >= (0, 12)
 
 
 def _interpreter_lacks_layouts(interpret: Any) -> bool:
