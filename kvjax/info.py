@@ -4,7 +4,8 @@ Prints the jax / jaxlib versions, the default backend and its devices with their
 memory kinds, the CPU backend's options (and which came from the environment), whether
 the C++ CPU kernels built (or the compiler's reason why not), for each CPU op which
 implementation "auto" takes and why, the Pallas backend (on a GPU, for each kernel op whether
-the Mosaic GPU or the Triton kernel runs, and why) and the kernel cache directory.
+the Mosaic GPU or the Triton kernel runs, and why), what chunked prefill and the engine's mixed
+steps run on TPU and on GPU, and the kernel cache directory.
 """
 
 import argparse
@@ -99,7 +100,8 @@ def collect(build: bool = True) -> dict:
         cpu_ops=ops, note_cpu_ops=(
             "the CPU backend's choice per op ('auto' on the CPU backend; other backends run "
             "their Pallas kernels or the XLA path)"),
-        pallas=pallas, gpu_ops=gpu_ops, cache_dir=str(opts.cache_path))
+        pallas=pallas, gpu_ops=gpu_ops, prefill_ops=_prefill_ops(),
+        cache_dir=str(opts.cache_path))
 
 
 def _gpu_ops() -> dict | None:
@@ -113,6 +115,20 @@ def _gpu_ops() -> dict | None:
     for op in pallas_impls.KERNEL_OPS:
         kernel, reason = pallas_impls.gpu_kernel(op)
         ops[op] = dict(kernel=kernel, reason=reason)
+    return ops
+
+
+def _prefill_ops() -> dict:
+    """Per prefill op (chunked prefill and mixed decode/prefill steps), for TPU and GPU: the
+    kernel "auto" runs there ("ragged" or "xla") and why."""
+    from kvjax.attention import pallas_impls
+
+    ops = {}
+    for op in ("paged_prefill_attention", "mla_prefill_attention"):
+        ops[op] = {}
+        for backend in ("tpu", "gpu"):
+            kernel, reason = pallas_impls.prefill_kernel(op, backend)
+            ops[op][backend] = dict(kernel=kernel, reason=reason)
     return ops
 
 
@@ -151,6 +167,11 @@ def main(args) -> int:
         width = max(len(op) for op in report["gpu_ops"])
         for op, c in report["gpu_ops"].items():
             print(f"  {op:<{width}}  {c['kernel']:<6} {c['reason']}")
+    print("Prefill and mixed steps (\"auto\" on TPU / GPU):")
+    width = max(len(op) for op in report["prefill_ops"])
+    for op, per_backend in report["prefill_ops"].items():
+        for i, (backend, c) in enumerate(per_backend.items()):
+            print(f"  {op if i == 0 else '':<{width}}  {backend}: {c['kernel']:<6}  {c['reason']}")
     print(f"kernel cache directory: {report['cache_dir']}")
     return 0
 

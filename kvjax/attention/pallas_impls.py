@@ -7,6 +7,12 @@ Triton kernel otherwise (`gpu_kernel` says which and why; `python -m kvjax info`
 prints it); the TPU kernel on every other backend — natively on TPU, in Pallas'
 plain interpret mode on CPU, where it is fastest to interpret (its pools stay in
 "HBM" and only the pages a sequence uses are copied).
+
+Chunked prefill and the engine's mixed steps (`paged_prefill_attention`,
+`mla_prefill_attention`: rows of 0..q_len new queries) run the ragged paged
+attention kernel (`kernels_pallas/ragged_attention/tpu.py`) on TPU; a GPU has no
+prefill kernel yet and runs the XLA path (`PREFILL_KERNEL_OPS` lists, per backend,
+the prefill ops with a kernel; `prefill_kernel` says which runs and why).
 """
 
 import importlib
@@ -21,11 +27,14 @@ from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import tpu as paged_tpu
 from kernels_pallas.quantized_attention import gpu as quant_gpu
 from kernels_pallas.quantized_attention import tpu as quant_tpu
+from kernels_pallas.ragged_attention import tpu as ragged_tpu
+from kvjax.attention import xla as xla_path
 
 __all__ = [
     "KERNEL_OPS", "MOSAIC_GPU_OPS", "platform", "gpu_kernel", "gpu_device", "kernel_takes",
     "paged_decode_attention", "mla_decode_attention", "quantized_attention",
-    "quantized_mla_attention",
+    "quantized_mla_attention", "PREFILL_KERNEL_OPS", "kernel_ops", "prefill_kernel",
+    "paged_prefill_attention", "mla_prefill_attention",
 ]
 
 # Ops that have a kernel of their own ("auto" picks "pallas" for them on TPU/GPU).
@@ -35,6 +44,13 @@ MOSAIC_GPU_OPS = {
     "paged_decode_attention": "kernels_pallas.paged_attention.mosaic_gpu",
     "mla_decode_attention": "kernels_pallas.mla_decode.mosaic_gpu",
 }
+# Prefill ops (rows of several new queries, mixed with decode rows) with a kernel, per
+# backend. A GPU prefill kernel plugs in by listing its ops under "gpu" and branching to
+# it in `paged_prefill_attention` / `mla_prefill_attention` below.
+PREFILL_KERNEL_OPS = {
+    "tpu": ("paged_prefill_attention", "mla_prefill_attention"),
+    "gpu": (),
+}
 # Mosaic GPU kernels run where the GPU has Hopper's TMA and warpgroup MMA (sm_90).
 _MOSAIC_CAPABILITIES = ("9.0",)
 
@@ -42,6 +58,21 @@ _MOSAIC_CAPABILITIES = ("9.0",)
 def platform() -> str:
     """The default backend's platform ("cpu", "gpu" or "tpu"); one place to stub in tests."""
     return jax.default_backend()
+
+
+def kernel_ops(backend: str) -> tuple[str, ...]:
+    """The ops with a Pallas kernel of their own on `backend` ("tpu" or "gpu"): "auto" picks
+    "pallas" for them there."""
+    return KERNEL_OPS + PREFILL_KERNEL_OPS.get(backend, ())
+
+
+def prefill_kernel(op: str, backend: str) -> tuple[str, str]:
+    """What impl="pallas" runs for prefill op `op` on `backend` ("tpu" or "gpu"), and why:
+    ("ragged", reason) where the backend has the ragged kernel, ("xla", reason) otherwise."""
+    if op in PREFILL_KERNEL_OPS.get(backend, ()):
+        return "ragged", ("kernels_pallas/ragged_attention: decode, chunked-prefill and mixed "
+                          "rows in one kernel")
+    return "xla", f"no {backend.upper()} prefill kernel yet: the XLA path"
 
 
 def kernel_takes(pages=None) -> bool:
@@ -185,3 +216,27 @@ def quantized_mla_attention(*args, interpret=None, **kwargs):
     backend, interpret = _backend_and_interpret(interpret)
     kernel = quant_gpu if backend == "gpu" else quant_tpu
     return kernel.quantized_mla_attention(*args, interpret=interpret, **kwargs)
+
+
+def paged_prefill_attention(q, k_pages, v_pages, lengths, block_tables, q_lengths, *,
+                            scale=None, soft_cap=None, sliding_window=None, interpret=None):
+    """Chunked-prefill / mixed-step attention through the backend's ragged kernel (the XLA
+    path where the backend has none; see the module docstring)."""
+    backend, interpret = _backend_and_interpret(interpret)
+    kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if prefill_kernel("paged_prefill_attention", backend)[0] == "xla":
+        return xla_path.paged_prefill_attention(q, k_pages, v_pages, lengths, block_tables,
+                                                q_lengths, **kw)
+    return ragged_tpu.paged_prefill_attention(q, k_pages, v_pages, lengths, block_tables,
+                                              q_lengths, interpret=interpret, **kw)
+
+
+def mla_prefill_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables,
+                          q_lengths, *, scale, interpret=None):
+    """Absorbed-MLA chunked prefill / mixed steps through the backend's ragged kernel (the
+    XLA path where the backend has none)."""
+    backend, interpret = _backend_and_interpret(interpret)
+    args = (q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, q_lengths)
+    if prefill_kernel("mla_prefill_attention", backend)[0] == "xla":
+        return xla_path.mla_prefill_attention(*args, scale=scale)
+    return ragged_tpu.mla_prefill_attention(*args, scale=scale, interpret=interpret)

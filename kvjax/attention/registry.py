@@ -12,8 +12,10 @@ Implementations:
   "xla": the blocked online-softmax path of `xla.py` / `xla_quantized.py`, which
     never gathers a sequence's whole K/V;
   "pallas": the Pallas kernels (`kernels_pallas/*/{tpu,gpu}.py`): the GPU kernel on a
-    GPU backend, the TPU kernel otherwise (interpreted on CPU). Paged prefill has no
-    kernel yet: its "pallas" entry runs the "xla" path;
+    GPU backend, the TPU kernel otherwise (interpreted on CPU). Chunked prefill and mixed
+    steps run the ragged paged attention kernel (`kernels_pallas/ragged_attention`) on
+    TPU; on a GPU, which has no prefill kernel yet, their "pallas" entry runs the XLA
+    path (`pallas_impls.PREFILL_KERNEL_OPS`);
   "cpu": the C++ CPU kernels (`kvjax.backends.cpu`) for GQA decode and chunked prefill,
     MLA and KIVI decode; the other ops' "cpu" entries run the "xla" path, so a model
     given impl="cpu" also prefills on every cache kind;
@@ -72,12 +74,6 @@ def ops() -> tuple[str, ...]:
     return (*_REGISTRY, *_COMPOSITE)
 
 
-def _prefill_via_xla(op: str, *args, interpret=None, **kwargs):
-    """Prefill has no Pallas kernel yet: "pallas" runs the op's current "xla" entry."""
-    del interpret
-    return _REGISTRY[op]["xla"].fn(*args, **kwargs)
-
-
 def _register_builtin() -> None:
     xla_ops = {
         "paged_decode_attention": xla_path.paged_decode_attention,
@@ -97,10 +93,9 @@ def _register_builtin() -> None:
     }
     pallas_ops = {
         "paged_decode_attention": pallas_impls.paged_decode_attention,
-        "paged_prefill_attention": functools.partial(_prefill_via_xla,
-                                                     "paged_prefill_attention"),
+        "paged_prefill_attention": pallas_impls.paged_prefill_attention,
         "mla_decode_attention": pallas_impls.mla_decode_attention,
-        "mla_prefill_attention": functools.partial(_prefill_via_xla, "mla_prefill_attention"),
+        "mla_prefill_attention": pallas_impls.mla_prefill_attention,
         "quantized_attention": pallas_impls.quantized_attention,
         "quantized_mla_attention": pallas_impls.quantized_mla_attention,
     }
@@ -121,7 +116,8 @@ def _register_builtin() -> None:
 
 _register_builtin()
 
-# Ops with a Pallas kernel of their own: "auto" picks "pallas" for them on TPU and GPU.
+# Ops with a Pallas kernel of their own: "auto" picks "pallas" for them on TPU and GPU
+# (and for the prefill ops where the backend has a prefill kernel: `pallas_impls.kernel_ops`).
 PALLAS_KERNEL_OPS = pallas_impls.KERNEL_OPS
 # Ops with a C++ CPU kernel: "auto" picks "cpu" for them on CPU when the kernels built.
 CPU_KERNEL_OPS = ("paged_decode_attention", "paged_prefill_attention", "mla_decode_attention",
@@ -131,12 +127,13 @@ CPU_KERNEL_OPS = ("paged_decode_attention", "paged_prefill_attention", "mla_deco
 def auto_impl(op: str, dtype=None, pages=None) -> str:
     """The implementation "auto" resolves to for `op` (on pages of `dtype`; `pages`, one
     layer's pools, when known) on the default backend: the Pallas kernel on TPU and GPU
-    where the op has one that takes these pages (`pallas_impls.kernel_takes`); on CPU
+    where the op has one there (`pallas_impls.kernel_ops`: decode on both, chunked prefill
+    and mixed steps on TPU) that takes these pages (`pallas_impls.kernel_takes`); on CPU
     the C++ kernel where the CPU backend measured it faster than the XLA path on this
     CPU's build (`kvjax.backends.cpu.choose`), the XLA path otherwise."""
     platform = pallas_impls.platform()
-    if platform in ("tpu", "gpu") and op in PALLAS_KERNEL_OPS and pallas_impls.kernel_takes(
-            pages):
+    if platform in ("tpu", "gpu") and op in pallas_impls.kernel_ops(
+            platform) and pallas_impls.kernel_takes(pages):
         return "pallas"
     if platform == "cpu" and op in CPU_KERNEL_OPS and cpu_backend.choose(
             op, dtype=dtype).use_kernel:

@@ -2,7 +2,8 @@
 
 The kernels themselves are tested in tests/kernels; here: "auto" picks the
 kernel on TPU/GPU and the XLA path on CPU, "pallas" runs the backend's kernel
-(interpreted on CPU). Whole models decoded through the kernels are in
+(interpreted on CPU); chunked prefill and mixed steps run the ragged kernel on
+TPU and the XLA path on a GPU. Whole models decoded through the kernels are in
 test_pallas_models.py.
 """
 
@@ -13,6 +14,7 @@ import pytest
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import reference as paged_ref
+from kernels_pallas.ragged_attention import tpu as ragged_tpu
 from kvjax.attention import ops, pallas_impls, registry
 from kvjax.attention import paged_decode_attention as decode_op
 from kvjax.backends.cpu import options as cpu_options
@@ -20,6 +22,8 @@ from kvjax.backends.cpu import options as cpu_options
 # The oracles, jitted: run eagerly, each of their ops compiles a program of its own.
 _paged_ref = jax.jit(paged_ref.paged_decode_attention)
 _mla_ref = jax.jit(mla_ref.mla_decode_attention, static_argnames="scale")
+_prefill_ref = jax.jit(paged_ref.paged_prefill_attention)
+_mla_prefill_ref = jax.jit(mla_ref.mla_prefill_attention, static_argnames="scale")
 
 
 def _dev(x, dtype=np.float32):
@@ -58,9 +62,11 @@ def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform,
     with cpu_options.override(kernels=False):
         assert registry.auto_impl("paged_decode_attention") == want
         assert registry.auto_impl("mla_decode_attention") == want
-        # No Pallas prefill kernel yet, and the C++ CPU kernels are off here: prefill
-        # stays on the XLA path.
-        assert registry.auto_impl("paged_prefill_attention") == "xla"
+        # Chunked prefill and mixed steps: the ragged kernel on TPU; a GPU has no prefill
+        # kernel yet, and the C++ CPU kernels are off here: the XLA path there.
+        prefill = "pallas" if platform == "tpu" else "xla"
+        assert registry.auto_impl("paged_prefill_attention") == prefill
+        assert registry.auto_impl("mla_prefill_attention") == prefill
 
 
 @pytest.mark.parametrize("platform,head_dim,page_size", [
@@ -156,6 +162,73 @@ def test_mla_and_prefill_through_pallas(rng):
     k, v = draw(2, num_pages, page_size, 64), draw(2, num_pages, page_size, 64)
     q_lengths = _dev([2, 3], np.int32)
     got = ops.paged_prefill_attention(q, k, v, lengths, tables, q_lengths, impl="pallas")
-    want = ops.paged_prefill_attention(q, k, v, lengths, tables, q_lengths, impl="xla")
+    want = _prefill_ref(q, k, v, lengths, tables, q_lengths)
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def _mixed_rows(rng, batch=3, q_len=3, heads=4, page_size=8, max_pages=2):
+    """A mixed step: a row with no new query, a decode row and a 3-query chunk from
+    mid-page; GQA (4 query heads over 2 KV heads, width 64) and MLA (latent 128, rope 64)
+    inputs over the same permuted pages."""
+    num_pages = batch * max_pages
+    tables = _dev(rng.permutation(num_pages).reshape(batch, max_pages), np.int32)
+    lengths, q_lengths = _dev([7, 9, 14], np.int32), _dev([0, 1, 3], np.int32)
+
+    def draw(*shape):
+        return _dev(rng.standard_normal(shape))
+
+    gqa = (draw(batch, q_len, heads, 64), draw(2, num_pages, page_size, 64),
+           draw(2, num_pages, page_size, 64), lengths, tables, q_lengths)
+    mla = (draw(batch, q_len, heads, 128), draw(batch, q_len, heads, 64),
+           draw(num_pages, page_size, 128), draw(num_pages, page_size, 64), lengths, tables,
+           q_lengths)
+    return gqa, mla
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
+def test_prefill_runs_the_ragged_kernel_except_on_gpu(rng, monkeypatch, platform):
+    """impl="pallas" (and "auto" on TPU) runs chunked prefill and mixed steps through the
+    ragged kernel: interpreted on CPU, compiled on TPU (interpreted here); on a GPU the XLA
+    path until a GPU prefill kernel exists."""
+    calls = []
+    for name in ("paged_prefill_attention", "mla_prefill_attention"):
+        real = getattr(ragged_tpu, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, kwargs["interpret"]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ragged_tpu, name, spy)
+    if platform != "cpu":
+        _pretend(monkeypatch, platform)
+    gqa, mla = _mixed_rows(rng)
+    impl = "auto" if platform == "tpu" else "pallas"
+    got = ops.paged_prefill_attention(*gqa, impl=impl, interpret=True)
+    got_mla = ops.mla_prefill_attention(*mla, scale=0.1, impl=impl, interpret=True)
+    if platform == "gpu":
+        assert calls == []
+        for g, w in zip((*got, *got_mla), (
+                *ops.paged_prefill_attention(*gqa, impl="xla"),
+                *ops.mla_prefill_attention(*mla, scale=0.1, impl="xla")), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        return
+    assert calls == [("paged_prefill_attention", True), ("mla_prefill_attention", True)]
+    for g, w in zip((*got, *got_mla), (*_prefill_ref(*gqa), *_mla_prefill_ref(*mla, scale=0.1)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_info_says_what_prefill_runs_on_tpu_and_gpu(monkeypatch):
+    """`python -m kvjax info` names the prefill implementation per accelerator, and it is
+    what "auto" picks there."""
+    from kvjax import info
+
+    report = info._prefill_ops()
+    for op in ("paged_prefill_attention", "mla_prefill_attention"):
+        assert report[op]["tpu"]["kernel"] == "ragged"
+        assert "ragged_attention" in report[op]["tpu"]["reason"]
+        assert report[op]["gpu"]["kernel"] == "xla"
+        for platform, want in (("tpu", "pallas"), ("gpu", "xla")):
+            _pretend(monkeypatch, platform)
+            assert registry.auto_impl(op) == want

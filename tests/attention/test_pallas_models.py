@@ -4,8 +4,8 @@ XLA path.
 
 Random weights, a few decode steps, prompts of different lengths so that rows
 cross page boundaries at different steps. Widths are ones the kernels support
-(head_dim 64; MLA latent 128 + rope 64). Prefill has no kernel and runs the
-XLA path under both settings, so any difference comes from decode.
+(head_dim 64; MLA latent 128 + rope 64). Prefill runs the ragged kernel except on a
+GPU, which has no prefill kernel yet and runs the XLA path.
 """
 
 import jax
@@ -16,6 +16,7 @@ from kernels_pallas.mla_decode import gpu as mla_gpu
 from kernels_pallas.mla_decode import tpu as mla_tpu
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import tpu as paged_tpu
+from kernels_pallas.ragged_attention import tpu as ragged_tpu
 from kvjax.generate.loop import CacheConfig, generate
 from kvjax.models import get_family
 from kvjax.models.deepseek import DeepseekConfig
@@ -24,18 +25,23 @@ from kvjax.models.llama import LlamaConfig
 
 PROMPTS = [[3, 17, 5], [9, 1, 30, 12, 7, 7, 2, 40, 11, 4]]
 INTERPRET = jax.default_backend() == "cpu"  # what impl="pallas" passes to the kernels
+ON_GPU = jax.default_backend() == "gpu"
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts traces of the kernels impl="pallas" runs on this backend.
 
-    The Triton kernels on a GPU, the TPU kernels elsewhere (interpreted on CPU).
+    The Triton kernels on a GPU, the TPU kernels elsewhere (interpreted on CPU), the
+    ragged prefill kernels except on a GPU.
     """
     calls = []
     on_gpu = jax.default_backend() == "gpu"
-    for module, name in ((paged_gpu if on_gpu else paged_tpu, "paged_decode_attention"),
-                         (mla_gpu if on_gpu else mla_tpu, "mla_decode_attention")):
+    kernels = [(paged_gpu if on_gpu else paged_tpu, "paged_decode_attention"),
+               (mla_gpu if on_gpu else mla_tpu, "mla_decode_attention")]
+    if not on_gpu:
+        kernels += [(ragged_tpu, "paged_prefill_attention"), (ragged_tpu, "mla_prefill_attention")]
+    for module, name in kernels:
         real = getattr(module, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -63,6 +69,7 @@ def test_llama_greedy_tokens_match_xla(kernel_calls):
     params = jax.jit(family.init_params, static_argnums=0)(config, jax.random.key(1))
     out = _both(family.model(config), params)
     assert ("paged_decode_attention", INTERPRET) in kernel_calls
+    assert ON_GPU or ("paged_prefill_attention", INTERPRET) in kernel_calls
     np.testing.assert_array_equal(out["pallas"][1], out["xla"][1])
     np.testing.assert_array_equal(out["pallas"][0], out["xla"][0])
     assert out["xla"][1].min() == 6
@@ -76,6 +83,7 @@ def test_deepseek_mla_greedy_tokens_match_xla(kernel_calls):
     params = family.init_params(config, jax.random.key(2))
     out = _both(family.model(config), params)
     assert ("mla_decode_attention", INTERPRET) in kernel_calls
+    assert ON_GPU or ("mla_prefill_attention", INTERPRET) in kernel_calls
     np.testing.assert_array_equal(out["pallas"][1], out["xla"][1])
     np.testing.assert_array_equal(out["pallas"][0], out["xla"][0])
     assert out["xla"][1].min() == 6
