@@ -224,15 +224,22 @@ def dot_transposed_b(a_ref: Any, b_ref: Any, *, interpret: Any) -> jax.Array:
     """`a @ b.T` in float32 for shared-memory refs a [m, k] and b [n, k] (e.g. Q K^T): one
     `wgmma` with b's transposed view.
 
+    a_ref and b_ref may also be equal-length tuples of refs, parts of K (e.g. MLA's latent
+    and rope parts): their products accumulate in one accumulator, awaited once.
+
     m must be a multiple of 64 and n of 8. jax 0.10's interpreter cannot read a transposed
     `wgmma` operand, so there (interpreting only) the product is a plain `jnp.dot`.
     """
-    m, n = a_ref.shape[0], b_ref.shape[0]
+    a_refs = a_ref if isinstance(a_ref, tuple) else (a_ref,)
+    b_refs = b_ref if isinstance(b_ref, tuple) else (b_ref,)
+    m, n = a_refs[0].shape[0], b_refs[0].shape[0]
     if resolve_interpret(interpret) is not None and JAX_VERSION < (0, 11):
-        return jnp.dot(a_ref[...], b_ref[...].T, preferred_element_type=jnp.float32)
+        return sum(jnp.dot(a[...], b[...].T, preferred_element_type=jnp.float32)
+                   for a, b in zip(a_refs, b_refs, strict=True))
 
     def product(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, transpose_ref(b_ref, (1, 0)))
+        for a, b in zip(a_refs, b_refs, strict=True):
+            plgpu.wgmma(acc_ref, a, transpose_ref(b, (1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC((m, n), jnp.float32))
