@@ -41,9 +41,8 @@ the tensor cores. Choices, after FlashMLA (`csrc/sm90/decode/dense/`):
 
 Not yet measured on a GPU (checked in Mosaic GPU's interpreter with race
 detection and lowered for an H100 from CPU: tests/kernels/test_mosaic_gpu_mla.py).
-Q K^T's latent and rope parts are two wgmmas, each awaited
-(`_mosaic_gpu.dot_transposed_b`); the last step's latent rows past the length
-are cleared through registers, 32 columns at a time.
+The last step's latent rows past the length are cleared through registers,
+32 columns at a time.
 
 Head counts that are not a multiple of 64 (a TP shard's 16, a tiny model's
 4) are padded with zero queries. Float32 is refused (`unsupported_reason`):
@@ -235,9 +234,9 @@ def _kernel(
             slot = lax.rem(step - lo, NUM_STAGES)
             plgpu.barrier_wait(kv_bar.at[slot])
 
-            s = (mgpu.dot_transposed_b(q_smem, lat_smem.at[slot, mine], interpret=interpret)
-                 + mgpu.dot_transposed_b(qr_smem, rope_smem.at[slot, mine],
-                                         interpret=interpret))
+            s = mgpu.dot_transposed_b((q_smem, qr_smem),
+                                      (lat_smem.at[slot, mine], rope_smem.at[slot, mine]),
+                                      interpret=interpret)
             pos = (step * BLOCK_TOKENS + wg * tok_half) + iota((BLOCK_HEADS, tok_half), 1)
             s = jnp.where(pos < length, s * qk_scale, -jnp.inf)
             m_mine = s.max(axis=1)
