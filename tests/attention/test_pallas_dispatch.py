@@ -232,3 +232,79 @@ def test_info_says_what_prefill_runs_on_tpu_and_gpu(monkeypatch):
         for platform, want in (("tpu", "pallas"), ("gpu", "xla")):
             _pretend(monkeypatch, platform)
             assert registry.auto_impl(op) == want
+
+
+class _Gpu:
+    """A stand-in for a GPU device: the attributes the kernel choice reads."""
+
+    def __init__(self, device_kind, compute_capability, core_count=132):
+        self.device_kind = device_kind
+        self.compute_capability = compute_capability
+        self.core_count = core_count
+
+
+def test_gpu_runs_mosaic_kernels_on_hopper_and_triton_elsewhere(monkeypatch):
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100 80GB HBM3", "9.0"))
+    for op in pallas_impls.KERNEL_OPS:
+        kernel, why = pallas_impls.gpu_kernel(op)
+        assert kernel == "mosaic" and "Hopper" in why, (op, why)
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA A100-SXM4-80GB", "8.0"))
+    for op in pallas_impls.KERNEL_OPS:
+        kernel, why = pallas_impls.gpu_kernel(op)
+        assert kernel == "triton" and "A100" in why and "8.0" in why, (op, why)
+    # `python -m kvjax info` on a GPU prints the same choice per op.
+    monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
+    from kvjax import info
+
+    assert {op: c["kernel"] for op, c in info._gpu_ops().items()} == dict.fromkeys(
+        pallas_impls.KERNEL_OPS, "triton")
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H200", "9.0"))
+    assert {op: c["kernel"] for op, c in info._gpu_ops().items()} == dict.fromkeys(
+        pallas_impls.KERNEL_OPS, "mosaic")
+
+
+def test_shapes_the_mosaic_kernel_refuses_go_to_triton_with_its_reason(monkeypatch, rng):
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H200", "9.0"))
+    module, _ = pallas_impls._mosaic_module("paged_decode_attention")
+    monkeypatch.setattr(module, "unsupported_reason", lambda *a: "page size 3 is not copied")
+    q, k, v = _gqa_inputs(rng)[:3]
+    kernel, why = pallas_impls.gpu_kernel("paged_decode_attention", q, k, v)
+    assert kernel == "triton" and "page size 3 is not copied" in why
+
+
+@pytest.mark.parametrize("op", ["paged_decode_attention", "mla_decode_attention"])
+def test_pallas_on_hopper_runs_the_mosaic_kernel_with_the_sm_count(rng, monkeypatch, op):
+    """On a Hopper, impl="pallas" calls the Mosaic GPU kernel (interpreted here) with the
+    device's SM count, and its result is the reference's (bf16 pages: the Mosaic kernels'
+    MMA operands)."""
+    module, why_not = pallas_impls._mosaic_module(op)
+    assert module is not None, why_not
+    calls = []
+    real = getattr(module, op)
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["num_sms"], kwargs["interpret"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0", 114))
+    monkeypatch.setattr(module, op, spy)
+    bf16 = jax.numpy.bfloat16
+    if op == "paged_decode_attention":
+        q, k, v, lengths, tables = _gqa_inputs(rng)
+        args = (q.astype(bf16), k.astype(bf16), v.astype(bf16), lengths, tables)
+        got, want = decode_op(*args, impl="pallas", interpret=True), _paged_ref(*args)
+    else:
+        batch, heads, d_c, d_rope, page_size, max_pages = 2, 4, 128, 64, 8, 2
+        tables = _dev(rng.permutation(batch * max_pages).reshape(batch, max_pages), np.int32)
+        args = (_dev(rng.standard_normal((batch, heads, d_c)), bf16),
+                _dev(rng.standard_normal((batch, heads, d_rope)), bf16),
+                _dev(rng.standard_normal((batch * max_pages, page_size, d_c)), bf16),
+                _dev(rng.standard_normal((batch * max_pages, page_size, d_rope)), bf16),
+                _dev([5, 16], np.int32), tables)
+        got = ops.mla_decode_attention(*args, scale=0.1, impl="pallas", interpret=True)
+        want = _mla_ref(*args, scale=0.1)
+    assert calls == [(114, True)]
+    for g, w in zip(got, want, strict=True):  # bf16 outputs: 8 bits of mantissa
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=2e-2)
