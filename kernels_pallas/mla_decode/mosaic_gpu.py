@@ -52,6 +52,7 @@ precision asked for nor fits P V's value operand.
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -370,6 +371,7 @@ def _decode(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, *
         grid_names=("batch", "split", "heads"),
         num_threads=3,
         thread_name="wg",
+        kernel_name=f"kvjax_mla_decode_mosaic_gpu_h{heads_p}_p{page_size}",
         # Row reductions of the wgmma layout stay inside a warp: no cross-warp scratch.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                               lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -390,8 +392,8 @@ def mla_decode_attention(
     block_tables: Int[Array, "batch max_pages"],
     *,
     scale: float,
-    num_sms: int = 132,
-    interpret=False,
+    num_sms: int = mgpu.H100_NUM_SMS,
+    interpret: Any = False,
 ) -> tuple[Float[Array, "batch q_heads d_c"], Float[Array, "batch q_heads"]]:
     """Absorbed-MLA decode on Hopper; same contract as `reference.mla_decode_attention`.
 
@@ -406,8 +408,9 @@ def mla_decode_attention(
       scale: softmax scale.
       num_sms: streaming multiprocessors of the target GPU (132 on an H100/H200 SXM); the
         split count fills one wave of them. Passed in, never queried while tracing.
-      interpret: False, or Mosaic GPU interpret parameters (`InterpretGPUParams`) to run
-        in the interpreter on any backend.
+      interpret: False to compile for the GPU; True or
+        `kernels_pallas._mosaic_gpu.interpret_params(...)` (e.g. with race detection) to
+        run in Mosaic GPU's interpreter on any backend.
 
     Returns:
       (out in latent space [batch, q_heads, d_c] in q_latent's dtype, lse float32[batch,
