@@ -67,6 +67,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="KV cache dtype: float32, bfloat16 or float16 (default: the params "
                    "dtype)")
     add_kivi_flags(p)
+    p.add_argument("--window-pages", action=argparse.BooleanOptionalAction, default=None,
+                   help="sliding-window layers keep only the pages their window plus one "
+                   "chunk reaches (a ring per sequence, kvjax.cache.window) instead of the "
+                   "whole sequence's; prefix hits then reach as far as those rings still "
+                   "hold. Default: on where the model's config says so (window_pages), "
+                   "else off; --no-window-pages turns it off")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep prompts' pages for later requests that share a prefix")
     p.add_argument("--host-pages", type=_positive_int, default=None, metavar="PAGES",
@@ -175,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         quant = None if args.kv_bits is None else QuantSpec(
             bits=args.kv_bits, group_size=args.kv_group_size, residual=args.kv_residual)
         cache = CacheConfig(dtype=args.kv_dtype or model.config.dtype, quant=quant,
-                            page_size=args.page_size, num_pages=args.num_pages)
+                            page_size=args.page_size, num_pages=args.num_pages,
+                            window_pages=args.window_pages)
         engine = Engine(model, params, max_seqs=args.max_seqs, max_seq_len=max_seq_len,
                         cache=cache, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching,
@@ -197,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
           f"http://{args.host}:{args.port}/v1 ({args.max_seqs} sequences of up to "
           f"{max_seq_len} tokens, {spec.num_pages} pages of {spec.page_size} tokens, "
           f"{spec.dtype.name}" + ("" if args.kv_bits is None else f", KIVI int{args.kv_bits}")
+          + "".join(f"; layers {g.layers} keep {g.window}-token windows in rings of "
+                    f"{g.ring_pages(spec.page_size)} pages" for g in spec.window_groups)
           + ("" if args.host_pages is None else
              f"; host tier of {args.host_pages} pages, {engine.host_rows} rows") + ")",
           file=sys.stderr)

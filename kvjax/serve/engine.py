@@ -53,6 +53,23 @@ whole chunks only. On a KIVI cache a hit also covers only pages that the request
 have quantized itself by the end of its first chunk after the hit, so quantization
 happens at the same tokens with and without the hit (with a residual R, hits need
 `chunk_size >= R + page_size`).
+
+With window-only pages (`CacheConfig(window_pages=True)`, `kvjax.cache.window`) the
+cache is built for the engine's chunks (each window group's ring holds
+`ring_pages(window, chunk_size, page_size)` pages per slot) and every slot, rows and
+prefix holders alike, has its ring in each group's pool, so the windowed layers never
+run out of pages and allocate nothing once a ring is full; the page check above covers
+the main pool (the global layers). A hit of j pages reuses the main pool's pages
+[0, j) and, in each group, the ring pages of [first_g, j), first_g = page of position
+j * page_size - window_g + 1: all the keys the request's queries at j * page_size and
+later read in that group. A holder's rings hold the last pages of the sequence it was
+registered from only, so j is the longest whole-chunk match for which some holder's
+rings still reach back to first_g in every group; the tokens from j * page_size on are
+recomputed through every layer (a windowed layer's keys there need every earlier
+layer's output there). Hits are therefore exact, and shorter than without window
+pages when a prompt ran past the shared prefix by more than about one chunk before
+its pages were registered. A call in which a prompt ends runs no more decode steps
+than keep that prompt's window in its rings, so its pages can still be registered.
 """
 
 import collections
@@ -68,7 +85,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int, UInt32
 
 from kvjax import cache as kv_cache
-from kvjax.cache import host
+from kvjax.cache import host, window
 from kvjax.cache.page_table import PageTable
 from kvjax.cache.policies.base import CachePolicy
 from kvjax.generate import loop, setup
@@ -279,9 +296,12 @@ def _share(cache, src: Int[Array, ""], dst: Int[Array, ""], length: Int[Array, "
     the length before; the status is returned for the record."""
     kind = kv_cache.ops._kind(cache)
     cache, st = kind.fork(cache, src[None], dst[None])
-    cache = host.after_fork(cache, src[None], dst[None], st)  # no-ops without a host tier
+    cache = window.fork(cache, src[None], dst[None])  # no-ops without window groups
+    cache = host.after_fork(cache, src[None], dst[None], st)  # or a host tier
     new_lengths = cache.lengths.at[dst].set(length)
     cache, st2 = kind.truncate(cache, new_lengths)
+    # The engine shares only lengths whose windows the rings still hold (Engine._ring_holds).
+    cache = window.truncate(cache, cache.lengths)
     cache = host.after_truncate(cache, new_lengths, st2)
     return cache, loop._first_error(st, st2)
 
@@ -369,10 +389,6 @@ class Engine:
         if not isinstance(cfg, setup.CacheConfig):
             raise TypeError(f"cache must be a kvjax.generate.CacheConfig, got "
                             f"{type(cfg).__name__}.")
-        if cfg.windows_for(model) is not None:
-            raise ValueError("Engine: window-only pages (CacheConfig.window_pages) are not "
-                             "served by the engine yet (its prefix cache shares pages by "
-                             "position); use kvjax.generate, or window_pages=False.")
         for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
                         ("chunk_size", chunk_size), ("prefill_rows", prefill_rows),
                         ("decode_steps", decode_steps),
@@ -400,6 +416,11 @@ class Engine:
         if host_pages and cfg.plan is not None:
             raise ValueError("Engine: a host tier does not combine with a sharding plan; drop "
                              "host_pages or the plan.")
+        if policy is not None and cfg.windows_for(model) is not None:
+            raise ValueError(f"Engine: {type(policy).__name__} selects or scores pages by "
+                             f"position; a cache with window-only pages (CacheConfig."
+                             f"window_pages) keeps only its windowed layers' last pages. Serve "
+                             f"without the policy or with window_pages=False.")
         if policy is not None and prefix_caching:
             prefix_caching = False  # eviction rewrites pages a prefix would share
         if _has_recurrent_state(model):
@@ -437,12 +458,19 @@ class Engine:
                              f"of max_seq_len={max_seq_len} tokens ({per_seq} pages of {ps}); "
                              f"give more pages or a shorter max_seq_len.")
         kv, impl, plan = setup.prepare_cache(model, cfg, impl, num_seqs=slots,
-                                             max_tokens=max_seq_len)
+                                             max_tokens=max_seq_len, chunk=chunk_size)
         self.host_rows = 0
         if host_pages:
             self.host_rows = int(2 * max_seqs if host_rows is None else host_rows)
             kv = host.attach(kv, int(host_pages), parked=self.host_rows)
         self.spec = kv.spec
+        # Window groups (window-only pages): each group's window and ring, and per slot the
+        # first logical page its rings hold beyond what its length implies (a prefix hit
+        # starts a ring part-filled: see _ring_lo).
+        gs = self.spec.window_groups
+        self._windows = np.array([g.window for g in gs], np.int64)
+        self._rings = np.array([g.ring_pages(ps) for g in gs], np.int64)
+        self._ring_base = np.zeros((self.spec.max_seqs, len(gs)), np.int64)
         self.impl = impl
         self.params = setup.shard_for_plan(model, params, plan)
         self.dparams = decode_params(model, self.params, max_seqs)
@@ -617,22 +645,56 @@ class Engine:
             req.hashes = page_hashes(req.fed, self.spec.page_size, req.salt)
         return req.hashes
 
-    def _attach_prefix(self, req: _Request) -> None:
+    def _ring_lo(self, slot: int) -> np.ndarray:
+        """Per window group, the first logical page slot's ring holds: the last R pages of
+        its length, or fewer after a prefix hit (its ring then starts at the holder's)."""
+        held = -(-int(self._lengths[slot]) // self.spec.page_size)
+        return np.maximum(self._ring_base[slot], held - self._rings)
+
+    def _ring_holds(self, lo, j: int) -> bool:
+        """Whether rings holding pages from `lo` (per group) on hold every page that the
+        windows of queries at position j * page_size and later reach back to."""
+        ps = self.spec.page_size
+        first = np.maximum(j * ps - self._windows + 1, 0) // ps
+        return bool(np.all(first >= np.asarray(lo, np.int64)))
+
+    def _find_hit(self, req: _Request, *, parked: bool = True,
+                  touch: bool = True) -> tuple[int, int | None, int | None]:
+        """The longest usable hit for `req`: (pages j, holder slot, or None and the parked
+        row holding them); (0, None, None) when none. Without window groups j is the
+        whole-chunk match (`_usable_hit`); with them, the longest such j whose holder's
+        rings reach back far enough (`_ring_holds`)."""
         hashes = self._hashes(req)
-        j = self._usable_hit(req, self.prefix.match(hashes, req.fed))
+        j = self._usable_hit(req, self.prefix.match(hashes, req.fed, parked=parked))
+        usable = None
+        while j > 0:
+            if self._windows.size:
+                usable = lambda lo, j=j: self._ring_holds(lo, j)  # noqa: E731
+            slot = self.prefix.holder_of(hashes, j, usable=usable, touch=touch)
+            if slot is not None:
+                return j, slot, None
+            row = self.prefix.parked_of(hashes, j, usable=usable, touch=touch) if (
+                parked) else None
+            if row is not None:
+                return j, None, row
+            j -= self.chunk // self.spec.page_size
+        return 0, None, None
+
+    def _attach_prefix(self, req: _Request) -> None:
+        j, holder, row = self._find_hit(req)
         if j == 0:
             return
-        holder = self.prefix.holder_of(hashes, j)
         if holder is None:  # only a parked row holds them: bring it back first
-            holder = self._unpark_prefix(self.prefix.parked_of(hashes, j))
+            holder = self._unpark_prefix(row)
             if holder is not None:
                 self.stats["host_prefix_hits"] += 1
             else:  # no room for it on the device: the longest hit held there
-                j = self._usable_hit(req, self.prefix.match(hashes, req.fed, parked=False))
+                j, holder, _ = self._find_hit(req, parked=False)
                 if j == 0:
                     return
-                holder = self.prefix.holder_of(hashes, j)
         self._share(holder, req.slot, j * self.spec.page_size)
+        if self._windows.size:
+            self._ring_base[req.slot] = self.prefix.ring_lo(holder)
         req.done_tokens = j * self.spec.page_size
         if not req.output:  # a readmitted request's own pages do not count as hits
             req.cached_tokens = req.done_tokens
@@ -649,12 +711,16 @@ class Engine:
         hashes = self._hashes(req)[:n]
         if n == 0 or self._lengths[req.slot] < n * ps or self.prefix.new_pages(hashes) == 0:
             return  # nothing new, or the request already finished and freed its pages
+        lo = self._ring_lo(req.slot)
+        if self._windows.size and not self._ring_holds(lo, n):
+            return  # the rings no longer hold the window before page n: no hit could use it
         holder = self.prefix.free_slot()
         if holder is None:
             self._evict_holder()
             holder = self.prefix.free_slot()
         self._share(req.slot, holder, n * ps)
-        self.prefix.add(holder, hashes, req.fed, req.salt)
+        self._ring_base[holder] = lo
+        self.prefix.add(holder, hashes, req.fed, req.salt, ring_lo=lo.tolist())
 
     def _evict_holder(self, protect: int | None = None) -> bool:
         """Evicts the least recently used cached prefix from the device: to a parked row
@@ -688,6 +754,7 @@ class Engine:
         if slot is None or self._free_pages < pages or not self._swap_in(row, slot):
             return None
         self.prefix.unpark(row, slot)
+        self._ring_base[slot] = self.prefix.ring_lo(slot)
         return slot
 
     # ------------------------------------------------------------------ host tier
@@ -814,13 +881,11 @@ class Engine:
             # on a parked prefix needs the pages that bring it back.
             need = -(-len(req.fed) // self.spec.page_size)
             if self.prefix is not None:
-                hashes = self._hashes(req)
-                hit = self._usable_hit(req, self.prefix.match(hashes, req.fed))
+                hit, holder, row = self._find_hit(req)
                 if hit:
-                    if self.prefix.holder_of(hashes, hit) is not None:
+                    if holder is not None:
                         need -= hit
                     else:
-                        row = self.prefix.parked_of(hashes, hit)
                         need += len(self.prefix.parked[row]) // self.spec.page_size - hit
             while self._free_pages < need and self._evict_holder():
                 pass
@@ -830,6 +895,7 @@ class Engine:
             req.slot = free_rows.pop(0)
             req.admitted = next(self._admissions)
             req.done_tokens, req.decoding = 0, False
+            self._ring_base[req.slot] = 0
             self._running[req.slot] = req
             req.looked_up = self.prefix is None
             if self._blank is not None:
@@ -865,7 +931,7 @@ class Engine:
         """An earlier prompt being prefilled that will register more of `req`'s pages than
         the cache holds now (whole chunks `req` may use), and how many; else (None, 0)."""
         hashes = self._hashes(req)
-        have = self._usable_hit(req, self.prefix.match(hashes, req.fed))
+        have = self._find_hit(req, touch=False)[0]
         for lead in prefilling:
             if lead.admitted >= req.admitted or not lead.looked_up:
                 continue
@@ -932,9 +998,31 @@ class Engine:
         """`_decode_steps`, with fewer steps when the free pages cannot cover them all (the
         page check then evicts or preempts only if one step does not fit)."""
         k, until_finish = self._decode_steps(decode, lanes)
+        k = min(k, self._ring_steps(lanes))
         while k > 1 and self._pages_needed(decode, lanes, k) > self._free_pages:
             k //= 2
         return k, until_finish
+
+    def _ring_steps(self, lanes) -> int:
+        """Decode steps a call may run after a prompt that ends in it while its rings still
+        serve a later hit on its pages, which ends at its last whole chunk c: a window
+        group's ring must still hold the page of position c - window + 1, which k more
+        tokens push out once ceil((len + k) / page_size) - R passes it (unbounded without
+        window groups or prefix caching). At least 1: R * page_size >= window + chunk_size
+        + page_size - 2 (`kvjax.specs.ring_pages`)."""
+        k = self.max_decode_steps
+        if self.prefix is None or not self._windows.size:
+            return k
+        ps = self.spec.page_size
+        for r, n in lanes:
+            total = len(r.fed)
+            if r.done_tokens + n != total or total < self.chunk:
+                continue
+            first = np.maximum((total // self.chunk) * self.chunk - self._windows + 1, 0) // ps
+            if np.any(first < self._ring_base[r.slot]):
+                continue  # a hit's ring that cannot register this prompt anyway
+            k = min(k, int(np.min((first + self._rings) * ps)) - total)
+        return max(k, 1)
 
     def _pages_needed(self, decode, lanes, k: int) -> int:
         """Pages the call allocates at most: k decode steps of each decoding row, and each
@@ -1161,6 +1249,21 @@ class Engine:
         saved = jax.device_get(_take_row(self.state, jnp.int32(0)))  # as a swap keeps it
         self.state = _put_row(self.state, jnp.int32(0), saved)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (holders on the device and, with a host tier,
+        parked rows), returning the pages only they held to their pools."""
+        if self.prefix is None:
+            return
+        for row in list(self.prefix.parked):
+            self._drop_row(row)
+            self.prefix.drop_parked(row)
+        holders = list(self.prefix.holders)
+        for s in holders:
+            self.prefix.remove(s)
+        if holders:
+            self._free_slots(holders)
+        self._sync()
+
     def run(self) -> dict[str, list[int]]:
         """Steps until every request is done; returns each request's tokens."""
         out: dict[str, list[int]] = collections.defaultdict(list)
@@ -1185,6 +1288,8 @@ class Engine:
             if lengths[s] and s not in users and s not in holders:
                 raise AssertionError(f"slot {s} holds {lengths[s]} tokens but no request or "
                                      f"cached prefix owns it")
+        if self._windows.size:
+            self._check_rings(cache, lengths)
         if self.prefix is not None:
             self.prefix.check()
             if isinstance(cache.table, PageTable):
@@ -1193,6 +1298,26 @@ class Engine:
                     if lengths[s] != len(toks) or len(toks) % ps:
                         raise AssertionError(f"holder {s} holds {lengths[s]} tokens, its "
                                              f"entries {len(toks)}")
+
+    def _check_rings(self, cache, lengths) -> None:
+        """Every slot's rings hold the pages the engine counts on: per group, logical pages
+        [`_ring_lo`, its last page) (what its windows read and a hit may share), and each
+        holder's recorded `ring_lo` is the slot's."""
+        ps = self.spec.page_size
+        for g, grp in enumerate(cache.groups):
+            bt = np.asarray(grp.table.block_tables)
+            for s in np.flatnonzero(lengths):
+                lo, end = int(self._ring_lo(s)[g]), -(-int(lengths[s]) // ps)
+                miss = [p for p in range(lo, end) if bt[s, p % self._rings[g]] < 0]
+                if miss:
+                    raise AssertionError(f"slot {s} ({lengths[s]} tokens) misses pages {miss} "
+                                         f"of window group {g} (its ring {bt[s].tolist()})")
+        if self.prefix is not None:
+            for s in self.prefix.holders:
+                if self.prefix.ring_lo(s) != tuple(self._ring_base[s].tolist()):
+                    raise AssertionError(f"holder {s}'s rings start at "
+                                         f"{self._ring_base[s].tolist()}, its entry says "
+                                         f"{list(self.prefix.ring_lo(s))}")
 
     def _check_host(self) -> None:
         cache = self.state.cache

@@ -26,13 +26,20 @@ the row, so a later prompt still matches them; the engine brings the row back in
 a free holder slot (`unpark`) before it shares the pages. Parked holders are
 forgotten least-recently-used first when the host tier needs room (`drop_parked`).
 
+With window groups (`kvjax.cache.window`: sliding-window layers that keep only a ring
+of their last pages), a holder's rings hold its windowed layers' pages from some
+logical page on only (`ring_lo`, one per group, recorded at `add`); a hit of n pages
+needs the pages the windows reach before its end, so the engine passes a `usable`
+test to `holder_of` and `parked_of` that picks only holders whose rings reach back far
+enough.
+
 This module is host-side bookkeeping (hashes, holders, LRU order); the engine runs
 the forks, truncations, frees and swaps on the cache.
 """
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -58,6 +65,7 @@ class _Holder:
     tokens: np.ndarray  # the token ids of its pages, page_size * len(hashes)
     salt: str | None
     last_used: int
+    ring_lo: tuple[int, ...] = ()  # per window group: the first logical page its ring holds
 
 
 @dataclasses.dataclass
@@ -122,25 +130,38 @@ class PrefixCache:
             n = i + 1
         return n
 
-    def holder_of(self, hashes: Sequence[bytes], n: int) -> int | None:
-        """A holder slot holding the first `n` pages of this chain, marked used; None when
-        only parked rows hold them."""
-        holders = self._entries[hashes[n - 1]].holders
+    def holder_of(self, hashes: Sequence[bytes], n: int, *,
+                  usable: Callable[[tuple[int, ...]], bool] | None = None,
+                  touch: bool = True) -> int | None:
+        """The most recently used holder slot holding the first `n` pages of this chain
+        (and, with `usable`, whose `ring_lo` it accepts), marked used unless `touch` is
+        False; None when no such slot holds them (parked rows may)."""
+        holders = [s for s in self._entries[hashes[n - 1]].holders
+                   if usable is None or usable(self._holders[s].ring_lo)]
         if not holders:
             return None
         slot = max(holders, key=lambda s: self._holders[s].last_used)
-        self.touch(slot)
+        if touch:
+            self.touch(slot)
         return slot
 
-    def parked_of(self, hashes: Sequence[bytes], n: int) -> int | None:
-        """A parked row holding the first `n` pages of this chain, marked used; or None."""
-        rows = self._entries[hashes[n - 1]].parked
+    def parked_of(self, hashes: Sequence[bytes], n: int, *,
+                  usable: Callable[[tuple[int, ...]], bool] | None = None,
+                  touch: bool = True) -> int | None:
+        """`holder_of` over the parked rows (host tier); None when no row qualifies."""
+        rows = [r for r in self._entries[hashes[n - 1]].parked
+                if usable is None or usable(self._parked[r].ring_lo)]
         if not rows:
             return None
         row = max(rows, key=lambda r: self._parked[r].last_used)
-        self._clock += 1
-        self._parked[row].last_used = self._clock
+        if touch:
+            self._clock += 1
+            self._parked[row].last_used = self._clock
         return row
+
+    def ring_lo(self, slot: int) -> tuple[int, ...]:
+        """Holder `slot`'s window rings: per group, the first logical page held."""
+        return self._holders[slot].ring_lo
 
     def touch(self, slot: int) -> None:
         self._clock += 1
@@ -164,9 +185,10 @@ class PrefixCache:
         return min(self._holders, key=lambda s: self._holders[s].last_used)
 
     def add(self, slot: int, hashes: Sequence[bytes], tokens: np.ndarray,
-            salt: str | None = None) -> None:
+            salt: str | None = None, ring_lo: Sequence[int] = ()) -> None:
         """Records that holder `slot` now holds the pages `hashes` (token ids `tokens`,
-        hashed with `salt`)."""
+        hashed with `salt`) and, per window group, its ring's pages from logical page
+        `ring_lo[g]` on."""
         if slot not in self._free:
             raise ValueError(f"holder slot {slot} is not free.")
         ps = self.page_size
@@ -174,7 +196,8 @@ class PrefixCache:
         self._free.remove(slot)
         self._clock += 1
         self._holders[slot] = _Holder(hashes=list(hashes), tokens=tokens, salt=salt,
-                                      last_used=self._clock)
+                                      last_used=self._clock,
+                                      ring_lo=tuple(int(p) for p in ring_lo))
         for i, h in enumerate(hashes):
             e = self._entries.get(h)
             if e is None:

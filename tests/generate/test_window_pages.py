@@ -18,7 +18,6 @@ from kvjax.cache import host, window
 from kvjax.models import base, llama
 from kvjax.models.deepseek.params import init_from_shapes
 from kvjax.models.layers import RopeConfig
-from kvjax.serve.engine import Engine
 from kvjax.sharding import ShardingPlan, init_sharded_cache, make_mesh
 
 WINDOW, PAGE, CHUNK, NEW = 6, 4, 8, 20
@@ -104,11 +103,9 @@ def test_window_pages_refusals(prompts):
     with pytest.raises(ValueError, match="chunk_size=4"):
         gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=2,
                      chunk_size=CHUNK, cache=cache)
-    # Not yet combined: a host tier, a sharded layout, the serving engine.
+    # Not yet combined: a host tier, a sharded layout.
     with pytest.raises(ValueError, match="window groups"):
         host.attach(cache, 4)
     with pytest.raises(ValueError, match="window groups"):
         init_sharded_cache(cache.spec, ShardingPlan(mesh=make_mesh((1,), ("model",)),
                                                     strategies=("heads",)))
-    with pytest.raises(ValueError, match="not served by the engine yet"):
-        Engine(model, params, cache=config(True))
