@@ -96,10 +96,14 @@ def unsupported_reason(
 ) -> str | None:
     """None if this kernel takes these shapes and dtypes, else a sentence saying why not.
 
-    Only shapes and dtypes are read (arrays or `jax.ShapeDtypeStruct`s). The shapes must
-    already form one absorbed-MLA decode (`_common.check_mla_shapes`).
+    Only shapes and dtypes are read (arrays or `jax.ShapeDtypeStruct`s); whether they form
+    one absorbed-MLA decode is `mla_decode_attention`'s check (`_common.check_mla_shapes`).
     """
-    dtypes = {jnp.dtype(x.dtype) for x in (q_latent, q_rope, latent_pages, rope_pages)}
+    arrays = (q_latent, q_rope, latent_pages, rope_pages)
+    if any(len(x.shape) != 3 for x in arrays):
+        return (f"the Mosaic GPU MLA kernel takes 3-D queries and pools, got shapes "
+                f"{[tuple(x.shape) for x in arrays]}")
+    dtypes = {jnp.dtype(x.dtype) for x in arrays}
     if len(dtypes) != 1 or next(iter(dtypes)) not in map(jnp.dtype, DTYPES):
         return (f"the Mosaic GPU MLA kernel takes bfloat16 or float16 queries and pages of "
                 f"one dtype, got {sorted(str(d) for d in dtypes)}; wgmma reads float32 only "

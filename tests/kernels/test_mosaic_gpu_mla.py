@@ -140,6 +140,7 @@ def test_unsupported_reason():
         "d_rope": _shapes(16, d_rope=16),
         "page_size": _shapes(16, page_size=24),
         "shared memory": _shapes(16, d_rope=256),
+        "3-D": (S((4, 16), jnp.bfloat16),) + _shapes(16)[1:],
     }
     for word, args in reasons.items():
         reason = mk.unsupported_reason(*args[:4])
