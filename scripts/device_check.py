@@ -12,6 +12,9 @@ Parts, in order:
            sizes, the Mosaic GPU and Triton kernels beside jax's op, torch's SDPA and the
            XLA path, against the nominal bandwidth and a read ceiling measured in the run
   mla      the same for absorbed-MLA decode (128 heads), with TFLOP/s against a bf16 matmul
+  prefill  benchmarks/prefill_kernels.py: 8 x 4K-token prompts in 512-token chunks into bf16
+           and int4 pages, and a mixed step (8 chunks + 56 decode rows), kernels against the
+           XLA path and torch's causal SDPA, TFLOP/s against a bf16 matmul
   kernels  the compiled Pallas kernels against their references (tests/kernels -k native)
   host     the host-memory tier (tests/cache/test_host_tier.py, --slow)
   engine   the serving engine and the models' greedy tokens through the Pallas kernels
@@ -42,6 +45,8 @@ PARTS = {
              "--out", "{out}/gqa_decode.json"], 150),
     "mla": ([sys.executable, "benchmarks/pallas_kernels.py", "--targets", "--ops", "mla",
              "--out", "{out}/mla_decode.json"], 120),
+    "prefill": ([sys.executable, "benchmarks/prefill_kernels.py", "--out",
+                 "{out}/prefill.json"], 150),
     "kernels": (PYTEST + ["--slow", "tests/kernels", "-k", "native"], 150),
     "host": (PYTEST + ["--slow", "tests/cache/test_host_tier.py"], 120),
     "engine": (PYTEST + ["--slow", "tests/serve/test_engine.py",
@@ -97,7 +102,7 @@ def plan(args, env) -> int:
                 "runs if the parts before it leave it the time (else skipped)")
         print(f"{name}: up to {limit} s, {fits}: "
               f"{' '.join(c.format(out=args.out) for c in cmd[1:])}")
-        if "benchmarks/pallas_kernels.py" in cmd:
+        if any(c.startswith("benchmarks/") and c.endswith("_kernels.py") for c in cmd):
             subprocess.run([c for c in cmd if not c.startswith("--out") and "{out}" not in c]
                            + ["--plan"], cwd=ROOT, env=env, check=True)
     print(f"total {total} s of limits against a --budget of {args.budget:.0f} s")

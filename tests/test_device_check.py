@@ -84,3 +84,18 @@ def test_decode_target_plan_bytes_and_flops_match_hand_arithmetic(capsys):
     assert abs(float(mla[8]) - flops / 1e9) < 0.05
     assert 235 < float(mla[9]) < 241  # compute-bound on Hopper (ridge near 206)
     assert {k[:1] for k in rows} == {("gqa",), ("mla",)} and len(rows) == 6
+
+
+def test_prefill_plan_flops_match_hand_arithmetic(capsys):
+    """8 prompts of 4096 tokens, causal: each row's queries see 4096 * 4097 / 2 keys in
+    all, 32 heads x (128 + 128) multiply-adds each; the mixed step adds 56 decode rows."""
+    from benchmarks import prefill_kernels
+
+    assert prefill_kernels.main(["--plan"]) == 0
+    rows = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines()[1:]}
+    prefill = 8 * (4096 * 4097 // 2) * 32 * 2 * 256
+    assert abs(float(rows["prefill"][2]) - prefill / 1e9) < 0.01
+    assert rows["kivi"][2] == rows["prefill"][2]
+    chunks = 8 * (512 * 2048 + 512 * 513 // 2)  # chunks at mid-prompt
+    mixed = (chunks + 56 * 4096) * 32 * 2 * 256
+    assert rows["mixed"][1] == "64" and abs(float(rows["mixed"][2]) - mixed / 1e9) < 0.01
