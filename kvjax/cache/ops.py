@@ -50,6 +50,7 @@ from kvjax.specs import CacheSpec
 
 __all__ = [
     "init_cache",
+    "cache_device_bytes",
     "indexer_topk",
     "reserve",
     "fork",
@@ -66,9 +67,52 @@ Query = Float[Array, "batch q_len q_heads head_dim"] | tuple[Array, Array]
 
 
 def init_cache(spec: CacheSpec) -> PagedKVCache:
-    """An empty cache for `spec` (any page kind): zeroed pools, no sequence, every page free."""
+    """An empty cache for `spec` (any page kind): zeroed pools, no sequence, every page free.
+
+    Raises:
+      ValueError: on a device that reports its memory (GPU, TPU), when the cache would not
+        fit in what is free there; nothing is allocated, and the message names the bytes.
+    """
     if not isinstance(spec, CacheSpec):
         raise TypeError(f"init_cache: expected a CacheSpec, got {type(spec).__name__}.")
+    _check_fits(spec)
+    return _init_cache(spec)
+
+
+def cache_device_bytes(spec: CacheSpec) -> int:
+    """Bytes `init_cache(spec)` allocates (pools, tail, page table, groups), from shapes
+    alone: nothing is allocated."""
+    shapes = jax.eval_shape(functools.partial(_init_cache, spec))
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes)))
+
+
+def _device_free_bytes() -> tuple[int, str] | None:
+    """(bytes free, the device's kind) on the default device, or None where it does not
+    report its memory (the CPU)."""
+    device = jax.devices()[0]
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0), device.device_kind
+
+
+def _check_fits(spec: CacheSpec) -> None:
+    free = _device_free_bytes()
+    if free is None:
+        return
+    free, kind = free
+    need = cache_device_bytes(spec)
+    if need > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"init_cache: the cache needs {need / gib:.2f} GiB ({need} bytes: "
+            f"{spec.num_pages} pages of {spec.page_size} tokens x {spec.num_layers} layers, "
+            f"{f'KIVI {spec.quant.bits}-bit' if spec.quant else str(spec.dtype)} pages) "
+            f"but the {kind} has {free / gib:.2f} GiB free; use KIVI pages (CacheSpec.quant), "
+            f"fewer pages or tokens, or a sharding plan over more devices.")
+
+
+def _init_cache(spec: CacheSpec) -> PagedKVCache:
     cache = paged.init_cache(spec) if spec.quant is None else quantized.init_cache(spec)
     if spec.window_groups:
         cache = dataclasses.replace(cache, groups=window.init_groups(spec))
