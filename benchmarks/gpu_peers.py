@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["NOMINAL_TBPS", "nominal_gbps", "read_ceiling", "copy_gbps", "matmul_tflops",
-           "pipelined_ms", "jax_paged_attention", "torch_sdpa", "torch_ms", "torch_cuda"]
+           "pipelined_ms", "torch_read_gbps", "jax_paged_attention", "torch_sdpa", "torch_ms",
+           "torch_cuda"]
 
 # Nominal HBM bandwidth in TB/s by a substring of the device kind (SXM parts).
 NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35, "H800": 3.35, "H20": 4.0, "A100": 2.04,
@@ -79,7 +80,9 @@ def torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
-def _torch_read_gbps(gib: float, repeats: int) -> float | None:
+def torch_read_gbps(gib: float, repeats: int = 10) -> float | None:
+    """GB/s of torch's sum over a cold `gib` GiB bf16 buffer (two buffers read in turn), or
+    None without torch/CUDA. Run it before jax's allocator takes the device's memory."""
     torch = torch_cuda()
     if torch is None:
         return None
@@ -104,7 +107,7 @@ def read_ceiling(gib: float = 4.0, copy_mib: int = 1024, repeats: int = 10) -> d
     """The read ceiling: the faster of torch's reduction over a cold `gib` GiB buffer (where
     torch has CUDA) and a device copy of `copy_mib` MiB (read + write counted). Returns
     dict(gbps, probe, torch_read_gbps, copy_gbps)."""
-    torch_read = _torch_read_gbps(gib, repeats)
+    torch_read = torch_read_gbps(gib, repeats)
     copy = copy_gbps(copy_mib, repeats)
     if torch_read is not None and torch_read >= copy:
         best, probe = torch_read, f"torch sum over a cold {gib:g} GiB bf16 buffer"

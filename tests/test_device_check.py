@@ -99,3 +99,20 @@ def test_prefill_plan_flops_match_hand_arithmetic(capsys):
     chunks = 8 * (512 * 2048 + 512 * 513 // 2)  # chunks at mid-prompt
     mixed = (chunks + 56 * 4096) * 32 * 2 * 256
     assert rows["mixed"][1] == "64" and abs(float(rows["mixed"][2]) - mixed / 1e9) < 0.01
+
+
+def test_long_context_plan_matches_hand_arithmetic(capsys):
+    """The 4M-token run's sizes, without a GPU: Llama-3-8B's int2 KV (2-bit codes plus a
+    16-bit scale and zero per 32 elements; the last 128 tokens in bf16) fits beside its bf16
+    weights in an H200's 139 GiB, its bf16 KV (512 GiB) does not."""
+    from benchmarks import long_context
+
+    assert long_context.main(["--plan"]) == 0
+    out = capsys.readouterr().out
+    elements = 32 * 2 * 8 * 128  # per token: layers x (K, V) x KV heads x head_dim
+    tokens = 4 * 1024 * 1024
+    int2 = (tokens - 128) * elements * (2 + 32 / 32) / 8 + 128 * elements * 2
+    line = " ".join(next(ln for ln in out.splitlines() if ln.strip().startswith("int2")).split())
+    assert f"calculator KV {int2 / 2**30:.2f} GiB" in line and line.endswith("fits in 139 GiB")
+    bf16 = next(ln for ln in out.splitlines() if ln.strip().startswith("bf16"))
+    assert f"{tokens * elements * 2 / 2**30:.2f} GiB" in bf16 and "does not fit" in bf16
