@@ -15,6 +15,9 @@ Parts, in order:
   prefill  benchmarks/prefill_kernels.py: 8 x 4K-token prompts in 512-token chunks into bf16
            and int4 pages, and a mixed step (8 chunks + 56 decode rows), kernels against the
            XLA path and torch's causal SDPA, TFLOP/s against a bf16 matmul
+  long     benchmarks/long_context.py: a 4M-token context of Llama-3-8B shapes in KIVI int2
+           pages on one H200 (bf16 pages refused, memory against the calculator, decode
+           steps against their bound)
   kernels  the compiled Pallas kernels against their references (tests/kernels -k native)
   host     the host-memory tier (tests/cache/test_host_tier.py, --slow)
   engine   the serving engine and the models' greedy tokens through the Pallas kernels
@@ -47,6 +50,8 @@ PARTS = {
              "--out", "{out}/mla_decode.json"], 120),
     "prefill": ([sys.executable, "benchmarks/prefill_kernels.py", "--out",
                  "{out}/prefill.json"], 150),
+    "long": ([sys.executable, "benchmarks/long_context.py", "--json", "{out}/long_context.json"],
+             300),
     "kernels": (PYTEST + ["--slow", "tests/kernels", "-k", "native"], 150),
     "host": (PYTEST + ["--slow", "tests/cache/test_host_tier.py"], 120),
     "engine": (PYTEST + ["--slow", "tests/serve/test_engine.py",
@@ -102,8 +107,8 @@ def plan(args, env) -> int:
                 "runs if the parts before it leave it the time (else skipped)")
         print(f"{name}: up to {limit} s, {fits}: "
               f"{' '.join(c.format(out=args.out) for c in cmd[1:])}")
-        if any(c.startswith("benchmarks/") and c.endswith("_kernels.py") for c in cmd):
-            subprocess.run([c for c in cmd if not c.startswith("--out") and "{out}" not in c]
+        if any(c.startswith("benchmarks/") for c in cmd):
+            subprocess.run([c for c in cmd if c not in ("--out", "--json") and "{out}" not in c]
                            + ["--plan"], cwd=ROOT, env=env, check=True)
     print(f"total {total} s of limits against a --budget of {args.budget:.0f} s")
     return 0
