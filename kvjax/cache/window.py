@@ -16,6 +16,12 @@ its growth allocates nothing there (unless the slot's page is shared after a for
 then the slot gets a fresh page, copy-on-write without a copy, since the new page's
 tokens are all new).
 
+A ring holds a contiguous range of logical pages [lo, P) of a sequence of P pages
+(`ring_range`): lo = max(0, P - R) while it only grows. Truncation to P' pages frees
+the slots of pages [P', P) (after a wrap they would otherwise keep newer pages under
+the slot of an older one) and leaves lo as it was, so the range becomes [lo, P');
+the freed slots are holes (-1) that a later reserve fills with fresh pages.
+
 Attention reads the group's pools through a virtual block table of the cache's usual
 width whose entry p is `ring[p mod R]` (`virtual_tables`, one small int gather): every
 implementation of `kvjax.attention` masks keys outside `[q - window + 1, q]` by
@@ -27,7 +33,7 @@ query of the same step reads (see `kvjax.specs.ring_pages`).
 Every allocator operation covers the groups: `reserve` (all or nothing over the main
 table and every group; a reserve of more than `chunk` tokens is refused, status
 TOO_MANY_NEW), `fork` (rings are shared page for page), `free`, `truncate` (allowed
-while the group still holds the pages the new length's window reaches) and
+while the ring's range still holds the pages the new length's window reaches) and
 `check_invariants`. The functions here are called by `kvjax.cache`'s generic
 operations, which dispatch on `cache.groups`.
 """
@@ -49,9 +55,13 @@ __all__ = [
     "ring_size",
     "reserve_ring",
     "reserve",
+    "fork_ring",
     "fork",
+    "free_ring",
     "free",
+    "ring_range",
     "truncate_allowed",
+    "truncate_ring",
     "truncate",
     "home",
     "virtual_tables",
@@ -85,11 +95,12 @@ def reserve_ring(
 ) -> tuple[pt.PageTable, pt.CopyPlan, pt.AllocStatus]:
     """`page_table.reserve` for a ring table: grows sequences by `num_new[s]` tokens.
 
-    New logical pages take their ring slots (p mod R): a slot never held gets a fresh
-    page; a held one is reused in place (its page has left the window), or, if its
-    page is shared, gets a fresh page without a copy. The partly filled last page is
-    copied first if it is shared, as in `page_table.reserve`. Where every holder of a
-    shared page gives it up in this call, the last of them (row-major) keeps it.
+    New logical pages take their ring slots (p mod R): a hole (a slot never held, or
+    freed by `truncate_ring`) gets a fresh page; a held one is reused in place (its page
+    has left the window), or, if its page is shared, gets a fresh page without a copy. The
+    partly filled last page is copied first if it is shared, as in `page_table.reserve`. Where
+    every holder of a shared page gives it up in this call, the last of them (row-major)
+    keeps it.
 
     All or nothing: a negative count (BAD_COUNT), a sequence past `max_tokens`
     (TOO_LONG), a count above `chunk` (TOO_MANY_NEW) or too few free pages
@@ -120,8 +131,10 @@ def reserve_ring(
 
     j = jnp.arange(ring, dtype=jnp.int32)[None, :]
     grow = jnp.mod(j - old_np[:, None], ring) < (new_np - old_np)[:, None]
-    fresh_slot = grow & (j >= old_np[:, None])  # a slot the sequence never held
-    replace = grow & ~fresh_slot  # a held slot whose page left the window
+    # A slot never held, or freed by a truncation, is a hole (-1); a held one holds a
+    # page of the ring's range that has left the window.
+    fresh_slot = grow & (table.block_tables < 0)
+    replace = grow & ~fresh_slot
     partial = ((num_new > 0) & (old_len % ps != 0))[:, None] & (
         j == jnp.mod(old_np - 1, ring)[:, None])
 
@@ -192,12 +205,46 @@ def reserve(
     return dataclasses.replace(cache, groups=tuple(groups)), status
 
 
+def fork_ring(table: pt.PageTable, src: Int[Array, " n"], dst: Int[Array, " n"]
+              ) -> tuple[pt.PageTable, pt.AllocStatus]:
+    """`page_table.fork` for a ring table: each `dst[i]` (empty) shares the held slots of
+    `src[i]`'s ring, holes staying holes. Nothing changes (BAD_FORK) on pairs that
+    `page_table.fork` refuses."""
+    src, dst = pt.check_fork_pairs(table, src, dst)
+    status = pt.fork(table, src, dst)[1]
+    ok = status.ok
+    rows = table.block_tables[src]
+    held = rows >= 0
+    refcounts = table.refcounts.at[jnp.where(ok & held, rows, table.num_pages)].add(
+        1, mode="drop")
+    tgt = jnp.where(ok, dst, table.max_seqs)
+    table = dataclasses.replace(
+        table,
+        block_tables=table.block_tables.at[tgt].set(rows, mode="drop"),
+        lengths=table.lengths.at[tgt].set(table.lengths[src], mode="drop"),
+        refcounts=refcounts,
+    )
+    return table, status
+
+
 def fork(cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]) -> PagedKVCache:
     """Each group's ring of `src[i]` shared by `dst[i]` (the main table's `fork` checks the
     same slots and lengths, so both succeed or fail together)."""
-    groups = tuple(dataclasses.replace(grp, table=pt.fork(grp.table, src, dst)[0])
+    groups = tuple(dataclasses.replace(grp, table=fork_ring(grp.table, src, dst)[0])
                    for grp in cache.groups)
     return dataclasses.replace(cache, groups=groups)
+
+
+def free_ring(table: pt.PageTable, seqs: Bool[Array, " max_seqs"]
+              ) -> tuple[pt.PageTable, Int[Array, " entries"]]:
+    """`page_table.free` for a ring table: the flagged sequences drop every held slot
+    (holes hold nothing). Returns (table, released pages padded with `num_pages`)."""
+    seqs = pt.check_free_flags(table, seqs)
+    table, released = pt._release(table, seqs[:, None] & (table.block_tables >= 0))
+    table = dataclasses.replace(
+        table, block_tables=jnp.where(seqs[:, None], -1, table.block_tables),
+        lengths=jnp.where(seqs, 0, table.lengths))
+    return table, released
 
 
 def free(cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
@@ -205,7 +252,7 @@ def free(cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = Fals
     """Frees the flagged sequences' rings; pages nobody else holds return to the group."""
     groups = []
     for grp in cache.groups:
-        table, released = pt.free(grp.table, seqs)
+        table, released = free_ring(grp.table, seqs)
         pages = grp.pages
         if scrub:
             pages = jax.tree.map(
@@ -214,31 +261,73 @@ def free(cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = Fals
     return dataclasses.replace(cache, groups=tuple(groups))
 
 
+def _slot_pages(table: pt.PageTable) -> Int[Array, "max_seqs ring"]:
+    """The logical page each ring slot holds when it is not a hole: the last page before
+    the sequence's end that maps to the slot (negative where the sequence never reached it)."""
+    ring = table.max_pages_per_seq
+    last = table.pages_used(table.lengths)[:, None] - 1
+    j = jnp.arange(ring, dtype=jnp.int32)[None, :]
+    return last - jnp.mod(last - j, ring)
+
+
+def ring_range(table: pt.PageTable) -> tuple[Int[Array, " max_seqs"], Int[Array, " max_seqs"]]:
+    """Per sequence of a ring table, the logical pages [lo, hi) its ring holds.
+
+    hi is the sequence's page count; lo is where the run of held slots that ends at page
+    hi - 1 stops (walking back through at most R slots and never below page 0).
+    """
+    ring = table.max_pages_per_seq
+    hi = table.pages_used(table.lengths)
+    k = jnp.arange(ring, dtype=jnp.int32)[None, :]
+    slot = jnp.mod(hi[:, None] - 1 - k, ring)
+    held = (jnp.take_along_axis(table.block_tables, slot, axis=1) >= 0) & (k < hi[:, None])
+    run = jnp.sum(jnp.cumprod(held.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+    return hi - run, hi
+
+
 def truncate_allowed(cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]
                      ) -> Bool[Array, ""]:
     """Whether every group still holds the pages the new lengths' windows reach.
 
-    A sequence may keep its length, end (0), or shorten to L' when its ring never
-    wrapped or still holds the page of position L' - window + 1 (the first key a
-    later query reads).
+    A sequence may keep its length, end (0), or shorten to L' when its ring's range
+    [lo, P) (`ring_range`) still starts at or before the page of position
+    L' - window + 1 (the first key a later query reads). The range, not the length,
+    decides: after one truncation of a wrapped ring, lo stays where the wrap left it.
     """
     spec, ps = cache.spec, cache.spec.page_size
-    old = cache.lengths
     allowed = jnp.bool_(True)
-    for g, gs in enumerate(spec.window_groups):
-        ring = ring_size(spec, g)
-        old_np = (old + ps - 1) // ps
+    for gs, grp in zip(spec.window_groups, cache.groups, strict=True):
+        old = grp.table.lengths
+        lo, _ = ring_range(grp.table)
         first = jnp.maximum(new_lengths - gs.window + 1, 0) // ps
-        ok = (new_lengths == old) | (new_lengths == 0) | (old_np <= ring) | (
-            first >= old_np - ring)
+        ok = (new_lengths == old) | (new_lengths == 0) | (first >= lo)
         allowed &= jnp.all(ok)
     return allowed
 
 
+def truncate_ring(table: pt.PageTable, new_lengths: Int[Array, " max_seqs"]
+                  ) -> tuple[pt.PageTable, Int[Array, " entries"]]:
+    """`page_table.truncate` for a ring table: the slots of logical pages [P', P) (P, P' the
+    old and new page counts) become holes and their pages lose this sequence's
+    reference; the partly filled last page is kept. Call with allowed lengths only
+    (`truncate_allowed`, each in [0, current length]).
+
+    Returns:
+      (table, released): the pages that became free, padded with `num_pages`.
+    """
+    held = table.block_tables >= 0
+    drop = held & (_slot_pages(table) >= table.pages_used(new_lengths)[:, None])
+    table, released = pt._release(table, drop)
+    table = dataclasses.replace(table, block_tables=jnp.where(drop, -1, table.block_tables),
+                                lengths=new_lengths.astype(jnp.int32))
+    return table, released
+
+
 def truncate(cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]) -> PagedKVCache:
-    """Each group's rings shortened to `new_lengths` (checked by `truncate_allowed` and the
-    main table's truncate: call with the lengths that were allowed)."""
-    groups = tuple(dataclasses.replace(grp, table=pt.truncate(grp.table, new_lengths)[0])
+    """Each group's rings shortened to `new_lengths` (`truncate_ring`; checked by
+    `truncate_allowed` and the main table's truncate: call with the lengths that were
+    allowed)."""
+    groups = tuple(dataclasses.replace(grp, table=truncate_ring(grp.table, new_lengths)[0])
                    for grp in cache.groups)
     return dataclasses.replace(cache, groups=groups)
 
@@ -334,14 +423,15 @@ def pages_in_use(cache: PagedKVCache) -> tuple[int, ...]:
 def check_invariants(cache: PagedKVCache) -> None:
     """Host-side check of every group's ring table; AssertionError naming a breach.
 
-    The allocator's invariants over the held slots (a sequence of P pages holds slots
-    [0, min(P, R))), the group's lengths equal to the cache's, and no sequence holding
-    more than R pages.
+    Per sequence of P pages: the held slots are exactly those of a range of logical
+    pages [lo, P) with P - R <= lo (`ring_range`), which reaches back to the page the
+    next query's window starts on; the allocator's invariants over the held pages; the
+    group's lengths equal to the cache's.
     """
-    spec = cache.spec
+    spec, ps = cache.spec, cache.spec.page_size
     lengths = np.asarray(cache.lengths)
     for g, grp in enumerate(cache.groups):
-        ring = ring_size(spec, g)
+        ring, w = ring_size(spec, g), spec.window_groups[g].window
         glen = np.asarray(grp.table.lengths)
         if not (glen == lengths).all():
             raise AssertionError(f"window group {g}: lengths {glen.tolist()} differ from the "
@@ -350,14 +440,26 @@ def check_invariants(cache: PagedKVCache) -> None:
             raise AssertionError(f"window group {g}: a length exceeds "
                                  f"{spec.max_tokens_per_seq} tokens: {lengths.tolist()}")
         bt = np.asarray(grp.table.block_tables)
-        held = np.minimum(-(-lengths // spec.page_size), ring)
+        lo, hi = (np.asarray(x) for x in ring_range(grp.table))
+        packed = np.full_like(bt, -1)
         for s in range(spec.max_seqs):
-            if (bt[s, :held[s]] < 0).any():
-                raise AssertionError(f"window group {g}: sequence {s} of {lengths[s]} tokens "
-                                     f"misses a page in its ring {bt[s].tolist()}")
-        # The allocator's own check, over each row's held slots: lengths capped at the ring.
-        clipped = np.minimum(lengths, ring * spec.page_size).astype(np.int32)
+            first = max(int(lengths[s]) - w + 1, 0) // ps
+            if lengths[s] and lo[s] > first:
+                raise AssertionError(
+                    f"window group {g}: sequence {s} of {lengths[s]} tokens holds pages "
+                    f"[{lo[s]}, {hi[s]}) only, but its window starts on page {first} "
+                    f"(ring {bt[s].tolist()})")
+            slots = [p % ring for p in range(lo[s], hi[s])]
+            stale = sorted(set(np.nonzero(bt[s] >= 0)[0].tolist()) - set(slots))
+            if stale:
+                raise AssertionError(
+                    f"window group {g}: sequence {s} holds pages [{lo[s]}, {hi[s]}) but also "
+                    f"slots {stale} outside that range (ring {bt[s].tolist()})")
+            packed[s, :len(slots)] = bt[s, slots]
+        # The allocator's own check over each row's held pages, packed at the front.
+        held = (hi - lo).astype(np.int32) * ps
         try:
-            pt.check_invariants(dataclasses.replace(grp.table, lengths=clipped))
+            pt.check_invariants(dataclasses.replace(grp.table, block_tables=jnp.asarray(packed),
+                                                    lengths=jnp.asarray(held)))
         except AssertionError as e:
             raise AssertionError(f"window group {g}: {e}") from None
