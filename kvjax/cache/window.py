@@ -46,7 +46,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from kvjax.cache import page_table as pt
-from kvjax.cache import paged
+from kvjax.cache import paged, sharded_table
 from kvjax.cache.state import KVPages, PagedKVCache, Slots, WindowGroup
 from kvjax.specs import CacheSpec
 
@@ -90,7 +90,54 @@ def init_groups(spec: CacheSpec) -> tuple[WindowGroup, ...]:
     return tuple(groups)
 
 
+def _per_shard(fn, table: pt.PageTable, *row_args):
+    """Runs the ring op `fn(table, *row_args) -> (table, pages, ...)` on each data shard's
+    virtual table of a `ShardedPageTable` (rings never span shards: a sequence's ring
+    pages all come from its data shard's range), or on a plain table as it is. `pages`
+    (the op's second output, local page ids padded with the shard's page count) come back
+    as global ids padded with `num_pages`."""
+    if not isinstance(table, sharded_table.ShardedPageTable):
+        return fn(table, *row_args)
+    if table.context_shards != 1:
+        raise ValueError("window groups: a ring table cannot be split over context shards "
+                         f"(got context_shards={table.context_shards}).")
+    D, n = table.data_shards, table.pages_per_shard
+    virtual, cols = sharded_table._virtual(table)
+    args = [a.reshape(D, -1) for a in row_args]
+    new_v, pages, *rest = jax.vmap(fn)(virtual, *args)
+    new = sharded_table._from_virtual(table, new_v, cols)
+    new = dataclasses.replace(new, lengths=new_v.lengths.reshape(-1))
+    offset = (jnp.arange(D, dtype=jnp.int32) * n)[:, None]
+    pages = jnp.where(pages < n, pages + offset, table.num_pages).reshape(-1)
+    return (new, pages.astype(jnp.int32), *rest)
+
+
 def reserve_ring(
+    table: pt.PageTable, num_new: Int[Array, " max_seqs"], *, chunk: int, max_tokens: int
+) -> tuple[pt.PageTable, pt.CopyPlan, pt.AllocStatus]:
+    """`page_table.reserve` for a ring table (per data shard on a `ShardedPageTable`): see
+    `_reserve_ring`."""
+    num_new = pt.check_reserve_counts(table, num_new)
+    if not isinstance(table, sharded_table.ShardedPageTable):
+        return _reserve_ring(table, num_new, chunk=chunk, max_tokens=max_tokens)
+
+    def one(t, n):
+        t, copy, status = _reserve_ring(t, n, chunk=chunk, max_tokens=max_tokens)
+        return t, copy.dst, copy.src, status
+
+    table2, dst, src, statuses = _per_shard(one, table, num_new)
+    status = sharded_table._status(statuses)
+    ok = status.ok
+    table = jax.tree.map(lambda a, b: jnp.where(ok, a, b), table2, table)
+    D, n = table.data_shards, table.pages_per_shard
+    src = (src + (jnp.arange(D, dtype=jnp.int32) * n)[:, None]).reshape(-1)
+    do = ok & (dst < table.num_pages)
+    copy = pt.CopyPlan(src=jnp.where(do, src, 0).astype(jnp.int32),
+                       dst=jnp.where(do, dst, table.num_pages).astype(jnp.int32))
+    return table, copy, status
+
+
+def _reserve_ring(
     table: pt.PageTable, num_new: Int[Array, " max_seqs"], *, chunk: int, max_tokens: int
 ) -> tuple[pt.PageTable, pt.CopyPlan, pt.AllocStatus]:
     """`page_table.reserve` for a ring table: grows sequences by `num_new[s]` tokens.
@@ -209,10 +256,17 @@ def fork_ring(table: pt.PageTable, src: Int[Array, " n"], dst: Int[Array, " n"]
               ) -> tuple[pt.PageTable, pt.AllocStatus]:
     """`page_table.fork` for a ring table: each `dst[i]` (empty) shares the held slots of
     `src[i]`'s ring, holes staying holes. Nothing changes (BAD_FORK) on pairs that
-    `page_table.fork` refuses."""
+    `page_table.fork` refuses (or, on a `ShardedPageTable`, across data shards)."""
     src, dst = pt.check_fork_pairs(table, src, dst)
-    status = pt.fork(table, src, dst)[1]
+    plain = pt.PageTable(block_tables=table.block_tables, lengths=table.lengths,
+                         refcounts=table.refcounts, free_stack=table.free_stack,
+                         num_free=jnp.sum(table.num_free), page_size=table.page_size)
+    status = pt.fork(plain, src, dst)[1]
     ok = status.ok
+    if isinstance(table, sharded_table.ShardedPageTable):  # a page lives on one data shard
+        ok &= jnp.all(src // table.seqs_per_shard == dst // table.seqs_per_shard)
+        status = dataclasses.replace(
+            status, code=jnp.where(ok, pt.OK, pt.BAD_FORK).astype(jnp.int32))
     rows = table.block_tables[src]
     held = rows >= 0
     refcounts = table.refcounts.at[jnp.where(ok & held, rows, table.num_pages)].add(
@@ -240,11 +294,14 @@ def free_ring(table: pt.PageTable, seqs: Bool[Array, " max_seqs"]
     """`page_table.free` for a ring table: the flagged sequences drop every held slot
     (holes hold nothing). Returns (table, released pages padded with `num_pages`)."""
     seqs = pt.check_free_flags(table, seqs)
-    table, released = pt._release(table, seqs[:, None] & (table.block_tables >= 0))
-    table = dataclasses.replace(
-        table, block_tables=jnp.where(seqs[:, None], -1, table.block_tables),
-        lengths=jnp.where(seqs, 0, table.lengths))
-    return table, released
+
+    def one(t, flags):
+        t, released = pt._release(t, flags[:, None] & (t.block_tables >= 0))
+        return dataclasses.replace(
+            t, block_tables=jnp.where(flags[:, None], -1, t.block_tables),
+            lengths=jnp.where(flags, 0, t.lengths)), released
+
+    return _per_shard(one, table, seqs)
 
 
 def free(cache: PagedKVCache, seqs: Bool[Array, " max_seqs"], scrub: bool = False
@@ -315,12 +372,13 @@ def truncate_ring(table: pt.PageTable, new_lengths: Int[Array, " max_seqs"]
     Returns:
       (table, released): the pages that became free, padded with `num_pages`.
     """
-    held = table.block_tables >= 0
-    drop = held & (_slot_pages(table) >= table.pages_used(new_lengths)[:, None])
-    table, released = pt._release(table, drop)
-    table = dataclasses.replace(table, block_tables=jnp.where(drop, -1, table.block_tables),
-                                lengths=new_lengths.astype(jnp.int32))
-    return table, released
+    def one(t, new):
+        drop = (t.block_tables >= 0) & (_slot_pages(t) >= t.pages_used(new)[:, None])
+        t, released = pt._release(t, drop)
+        return dataclasses.replace(t, block_tables=jnp.where(drop, -1, t.block_tables),
+                                   lengths=new.astype(jnp.int32)), released
+
+    return _per_shard(one, table, jnp.asarray(new_lengths, jnp.int32))
 
 
 def truncate(cache: PagedKVCache, new_lengths: Int[Array, " max_seqs"]) -> PagedKVCache:
@@ -359,10 +417,17 @@ def virtual_tables(table: pt.PageTable, max_pages: int,
                    seq_ids: Int[Array, " batch"] | None = None) -> Int[Array, "batch max_pages"]:
     """Block tables of width `max_pages` over a ring table: entry p is `ring[p mod R]`.
 
-    Entries before a sequence's last R pages name newer pages; attention with the
-    group's window masks them by position.
+    Entries before a sequence's last R pages name newer pages (or, for holes, its last
+    page); attention with the group's window masks them by position.
     """
-    rows = table.block_tables if seq_ids is None else table.block_tables[seq_ids]
+    bt = table.block_tables
+    # Holes (slots before the ring's range, freed by a truncation) name the row's last
+    # page instead of -1: masked by the window like every entry before it, and on the
+    # sequence's own shard of a sharded pool, so a device's compacted list of the row's
+    # pages keeps every column in place.
+    last = jnp.mod(table.pages_used(table.lengths) - 1, table.max_pages_per_seq)
+    bt = jnp.where(bt >= 0, bt, jnp.take_along_axis(bt, last[:, None], axis=1))
+    rows = bt if seq_ids is None else bt[seq_ids]
     cols = np.arange(max_pages, dtype=np.int32) % table.max_pages_per_seq
     return rows[:, cols]
 
@@ -417,7 +482,7 @@ def attention_inputs(cache: PagedKVCache, layer, seq_ids=None):
 
 def pages_in_use(cache: PagedKVCache) -> tuple[int, ...]:
     """Host-side: pages each window group holds (its pool size minus its free pages)."""
-    return tuple(int(grp.table.num_pages - grp.table.num_free) for grp in cache.groups)
+    return tuple(int(grp.table.num_pages - np.sum(grp.table.num_free)) for grp in cache.groups)
 
 
 def check_invariants(cache: PagedKVCache) -> None:
@@ -456,10 +521,11 @@ def check_invariants(cache: PagedKVCache) -> None:
                     f"window group {g}: sequence {s} holds pages [{lo[s]}, {hi[s]}) but also "
                     f"slots {stale} outside that range (ring {bt[s].tolist()})")
             packed[s, :len(slots)] = bt[s, slots]
-        # The allocator's own check over each row's held pages, packed at the front.
+        # The allocator's own check over each row's held pages, packed at the front (and,
+        # on a sharded table, every page on its sequence's data shard).
         held = (hi - lo).astype(np.int32) * ps
         try:
-            pt.check_invariants(dataclasses.replace(grp.table, block_tables=jnp.asarray(packed),
-                                                    lengths=jnp.asarray(held)))
+            sharded_table.check_invariants(dataclasses.replace(
+                grp.table, block_tables=jnp.asarray(packed), lengths=jnp.asarray(held)))
         except AssertionError as e:
             raise AssertionError(f"window group {g}: {e}") from None

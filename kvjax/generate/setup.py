@@ -74,16 +74,23 @@ class CacheConfig:
         if self.window_pages is not None and not isinstance(self.window_pages, bool):
             raise TypeError(f"CacheConfig.window_pages must be a bool or None, got "
                             f"{self.window_pages!r}.")
-        if self.window_pages and (self.quant is not None or self.plan is not None):
+        if self.window_pages and self.quant is not None:
             raise ValueError("CacheConfig.window_pages applies to full-precision caches "
-                             "without a sharding plan (quant and plan must be None).")
+                             "(quant must be None).")
+        if self.window_pages and self.plan is not None and self.plan.context_shards > 1:
+            raise ValueError("CacheConfig.window_pages does not combine with the 'context' "
+                             "sharding strategy (a window read by position is not a prefix "
+                             "of a device's pages); use 'heads' and/or 'sequences'.")
 
     def windows_for(self, model) -> tuple[int | None, ...] | None:
         """The per-layer windows whose layers keep window-only pages (None: none do)."""
         windows = getattr(model.config, "sliding_windows", None)
         use = self.window_pages
         if use is None:
-            use = bool(getattr(model.config, "window_pages", False))
+            # The model's default, where this cache can take window groups: not with KIVI
+            # pages or the 'context' strategy (those stay full-context).
+            use = bool(getattr(model.config, "window_pages", False)) and self.quant is None and (
+                self.plan is None or self.plan.context_shards == 1)
         if not use or windows is None or all(w is None for w in windows):
             return None
         return tuple(windows)
@@ -169,9 +176,12 @@ def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int, chunk: 
                                      "than the CacheConfig's; give one plan.")
             else:
                 impl = ShardedAttention(plan, impl)
-        if plan is not None and cache.windows_for(model) is not None:
-            raise ValueError("window-only pages (CacheConfig.window_pages) do not combine "
-                             "with a sharding plan yet; build the cache without one.")
+        if (plan is not None and plan.context_shards > 1
+                and cache.windows_for(model) is not None):
+            raise ValueError("window-only pages (CacheConfig.window_pages, the model "
+                             "config's default) do not combine with the 'context' sharding "
+                             "strategy; pass CacheConfig(window_pages=False) or use 'heads' "
+                             "and/or 'sequences'.")
         cache = cache.build(model, num_seqs=num_seqs, max_tokens=max_tokens, chunk=chunk)
     elif not isinstance(cache, kv_cache.PagedKVCache):
         raise TypeError(f"cache must be a kvjax PagedKVCache, a CacheConfig or None, got "

@@ -16,6 +16,12 @@ max_seqs, ring, width]` (the indexer keys' ring too) split their heads
 like the pools and are replicated over the page axes (a ring is at most residual +
 page_size tokens per slot); its token counts are replicated.
 
+A cache with window groups (window-only pages, `kvjax.cache.window`) lays each group's
+pools out like the main ones (heads over `model`, pages over `data`); its ring table is
+replicated and, with a data axis, a `ShardedPageTable` of one context shard, so every
+ring takes its pages from its sequence's data shard. The `context` strategy refuses
+window groups (a window read by position is not a prefix of a device's pages).
+
 The page table is replicated: it is a few KB of int32 next to pools of GBs,
 and keeping it on every device lets every device run the allocator (the same
 deterministic result everywhere) with no communication. Under `"sequences"` or
@@ -33,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.cache import PagedKVCache, init_cache
 from kvjax.cache import page_table as pt
 from kvjax.cache import sharded_table as st
-from kvjax.cache.state import KIVITail, RecurrentState
+from kvjax.cache.state import KIVITail, RecurrentState, WindowGroup
 from kvjax.sharding.mesh import ShardingPlan
 from kvjax.specs import CacheSpec
 
@@ -110,8 +116,11 @@ def cache_shardings(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
     recurrent = None
     if abstract.recurrent is not None:
         recurrent = _recurrent_shardings(plan, spec)
+    groups = tuple(WindowGroup(pages=jax.tree.map(lambda _: pool, grp.pages),
+                               table=jax.tree.map(lambda _: rep, grp.table))
+                   for grp in abstract.groups)
     return dataclasses.replace(abstract, pages=pages, table=table, tail=tail,
-                               recurrent=recurrent)
+                               recurrent=recurrent, groups=groups)
 
 
 def _recurrent_shardings(plan: ShardingPlan, spec: CacheSpec) -> RecurrentState:
@@ -125,6 +134,25 @@ def _recurrent_shardings(plan: ShardingPlan, spec: CacheSpec) -> RecurrentState:
                           ssm=NamedSharding(plan.mesh, P(None, None, heads, None, None)))
 
 
+def _validate_groups(plan: ShardingPlan, spec: CacheSpec) -> None:
+    if not spec.window_groups:
+        return
+    if plan.context_shards > 1:
+        raise ValueError(
+            "init_sharded_cache: a cache with window groups (CacheSpec.window_groups, "
+            "window-only pages) does not take the 'context' strategy: a ring's pages are read "
+            "by position, which is not a prefix of a device's pages; use 'heads' and/or "
+            "'sequences', or build the cache without window-only pages.")
+    D = plan.data_shards
+    for g in range(len(spec.window_groups)):
+        n = spec.group_num_pages(g)
+        if n % D:
+            raise ValueError(
+                f"init_sharded_cache: window group {g}'s pool has {n} pages, which mesh axis "
+                f"'data' of size {D} does not divide; give the group a num_pages multiple of "
+                f"{D}.")
+
+
 def _build(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
     cache = init_cache(spec)
     if plan.page_shards == 1:
@@ -134,19 +162,25 @@ def _build(plan: ShardingPlan, spec: CacheSpec) -> PagedKVCache:
         max_pages_per_seq=spec.max_pages_per_seq, page_size=spec.page_size,
         data_shards=plan.data_shards, context_shards=plan.context_shards,
     )
-    return dataclasses.replace(cache, table=table)
+    groups = tuple(dataclasses.replace(grp, table=st.init_sharded_page_table(
+        num_pages=grp.table.num_pages, max_seqs=spec.max_seqs,
+        max_pages_per_seq=grp.table.max_pages_per_seq, page_size=spec.page_size,
+        data_shards=plan.data_shards, context_shards=1)) for grp in cache.groups)
+    return dataclasses.replace(cache, table=table, groups=groups)
 
 
 def init_sharded_cache(spec: CacheSpec, plan: ShardingPlan) -> PagedKVCache:
     """An empty cache whose pools are created already sharded (no full pool on any device).
 
     Under `"sequences"` or `"context"` the table is a `ShardedPageTable`
-    (`num_free` is then int32[shards]); otherwise a plain `PageTable`.
+    (`num_free` is then int32[shards]); otherwise a plain `PageTable`. Window groups'
+    ring tables follow the data axis (see the module docstring).
+
+    Raises:
+      ValueError: window groups under the `context` strategy, or a group pool the
+        `data` axis does not divide.
     """
-    if spec.window_groups:
-        raise ValueError("init_sharded_cache: a cache with window groups "
-                         "(CacheSpec.window_groups) cannot be sharded yet; build it with "
-                         "kvjax.init_cache on one device.")
+    _validate_groups(plan, spec)
     shardings = cache_shardings(plan, spec)
     return jax.jit(lambda: _build(plan, spec), out_shardings=shardings)()
 

@@ -73,6 +73,27 @@ def test_greedy_equals_full_cache_and_rings_bound_pages(prompts):
     assert int(cache.table.num_pages - cache.table.num_free) == held.sum()
 
 
+def test_sharded_window_pages_equal_unsharded(prompts):
+    # KV heads over `model`, the two sequences over `data`: each ring's pages come from
+    # its sequence's data shard, so a device's compacted view of a row keeps the row's
+    # positions and the window masks as on one device.
+    model, params = tiny((WINDOW, None))
+    plan = ShardingPlan(mesh=make_mesh((2, 2), ("data", "model")),
+                        strategies=("sequences", "heads"))
+    run = {p: gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
+                           chunk_size=CHUNK, free_finished=False,
+                           cache=gen.CacheConfig(page_size=PAGE, window_pages=True, plan=p))
+           for p in (None, plan)}
+    np.testing.assert_array_equal(run[plan].tokens, run[None].tokens)
+    cache = run[plan].cache
+    grp = cache.groups[0]
+    assert grp.pages.k.sharding.spec[1:3] == ("model", "data")
+    assert len(grp.pages.k.sharding.device_set) == 4
+    assert grp.table.data_shards == 2
+    kvx.cache.check_invariants(cache)  # every ring page on its sequence's data shard
+    assert window.pages_in_use(cache) == (2 * RING,)
+
+
 def test_bfloat16_beams_and_sampled_forks_equal_full_cache(prompts):
     # Every layer windowed (Mistral's layout): the scan over layers, a traced layer index,
     # and main pools with no layer.
@@ -96,16 +117,18 @@ def test_bfloat16_beams_and_sampled_forks_equal_full_cache(prompts):
 
 def test_window_pages_refusals(prompts):
     model, params = tiny((None, WINDOW))
-    with pytest.raises(ValueError, match="quant and plan must be None"):
+    with pytest.raises(ValueError, match="quant must be None"):
         gen.CacheConfig(window_pages=True, quant=kvx.QuantSpec(bits=4))
     # A cache built for 4-token reserves cannot take 8-token prefill chunks.
     cache = kvx.init_cache(config(True).spec(model, num_seqs=2, max_tokens=64, chunk=4))
     with pytest.raises(ValueError, match="chunk_size=4"):
         gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=2,
                      chunk_size=CHUNK, cache=cache)
-    # Not yet combined: a host tier, a sharded layout.
+    # Not yet combined: a host tier, the 'context' strategy.
     with pytest.raises(ValueError, match="window groups"):
         host.attach(cache, 4)
-    with pytest.raises(ValueError, match="window groups"):
-        init_sharded_cache(cache.spec, ShardingPlan(mesh=make_mesh((1,), ("model",)),
-                                                    strategies=("heads",)))
+    ctx = ShardingPlan(mesh=make_mesh((2,), ("context",)), strategies=("context",))
+    with pytest.raises(ValueError, match="'context' strategy"):
+        init_sharded_cache(cache.spec, ctx)
+    with pytest.raises(ValueError, match="'context' sharding strategy"):
+        gen.CacheConfig(window_pages=True, plan=ctx)
