@@ -544,6 +544,9 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
     tokens, lengths, chunk = pad_prompts(fed, chunk_size)
     n_forced = np.array([len(f) for f in forced_prompt], np.int32)
     total = lengths + n_forced + max_new
+    if (policy is not None and isinstance(cache, setup.CacheConfig)
+            and cache.window_pages is None):
+        cache = dataclasses.replace(cache, window_pages=False)  # a policy needs every page
     cache, impl, plan = setup.prepare_cache(model, cache, impl, num_seqs=num_seqs or batch,
                                             max_tokens=int(total.max()) + extra_tokens,
                                             chunk=chunk)

@@ -90,7 +90,7 @@ def test_matches_transformers(name, root, rng):
     prompts = _prompts(rng)
     # The prefill `generate` runs (same cache spec, shapes and chunk: one program).
     tokens, lengths, chunk = gen.pad_prompts(prompts, CHUNK)
-    cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW)
+    cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW, chunk=chunk)
     _, last, status, _, _ = gen.prefill(model, params, cache, jax.device_put(tokens),
                                         jax.device_put(lengths),
                                         jax.device_put(np.arange(2, dtype=np.int32)),
@@ -209,7 +209,7 @@ def test_unstacked_layers_give_every_position_of_transformers(root, rng):
     rows = jax.device_put(np.arange(2, dtype=np.int32))
     out = []
     for p in (params, flat):
-        cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW)
+        cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW, chunk=24)
         _, _, status, logits, _ = gen.prefill(model, p, cache, tokens, lengths, rows,
                                               chunk_size=24, return_logits=True)
         status.raise_if_error()

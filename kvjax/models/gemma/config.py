@@ -65,6 +65,9 @@ class GemmaConfig:
       tie_word_embeddings: the LM head is the embedding matrix.
       dtype: params and activations dtype ("float32", "bfloat16", "float16").
       architecture: the HF architecture name this config came from.
+      window_pages: the local layers keep only the pages their window reaches (window
+        groups, `kvjax.cache.window`) wherever a `kvjax.generate.CacheConfig` leaves
+        `window_pages` unset: generate, the serving engine and the CLI. On by default.
     """
 
     vocab_size: int
@@ -87,6 +90,7 @@ class GemmaConfig:
     tie_word_embeddings: bool = True
     dtype: str = "float32"
     architecture: str = "Gemma3ForCausalLM"
+    window_pages: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "q_heads",
