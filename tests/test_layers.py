@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Higher imports lower. The order of docs/architecture.md.
 LAYERS = {
     "serve": 70,
+    "nnx": 65,
     "generate": 60,
     "sharding": 55,
     "models": 50,
