@@ -120,17 +120,27 @@ def _log_softmax(x):
     return x - m - np.log(np.sum(np.exp(x - m), -1, keepdims=True))
 
 
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _soft_cap(x, cap):
+    return x if cap is None else cap * np.tanh(x / cap)
+
+
 def _swiglu(x, gate, up, down):
     return (_silu(x @ gate) * (x @ up)) @ down
 
 
 def _rope(x, positions, rope, interleaved=None):
     """Rotates the first `rope.dim` channels of x [T, heads, D] at `positions` [T]."""
-    if rope.rope_type != "default":
+    if rope.rope_type not in ("default", "linear"):
         raise NotImplementedError(f"reference RoPE: {rope.rope_type!r}")
     dim = rope.dim
     half = dim // 2
     inv = float(rope.theta) ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if rope.rope_type == "linear":  # positions divided by the factor
+        inv = inv / float(rope.factor)
     a = np.asarray(positions, np.float64)[:, None] * inv[None, :]
     cos, sin = np.cos(a)[:, None, :], np.sin(a)[:, None, :]
     xr, rest = x[..., :dim], x[..., dim:]
@@ -166,11 +176,13 @@ def _lin(x, w, b=None):
 # ----------------------------------------------------------------------------- families
 #
 # `run(tokens, positions, attend, state, cond)` is one forward over new tokens: `attend(
-# layer, q, k, v, scale, index)` is the attention of cache layer `layer` for the call's
-# queries q [n, q_heads, dk] over keys k [n, kv_heads, dk] and values v [n, kv_heads, dv]
-# of the new tokens (MLA: the absorbed form, one latent head, k = [c_KV, k_rope], v None:
-# the values are c_KV); `state` holds recurrent layers' states (Qwen3-Next). Returns
-# float64 logits [n, vocab].
+# layer, q, k, v, scale, index, window, softcap)` is the attention of cache layer `layer`
+# for the call's queries q [n, q_heads, dk] over keys k [n, kv_heads, dk] and values v
+# [n, kv_heads, dv] of the new tokens (MLA: the absorbed form, one latent head, k = [c_KV,
+# k_rope], v None: the values are c_KV); a query at text position p sees only keys at
+# positions > p - window when `window` is set (Gemma's local layers), and its logits
+# (after the scale) become softcap * tanh(logits / softcap) when `softcap` is set;
+# `state` holds recurrent layers' states (Qwen3-Next). Returns float64 logits [n, vocab].
 
 
 class _Llama:
@@ -369,6 +381,47 @@ class _Qwen3Next:
         return x @ p.embed.T if p.lm_head is None else x @ p.lm_head
 
 
+class _Gemma:
+    """Gemma 2 / Gemma 3 (transformers' `Gemma3DecoderLayer`): local layers attend to the
+    last `sliding_window` positions, global layers to all; (1 + w) RMSNorms before and
+    after attention and MLP; q and k normalised per head (Gemma 3); each layer type's
+    RoPE; queries scaled by query_pre_attn_scalar^-1/2; the embedding times
+    sqrt(hidden_size); a tanh-GELU gated MLP; tied embeddings; optional soft caps on the
+    attention logits and the output logits (Gemma 2's)."""
+
+    def __init__(self, config, params):
+        c = config
+        self.c, self.p = c, _numpy(params)
+        self.cache_layers, self.kv_heads, self.q_heads = c.num_layers, c.kv_heads, c.q_heads
+        self.latent = None
+        self.dk = self.dv = c.head_dim
+        local = [t == "sliding_attention" for t in c.layer_types]
+        self.windows = [c.sliding_window if is_local else None for is_local in local]
+        self.ropes = [c.rope_local if is_local else c.rope_global for is_local in local]
+
+    def run(self, tokens, positions, attend, state, cond):
+        c, p, lp = self.c, self.p, self.p.layers
+        n, eps = len(tokens), c.rms_norm_eps
+        x = p.embed[tokens] * np.sqrt(c.hidden_size)
+        for i in range(c.num_layers):
+            h = _rms_1p(x, lp.attn_norm[i], eps)
+            q = (h @ lp.wq[i]).reshape(n, c.q_heads, c.head_dim)
+            k = (h @ lp.wk[i]).reshape(n, c.kv_heads, c.head_dim)
+            v = (h @ lp.wv[i]).reshape(n, c.kv_heads, c.head_dim)
+            if c.qk_norm:
+                q, k = _rms_1p(q, lp.q_norm[i], eps), _rms_1p(k, lp.k_norm[i], eps)
+            q, k = _rope(q, positions, self.ropes[i]), _rope(k, positions, self.ropes[i])
+            out = attend(i, q, k, v, float(c.query_pre_attn_scalar) ** -0.5, None,
+                         self.windows[i], c.attn_softcap)
+            x = x + _rms_1p(out.reshape(n, -1) @ lp.wo[i], lp.post_attn_norm[i], eps)
+            h = _rms_1p(x, lp.mlp_norm[i], eps)
+            h = (_gelu_tanh(h @ lp.w_gate[i]) * (h @ lp.w_up[i])) @ lp.w_down[i]
+            x = x + _rms_1p(h, lp.post_mlp_norm[i], eps)
+        x = _rms_1p(x, p.final_norm, eps)
+        return _soft_cap(x @ p.embed.T if p.lm_head is None else x @ p.lm_head,
+                         c.final_softcap)
+
+
 def family_reference(family: str, config, params):
     """The reference model of a family ("llama" covers Qwen2), from its config and params."""
     if family in ("llama", "qwen2"):
@@ -377,6 +430,8 @@ def family_reference(family: str, config, params):
         return _DeepSeek(config, params)
     if family == "qwen3_next":
         return _Qwen3Next(config, params)
+    if family == "gemma":
+        return _Gemma(config, params)
     raise ValueError(f"no reference for family {family!r}")
 
 
@@ -402,10 +457,11 @@ def _indexer_keep(index, i, keys, visible, cond):
 # ----------------------------------------------------------------------------- dense forward
 
 
-def _attention(q, keys, values, scale, masks, index, cond, latent):
+def _attention(q, keys, values, scale, masks, index, cond, latent, softcap=None):
     """Softmax attention of q [n, q_heads, dk] over keys [s, kv_heads, dk] and values
     [s, kv_heads, dv] (None: MLA, the first `latent` key channels), one bool mask
-    [n, s] per KV head. Returns (out [n, q_heads, dv], probs [n, q_heads, s])."""
+    [n, s] per KV head, the scaled logits soft-capped by `softcap` (None: not). Returns
+    (out [n, q_heads, dv], probs [n, q_heads, s])."""
     n, hq, _ = q.shape
     hkv = keys.shape[1]
     group = hq // hkv
@@ -419,7 +475,7 @@ def _attention(q, keys, values, scale, masks, index, cond, latent):
             mask = np.stack([_indexer_keep(index, i, index[1], mask[i], cond)
                              for i in range(n)])
         sl = slice(h * group, (h + 1) * group)
-        logits = np.einsum("ngd,sd->ngs", q[:, sl], keys[:, h]) * scale
+        logits = _soft_cap(np.einsum("ngd,sd->ngs", q[:, sl], keys[:, h]) * scale, softcap)
         p = _softmax(np.where(mask[:, None, :], logits, -np.inf))
         p = np.where(mask[:, None, :], p, 0.0)
         probs[:, sl] = p
@@ -431,9 +487,12 @@ def dense_logits(model, tokens, cond):
     """The dense causal forward over a whole sequence: logits [T, vocab]."""
     n = len(tokens)
 
-    def attend(layer, q, k, v, scale, index):
-        return _attention(q, k, v, scale, [np.tril(np.ones((n, n), bool))] * k.shape[1],
-                          index, cond, model.latent)[0]
+    def attend(layer, q, k, v, scale, index, window=None, softcap=None):
+        mask = np.tril(np.ones((n, n), bool))
+        if window is not None:  # key j visible to query i when i - j < window
+            mask &= np.triu(np.ones((n, n), bool), 1 - window)
+        return _attention(q, k, v, scale, [mask] * k.shape[1], index, cond, model.latent,
+                          softcap)[0]
 
     return model.run(np.asarray(tokens), np.arange(n), attend, {}, cond)
 
@@ -671,7 +730,7 @@ class Simulation:
             self.pages.append({"pos": pos})
         probs, queries = {}, {}
 
-        def attend(layer, q, k, v, scale, index):
+        def attend(layer, q, k, v, scale, index, window=None, softcap=None):
             self.K[layer, positions] = self._store(k)
             if v is not None:
                 self.V[layer, positions] = self._store(v)
@@ -689,6 +748,8 @@ class Simulation:
                 keys.append(kh)
                 values.append(vh)
                 mask = np.arange(total)[None, :] <= old + np.arange(n)[:, None]
+                if window is not None:  # by text position: held keys p - k < window
+                    mask = mask & (slots[None, :] > positions[:, None] - window)
                 if decode:
                     mask = mask & self._read(layer, h, q[0], kh, new_quant)[None]
                 masks.append(mask)
@@ -697,7 +758,8 @@ class Simulation:
             idx = None
             if index is not None:
                 idx = (index[0], self.KI[layer, self.held[layer][0]], *index[2:])
-            out, p = _attention(q, keys, values, scale, masks, idx, self.cond, m.latent)
+            out, p = _attention(q, keys, values, scale, masks, idx, self.cond, m.latent,
+                                softcap)
             probs[layer], queries[layer] = p, q
             return out
 

@@ -3,16 +3,35 @@
     family   {Llama GQA, Qwen2 (q/k/v bias, tied embeddings), DeepSeek-V2 (MLA + MoE),
               Qwen3-Next (Gated DeltaNet + gated full attention; policies, page kinds and
               sharding act on the full-attention layers, the recurrent state is per slot),
-              DeepSeek-V3.2 (MLA + MoE + the lightning indexer: top-k sparse attention)}
+              DeepSeek-V3.2 (MLA + MoE + the lightning indexer: top-k sparse attention),
+              Gemma (Gemma 3's two local layers (window 8) to one global, QK-norm, (1 + w)
+              RMSNorms, sqrt(hidden) embedding scale, tanh-GELU, tied embeddings, a RoPE
+              per layer type; with Gemma 2's attention and output soft caps)}
   x cache    {float32, bfloat16, KIVI int8, int4, int2}
   x policy   {none, StreamingLLM, H2O, SnapKV, PyramidKV, Quest}
   x devices  {1, 8 with heads+sequences, 8 with context}
   x entry    {generate, stream, sample_n, beam_search}
 
 Each cell runs through `kvjax.generate` and must either give the right tokens or raise
-the documented `UndefinedCombination` (the list `UNDEFINED` below: DeepSeek-V3.2 with
-H2O, SnapKV, PyramidKV or Quest, whose token scores or page selections would compete
-with the indexer's own; docs/models.md).
+its documented refusal (the list `UNDEFINED` below, docs/models.md): DeepSeek-V3.2 with
+H2O, SnapKV, PyramidKV or Quest (`UndefinedCombination`: their token scores or page
+selections would compete with the indexer's own); Gemma on the 'context' strategy, and
+on KIVI pages sharded by 'sequences' (NotImplementedError: a window in positions is not
+a prefix of a device's pages).
+
+Gemma's local layers keep window-only pages (`CacheConfig(window_pages=True)`: a ring of
+ring_pages(8, 8, 8) = 3 pages a sequence, which every sequence here outgrows) where kvjax
+takes them: float32 and bf16 pages without a policy on one device, whose cells also
+check the rings (`_check_rings`). KIVI pages and sharding plans refuse window pages, so
+those cells keep every page and the local layers mask their window; so do StreamingLLM's
+(generate refuses window pages with a policy; its 20 recent tokens hold the 8-token
+window). With H2O, SnapKV, PyramidKV and Quest the cells ask for window pages and expect
+the refusal (`UndefinedCombination` from generate; ValueError from `CacheConfig` with
+KIVI pages or a plan): on a cache without window pages, Quest and PyramidKV's
+selections meet the local layers' window (full-precision pages: NotImplementedError from
+the selected attention; KIVI pages: the window is dropped), and H2O and SnapKV score
+tokens with attention probabilities that know neither the window nor Gemma's query scale
+and soft cap, so they keep other tokens than the model's attention would weigh.
 
 What is right comes from tests/composition_reference.py, which runs none of the code
 under test (no kvjax cache, policy, attention, sharding plan, decode loop or model
@@ -44,7 +63,7 @@ float64 reference may both be right and still differ.
 
 The cells are one `slow` sweep: by default a sample that covers every value of every axis
 runs, the same for every run of one commit (tests/conftest.py); `--slow` (or
-KVJAX_SLOW=1) runs all 1800 cells.
+KVJAX_SLOW=1) runs all 2160 cells.
 """
 
 import dataclasses
@@ -60,25 +79,31 @@ import pytest
 from kvjax import cache as kvc
 from kvjax import generate as gen
 from kvjax import sharding as kvs
-from kvjax.cache.policies import H2O, PyramidKV, Quest, SnapKV, StreamingLLM
+from kvjax.cache import window
+from kvjax.cache.policies import H2O, PyramidKV, Quest, SnapKV, StreamingLLM, UndefinedCombination
 from kvjax.cache.policies.base import to_slots
 from kvjax.models import deepseek as ds
 from kvjax.models import deepseek_v32 as v32
-from kvjax.models import llama
+from kvjax.models import gemma, llama
 from kvjax.models import qwen3_next as q3n
 from kvjax.models.base import get_family
 from kvjax.rope import RopeConfig
-from kvjax.specs import QuantSpec
+from kvjax.specs import QuantSpec, ring_pages
 from tests import composition_reference as cref
 
 PAGE = 8
 PROMPT_LENS = (27, 19)
 NEW = 6
 CHUNK = 16
+# Gemma's local layers: an 8-token window, prefill chunks of 8, so window-only pages keep a
+# ring of ring_pages(8, 8, 8) = 3 pages a sequence, which every prompt + generation (25
+# and 33 tokens) outgrows.
+GEMMA_WINDOW = 8
+GEMMA_CHUNK = 8
 BEAMS = 2
 ATTEMPTS = 40  # prompt draws per case before giving up on a clear-margin one
 
-FAMILIES = ("llama", "qwen2", "deepseek", "qwen3_next", "deepseek_v32")
+FAMILIES = ("llama", "qwen2", "deepseek", "qwen3_next", "deepseek_v32", "gemma")
 CACHES = ("float32", "bfloat16", "int8", "int4", "int2")
 POLICIES = ("none", "streaming_llm", "h2o", "snapkv", "pyramidkv", "quest")
 DEVICES = ("1", "8:heads+sequences", "8:context")
@@ -86,10 +111,26 @@ ENTRIES = ("generate", "stream", "sample_n", "beam_search")
 # Fresh weights and prompts per session (the compiled programs do not depend on them);
 # a failing cell replays with KVJAX_TEST_SEED.
 SEED = int(os.environ.get("KVJAX_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
-# Cells whose combination is undefined, each raising UndefinedCombination.
-UNDEFINED: set[tuple[str, ...]] = {
-    ("deepseek_v32", c, p, d, e) for c in CACHES for p in ("h2o", "snapkv", "pyramidkv", "quest")
-    for d in DEVICES for e in ENTRIES}
+# Gemma with the policies that score or select tokens by attention: they ask for window-only
+# pages (`_window_pages`), which kvjax refuses with a policy, KIVI pages or a plan.
+SCORING = ("h2o", "snapkv", "pyramidkv", "quest")
+# Cells whose combination is undefined: each raises (exception, message pattern).
+UNDEFINED: dict[tuple[str, ...], tuple[type[Exception], str]] = {
+    **{("deepseek_v32", c, p, d, e): (UndefinedCombination, "DeepSeek Sparse Attention")
+       for c in CACHES for p in SCORING for d in DEVICES for e in ENTRIES},
+    **{("gemma", c, p, d, e): (UndefinedCombination, "window-only pages")
+       for c in ("float32", "bfloat16") for p in SCORING for d in ("1",) for e in ENTRIES},
+    **{("gemma", c, p, d, e): (ValueError, "window_pages applies to full-precision caches "
+                                           "without a sharding plan")
+       for c in CACHES for p in SCORING for d in DEVICES for e in ENTRIES
+       if c not in ("float32", "bfloat16") or d != "1"},
+    **{("gemma", c, p, "8:context", e): (NotImplementedError, "sliding_window is not "
+                                                              "supported with the 'context'")
+       for c in CACHES for p in ("none", "streaming_llm") for e in ENTRIES},
+    **{("gemma", c, p, "8:heads+sequences", e): (NotImplementedError, "a sliding window over "
+                                                                      "KIVI pages needs key")
+       for c in ("int8", "int4", "int2") for p in ("none", "streaming_llm") for e in ENTRIES},
+}
 
 # Budgets that make every policy act on these prompts (27 + 6 tokens at most), and that
 # a KIVI cache (page 8, tail of up to R + 7 = 15 tokens) can hold. PyramidKV's layer
@@ -131,6 +172,16 @@ def _model(family: str):
             v_head_dim=8, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, n_shared_experts=1, index_n_heads=4, index_head_dim=8,
             index_topk=16)
+    elif family == "gemma":
+        # Gemma 3's layout (two local layers to one global, QK-norm, RoPE base 10k local and
+        # 1M linearly scaled global, query_pre_attn_scalar != head_dim) with Gemma 2's
+        # attention and output soft caps, which GemmaConfig applies on any layout.
+        config = gemma.GemmaConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, q_heads=8,
+            kv_heads=4, head_dim=16, layer_types=(gemma.LOCAL, gemma.LOCAL, gemma.GLOBAL),
+            sliding_window=GEMMA_WINDOW, rope_local=RopeConfig(theta=10000.0, dim=16),
+            rope_global=RopeConfig(theta=1e6, dim=16, rope_type="linear", factor=8.0),
+            query_pre_attn_scalar=24.0, attn_softcap=2.0, final_softcap=10.0, qk_norm=True)
     else:
         config = ds.DeepseekConfig(vocab_size=96, hidden_size=48, intermediate_size=64,
                                    num_layers=2, num_heads=8, kv_lora_rank=16,
@@ -138,11 +189,19 @@ def _model(family: str):
                                    first_k_dense_replace=1, n_routed_experts=4,
                                    num_experts_per_tok=2, moe_intermediate_size=32,
                                    n_shared_experts=1)
-    fam = get_family(family if family in ("deepseek", "qwen3_next", "deepseek_v32") else "llama")
+    fam = get_family(family if family in ("deepseek", "qwen3_next", "deepseek_v32", "gemma")
+                     else "llama")
     params = fam.init_params(config, jax.random.key(SEED))
     # Larger weights than init's spread the logits (greedy ties unlikely).
     params = jax.tree.map(
         lambda x: x * 3 if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    if family == "gemma":
+        # Gemma's tied head on the (1 + w)-normed state: init's embedding, times sqrt(64)
+        # at the input, outweighs the layers (greedy repeats the last token) and gives
+        # logits of spread ~0.5; init's embedding with 1 + w ~ 8 in the final norm gives
+        # varied tokens and a spread of ~1.3 (every draw of 8 clear in a scratch run).
+        params = dataclasses.replace(params, embed=params.embed / 3,
+                                     final_norm=params.final_norm + 7)
     return fam.model(config), params, cref.family_reference(family, config, params)
 
 
@@ -161,9 +220,31 @@ def _quant(cache: str) -> QuantSpec | None:
             if cache.startswith("int") else None)
 
 
-def _config(cache: str, devices: str) -> gen.CacheConfig:
+def _chunk(family: str) -> int:
+    return GEMMA_CHUNK if family == "gemma" else CHUNK
+
+
+def _window_pages(family: str, cache: str, policy: str, devices: str) -> bool:
+    """Whether a Gemma cell asks for window-only pages for its local layers.
+
+    Without a policy, wherever kvjax takes them (full-precision pages, one device); with
+    KIVI pages or a plan, which `CacheConfig` refuses them with, the cache keeps every page
+    and the local layers mask their window. StreamingLLM, which `generate` refuses them
+    with, runs on every page too: its recent window (20 tokens) holds the local window (8),
+    so every page kind's local layers read the same tokens with or without eviction. The
+    policies that score or select by attention (SCORING) ask for them and are refused
+    (UNDEFINED): on a cache without window pages they would score or select tokens as if
+    the local layers saw every token.
+    """
+    if family != "gemma" or policy == "streaming_llm":
+        return False
+    return policy in SCORING or (cache in ("float32", "bfloat16") and devices == "1")
+
+
+def _config(cache: str, devices: str, window_pages: bool = False) -> gen.CacheConfig:
     dtype = cache if cache in ("float32", "bfloat16") else "float32"
-    return gen.CacheConfig(dtype=dtype, quant=_quant(cache), page_size=PAGE, plan=_plan(devices))
+    return gen.CacheConfig(dtype=dtype, quant=_quant(cache), page_size=PAGE, plan=_plan(devices),
+                           window_pages=window_pages)
 
 
 # ----------------------------------------------------------------------------- expectations
@@ -187,13 +268,13 @@ class Case:
     finals: list
 
 
-def _setup(cache: str, policy: str) -> cref.Setup:
+def _setup(cache: str, policy: str, chunk: int = CHUNK) -> cref.Setup:
     quant = _quant(cache)
     # A cache built for the request holds ceil((27 + 6) / page) pages a sequence (one more
     # for a KIVI tail).
     pages = -(-(max(PROMPT_LENS) + NEW) // PAGE) + (quant is not None)
     return cref.Setup(cache=cache, policy=POLICY[policy], page_size=PAGE, group_size=8,
-                      residual=PAGE, chunk=CHUNK, max_len=max(PROMPT_LENS) + NEW + 1,
+                      residual=PAGE, chunk=chunk, max_len=max(PROMPT_LENS) + NEW + 1,
                       max_tokens=pages * PAGE)
 
 
@@ -204,7 +285,7 @@ def _draw(family, cache, policy, beams, attempt):
     lens = PROMPT_LENS[:1] if beams else PROMPT_LENS
     prompts = [rng.integers(0, model.vocab_size, n).tolist() for n in lens]
     cond = cref.Conditioning()
-    setup = _setup(cache, policy)
+    setup = _setup(cache, policy, _chunk(family))
     lossless = cache == "float32" and policy == "none"
     scores = None
     if beams:
@@ -264,8 +345,9 @@ class Run:
 
 def _engine(family, cache_name, policy_name, devices, entry, prompts) -> Run:
     model, params, _ = _model(family)
-    kw = dict(cache=_config(cache_name, devices), policy=POLICY[policy_name],
-              chunk_size=CHUNK)
+    kw = dict(cache=_config(cache_name, devices,
+                            _window_pages(family, cache_name, policy_name, devices)),
+              policy=POLICY[policy_name], chunk_size=_chunk(family))
     if entry == "generate":
         res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
                            free_finished=False, **kw)
@@ -319,23 +401,30 @@ def _check_held(cache, slot, sim, err):
     latent = sim.m.latent
     if cache.tail is None:
         j = np.arange(n)
-        pages, offs = bt[j // PAGE], j % PAGE
         for layer in range(spec.num_layers):
+            g, index = spec.layer_home(layer)
+            if g is None:
+                pools, rows, pages, offs = cache.pages, j, bt[j // PAGE], j % PAGE
+            else:  # a window group holds the last R logical pages, page p in ring slot p % R
+                ring = np.asarray(cache.groups[g].table.block_tables)[slot]
+                rows = j[j // PAGE >= -(-n // PAGE) - len(ring)]
+                pools, pages, offs = (cache.groups[g].pages, ring[(rows // PAGE) % len(ring)],
+                                      rows % PAGE)
             for h in range(spec.attention.cache_heads):
-                pos = sim.held[layer][h]
+                pos = sim.held[layer][h][rows]
                 what = f"{err}: slot {slot} layer {layer} head {h}"
                 if latent:
-                    got = [_rows(cache.pages.c_kv, pages, offs, layer, 0),
-                           _rows(cache.pages.k_rope, pages, offs, layer, 0)]
+                    got = [_rows(pools.c_kv, pages, offs, index, 0),
+                           _rows(pools.k_rope, pages, offs, index, 0)]
                     _close(np.concatenate(got, -1), sim.K[layer, pos, h], exact,
                            f"{what}: latents")
                     if cache.pages.index_k is not None:
-                        _close(_rows(cache.pages.index_k, pages, offs, layer, 0),
+                        _close(_rows(pools.index_k, pages, offs, index, 0),
                                sim.KI[layer, pos], exact, f"{what}: indexer keys")
                 else:
-                    _close(_rows(cache.pages.k, pages, offs, layer, h), sim.K[layer, pos, h],
+                    _close(_rows(pools.k, pages, offs, index, h), sim.K[layer, pos, h],
                            exact, f"{what}: keys")
-                    _close(_rows(cache.pages.v, pages, offs, layer, h), sim.V[layer, pos, h],
+                    _close(_rows(pools.v, pages, offs, index, h), sim.V[layer, pos, h],
                            exact, f"{what}: values")
         return
     nq = int(np.asarray(cache.quant_lengths)[slot])
@@ -371,6 +460,30 @@ def _check_held(cache, slot, sim, err):
             _close(np.moveaxis(b, 0, 1), sim.V[layer, pos[nq:]], False, f"{what}: tail values")
 
 
+def _check_rings(cache, slots, err):
+    """A cache with window-only pages: Gemma's two local layers form one window group whose
+    every sequence holds a ring of min(its pages, R) pages, R = ring_pages(window, chunk,
+    page), fewer than the full context would take (the pages of the held tokens)."""
+    spec = cache.spec
+    assert [(g.layers, g.window) for g in spec.window_groups] == [((0, 1), GEMMA_WINDOW)], (
+        f"{err}: window groups {spec.window_groups}")
+    ring = ring_pages(GEMMA_WINDOW, GEMMA_CHUNK, PAGE)
+    rows = np.asarray(cache.groups[0].table.block_tables)
+    assert rows.shape[1] == ring, f"{err}: rings of {rows.shape[1]} pages, expected {ring}"
+    full = 0
+    for slot in slots:
+        pages = -(-int(np.asarray(cache.lengths)[slot]) // PAGE)
+        full += pages
+        held = int(np.sum(rows[slot] >= 0))
+        assert held == min(pages, ring), (
+            f"{err}: slot {slot} ({pages} pages long) holds {held} ring pages, expected "
+            f"{min(pages, ring)}")
+    in_use = window.pages_in_use(cache)[0]
+    assert in_use <= ring * len(slots) < full, (
+        f"{err}: the window group holds {in_use} pages for {len(slots)} sequences of "
+        f"{full} pages (ring {ring})")
+
+
 def _check_layout(cache, devices, err):
     """Every pool of the cache lies on the plan's 8 devices as the plan says: pages split
     over `data` (2) or `context` (8), KV heads over `model` (4) where they divide (MLA's
@@ -401,9 +514,8 @@ def _check_layout(cache, devices, err):
 def test_cell(family, cache, policy, devices, entry):
     cell = (family, cache, policy, devices, entry)
     if cell in UNDEFINED:
-        from kvjax.cache.policies import UndefinedCombination
-
-        with pytest.raises(UndefinedCombination):
+        exc, match = UNDEFINED[cell]
+        with pytest.raises(exc, match=match):
             _engine(*cell, prompts=[[1] * n for n in PROMPT_LENS])
         return
     beams = entry == "beam_search"
@@ -427,6 +539,10 @@ def test_cell(family, cache, policy, devices, entry):
                         err)
     if devices != "1":
         _check_layout(run.cache, devices, err)
+    if _window_pages(*cell[:4]):
+        _check_rings(run.cache, run.slots, err)
+    else:
+        assert not run.cache.spec.window_groups, f"{err}: {run.cache.spec.window_groups}"
 
 
 # ----------------------------------------------------------------------------- kept for others
