@@ -112,7 +112,7 @@ def _gpu_ops() -> dict | None:
     if pallas_impls.platform() != "gpu":
         return None
     ops = {}
-    for op in pallas_impls.KERNEL_OPS:
+    for op in dict.fromkeys((*pallas_impls.KERNEL_OPS, *pallas_impls.MOSAIC_GPU_OPS)):
         kernel, reason = pallas_impls.gpu_kernel(op)
         ops[op] = dict(kernel=kernel, reason=reason)
     return ops

@@ -43,6 +43,7 @@ KERNEL_OPS = ("paged_decode_attention", "mla_decode_attention")
 MOSAIC_GPU_OPS = {
     "paged_decode_attention": "kernels_pallas.paged_attention.mosaic_gpu",
     "mla_decode_attention": "kernels_pallas.mla_decode.mosaic_gpu",
+    "quantized_attention": "kernels_pallas.quantized_attention.mosaic_gpu",
 }
 # Prefill ops (rows of several new queries, mixed with decode rows) with a kernel, per
 # backend. A GPU prefill kernel plugs in by listing its ops under "gpu" and branching to
@@ -125,7 +126,7 @@ def _mosaic_module(op: str):
         return None, f"the Mosaic GPU kernel does not import on jax {jax.__version__} ({e})"
 
 
-def gpu_kernel(op: str, *arrays) -> tuple[str, str]:
+def gpu_kernel(op: str, *arrays, **static) -> tuple[str, str]:
     """Which GPU kernel runs `op` on the default device, and why: ("mosaic", reason) on a
     Hopper GPU (compute capability 9.0) where the op has a Mosaic GPU kernel that takes
     `arrays` (the op's query and page arrays, in its argument order; none: any shapes),
@@ -141,7 +142,7 @@ def gpu_kernel(op: str, *arrays) -> tuple[str, str]:
     if module is None:
         return "triton", why_not
     if arrays:
-        why_not = module.unsupported_reason(*arrays)
+        why_not = module.unsupported_reason(*arrays, **static)
         if why_not is not None:
             return "triton", f"the Mosaic GPU kernel does not take these shapes: {why_not}"
     return "mosaic", (f"{device.device_kind} is a Hopper GPU (sm_90): TMA page copies and "
@@ -207,6 +208,13 @@ def quantized_attention(*args, interpret=None, **kwargs):
     `kernels_pallas/quantized_attention/reference.py`) through the backend's kernel; decode and
     chunked prefill alike (the kernels fold query rows)."""
     backend, interpret = _backend_and_interpret(interpret)
+    if backend == "gpu" and kwargs.get("block_sizes") is None and gpu_kernel(
+            "quantized_attention", *args[:7], k_bits=kwargs["k_bits"],
+            v_bits=kwargs["v_bits"])[0] == "mosaic":
+        module, _ = _mosaic_module("quantized_attention")
+        kw = {k: v for k, v in kwargs.items() if k not in ("block_sizes", "max_pages")}
+        return module.quantized_attention(*args, num_sms=_num_sms(gpu_device()),
+                                          interpret=interpret, **kw)
     kernel = quant_gpu if backend == "gpu" else quant_tpu
     return kernel.quantized_attention(*args, interpret=interpret, **kwargs)
 

@@ -256,11 +256,12 @@ def test_gpu_runs_mosaic_kernels_on_hopper_and_triton_elsewhere(monkeypatch):
     monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
     from kvjax import info
 
+    ops_listed = {*pallas_impls.KERNEL_OPS, "quantized_attention"}
     assert {op: c["kernel"] for op, c in info._gpu_ops().items()} == dict.fromkeys(
-        pallas_impls.KERNEL_OPS, "triton")
+        ops_listed, "triton")
     monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H200", "9.0"))
     assert {op: c["kernel"] for op, c in info._gpu_ops().items()} == dict.fromkeys(
-        pallas_impls.KERNEL_OPS, "mosaic")
+        ops_listed, "mosaic")
 
 
 def test_shapes_the_mosaic_kernel_refuses_go_to_triton_with_its_reason(monkeypatch, rng):
@@ -308,3 +309,26 @@ def test_pallas_on_hopper_runs_the_mosaic_kernel_with_the_sm_count(rng, monkeypa
     for g, w in zip(got, want, strict=True):  # bf16 outputs: 8 bits of mantissa
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                    rtol=2e-2, atol=2e-2)
+
+
+def test_kivi_decode_on_hopper_runs_the_mosaic_kernel_and_prefill_rows_triton(monkeypatch):
+    """KIVI decode rows go to the Mosaic GPU kernel with the SM count (Triton's block sizes
+    and table width dropped); chunked-prefill rows, which it refuses, to the Triton kernel."""
+    from kernels_pallas.quantized_attention import gpu as quant_gpu
+    from tests.kernels.test_mosaic_gpu_quantized import _inputs
+
+    module, why_not = pallas_impls._mosaic_module("quantized_attention")
+    assert module is not None, why_not
+    calls = []
+    monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0", 114))
+    monkeypatch.setattr(module, "quantized_attention",
+                        lambda *a, **kw: calls.append(("mosaic", kw)) or "mosaic")
+    monkeypatch.setattr(quant_gpu, "quantized_attention",
+                        lambda *a, **kw: calls.append(("triton", kw)) or "triton")
+    args = _inputs(4)
+    kw = dict(k_bits=4, v_bits=4, scale=0.1, block_sizes=None, max_pages=None)
+    assert pallas_impls.quantized_attention(*args, interpret=True, **kw) == "mosaic"
+    assert calls[-1][1]["num_sms"] == 114 and "block_sizes" not in calls[-1][1]
+    rows = (jax.numpy.repeat(args[0], 2, axis=1), *args[1:])  # two query rows: prefill
+    assert pallas_impls.quantized_attention(*rows, interpret=True, **kw) == "triton"
