@@ -352,24 +352,25 @@ def _kernel(
                 l_new = l_prev * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
                 plgpu.barrier_wait(v_bar.at[slot])
-                if masked:
-                    outside = (j * bt < first) | ((j + 1) * bt > last + 1)
 
-                    @pl.when(outside)
-                    def _():
-                        @pl.when(wg == 0)
-                        def _():  # V rows no query sees may be NaN: 0 * NaN in P V is NaN
-                            for r0 in range(0, bt, ROWS):
-                                for c0 in range(0, dv, v_chunk):
-                                    tile = v_smem.at[slot, pl.ds(r0, ROWS), pl.ds(c0, v_chunk)]
-                                    v = mgpu.load(tile, wgmma_layout, interpret=interpret)
-                                    key = j * bt + r0 + iota((ROWS, v_chunk), 0)
-                                    keep = (key >= first) & (key <= last)
-                                    tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
-                            plgpu.commit_smem()
+                # Only the item's first and last steps can hold such rows, and the
+                # condition is the item's, so both warpgroups meet at x_bar equally often
+                # (checked on unmasked steps too, though none is a boundary step).
+                @pl.when((j * bt < first) | ((j + 1) * bt > last + 1))
+                def _():
+                    @pl.when(wg == 0)
+                    def _():  # V rows no query sees may be NaN: 0 * NaN in P V is NaN
+                        for r0 in range(0, bt, ROWS):
+                            for c0 in range(0, dv, v_chunk):
+                                tile = v_smem.at[slot, pl.ds(r0, ROWS), pl.ds(c0, v_chunk)]
+                                v = mgpu.load(tile, wgmma_layout, interpret=interpret)
+                                key = j * bt + r0 + iota((ROWS, v_chunk), 0)
+                                keep = (key >= first) & (key <= last)
+                                tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+                        plgpu.commit_smem()
 
-                        plgpu.barrier_arrive(x_bar)
-                        plgpu.barrier_wait(x_bar)
+                    plgpu.barrier_arrive(x_bar)
+                    plgpu.barrier_wait(x_bar)
 
                 if a_from_smem:
                     p_smem[wg] = p16
