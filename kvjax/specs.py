@@ -409,7 +409,9 @@ class CacheSpec:
       window_groups: layers that keep only their sliding window's pages
         (`WindowGroupSpec`, `window_groups`), each group in pools and a page table of its
         own; the main pools (`pool_shapes`, `num_pages`) then hold the other layers only
-        (`global_layers`). Full-precision K/V caches (MHA/GQA/MQA) only.
+        (`global_layers`). MHA/GQA/MQA caches only. With `quant`, the main pools hold the
+        global layers' KIVI pages and tail, and the groups' layers stay full precision in
+        their rings (their entries of a per-layer `QuantSpec.bits` are unused).
     """
 
     attention: AttentionSpec | MLASpec
@@ -473,9 +475,9 @@ class CacheSpec:
         object.__setattr__(self, "window_groups", groups)
         if not groups:
             return
-        if self.is_mla or self.quant is not None or self.recurrent is not None:
-            raise ValueError("CacheSpec.window_groups apply to full-precision MHA/GQA/MQA "
-                             "caches (no MLA, quant or recurrent state).")
+        if self.is_mla or self.recurrent is not None:
+            raise ValueError("CacheSpec.window_groups apply to MHA/GQA/MQA caches (no MLA or "
+                             "recurrent state).")
         seen: set[int] = set()
         for g in groups:
             if g.layers[-1] >= self.num_layers:

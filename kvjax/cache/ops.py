@@ -160,7 +160,7 @@ def _seq_vector(op: str, name: str, x, spec: CacheSpec, kind: str):
 @functools.partial(jax.jit, donate_argnames="cache")
 def _reserve(cache, num_new):
     if cache.groups:
-        return window.reserve(cache, num_new.astype(jnp.int32))
+        return window.reserve(cache, num_new.astype(jnp.int32), _kind(cache).reserve)
     return _kind(cache).reserve(cache, num_new.astype(jnp.int32))
 
 
@@ -486,17 +486,18 @@ def write(
         if index_keys.shape != want:
             raise ValueError(f"write: index_keys must be [batch, q_len, d_index] = {want}, got "
                              f"{index_keys.shape}.")
-    if cache.tail is not None:
-        _check_kivi_values(cache, a, b, seq_ids)
-        return quantized.write_layer(cache, layer, a, b, seq_ids, index_keys=index_keys)
-    positions, valid = _positions(cache, q_lengths, q_len, seq_ids)
     g, index = window.home(spec, layer)
-    if g is not None:
+    if g is not None:  # full-precision rings, also beside KIVI pages
         want = (batch, q_len, spec.attention.kv_heads, spec.attention.head_dim)
         if a.shape != want or b.shape != want:
             raise ValueError(f"write: K and V must have shape [batch, q_len, kv_heads, "
                              f"head_dim] = {want}, got {a.shape} and {b.shape}.")
+        positions, valid = _positions(cache, q_lengths, q_len, seq_ids)
         return window.write_layer(cache, g, index, positions, valid, seq_ids, a, b)
+    if cache.tail is not None:
+        _check_kivi_values(cache, a, b, seq_ids)
+        return quantized.write_layer(cache, index, a, b, seq_ids, index_keys=index_keys)
+    positions, valid = _positions(cache, q_lengths, q_len, seq_ids)
     slots = paged.token_slots(cache, positions, valid, seq_ids)
     return paged.write_layer(cache, index, slots, a, b, index_keys=index_keys)
 
@@ -510,12 +511,13 @@ def layer_view(
     cache, a `QuantizedLayerView` (`whole_pools=True` keeps its pools whole, see
     `kvjax.cache.quantized.layer_view`).
     """
-    if cache.tail is not None:
-        return quantized.layer_view(cache, layer, whole_pools=whole_pools)
     paged.check_layer(cache.spec, layer)
-    (k, v), tables, index = window.attention_inputs(cache, layer)
-    if tables is cache.block_tables:
+    g, index = window.home(cache.spec, layer)
+    if g is None and cache.tail is not None:
+        return quantized.layer_view(cache, index, whole_pools=whole_pools)
+    if g is None:
         return paged.layer_view(cache, index)
+    (k, v), tables, index = window.attention_inputs(cache, layer)
     ok = paged.traced_layer_ok(cache.spec, layer)
     return LayerView(k=paged.poison_unless(ok, k[index]), v=paged.poison_unless(ok, v[index]),
                      block_tables=tables, lengths=cache.lengths)
@@ -648,8 +650,9 @@ def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sli
     spec = cache.spec
     mla = spec.is_mla
     q_len = (q[0] if mla else q).shape[1]
-    if cache.tail is not None:
-        view = quantized.layer_view(cache, layer, whole_pools=True)
+    group, index = window.home(spec, layer)
+    if cache.tail is not None and group is None:
+        view = quantized.layer_view(cache, index, whole_pools=True)
         if selection is not None:
             rows = _rows_view(view, seq_ids)
             sel = selection.rows(seq_ids)

@@ -43,6 +43,13 @@ Per-layer bits
   all layers the `layer` argument may be traced (scan over layers); with
   mixed widths it must be a Python int.
 
+Window groups
+  With `CacheSpec.window_groups`, the quantized pools and the tail hold the main
+  pools' layers only (`spec.global_layers`); the groups' layers keep full-precision
+  rings (`kvjax.cache.window`). The `layer` the functions here take is then a layer's
+  index among the global layers (`CacheSpec.layer_home`), which `kvjax.cache`'s
+  generic operations pass.
+
 The functions here are the quantized kinds' implementation of the generic
 operations of `kvjax.cache` (`init_cache`, `reserve`, `fork`, `free`, `write`,
 `attend`, `layer_view`), which dispatch on the page kind; use them through it.
@@ -91,9 +98,14 @@ def _require_quant(spec: CacheSpec, op: str) -> None:
 
 
 def layer_groups(spec: CacheSpec) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    """Static map of layers to pools: (bits of each pool, (pool, index in pool) per layer)."""
+    """Static map of layers to pools: (bits of each pool, (pool, index in pool) per layer).
+
+    The layers are those of the main pools, `spec.global_layers` in order (every layer
+    when the spec has no window groups; a group's layers keep full-precision rings).
+    """
     _require_quant(spec, "layer_groups")
-    per_layer = spec.quant.layer_bits(spec.num_layers)
+    bits = spec.quant.layer_bits(spec.num_layers)
+    per_layer = [bits[i] for i in spec.global_layers]
     widths: list[int] = []
     where: list[tuple[int, int]] = []
     counts: dict[int, int] = {}
@@ -157,9 +169,10 @@ def init_cache(spec: CacheSpec) -> PagedKVCache:
                     for b, n in zip(widths, n_in, strict=True)),
         )
     ring = tail_capacity(spec)
+    n_main = len(spec.global_layers)
     tail = KIVITail(
-        a=jnp.zeros((spec.num_layers, heads, spec.max_seqs, ring, wa), spec.dtype),
-        b=jnp.zeros((spec.num_layers, heads, spec.max_seqs, ring, wb), spec.dtype),
+        a=jnp.zeros((n_main, heads, spec.max_seqs, ring, wa), spec.dtype),
+        b=jnp.zeros((n_main, heads, spec.max_seqs, ring, wb), spec.dtype),
         lengths=jnp.zeros((spec.max_seqs,), jnp.int32),
         pending=jnp.zeros((2, spec.max_seqs), jnp.int32),
         c=(None if spec.indexer is None else jnp.zeros(
@@ -324,6 +337,7 @@ def truncate(
 
 
 def _locate(spec: CacheSpec, layer):
+    """(pool, index in pool) of main-pool layer `layer` (its index in `spec.global_layers`)."""
     widths, where = layer_groups(spec)
     paged.check_layer(spec, layer)
     if isinstance(layer, int | np.integer):

@@ -225,17 +225,24 @@ def _ring_reserve(spec: CacheSpec, g: int, table: pt.PageTable, num_new):
 
 
 def reserve(
-    cache: PagedKVCache, num_new: Int[Array, " max_seqs"]
+    cache: PagedKVCache, num_new: Int[Array, " max_seqs"], main_reserve=paged.reserve
 ) -> tuple[PagedKVCache, pt.AllocStatus]:
-    """`paged.reserve` over the main pools and every window group, all or nothing.
+    """The main pools' reserve and every window group's, all or nothing.
 
-    The tables' outcomes are computed first (no pool touched); only when all succeed
-    do the sequences grow, else nothing changes and the status is the first failure
-    (main table first, then the groups in order).
+    The outcomes are computed first (the main pools' status from a trial of
+    `main_reserve`, whose pool updates nothing uses); only when all succeed do the
+    sequences grow, else nothing changes and the status is the first failure (main
+    pools first, then the groups in order).
+
+    Args:
+      cache: the cache.
+      num_new: int32[max_seqs] tokens per sequence.
+      main_reserve: the main pools' page kind's reserve, `(cache, num_new) -> (cache,
+        status)` (`paged.reserve`, or `quantized.reserve` for KIVI pages).
     """
     spec = cache.spec
     num_new = pt.check_reserve_counts(cache.table, num_new)
-    statuses = [paged.allocator(cache.table).reserve(cache.table, num_new)[2]]
+    statuses = [main_reserve(cache, num_new)[1]]
     statuses += [_ring_reserve(spec, g, grp.table, num_new)[2]
                  for g, grp in enumerate(cache.groups)]
     status = statuses[-1]
@@ -243,7 +250,7 @@ def reserve(
         status = jax.tree.map(lambda a, b, bad=~st.ok: jnp.where(bad, a, b), st, status)
     ok = jnp.all(jnp.stack([st.ok for st in statuses]))
     n = jnp.where(ok, num_new, 0)
-    cache, _ = paged.reserve(cache, n)
+    cache, _ = main_reserve(cache, n)
     groups = []
     for g, grp in enumerate(cache.groups):
         table, copy, _ = _ring_reserve(spec, g, grp.table, n)

@@ -49,7 +49,8 @@ class CacheConfig:
         (`kvjax.specs.window_groups` over `model.config.sliding_windows`; see
         `kvjax.cache.window`). None (the default) follows the model config's
         `window_pages` attribute (off where it has none, as for the Llama family).
-        Full-precision caches without a sharding plan.
+        With `quant`, the global layers keep KIVI pages and the windowed layers
+        full-precision rings.
     """
 
     dtype: str = "float32"
@@ -74,9 +75,6 @@ class CacheConfig:
         if self.window_pages is not None and not isinstance(self.window_pages, bool):
             raise TypeError(f"CacheConfig.window_pages must be a bool or None, got "
                             f"{self.window_pages!r}.")
-        if self.window_pages and self.quant is not None:
-            raise ValueError("CacheConfig.window_pages applies to full-precision caches "
-                             "(quant must be None).")
         if self.window_pages and self.plan is not None and self.plan.context_shards > 1:
             raise ValueError("CacheConfig.window_pages does not combine with the 'context' "
                              "sharding strategy (a window read by position is not a prefix "
@@ -87,9 +85,9 @@ class CacheConfig:
         windows = getattr(model.config, "sliding_windows", None)
         use = self.window_pages
         if use is None:
-            # The model's default, where this cache can take window groups: not with KIVI
-            # pages or the 'context' strategy (those stay full-context).
-            use = bool(getattr(model.config, "window_pages", False)) and self.quant is None and (
+            # The model's default, where this cache can take window groups: not with the
+            # 'context' strategy (that stays full-context).
+            use = bool(getattr(model.config, "window_pages", False)) and (
                 self.plan is None or self.plan.context_shards == 1)
         if not use or windows is None or all(w is None for w in windows):
             return None

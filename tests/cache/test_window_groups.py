@@ -155,8 +155,12 @@ def test_refusals_and_errors():
     with pytest.raises(ValueError, match="outside the cache's 2 layers"):
         make_spec(max_seqs=1).replace(window_groups=(
             WindowGroupSpec(layers=(2,), window=4, chunk=1),))
-    with pytest.raises(ValueError, match="full-precision MHA/GQA/MQA"):
-        make_spec(max_seqs=1).replace(quant=kvx.QuantSpec(bits=4, group_size=4))
+    # KIVI pages hold the global layers only (layer 0, at its per-layer width); the group's
+    # layer keeps a full-precision ring.
+    kivi = kvx.init_cache(make_spec(max_seqs=1).replace(
+        quant=kvx.QuantSpec(bits=(8, 2), group_size=4)))
+    assert kivi.tail.a.shape[0] == 1 and [p.bits for p in kivi.pages.k] == [8]
+    assert kivi.groups[0].pages.k.dtype == kivi.spec.dtype
 
 
 # ---------------------------------------------------------------- random interleavings

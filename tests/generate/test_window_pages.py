@@ -117,8 +117,6 @@ def test_bfloat16_beams_and_sampled_forks_equal_full_cache(prompts):
 
 def test_window_pages_refusals(prompts):
     model, params = tiny((None, WINDOW))
-    with pytest.raises(ValueError, match="quant must be None"):
-        gen.CacheConfig(window_pages=True, quant=kvx.QuantSpec(bits=4))
     # A cache built for 4-token reserves cannot take 8-token prefill chunks.
     cache = kvx.init_cache(config(True).spec(model, num_seqs=2, max_tokens=64, chunk=4))
     with pytest.raises(ValueError, match="chunk_size=4"):
