@@ -29,7 +29,8 @@
 #
 # Sections 1–3 open each lever up on data we control; section 4 pulls all of them on a
 # trained model through `kvjax.generate`'s one decode loop, where a KIVI cache is just
-# `cache=CacheConfig(quant=QuantSpec(...))` and a policy is `policy=...`.
+# `cache=CacheConfig(quant=QuantSpec(...))` and a policy is `policy=...`. Section 5 adds
+# a lever of sliding-window models (Gemma 2 / 3, Mistral): window-only pages.
 
 # %%
 # On Colab, install kvjax from the repository; elsewhere it is already installed.
@@ -332,6 +333,77 @@ ax.set_title(f"Tiny GQA model, {context}-byte context")
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/02_levers_on_a_model.png", dpi=80)
 
+# %% [markdown]
+# ## 5. Window-only pages: a sliding-window model decoding past its window
+#
+# Gemma 3's local layers (five of every six) attend only to the last `sliding_window`
+# tokens, so a page that has left their window is never read again. With
+# `CacheConfig(window_pages=True)` those layers keep a ring of
+# `kvjax.specs.ring_pages(window, chunk, page_size)` pages per sequence, reused as the
+# sequence grows, while the global layers keep every page. A tiny random Gemma 3 (two
+# local layers with a 16-token window and one global layer, to keep compiling short;
+# `kvjax.models.gemma`'s own `init_params`, nothing to download) decodes two sequences of
+# 48 + 80 = 128 tokens, eight windows, both ways.
+
+# %%
+from kvjax.cache import window  # noqa: E402
+from kvjax.generate import generate  # noqa: E402
+from kvjax.models import gemma, get_family  # noqa: E402
+from kvjax.rope import RopeConfig  # noqa: E402
+from kvjax.specs import ring_pages  # noqa: E402
+
+g_config = gemma.GemmaConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, q_heads=2,
+    kv_heads=1, head_dim=16, layer_types=(gemma.LOCAL, gemma.LOCAL, gemma.GLOBAL),
+    sliding_window=16, rope_local=RopeConfig(theta=10_000.0, dim=16),
+    rope_global=RopeConfig(theta=1_000_000.0, dim=16, rope_type="linear", factor=8.0),
+    query_pre_attn_scalar=16, qk_norm=True)
+g_family = get_family("gemma")
+g_model, g_params = g_family.model(g_config), g_family.init_params(g_config, jax.random.key(0))
+g_prompts = rng.integers(0, g_config.vocab_size, (2, 48)).tolist()
+g_page, g_chunk = 8, 16  # tokens per page; prefill chunk (the ring's chunk)
+
+
+def kv_pools(cache):
+    """Per page pool (the main pools, then each window group): (layers in it, pages in use,
+    KV bytes of those pages across its layers, read off the pool's shape)."""
+    pools = [(cache.pages, cache.spec.num_pages - int(cache.num_free_pages))]
+    pools += list(zip((g.pages for g in cache.groups), window.pages_in_use(cache), strict=True))
+    return [(pages.k.shape[0], used, used * (pages.k.nbytes + pages.v.nbytes) // pages.k.shape[2])
+            for pages, used in pools]
+
+
+def decode(window_pages):
+    res = generate(g_model, g_params, g_prompts, key=jax.random.key(0), max_new_tokens=80,
+                   chunk_size=g_chunk, free_finished=False,  # keep the final cache
+                   cache=CacheConfig(page_size=g_page, window_pages=window_pages))
+    return dict(tokens=np.asarray(res.tokens), pools=kv_pools(res.cache))
+
+
+with ThreadPoolExecutor(max_workers=2) as pool:  # the two compile side by side
+    g_runs = dict(zip(("every page", "window-only"), pool.map(decode, (False, True)),
+                      strict=True))
+for name, r in g_runs.items():
+    r["bytes"] = sum(b for _, _, b in r["pools"])
+    print(f"{name:11s} " + ";  ".join(f"{n} layer(s): {used} pages, {b / 1024:.0f} KiB"
+                                      for n, used, b in r["pools"])
+          + f";  total {r['bytes'] / 1024:.0f} KiB")
+same = (g_runs["every page"]["tokens"] == g_runs["window-only"]["tokens"]).all()
+print(f"ring of {ring_pages(16, g_chunk, g_page)} pages per local layer and sequence; "
+      f"generated tokens identical: {same}")
+
+# %% [markdown]
+# The same accounting for the real model, with its 52 local and 10 global layers:
+# `python -m kvjax memory --model gemma-3-27b --context 131072 --compare` prints it, and
+# `kvjax.memory.window_cache_bytes` returns it.
+
+# %%
+g27 = memory.window_cache_bytes(memory.get_preset("gemma-3-27b"), 131_072)
+print(f"gemma-3-27b, one 131,072-token sequence, bf16: {float(g27.full_bytes) / 2**30:.2f} GiB "
+      f"with every page, {float(g27.window_bytes) / 2**30:.2f} GiB with window-only pages "
+      f"({g27.local_layers} local layers x {g27.window_pages} pages instead of "
+      f"{g27.context_pages}); {float(g27.full_bytes / g27.window_bytes):.2f}x smaller")
+
 # %%
 # The demonstrated results.
 # Per-channel grouping beats per-token grouping on keys with outlier channels, at every width.
@@ -363,3 +435,13 @@ for name in ("StreamingLLM", "H2O"):
 assert (runs["Quest"]["tokens"] == context).all(), runs["Quest"]["tokens"]
 for name, r in runs.items():
     assert r["dnll"] < 0.05, (name, r["dnll"])
+# Window-only pages change no token, and the local layers hold one ring per sequence (the
+# global layer its 16 pages either way): 1 x 32 + 2 x 10 page-layers instead of 3 x 32.
+np.testing.assert_array_equal(g_runs["window-only"]["tokens"], g_runs["every page"]["tokens"])
+seq_pages = -(-(48 + 80 - 1) // g_page)  # the last generated token is not fed
+ring = ring_pages(16, g_chunk, g_page)
+assert [p[:2] for p in g_runs["every page"]["pools"]] == [(3, 2 * seq_pages)]
+assert [p[:2] for p in g_runs["window-only"]["pools"]] == [(1, 2 * seq_pages), (2, 2 * ring)]
+assert g_runs["window-only"]["bytes"] * 96 == g_runs["every page"]["bytes"] * 52
+# gemma-3-27b at 128K: 62 GiB with every page, about 10.5 GiB with window-only pages.
+assert g27.full_bytes == 62 * 2**30 and 5.8 < g27.full_bytes / g27.window_bytes < 6.0
