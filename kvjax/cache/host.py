@@ -190,6 +190,13 @@ def attach(
 ) -> PagedKVCache:
     """The cache with an empty host tier of `num_pages` pages in host memory.
 
+    With window groups (`CacheSpec.window_groups`) the tier mirrors the main pools (the
+    global layers); the groups' rings stay on the device: a ring is at most
+    `ring_pages(window, chunk, page_size)` pages per sequence whatever its length, so
+    moving its pages would save little, and its attention never reads a host page. `move`
+    then moves the global layers' leading pages; `swap_out`/`swap_in` (which would have
+    to park the rings too) refuse such a cache.
+
     Args:
       cache: a cache of any page kind on one device (not laid out by a sharding plan).
       num_pages: pages of the host pool (same page size and layout as the device's).
@@ -208,9 +215,6 @@ def attach(
     if not isinstance(cache.table, pt.PageTable) or type(cache.table) is not pt.PageTable:
         raise ValueError("attach: a host tier needs an unsharded page table (the cache's pages "
                          "are sharded over a context axis).")
-    if cache.groups:
-        raise ValueError("attach: a cache with window groups (CacheSpec.window_groups) does not "
-                         "take a host tier yet; build it without window-only pages.")
     if cache.recurrent is not None:
         raise ValueError("attach: a hybrid model's cache (recurrent state per slot) does not "
                          "take a host tier yet: a swapped-out slot would lose its state.")
@@ -412,6 +416,13 @@ def _move(cache: PagedKVCache, s, n, *, k: int):
 # --------------------------------------------------------------------------- swap
 
 
+def _no_groups(op: str, cache: PagedKVCache) -> None:
+    if cache.groups:
+        raise ValueError(f"{op}: a cache with window groups (CacheSpec.window_groups) keeps "
+                         f"its rings on the device, so a whole sequence cannot be parked on "
+                         f"the host; move its leading pages (host.move) instead.")
+
+
 def _check_row(op: str, tier: HostTier, row) -> int:
     r = int(row)
     if not 0 <= r < tier.num_parked:
@@ -433,6 +444,7 @@ def swap_out(cache: PagedKVCache, slot: int, row: int) -> tuple[PagedKVCache, pt
       ValueError: a slot that holds nothing, or a row that is out of range or in use.
     """
     tier = _tier(cache, "swap_out")
+    _no_groups("swap_out", cache)
     s = _check_slot("swap_out", cache, slot)
     r = _check_row("swap_out", tier, row)
     if int(cache.lengths[s]) == 0:
@@ -498,6 +510,7 @@ def swap_in(cache: PagedKVCache, row: int, slot: int) -> tuple[PagedKVCache, pt.
       ValueError: a row that holds nothing, or a slot that is out of range or in use.
     """
     tier = _tier(cache, "swap_in")
+    _no_groups("swap_in", cache)
     r = _check_row("swap_in", tier, row)
     s = _check_slot("swap_in", cache, slot)
     if int(tier.parked_lengths[r]) == 0:

@@ -635,7 +635,9 @@ def _attend(cache, layer, q, q_lengths, seq_ids, selection, scale, soft_cap, sli
     spec = cache.spec
     if isinstance(selection, TokenSelection):
         return _attend_tokens(cache, layer, q, seq_ids, selection, scale, kw)
-    if cache.host is not None and cache.host.stream_pages > 0:
+    # A window group's layer reads its device-resident ring only (the tier holds main pages).
+    if (cache.host is not None and cache.host.stream_pages > 0
+            and window.home(spec, layer)[0] is None):
         if selection is not None:
             raise ValueError("attend: a selection does not combine with host-resident pages "
                              "(a host tier with stream_pages > 0).")

@@ -417,7 +417,9 @@ class Engine:
             raise ValueError("Engine: a host tier does not combine with a sharding plan; drop "
                              "host_pages or the plan.")
         if (policy is not None or host_pages) and cfg.window_pages is None:
-            # A policy needs every page; the host tier does not take window groups yet.
+            # A policy needs every page; the engine's host tier parks whole sequences
+            # (host.swap_out), which a cache with window groups refuses (rings stay on the
+            # device).
             cfg = dataclasses.replace(cfg, window_pages=False)
         if policy is not None and cfg.windows_for(model) is not None:
             raise ValueError(f"Engine: {type(policy).__name__} selects or scores pages by "

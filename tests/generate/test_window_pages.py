@@ -14,7 +14,7 @@ import pytest
 
 import kvjax as kvx
 import kvjax.generate as gen
-from kvjax.cache import host, window
+from kvjax.cache import window
 from kvjax.models import base, llama
 from kvjax.models.deepseek.params import init_from_shapes
 from kvjax.models.layers import RopeConfig
@@ -122,9 +122,7 @@ def test_window_pages_refusals(prompts):
     with pytest.raises(ValueError, match="chunk_size=4"):
         gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=2,
                      chunk_size=CHUNK, cache=cache)
-    # Not yet combined: a host tier, the 'context' strategy.
-    with pytest.raises(ValueError, match="window groups"):
-        host.attach(cache, 4)
+    # Not yet combined: the 'context' strategy.
     ctx = ShardingPlan(mesh=make_mesh((2,), ("context",)), strategies=("context",))
     with pytest.raises(ValueError, match="'context' strategy"):
         init_sharded_cache(cache.spec, ctx)

@@ -23,7 +23,7 @@ import pytest
 
 import kvjax as kvx
 import kvjax.generate as gen
-from kvjax.cache import window
+from kvjax.cache import host, window
 from kvjax.models import base, llama
 from kvjax.models.deepseek.params import init_from_shapes
 from kvjax.models.layers import RopeConfig
@@ -89,3 +89,42 @@ def test_kivi_global_layers_beside_full_precision_rings(model_params, prompts):
     assert cache.groups[0].pages.k.dtype == np.float32
     assert window.pages_in_use(cache) == (2 * RING,)
     assert int(cache.quant_lengths.min()) > 0  # quantized pages were written
+
+
+def test_host_tier_moves_global_pages_and_rings_stay_on_device(model_params, prompts):
+    # Each row's leading pages of the global layer move to the host between a prefill and
+    # its continuation (more prompt, then decode); the windowed layer's rings stay on the
+    # device. Tokens equal the same requests on a cache without a tier.
+    model, params = model_params
+    first, more = prompts[0], [c[:8] for c in prompts[1]]
+    tokens = {}
+    for tier in (False, True):
+        cache = gen.CacheConfig(page_size=PAGE, window_pages=True).build(
+            model, num_seqs=2, max_tokens=64, chunk=CHUNK)
+        if tier:
+            cache = host.attach(cache, 16, stream_pages=4)
+        cache = gen.generate(model, params, first, key=jax.random.key(0), max_new_tokens=1,
+                             chunk_size=CHUNK, cache=cache, free_finished=False).cache
+        if tier:
+            rings = np.asarray(cache.groups[0].table.block_tables).copy()
+            for s in (0, 1):
+                n = min(4, host._movable(cache, s))
+                cache, status = host.move(cache, s, n)
+                status.raise_if_error()
+            assert np.asarray(host.host_pages(cache)).tolist() == [4, 2]
+            np.testing.assert_array_equal(cache.groups[0].table.block_tables, rings)
+            host.check(cache)
+        out = gen.generate(model, params, more, key=jax.random.key(1), max_new_tokens=NEW,
+                           chunk_size=CHUNK, cache=cache, seq_ids=[0, 1], free_finished=False)
+        tokens[tier] = out.tokens
+        if tier:
+            host.check(out.cache)  # both tiers' tables and how they meet
+            window.check_invariants(out.cache)
+        else:
+            kvx.cache.check_invariants(out.cache)
+    np.testing.assert_array_equal(tokens[True], tokens[False])
+    assert len(set(tokens[True][0].tolist())) > 5
+    assert window.pages_in_use(out.cache) == (2 * RING,)
+    assert np.asarray(host.host_pages(out.cache)).tolist() == [4, 2]
+    with pytest.raises(ValueError, match="rings on the device"):
+        host.swap_out(out.cache, 0, 0)
