@@ -23,13 +23,15 @@ MAX_NEW, PAGE = 32, 8
 PROMPT_LENS = (13, 5, 21)
 # float32 on both sides; the paged path sums attention in another order.
 LOGIT_TOL = dict(rtol=1e-4, atol=1e-4)
+# The model built in one program (its initialisers run eagerly compile one program each).
+new_lm = nnx.jit(lambda: FlaxLM(seed=3))
 
 
 @pytest.fixture(scope="module")
 def setup():
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
-    module = FlaxLM(seed=3)
+    module = new_lm()
     ref_tokens, ref_logits = dense_decode(module, prompts, MAX_NEW)
     holder = kvnnx.adapt(module)
     model, params = kvnnx.as_model(module, vocab_size=VOCAB)
@@ -42,7 +44,7 @@ def setup():
 
 def test_adapt_replaces_attention_and_reuses_weights(setup):
     module = setup["module"]
-    fresh = FlaxLM(seed=3)
+    fresh = new_lm()
     for layer, (block, orig) in enumerate(zip(module.blocks, fresh.blocks, strict=True)):
         attn = block.attn
         assert isinstance(attn, kvnnx.PagedMultiHeadAttention) and attn.layer == layer
@@ -105,27 +107,31 @@ def test_holder_reserve_fork_free_and_a_direct_call(setup):
     module, holder, model = setup["module"], setup["holder"], setup["model"]
     prompt = np.asarray(setup["prompts"][0], np.int32)
     n = prompt.size
-    holder.set_cache(kvg.CacheConfig(page_size=PAGE).build(model, num_seqs=2, max_tokens=64))
-    holder.reserve(jax.device_put(np.array([n, 0], np.int32))).raise_if_error()
+    # The geometry of the fixture's generate: the generate below reuses its programs.
+    spec = setup["result"].cache.spec
+    holder.set_cache(kvg.CacheConfig(page_size=PAGE).build(
+        model, num_seqs=spec.max_seqs, max_tokens=spec.max_tokens_per_seq))
+    holder.reserve(jax.device_put(np.array([n, 0, 0], np.int32))).raise_if_error()
 
     @nnx.jit
     def run(module, holder, tokens, positions, q_lengths):
         with holder.step(positions=positions, q_lengths=q_lengths):
             return module(tokens, positions)
 
-    logits = run(module, holder, jax.device_put(np.stack([prompt, prompt])),
-                 jax.device_put(np.tile(np.arange(n, dtype=np.int32), (2, 1))),
-                 jax.device_put(np.array([n, 0], np.int32)))
+    logits = run(module, holder, jax.device_put(np.stack([prompt] * 3)),
+                 jax.device_put(np.tile(np.arange(n, dtype=np.int32), (3, 1))),
+                 jax.device_put(np.array([n, 0, 0], np.int32)))
     np.testing.assert_allclose(np.asarray(logits)[0], setup["ref_logits"][0, :n], **LOGIT_TOL)
     holder.fork(jax.device_put(np.array([0], np.int32)), jax.device_put(np.array([1], np.int32))
                 ).raise_if_error()
-    np.testing.assert_array_equal(np.asarray(holder.cache.lengths), [n, n])
-    holder.free(jax.device_put(np.array([True, True])))
-    np.testing.assert_array_equal(np.asarray(holder.cache.lengths), [0, 0])
-    with pytest.raises(RuntimeError, match="outside a step"):
-        module(jax.device_put(prompt[None]), jax.device_put(np.arange(n, dtype=np.int32)[None]))
-    result = kvnnx.generate(module, [setup["prompts"][0]], vocab_size=VOCAB,
+    np.testing.assert_array_equal(np.asarray(holder.cache.lengths), [n, n, 0])
+    holder.free(jax.device_put(np.array([True, True, True])))
+    np.testing.assert_array_equal(np.asarray(holder.cache.lengths), [0, 0, 0])
+    with pytest.raises(RuntimeError, match="outside a step"):  # raised while tracing
+        nnx.jit(lambda m, t, p: m(t, p))(module, jax.device_put(prompt[None]),
+                                          jax.device_put(np.arange(n, dtype=np.int32)[None]))
+    result = kvnnx.generate(module, setup["prompts"], vocab_size=VOCAB,
                             key=jax.random.key(0), max_new_tokens=MAX_NEW, chunk_size=PAGE)
-    np.testing.assert_array_equal(result.tokens[0], setup["ref_tokens"][0])
+    np.testing.assert_array_equal(result.tokens, setup["ref_tokens"])
     held, final = jax.tree.leaves(holder.cache), jax.tree.leaves(result.cache)
     assert all(a is b for a, b in zip(held, final, strict=True))
