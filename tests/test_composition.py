@@ -20,14 +20,16 @@ on KIVI pages sharded by 'sequences' (NotImplementedError: a window in positions
 a prefix of a device's pages).
 
 Gemma's local layers keep window-only pages (`CacheConfig(window_pages=True)`: a ring of
-ring_pages(8, 8, 8) = 3 pages a sequence, which every sequence here outgrows) where kvjax
-takes them: float32 and bf16 pages without a policy on one device, whose cells also
-check the rings (`_check_rings`). KIVI pages and sharding plans refuse window pages, so
-those cells keep every page and the local layers mask their window; so do StreamingLLM's
-(generate refuses window pages with a policy; its 20 recent tokens hold the 8-token
-window). With H2O, SnapKV, PyramidKV and Quest the cells ask for window pages and expect
-the refusal (`UndefinedCombination` from generate; ValueError from `CacheConfig` with
-KIVI pages or a plan): on a cache without window pages, Quest and PyramidKV's
+ring_pages(8, 8, 8) = 3 pages a sequence, which every sequence here outgrows) in the
+float32 and bf16 cells without a policy on one device, which also check the rings
+(`_check_rings`). The other cells pass window_pages=False and keep every page, the local
+layers masking their window: KIVI and sharded cells (kvjax now takes window pages there
+too, KIVI ones with full-precision rings beside KIVI global layers, which the reference
+does not model yet) and StreamingLLM's (generate refuses window pages with a policy; its
+20 recent tokens hold the 8-token window). With H2O, SnapKV, PyramidKV and Quest the
+cells ask for window pages and expect the refusal (`UndefinedCombination` from generate;
+ValueError from `CacheConfig` on the 'context' strategy): on a cache without window
+pages, Quest and PyramidKV's
 selections meet the local layers' window (full-precision pages: NotImplementedError from
 the selected attention; KIVI pages: the window is dropped), and H2O and SnapKV score
 tokens with attention probabilities that know neither the window nor Gemma's query scale
@@ -119,11 +121,10 @@ UNDEFINED: dict[tuple[str, ...], tuple[type[Exception], str]] = {
     **{("deepseek_v32", c, p, d, e): (UndefinedCombination, "DeepSeek Sparse Attention")
        for c in CACHES for p in SCORING for d in DEVICES for e in ENTRIES},
     **{("gemma", c, p, d, e): (UndefinedCombination, "window-only pages")
-       for c in ("float32", "bfloat16") for p in SCORING for d in ("1",) for e in ENTRIES},
-    **{("gemma", c, p, d, e): (ValueError, "window_pages applies to full-precision caches "
-                                           "without a sharding plan")
-       for c in CACHES for p in SCORING for d in DEVICES for e in ENTRIES
-       if c not in ("float32", "bfloat16") or d != "1"},
+       for c in CACHES for p in SCORING for d in ("1", "8:heads+sequences") for e in ENTRIES},
+    **{("gemma", c, p, "8:context", e): (ValueError, "window_pages does not combine with the "
+                                                     "'context'")
+       for c in CACHES for p in SCORING for e in ENTRIES},
     **{("gemma", c, p, "8:context", e): (NotImplementedError, "sliding_window is not "
                                                               "supported with the 'context'")
        for c in CACHES for p in ("none", "streaming_llm") for e in ENTRIES},
@@ -227,14 +228,14 @@ def _chunk(family: str) -> int:
 def _window_pages(family: str, cache: str, policy: str, devices: str) -> bool:
     """Whether a Gemma cell asks for window-only pages for its local layers.
 
-    Without a policy, wherever kvjax takes them (full-precision pages, one device); with
-    KIVI pages or a plan, which `CacheConfig` refuses them with, the cache keeps every page
-    and the local layers mask their window. StreamingLLM, which `generate` refuses them
-    with, runs on every page too: its recent window (20 tokens) holds the local window (8),
-    so every page kind's local layers read the same tokens with or without eviction. The
-    policies that score or select by attention (SCORING) ask for them and are refused
-    (UNDEFINED): on a cache without window pages they would score or select tokens as if
-    the local layers saw every token.
+    Without a policy, on full-precision pages on one device; KIVI and sharded caches keep
+    every page (the local layers mask their window): the reference's KIVI simulation
+    quantizes every layer, where window pages would keep the local layers in
+    full-precision rings. StreamingLLM, which `generate` refuses them with, runs on every
+    page too: its recent window (20 tokens) holds the local window (8), so the local layers
+    read the same tokens with or without eviction. The policies that score or select by
+    attention (SCORING) ask for them and are refused (UNDEFINED): on a cache without window
+    pages they would score or select tokens as if the local layers saw every token.
     """
     if family != "gemma" or policy == "streaming_llm":
         return False
