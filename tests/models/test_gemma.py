@@ -88,13 +88,15 @@ def test_matches_transformers(name, root, rng):
     assert c.sliding_window == WINDOW and gemma.LOCAL in c.layer_types
     assert gemma.GLOBAL in c.layer_types
     prompts = _prompts(rng)
-    # The prefill `generate` runs (same cache spec, shapes and chunk: one program).
+    # The prefill `generate` runs (same cache spec, shapes, chunk and keyword arguments:
+    # one program).
     tokens, lengths, chunk = gen.pad_prompts(prompts, CHUNK)
     cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW, chunk=chunk)
     _, last, status, _, _ = gen.prefill(model, params, cache, jax.device_put(tokens),
                                         jax.device_put(lengths),
                                         jax.device_put(np.arange(2, dtype=np.int32)),
-                                        chunk_size=chunk)
+                                        chunk_size=chunk, impl="auto", policy=None,
+                                        policy_state=None)
     status.raise_if_error()
     last = np.asarray(last)
     for i, p in enumerate(prompts):
@@ -202,7 +204,7 @@ def test_unstacked_layers_give_every_position_of_transformers(root, rng):
     stacked ones: transformers' logits at every position of 3-window prompts."""
     m, model, params, _ = _case("gemma3", root)
     prompts = _prompts(rng, (24, 24))
-    flat = gemma.unstack_layers(params)
+    flat = jax.jit(gemma.unstack_layers)(params)  # one program, not one per slice
     assert isinstance(flat.layers, tuple) and len(flat.layers) == model.config.num_layers
     tokens = jax.device_put(np.asarray(prompts, np.int32))
     lengths = jax.device_put(np.asarray([24, 24], np.int32))
