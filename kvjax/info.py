@@ -120,7 +120,8 @@ def _gpu_ops() -> dict | None:
 
 def _prefill_ops() -> dict:
     """Per prefill op (chunked prefill and mixed decode/prefill steps), for TPU and GPU: the
-    kernel "auto" runs there ("ragged" or "xla") and why."""
+    kernel "auto" runs there ("ragged": the TPU kernel, "mosaic": the Mosaic GPU kernel on a
+    Hopper, or "xla") and why."""
     from kvjax.attention import pallas_impls
 
     ops = {}

@@ -10,9 +10,11 @@ plain interpret mode on CPU, where it is fastest to interpret (its pools stay in
 
 Chunked prefill and the engine's mixed steps (`paged_prefill_attention`,
 `mla_prefill_attention`: rows of 0..q_len new queries) run the ragged paged
-attention kernel (`kernels_pallas/ragged_attention/tpu.py`) on TPU; a GPU has no
-prefill kernel yet and runs the XLA path (`PREFILL_KERNEL_OPS` lists, per backend,
-the prefill ops with a kernel; `prefill_kernel` says which runs and why).
+attention kernel: `kernels_pallas/ragged_attention/tpu.py` on TPU, and on a Hopper
+GPU `kernels_pallas/ragged_attention/mosaic_gpu.py` for GQA where it takes the
+shapes; the XLA path on other GPUs, for shapes it refuses, and for MLA on GPU
+(`PREFILL_KERNEL_OPS` lists, per backend, the prefill ops with a kernel;
+`prefill_kernel` and `gpu_kernel` say which runs and why).
 """
 
 import importlib
@@ -34,7 +36,7 @@ __all__ = [
     "KERNEL_OPS", "MOSAIC_GPU_OPS", "platform", "gpu_kernel", "gpu_device", "kernel_takes",
     "paged_decode_attention", "mla_decode_attention", "quantized_attention",
     "quantized_mla_attention", "PREFILL_KERNEL_OPS", "kernel_ops", "prefill_kernel",
-    "paged_prefill_attention", "mla_prefill_attention",
+    "paged_prefill_attention", "mla_prefill_attention", "MOSAIC_GPU_PREFILL_OPS",
 ]
 
 # Ops that have a kernel of their own ("auto" picks "pallas" for them on TPU/GPU).
@@ -45,13 +47,17 @@ MOSAIC_GPU_OPS = {
     "mla_decode_attention": "kernels_pallas.mla_decode.mosaic_gpu",
     "quantized_attention": "kernels_pallas.quantized_attention.mosaic_gpu",
 }
+# Prefill ops with a Mosaic GPU kernel (Hopper), and its module; the XLA path elsewhere.
+MOSAIC_GPU_PREFILL_OPS = {
+    "paged_prefill_attention": "kernels_pallas.ragged_attention.mosaic_gpu",
+}
 # Prefill ops (rows of several new queries, mixed with decode rows) with a kernel, per
-# backend. A GPU prefill kernel plugs in by listing its ops under "gpu" and branching to
-# it in `paged_prefill_attention` / `mla_prefill_attention` below.
+# backend (on GPU: where `gpu_kernel` finds a Hopper).
 PREFILL_KERNEL_OPS = {
     "tpu": ("paged_prefill_attention", "mla_prefill_attention"),
-    "gpu": (),
+    "gpu": tuple(MOSAIC_GPU_PREFILL_OPS),
 }
+_PREFILL_OPS = ("paged_prefill_attention", "mla_prefill_attention")
 # Mosaic GPU kernels run where the GPU has Hopper's TMA and warpgroup MMA (sm_90).
 _MOSAIC_CAPABILITIES = ("9.0",)
 
@@ -63,13 +69,27 @@ def platform() -> str:
 
 def kernel_ops(backend: str) -> tuple[str, ...]:
     """The ops with a Pallas kernel of their own on `backend` ("tpu" or "gpu"): "auto" picks
-    "pallas" for them there."""
-    return KERNEL_OPS + PREFILL_KERNEL_OPS.get(backend, ())
+    "pallas" for them there (on GPU the prefill ops only where `prefill_kernel` finds the
+    Mosaic GPU kernel runs on the default device)."""
+    prefill = PREFILL_KERNEL_OPS.get(backend, ())
+    if backend == "gpu":
+        prefill = tuple(op for op in prefill if prefill_kernel(op, "gpu")[0] != "xla")
+    return KERNEL_OPS + prefill
 
 
-def prefill_kernel(op: str, backend: str) -> tuple[str, str]:
+def prefill_kernel(op: str, backend: str, *arrays) -> tuple[str, str]:
     """What impl="pallas" runs for prefill op `op` on `backend` ("tpu" or "gpu"), and why:
-    ("ragged", reason) where the backend has the ragged kernel, ("xla", reason) otherwise."""
+    ("ragged", reason) for the TPU ragged kernel, ("mosaic", reason) for the Mosaic GPU
+    ragged kernel, ("xla", reason) for the XLA path. On a GPU backend the answer is the
+    default device's (`gpu_kernel`, for `arrays`: the op's query and page arrays, or none:
+    any shapes); asked about "gpu" elsewhere, it says what a GPU runs."""
+    if backend == "gpu":
+        if platform() == "gpu":
+            return gpu_kernel(op, *arrays)
+        if op in MOSAIC_GPU_PREFILL_OPS:
+            return "mosaic", ("kernels_pallas/ragged_attention/mosaic_gpu on a Hopper GPU (sm_90) "
+                              "where it takes the shapes; the XLA path on other GPUs")
+        return "xla", f"no GPU kernel for {op}: the XLA path"
     if op in PREFILL_KERNEL_OPS.get(backend, ()):
         return "ragged", ("kernels_pallas/ragged_attention: decode, chunked-prefill and mixed "
                           "rows in one kernel")
@@ -121,7 +141,7 @@ def gpu_device():
 def _mosaic_module(op: str):
     """The op's Mosaic GPU kernel module, or the reason it cannot be imported."""
     try:
-        return importlib.import_module(MOSAIC_GPU_OPS[op]), None
+        return importlib.import_module({**MOSAIC_GPU_OPS, **MOSAIC_GPU_PREFILL_OPS}[op]), None
     except Exception as e:  # an older jax without Mosaic GPU, or an API that moved
         return None, f"the Mosaic GPU kernel does not import on jax {jax.__version__} ({e})"
 
@@ -130,21 +150,23 @@ def gpu_kernel(op: str, *arrays, **static) -> tuple[str, str]:
     """Which GPU kernel runs `op` on the default device, and why: ("mosaic", reason) on a
     Hopper GPU (compute capability 9.0) where the op has a Mosaic GPU kernel that takes
     `arrays` (the op's query and page arrays, in its argument order; none: any shapes),
-    ("triton", reason) otherwise."""
-    if op not in MOSAIC_GPU_OPS:
-        return "triton", f"{op} has no Mosaic GPU kernel"
+    ("triton", reason) otherwise; for the prefill ops, which have no Triton kernel, "xla"
+    (the XLA path) in place of "triton"."""
+    other = "xla" if op in _PREFILL_OPS else "triton"
+    if op not in MOSAIC_GPU_OPS and op not in MOSAIC_GPU_PREFILL_OPS:
+        return other, f"{op} has no Mosaic GPU kernel"
     device = gpu_device()
     cap = getattr(device, "compute_capability", None)
     if cap not in _MOSAIC_CAPABILITIES:
-        return "triton", (f"{device.device_kind} (compute capability {cap}) is not a Hopper "
-                          f"GPU (sm_90), which the Mosaic GPU kernel is built for")
+        return other, (f"{device.device_kind} (compute capability {cap}) is not a Hopper "
+                       f"GPU (sm_90), which the Mosaic GPU kernel is built for")
     module, why_not = _mosaic_module(op)
     if module is None:
-        return "triton", why_not
+        return other, why_not
     if arrays:
         why_not = module.unsupported_reason(*arrays, **static)
         if why_not is not None:
-            return "triton", f"the Mosaic GPU kernel does not take these shapes: {why_not}"
+            return other, f"the Mosaic GPU kernel does not take these shapes: {why_not}"
     return "mosaic", (f"{device.device_kind} is a Hopper GPU (sm_90): TMA page copies and "
                       f"warpgroup MMA")
 
@@ -232,7 +254,13 @@ def paged_prefill_attention(q, k_pages, v_pages, lengths, block_tables, q_length
     path where the backend has none; see the module docstring)."""
     backend, interpret = _backend_and_interpret(interpret)
     kw = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    if prefill_kernel("paged_prefill_attention", backend)[0] == "xla":
+    if backend == "gpu" and gpu_kernel("paged_prefill_attention", q, k_pages,
+                                       v_pages)[0] == "mosaic":
+        module, _ = _mosaic_module("paged_prefill_attention")
+        return module.paged_prefill_attention(
+            q, k_pages, v_pages, lengths, block_tables, q_lengths,
+            num_sms=_num_sms(gpu_device()), interpret=interpret, **kw)
+    if backend == "gpu" or prefill_kernel("paged_prefill_attention", backend)[0] == "xla":
         return xla_path.paged_prefill_attention(q, k_pages, v_pages, lengths, block_tables,
                                                 q_lengths, **kw)
     return ragged_tpu.paged_prefill_attention(q, k_pages, v_pages, lengths, block_tables,
@@ -245,6 +273,6 @@ def mla_prefill_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, b
     XLA path where the backend has none)."""
     backend, interpret = _backend_and_interpret(interpret)
     args = (q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, q_lengths)
-    if prefill_kernel("mla_prefill_attention", backend)[0] == "xla":
+    if backend == "gpu" or prefill_kernel("mla_prefill_attention", backend)[0] == "xla":
         return xla_path.mla_prefill_attention(*args, scale=scale)
     return ragged_tpu.mla_prefill_attention(*args, scale=scale, interpret=interpret)

@@ -14,8 +14,8 @@ Implementations:
   "pallas": the Pallas kernels (`kernels_pallas/*/{tpu,gpu}.py`): the GPU kernel on a
     GPU backend, the TPU kernel otherwise (interpreted on CPU). Chunked prefill and mixed
     steps run the ragged paged attention kernel (`kernels_pallas/ragged_attention`) on
-    TPU; on a GPU, which has no prefill kernel yet, their "pallas" entry runs the XLA
-    path (`pallas_impls.PREFILL_KERNEL_OPS`);
+    TPU and, for GQA, on a Hopper GPU; elsewhere on a GPU their "pallas" entry runs the
+    XLA path (`pallas_impls.PREFILL_KERNEL_OPS`, `pallas_impls.prefill_kernel`);
   "cpu": the C++ CPU kernels (`kvjax.backends.cpu`) for GQA decode and chunked prefill,
     MLA and KIVI decode; the other ops' "cpu" entries run the "xla" path, so a model
     given impl="cpu" also prefills on every cache kind;
@@ -128,9 +128,10 @@ def auto_impl(op: str, dtype=None, pages=None) -> str:
     """The implementation "auto" resolves to for `op` (on pages of `dtype`; `pages`, one
     layer's pools, when known) on the default backend: the Pallas kernel on TPU and GPU
     where the op has one there (`pallas_impls.kernel_ops`: decode on both, chunked prefill
-    and mixed steps on TPU) that takes these pages (`pallas_impls.kernel_takes`); on CPU
-    the C++ kernel where the CPU backend measured it faster than the XLA path on this
-    CPU's build (`kvjax.backends.cpu.choose`), the XLA path otherwise."""
+    and mixed steps on TPU and a Hopper GPU) that takes these pages
+    (`pallas_impls.kernel_takes`); on CPU the C++ kernel where the CPU backend measured it
+    faster than the XLA path on this CPU's build (`kvjax.backends.cpu.choose`), the XLA
+    path otherwise."""
     platform = pallas_impls.platform()
     if platform in ("tpu", "gpu") and op in pallas_impls.kernel_ops(
             platform) and pallas_impls.kernel_takes(pages):

@@ -228,10 +228,18 @@ def test_info_says_what_prefill_runs_on_tpu_and_gpu(monkeypatch):
     for op in ("paged_prefill_attention", "mla_prefill_attention"):
         assert report[op]["tpu"]["kernel"] == "ragged"
         assert "ragged_attention" in report[op]["tpu"]["reason"]
-        assert report[op]["gpu"]["kernel"] == "xla"
+        # GQA: the Mosaic GPU kernel on a Hopper (the XLA path on other GPUs); MLA: XLA.
+        gpu = "mosaic" if op == "paged_prefill_attention" else "xla"
+        assert report[op]["gpu"]["kernel"] == gpu
+        if gpu == "mosaic":
+            assert "Hopper" in report[op]["gpu"]["reason"]
         for platform, want in (("tpu", "pallas"), ("gpu", "xla")):
-            _pretend(monkeypatch, platform)
+            _pretend(monkeypatch, platform)  # this machine's device: not a Hopper
             assert registry.auto_impl(op) == want
+        monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0"))
+        assert registry.auto_impl(op) == ("pallas" if gpu == "mosaic" else "xla")
+        assert pallas_impls.prefill_kernel(op, "gpu")[0] == gpu
+        monkeypatch.undo()
 
 
 class _Gpu:
@@ -332,3 +340,58 @@ def test_kivi_decode_on_hopper_runs_the_mosaic_kernel_and_prefill_rows_triton(mo
     assert calls[-1][1]["num_sms"] == 114 and "block_sizes" not in calls[-1][1]
     rows = (jax.numpy.repeat(args[0], 2, axis=1), *args[1:])  # two query rows: prefill
     assert pallas_impls.quantized_attention(*rows, interpret=True, **kw) == "triton"
+
+
+def test_prefill_on_hopper_runs_the_mosaic_ragged_kernel(rng, monkeypatch):
+    """On a Hopper, "auto" and "pallas" hand GQA chunked prefill / mixed steps to the Mosaic
+    GPU ragged kernel with the device's SM count and the op's arguments in order (the kernel
+    is stood in for by the reference on what it receives: interpreting it costs seconds,
+    and tests/kernels/test_mosaic_gpu_ragged.py checks it); MLA prefill, which it does not
+    take, runs the XLA path."""
+    module, why_not = pallas_impls._mosaic_module("paged_prefill_attention")
+    assert module is not None, why_not
+    calls = []
+
+    def stand_in(*args, num_sms, interpret, **kw):
+        calls.append((num_sms, interpret, kw))
+        return _prefill_ref(*args, **kw)
+
+    _pretend(monkeypatch, "gpu")
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0", 114))
+    monkeypatch.setattr(module, "paged_prefill_attention", stand_in)
+    gqa, mla = _mixed_rows(rng)
+    bf16 = jax.numpy.bfloat16
+    gqa = (*(_dev(np.asarray(x), bf16) for x in gqa[:3]), *gqa[3:])
+    kernel, why = pallas_impls.gpu_kernel("paged_prefill_attention", *gqa[:3])
+    assert kernel == "mosaic" and "Hopper" in why
+    assert registry.auto_impl("paged_prefill_attention", pages=gqa[1:3]) == "pallas"
+    got = ops.paged_prefill_attention(*gqa, impl="auto", interpret=True)
+    assert calls == [(114, True, dict(scale=None, soft_cap=None, sliding_window=None))]
+    for g, w in zip(got, _prefill_ref(*gqa), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert pallas_impls.gpu_kernel("mla_prefill_attention")[0] == "xla"
+    got_mla = ops.mla_prefill_attention(*mla, scale=0.1, impl="pallas", interpret=True)
+    for g, w in zip(got_mla, ops.mla_prefill_attention(*mla, scale=0.1, impl="xla"),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert len(calls) == 1
+
+
+def test_prefill_the_mosaic_kernel_refuses_runs_xla_with_its_reason(rng, monkeypatch):
+    """Float32 pages on a Hopper, and any pages on an A100, run the XLA path; gpu_kernel
+    says why."""
+    module, _ = pallas_impls._mosaic_module("paged_prefill_attention")
+    monkeypatch.setattr(module, "paged_prefill_attention",
+                        lambda *a, **kw: pytest.fail("the Mosaic kernel ran"))
+    _pretend(monkeypatch, "gpu")
+    gqa, _ = _mixed_rows(rng)
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0"))
+    kernel, why = pallas_impls.gpu_kernel("paged_prefill_attention", *gqa[:3])
+    assert kernel == "xla" and "does not take these shapes" in why and "float32" in why
+    got = ops.paged_prefill_attention(*gqa, impl="pallas", interpret=True)
+    for g, w in zip(got, ops.paged_prefill_attention(*gqa, impl="xla"), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA A100-SXM4-80GB", "8.0"))
+    kernel, why = pallas_impls.prefill_kernel("paged_prefill_attention", "gpu")
+    assert kernel == "xla" and "A100" in why
+    assert registry.auto_impl("paged_prefill_attention") == "xla"
