@@ -563,6 +563,7 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
             f"{type(policy).__name__} selects or scores pages by position; a cache with "
             f"window-only pages (CacheSpec.window_groups) keeps only its windowed layers' "
             f"last pages. Decode without the policy or without window_pages.")
+    setup.check_policy_model(policy, model)
     if policy is not None and cache.host is not None and cache.host.stream_pages > 0:
         from kvjax.cache.policies import UndefinedCombination
 

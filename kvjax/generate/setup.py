@@ -30,7 +30,7 @@ from kvjax.sharding import (
 from kvjax.specs import CacheSpec, QuantSpec, canonical_dtype, window_groups
 
 __all__ = ["CacheConfig", "prepare_cache", "check_prompts", "check_slots", "check_room",
-           "check_policy", "shard_for_plan"]
+           "check_policy", "check_policy_model", "shard_for_plan"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -300,6 +300,30 @@ def check_policy(policy) -> None:
     if policy is not None and not isinstance(policy, CachePolicy):
         raise TypeError(f"policy must be a kvjax.cache.policies.CachePolicy (e.g. H2O(budget="
                         f"256)) or None, got {policy!r}.")
+
+
+def check_policy_model(policy, model) -> None:
+    """`UndefinedCombination` for a policy that scores or selects tokens by attention (H2O,
+    SnapKV, PyramidKV, Quest) on a model whose attention it would not reproduce: layers with
+    a sliding window or soft-capped logits. Their scores and page selections use plain
+    causal attention over every cached token, so they would keep or read the wrong
+    tokens. StreamingLLM (positional) takes any model."""
+    from kvjax.cache.policies.base import UndefinedCombination
+    from kvjax.cache.policies.streaming_llm import StreamingLLM
+
+    if policy is None or isinstance(policy, StreamingLLM):
+        return
+    config = model.config
+    windows = [w for w in getattr(config, "sliding_windows", None) or () if w is not None]
+    cap = getattr(config, "attn_softcap", None)
+    if windows or cap is not None:
+        what = (f"sliding-window layers (windows {sorted(set(windows))})" if windows
+                else f"soft-capped attention logits (cap {cap})")
+        raise UndefinedCombination(
+            f"{type(policy).__name__} scores or selects tokens with plain causal attention; "
+            f"this model has {what}, which its scores and selections would not follow. Use "
+            f"StreamingLLM or no policy (a model with sliding windows can keep window-only "
+            f"pages instead: CacheConfig(window_pages=True)).")
 
 
 def max_new_vector(max_new_tokens, batch: int) -> np.ndarray:

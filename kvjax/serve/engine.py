@@ -426,6 +426,7 @@ class Engine:
                              f"position; a cache with window-only pages (CacheConfig."
                              f"window_pages) keeps only its windowed layers' last pages. Serve "
                              f"without the policy or with window_pages=False.")
+        setup.check_policy_model(policy, model)
         if policy is not None and prefix_caching:
             prefix_caching = False  # eviction rewrites pages a prefix would share
         if _has_recurrent_state(model):

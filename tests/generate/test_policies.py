@@ -103,3 +103,31 @@ def test_undefined_combination_is_refused_before_any_work(tiny, rng):
     res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=4,
                        cache=cache)
     assert (res.num_generated == 4).all()
+
+
+def test_scoring_policies_on_sliding_window_models_are_refused(tiny, rng):
+    """H2O, SnapKV and Quest score or select tokens with plain causal attention, which a
+    sliding-window layer does not follow: refused before any work, in generate and in the
+    serving engine; StreamingLLM (positional) is not refused."""
+    import dataclasses
+
+    from kvjax.cache.policies import UndefinedCombination
+    from kvjax.generate import setup
+    from kvjax.models.base import get_family
+    from kvjax.serve.engine import Engine
+
+    model, params = tiny
+    windows = (None,) * (model.config.num_layers - 1) + (6,)
+    windowed = get_family("llama").model(dataclasses.replace(model.config,
+                                                             sliding_windows=windows))
+    prompts = _prompts(rng, model.vocab_size)
+    for policy in (H2O(budget=48), SnapKV(budget=48), Quest(top_k=6, dense_layers=0)):
+        with pytest.raises(UndefinedCombination, match=r"sliding-window layers \(windows \[6\]"):
+            gen.generate(windowed, params, prompts, key=jax.random.key(0), max_new_tokens=2,
+                         cache=gen.CacheConfig(page_size=PAGE, window_pages=False),
+                         policy=policy)
+        with pytest.raises(UndefinedCombination, match="sliding-window"):
+            Engine(windowed, params, max_seqs=2, max_seq_len=64,
+                   cache=gen.CacheConfig(page_size=PAGE, window_pages=False), policy=policy)
+        setup.check_policy_model(policy, model)  # no window, no soft cap: taken
+    setup.check_policy_model(StreamingLLM(n_sink=4, window=44), windowed)
