@@ -407,7 +407,8 @@ def _kernel(
                      layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
             plgpu.barrier_wait(q_bar.at[wg])
             masked_step = functools.partial(step, masked=True)
-            carry = lax.fori_loop(j_lo, full_lo, masked_step, carry)
+            if sliding_window is not None:  # the window's leading edge
+                carry = lax.fori_loop(j_lo, full_lo, masked_step, carry)
             carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False),
                                   carry)
             acc, m, l_sum = lax.fori_loop(full_hi, j_hi, masked_step, carry)
