@@ -579,6 +579,9 @@ def paged_prefill_attention(
         raise ValueError(f"{op}: sliding_window must be an int >= 1 or None, got "
                          f"{sliding_window!r}.")
     head_dim = q.shape[-1]
+    if q.shape[0] == 0 or q.shape[1] == 0:  # no rows or no query slots: nothing to launch
+        return (jnp.zeros((*q.shape[:3], v_pages.shape[-1]), q.dtype),
+                jnp.full(q.shape[:3], NEG_INF, jnp.float32))
     cfg = config or default_config(head_dim, v_pages.shape[-1], jnp.dtype(q.dtype).itemsize)
     return _prefill(
         q, k_pages, v_pages, lengths, block_tables, q_lengths,
