@@ -129,7 +129,7 @@ def test_mla_matches_reference(rng, dtype):
     heads, d_c, d_rope = 4, 128, 64
     (q_lat, q_rope), (latent, rope), lengths, tables, q_lengths = _rows(
         rng, ([(heads, d_c), (heads, d_rope)], [d_c, d_rope]), 1, dtype)
-    latent, rope = latent[0], rope[0]
+    latent, rope = (jax.device_put(np.asarray(x)[0]) for x in (latent, rope))  # no program
     got = interpreted(tpu.mla_prefill_attention, q_lat, q_rope, latent, rope, lengths, tables,
                       q_lengths, scale=0.1, interpret=True,
                       block_sizes=RaggedBlockSizes(block_q=3, block_tokens=2 * PAGE))
