@@ -60,7 +60,10 @@ Known costs to measure first: the per-item start (two dependent global
 loads and the Q copy, ~1-2 us; Q is not prefetched across items), a decode
 row occupying a whole 128-row item (FA3 pads decode rows the same way), and
 the page ids read from global memory by the copy warpgroup (the decode
-kernel stages them in shared memory).
+kernel stages them in shared memory). Not done yet: the ping-pong schedule
+barrier between the two compute warpgroups (one's softmax under the other's
+wgmma; jax's `attention_mgpu.py` `use_schedule_barrier`, FA3's
+intra-warpgroup overlap), the first thing to try if the tensor cores idle.
 
 Absorbed MLA is not served here: its value is the d_c = 512 latent, whose
 float32 [64, 512] accumulator exceeds one warpgroup's registers; it needs the
