@@ -8,6 +8,8 @@ windowed and global layers mixed (the unrolled layer loop) and all layers window
 scan over layers, Mistral's layout).
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -105,8 +107,11 @@ def test_bfloat16_beams_and_sampled_forks_equal_full_cache(prompts):
         out[on] = (
             gen.beam_search(model, params, prompts[0], beam_width=3, max_new_tokens=NEW,
                             chunk_size=CHUNK, cache=cfg),
-            gen.sample_n(model, params, prompts[1:], n=3, key=jax.random.key(2),
-                         max_new_tokens=NEW, chunk_size=CHUNK, cache=cfg,
+            # The beam's prompt, slots and pool (beam_search sizes its pool for 2 x 3 slots
+            # of 11 pages, with room to fork): sample_n's prefill is beam_search's program.
+            gen.sample_n(model, params, prompts[:1], n=6, key=jax.random.key(2),
+                         max_new_tokens=NEW, chunk_size=CHUNK,
+                         cache=dataclasses.replace(cfg, num_pages=11 + 6 * 12),
                          sampling=sampling).tokens)
     np.testing.assert_array_equal(out[True][0].tokens, out[False][0].tokens)
     np.testing.assert_array_equal(out[True][0].scores, out[False][0].scores)
