@@ -349,13 +349,13 @@ def params_from_hf(config: LlamaConfig, get_tensor: Callable[[str], np.ndarray])
         buf = np.empty(shape, dtype)
         for i in range(config.num_layers):
             buf[i] = fetch(pattern.format(i), shape[1:], transpose)
-        layer[pname] = jnp.asarray(buf)
+        layer[pname] = jax.device_put(buf)  # no conversion program per shape
         del buf
     top = {}
     for pname, entry in shapes.items():
         if pname != "layers":
             shape, hf_name, transpose = entry
-            top[pname] = jnp.asarray(fetch(hf_name, shape, transpose).astype(dtype))
+            top[pname] = jax.device_put(fetch(hf_name, shape, transpose).astype(dtype))
     return LlamaParams(layers=LlamaLayerParams(**layer), **top)
 
 

@@ -9,6 +9,7 @@ vision tower and projector are not read.
 
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,12 +79,12 @@ def params_from_hf(config: GemmaConfig, get_tensor: Callable[[str], np.ndarray])
         buf = np.empty(shape, dtype)
         for i in range(config.num_layers):
             buf[i] = fetch(prefix + pattern.format(i), shape[1:], transpose)
-        layer[pname] = jnp.asarray(buf)
+        layer[pname] = jax.device_put(buf)  # no conversion program per shape
         del buf
     top = {}
     for pname, entry in shapes.items():
         if pname != "layers":
             shape, hf_name, transpose = entry
             name = head if pname == "lm_head" else prefix + hf_name
-            top[pname] = jnp.asarray(fetch(name, shape, transpose).astype(dtype))
+            top[pname] = jax.device_put(fetch(name, shape, transpose).astype(dtype))
     return GemmaParams(layers=GemmaLayerParams(**layer), **top)
