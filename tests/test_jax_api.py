@@ -78,10 +78,21 @@ def _private(dotted: str) -> bool:
     return any(part.startswith("_") and not part.endswith("__") for part in dotted.split("."))
 
 
+# Private names used on purpose, each behind a guarded import that fails loudly naming the
+# jax version when it moves: Mosaic GPU's interpreter (its params class is public only from
+# jax 0.11; its race detector's state has no public accessor). Interpret mode on a CPU only.
+ALLOWED_PRIVATE = {
+    ("kernels_pallas/_mosaic_gpu.py",
+     "jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams"),
+    ("kernels_pallas/_mosaic_gpu.py",
+     "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call"),
+}
+
+
 def test_no_private_jax_modules():
     bad = [f"{p.relative_to(ROOT)}:{line}: {name}"
            for p in _sources() for line, name in _jax_references(ast.parse(p.read_text()))
-           if _private(name)]
+           if _private(name) and (str(p.relative_to(ROOT)), name) not in ALLOWED_PRIVATE]
     assert not bad, "private jax modules (not covered by jax's API policy):\n" + "\n".join(bad)
 
 

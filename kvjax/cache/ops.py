@@ -89,8 +89,11 @@ def cache_device_bytes(spec: CacheSpec) -> int:
 def _device_free_bytes() -> tuple[int, str] | None:
     """(bytes free, the device's kind) on the default device, or None where it does not
     report its memory (the CPU)."""
-    device = jax.devices()[0]
-    stats = device.memory_stats()
+    device = jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except jax.errors.JaxRuntimeError:  # a backend that does not report it
+        return None
     if not stats or "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0), device.device_kind
