@@ -161,10 +161,14 @@ def lower_for_cuda(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+# jax 0.10's spelling of a transposed ref view (deprecated in 0.11.2, removed in 0.12.1).
+_TRANSPOSE_REF = getattr(plgpu, "transpose_ref", None)
+
+
 def transpose_ref(ref: Any, permutation: tuple[int, ...]) -> Any:
     """A transposed view of a shared-memory ref (e.g. K^T as a `wgmma` operand)."""
     if JAX_VERSION < (0, 11):
-        return plgpu.transpose_ref(ref, permutation)
+        return _TRANSPOSE_REF(ref, permutation)
     return ref.transpose(permutation)
 
 
