@@ -15,7 +15,7 @@ contributes nothing; two empty pieces give output 0 and lse -inf.
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-__all__ = ["merge_attention_states", "NEG_INF"]
+__all__ = ["merge_attention_states", "merge_splits", "NEG_INF"]
 
 NEG_INF = float("-inf")
 
@@ -58,3 +58,16 @@ def merge_attention_states(
     out = (out_a.astype(jnp.float32) * (wa * inv)[..., None]
            + out_b.astype(jnp.float32) * (wb * inv)[..., None])
     return out.astype(out_a.dtype), lse
+
+
+def merge_splits(out, lse):
+    """Combines the split axis (axis 0) of split-K partials (out [splits, ...], lse
+    [splits, ...]) by log-sum-exp in a tree of log2(splits) merges."""
+    while out.shape[0] > 1:
+        if out.shape[0] % 2:
+            # An empty piece (output 0, lse -inf) contributes nothing.
+            out = jnp.concatenate([out, jnp.zeros_like(out[:1])])
+            lse = jnp.concatenate([lse, jnp.full_like(lse[:1], NEG_INF)])
+        half = out.shape[0] // 2
+        out, lse = merge_attention_states(out[:half], lse[:half], out[half:], lse[half:])
+    return out[0], lse[0]

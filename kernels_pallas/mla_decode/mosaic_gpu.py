@@ -62,8 +62,8 @@ from jaxtyping import Array, Float, Int
 
 from kernels_pallas import _mosaic_gpu as mgpu
 from kernels_pallas._mosaic_gpu import plgpu
+from kernels_pallas.merge import merge_splits
 from kernels_pallas.mla_decode._common import check_mla_shapes
-from kernels_pallas.paged_attention.gpu import _merge_splits
 
 __all__ = ["mla_decode_attention", "unsupported_reason", "choose_num_splits"]
 
@@ -383,7 +383,7 @@ def _decode(q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, *
     )
     out, lse = kernel(lengths.astype(jnp.int32), block_tables.astype(jnp.int32),
                       q_latent, q_rope, latent_pages, rope_pages)
-    out, lse = _merge_splits(out, lse)
+    out, lse = merge_splits(out, lse)
     return out[:, :q_heads].astype(dtype), lse[:, :q_heads]
 
 

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from kernels_pallas.merge import merge_attention_states
+from kernels_pallas.merge import merge_splits
 from kernels_pallas.paged_attention.block_sizes import (
     BlockSizes,
     check_head_dim,
@@ -228,20 +228,8 @@ def decode_gpu(
         interpret=interpret,
         name=name,
     )(*args)
-    o, l_out = _merge_splits(out, lse)
+    o, l_out = merge_splits(out, lse)
     return o[:, :, :group].astype(qs[0].dtype), l_out[:, :, :group]
-
-
-def _merge_splits(out, lse):
-    """Combines the split axis (axis 0) by log-sum-exp in a tree of log2(splits) merges."""
-    while out.shape[0] > 1:
-        if out.shape[0] % 2:
-            # An empty piece (output 0, lse -inf) contributes nothing.
-            out = jnp.concatenate([out, jnp.zeros_like(out[:1])])
-            lse = jnp.concatenate([lse, jnp.full_like(lse[:1], NEG_INF)])
-        half = out.shape[0] // 2
-        out, lse = merge_attention_states(out[:half], lse[:half], out[half:], lse[half:])
-    return out[0], lse[0]
 
 
 def paged_decode_attention(

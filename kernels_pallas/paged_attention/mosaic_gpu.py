@@ -39,7 +39,7 @@ Design (each choice and the number behind it):
   fewest splits within 85% of the best wave efficiency (FA3's heuristic), so
   one long sequence over 8 KV heads still fills 132 SMs. The splits' partial
   outputs and log-sum-exps are merged by `kernels_pallas.merge` (the tree in
-  `gpu._merge_splits`), one small XLA fusion per level.
+  `merge.merge_splits`), one small XLA fusion per level.
 * Masking: logits outside [first visible, length) are selected to -inf; on a
   range's first and last step the invisible rows of the V stage are zeroed in
   shared memory before P V, so NaN or inf there never reaches the output.
@@ -63,7 +63,7 @@ from jaxtyping import Array, Float, Int
 
 from kernels_pallas import _mosaic_gpu as mgpu
 from kernels_pallas._mosaic_gpu import plgpu
-from kernels_pallas.paged_attention.gpu import _merge_splits
+from kernels_pallas.merge import merge_splits
 from kernels_pallas.paged_attention.tpu import _check_shapes
 
 __all__ = [
@@ -386,7 +386,7 @@ def _decode(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, slid
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mgpu.resolve_interpret(interpret),
     )(qg, k_pages, v_pages, lengths.astype(jnp.int32), tables)
-    out, lse = _merge_splits(out, lse)
+    out, lse = merge_splits(out, lse)
     out = out[:, :, :group].reshape(batch, q_heads, dv).astype(q.dtype)
     return out, lse[:, :, :group].reshape(batch, q_heads)
 

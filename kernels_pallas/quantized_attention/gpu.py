@@ -43,13 +43,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int, UInt8
 
+from kernels_pallas.merge import merge_splits
 from kernels_pallas.paged_attention.block_sizes import (
     BlockSizes,
     check_head_dim,
     check_table_width,
     resolve_block_sizes,
 )
-from kernels_pallas.paged_attention.gpu import _merge_splits, check_page_size, choose_num_splits
+from kernels_pallas.paged_attention.gpu import check_page_size, choose_num_splits
 from kernels_pallas.quantized_attention import _common as c
 from kernels_pallas.quantized_attention import reference as qref
 
@@ -247,7 +248,7 @@ def _pages_gpu(
         interpret=interpret,
         name=name,
     )(lo, hi, tables, qpos_rows, *qs, *pools)
-    out, lse = _merge_splits(out, lse)
+    out, lse = merge_splits(out, lse)
     return out[:, :, :rows], lse[:, :, :rows]
 
 

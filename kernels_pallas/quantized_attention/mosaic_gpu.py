@@ -8,7 +8,7 @@ by the reference's jnp code and merged by log-sum-exp, as in `gpu.py`.
 Design (the bf16 kernel `paged_attention/mosaic_gpu.py` is the frame: its
 split-K `choose_splits`, block table staged in shared memory, one TMA copy per
 page into a `num_stages` ring, the query group padded to wgmma's 64 rows,
-online softmax in float32 and the split merge `_merge_splits`):
+online softmax in float32 and the split merge `merge.merge_splits`):
 
 * Steps of 64 tokens (one wgmma-layout tile of codes). Packed codes come in
   by TMA into 8-row-tiled, swizzled uint8 buffers, are read into registers in
@@ -57,7 +57,7 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas import _mosaic_gpu as mgpu
 from kernels_pallas._mosaic_gpu import plgpu
-from kernels_pallas.paged_attention.gpu import _merge_splits
+from kernels_pallas.merge import merge_splits
 from kernels_pallas.paged_attention.mosaic_gpu import KernelConfig, choose_splits
 from kernels_pallas.quantized_attention import _common as c
 from kernels_pallas.quantized_attention import reference as qref
@@ -424,7 +424,7 @@ def _pages(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_lengths,
     # pieces in order are the channels in order.
     out = out[:, :, :, :, :rows].transpose(0, 1, 2, 4, 3, 5).reshape(
         splits, batch, kv_heads, rows, v_dim)
-    out, lse = _merge_splits(out, lse[..., :rows])
+    out, lse = merge_splits(out, lse[..., :rows])
     return c.unfold(out, lse, 1)
 
 
