@@ -87,7 +87,7 @@ from kernels_pallas._mosaic_gpu import plgpu
 from kernels_pallas.ragged_attention.tpu import _check_gqa
 
 __all__ = ["paged_prefill_attention", "unsupported_reason", "GpuRaggedConfig",
-           "default_config"]
+           "default_config", "work_items"]
 
 ROWS = 64  # rows per compute warpgroup: wgmma's M
 COMPUTE_WGS = 2
@@ -182,6 +182,47 @@ def unsupported_reason(q, k_pages, v_pages, config: GpuRaggedConfig | None = Non
                 f"head_dim {head_dim}, v_head_dim {v_dim} and {cfg}, more than its budget "
                 f"{_SMEM_BUDGET}.")
     return None
+
+
+def work_items(
+    lengths: Int[Array, " batch"],
+    q_lengths: Int[Array, " batch"],
+    *,
+    heads: int,
+    blocks: int,
+    item_positions: int,
+    block_tokens: int,
+    sliding_window: int | None,
+) -> tuple[Int[Array, "3 items"], Int[Array, " 1"]]:
+    """The persistent grid's work list: every (head, row, query block) holding queries,
+    longest first.
+
+    Row b's query block qb covers positions `lengths[b] - q_lengths[b] + qb *
+    item_positions` onward (at most `item_positions` of them); its cost is the number of
+    `block_tokens`-token steps from the first key it sees (the window's start, or 0) to
+    its last query. Sorted longest first (stable), the list dealt round-robin to the CTAs
+    is the greedy longest-processing-time assignment. `heads` is the items' outer axis:
+    KV heads for GQA, head blocks for MLA.
+
+    Returns:
+      (items int32[3, heads * batch * blocks]: head, row, query block of item i, the first
+      `num_items` of them real; num_items int32[1]).
+    """
+    batch = lengths.shape[0]
+    bt = block_tokens
+    qb = jnp.arange(blocks, dtype=jnp.int32)[None, :]
+    valid = qb * item_positions < q_lengths[:, None]  # [batch, blocks]
+    q0 = (lengths - q_lengths)[:, None] + qb * item_positions
+    last = jnp.minimum(lengths[:, None], q0 + item_positions) - 1
+    first = (jnp.zeros_like(q0) if sliding_window is None
+             else jnp.maximum(q0 - (sliding_window - 1), 0))
+    steps = jnp.where(valid, last // bt - first // bt + 1, -1)
+    cost = jnp.broadcast_to(steps, (heads, batch, blocks)).reshape(-1)
+    order = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    per_head = batch * blocks
+    items = jnp.stack([order // per_head, (order % per_head) // blocks, order % blocks])
+    num_items = (heads * valid.sum()).astype(jnp.int32).reshape(1)
+    return items, num_items
 
 
 def _swizzled(shape, dtype):
@@ -453,22 +494,12 @@ def _prefill(q, k_pages, v_pages, lengths, block_tables, q_lengths, *, scale, so
     qf = jnp.pad(qf, ((0, 0),) * 4 + ((0, ROWS - positions * group), (0, 0)))
     qf = qf.reshape(kv_heads, batch, blocks, ITEM_ROWS, head_dim)
 
-    # The schedule: every (KV head, row, query block) holding queries, longest first.
     lengths = lengths.astype(jnp.int32)
     q_lengths = q_lengths.astype(jnp.int32)
-    qb = jnp.arange(blocks, dtype=jnp.int32)[None, :]
-    valid = qb * item_positions < q_lengths[:, None]  # [batch, blocks]
-    q0 = (lengths - q_lengths)[:, None] + qb * item_positions
-    last = jnp.minimum(lengths[:, None], q0 + item_positions) - 1
-    first = (jnp.zeros_like(q0) if sliding_window is None
-             else jnp.maximum(q0 - (sliding_window - 1), 0))
-    steps = jnp.where(valid, last // bt - first // bt + 1, -1)
-    cost = jnp.broadcast_to(steps, (kv_heads, batch, blocks)).reshape(-1)
-    order = jnp.argsort(-cost, stable=True).astype(jnp.int32)
-    per_head = batch * blocks
-    items = jnp.stack([order // per_head, (order % per_head) // blocks, order % blocks])
-    num_items = (kv_heads * valid.sum()).astype(jnp.int32).reshape(1)
-    num_programs = min(num_sms, kv_heads * per_head)
+    items, num_items = work_items(lengths, q_lengths, heads=kv_heads, blocks=blocks,
+                                  item_positions=item_positions, block_tokens=bt,
+                                  sliding_window=sliding_window)
+    num_programs = min(num_sms, kv_heads * batch * blocks)
 
     a_from_smem = mgpu.wgmma_a_from_smem(interpret)
     kernel = functools.partial(
