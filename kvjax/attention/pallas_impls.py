@@ -11,9 +11,9 @@ plain interpret mode on CPU, where it is fastest to interpret (its pools stay in
 Chunked prefill and the engine's mixed steps (`paged_prefill_attention`,
 `mla_prefill_attention`: rows of 0..q_len new queries) run the ragged paged
 attention kernel: `kernels_pallas/ragged_attention/tpu.py` on TPU, and on a Hopper
-GPU `kernels_pallas/ragged_attention/mosaic_gpu.py` for GQA where it takes the
-shapes; the XLA path on other GPUs, for shapes it refuses, and for MLA on GPU
-(`PREFILL_KERNEL_OPS` lists, per backend, the prefill ops with a kernel;
+GPU `kernels_pallas/ragged_attention/mosaic_gpu.py` (GQA) and `mla_mosaic_gpu.py`
+(absorbed MLA) where they take the shapes; the XLA path on other GPUs and for
+shapes they refuse (`PREFILL_KERNEL_OPS` lists, per backend, the prefill ops with a kernel;
 `prefill_kernel` and `gpu_kernel` say which runs and why).
 """
 
@@ -50,6 +50,7 @@ MOSAIC_GPU_OPS = {
 # Prefill ops with a Mosaic GPU kernel (Hopper), and its module; the XLA path elsewhere.
 MOSAIC_GPU_PREFILL_OPS = {
     "paged_prefill_attention": "kernels_pallas.ragged_attention.mosaic_gpu",
+    "mla_prefill_attention": "kernels_pallas.ragged_attention.mla_mosaic_gpu",
 }
 # Prefill ops (rows of several new queries, mixed with decode rows) with a kernel, per
 # backend (on GPU: where `gpu_kernel` finds a Hopper).
@@ -87,7 +88,8 @@ def prefill_kernel(op: str, backend: str, *arrays) -> tuple[str, str]:
         if platform() == "gpu":
             return gpu_kernel(op, *arrays)
         if op in MOSAIC_GPU_PREFILL_OPS:
-            return "mosaic", ("kernels_pallas/ragged_attention/mosaic_gpu on a Hopper GPU (sm_90) "
+            module = MOSAIC_GPU_PREFILL_OPS[op].rsplit(".", 1)[1]
+            return "mosaic", (f"kernels_pallas/ragged_attention/{module} on a Hopper GPU (sm_90) "
                               "where it takes the shapes; the XLA path on other GPUs")
         return "xla", f"no GPU kernel for {op}: the XLA path"
     if op in PREFILL_KERNEL_OPS.get(backend, ()):
@@ -273,6 +275,11 @@ def mla_prefill_attention(q_latent, q_rope, latent_pages, rope_pages, lengths, b
     XLA path where the backend has none)."""
     backend, interpret = _backend_and_interpret(interpret)
     args = (q_latent, q_rope, latent_pages, rope_pages, lengths, block_tables, q_lengths)
+    if backend == "gpu" and gpu_kernel("mla_prefill_attention", q_latent, q_rope, latent_pages,
+                                       rope_pages)[0] == "mosaic":
+        module, _ = _mosaic_module("mla_prefill_attention")
+        return module.mla_prefill_attention(*args, scale=scale, num_sms=_num_sms(gpu_device()),
+                                            interpret=interpret)
     if backend == "gpu" or prefill_kernel("mla_prefill_attention", backend)[0] == "xla":
         return xla_path.mla_prefill_attention(*args, scale=scale)
     return ragged_tpu.mla_prefill_attention(*args, scale=scale, interpret=interpret)

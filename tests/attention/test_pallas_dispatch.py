@@ -228,17 +228,17 @@ def test_info_says_what_prefill_runs_on_tpu_and_gpu(monkeypatch):
     for op in ("paged_prefill_attention", "mla_prefill_attention"):
         assert report[op]["tpu"]["kernel"] == "ragged"
         assert "ragged_attention" in report[op]["tpu"]["reason"]
-        # GQA: the Mosaic GPU kernel on a Hopper (the XLA path on other GPUs); MLA: XLA.
-        gpu = "mosaic" if op == "paged_prefill_attention" else "xla"
-        assert report[op]["gpu"]["kernel"] == gpu
-        if gpu == "mosaic":
-            assert "Hopper" in report[op]["gpu"]["reason"]
+        # The Mosaic GPU kernels on a Hopper (the XLA path on other GPUs).
+        assert report[op]["gpu"]["kernel"] == "mosaic"
+        module = pallas_impls.MOSAIC_GPU_PREFILL_OPS[op].rsplit(".", 1)[1]
+        assert "Hopper" in report[op]["gpu"]["reason"]
+        assert f"ragged_attention/{module} " in report[op]["gpu"]["reason"]
         for platform, want in (("tpu", "pallas"), ("gpu", "xla")):
             _pretend(monkeypatch, platform)  # this machine's device: not a Hopper
             assert registry.auto_impl(op) == want
         monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0"))
-        assert registry.auto_impl(op) == ("pallas" if gpu == "mosaic" else "xla")
-        assert pallas_impls.prefill_kernel(op, "gpu")[0] == gpu
+        assert registry.auto_impl(op) == "pallas"
+        assert pallas_impls.prefill_kernel(op, "gpu")[0] == "mosaic"
         monkeypatch.undo()
 
 
@@ -343,38 +343,52 @@ def test_kivi_decode_on_hopper_runs_the_mosaic_kernel_and_prefill_rows_triton(mo
 
 
 def test_prefill_on_hopper_runs_the_mosaic_ragged_kernel(rng, monkeypatch):
-    """On a Hopper, "auto" and "pallas" hand GQA chunked prefill / mixed steps to the Mosaic
-    GPU ragged kernel with the device's SM count and the op's arguments in order (the kernel
-    is stood in for by the reference on what it receives: interpreting it costs seconds,
-    and tests/kernels/test_mosaic_gpu_ragged.py checks it); MLA prefill, which it does not
-    take, runs the XLA path."""
-    module, why_not = pallas_impls._mosaic_module("paged_prefill_attention")
-    assert module is not None, why_not
+    """On a Hopper, "auto" and "pallas" hand GQA and MLA chunked prefill / mixed steps to the
+    Mosaic GPU ragged kernels with the device's SM count and the op's arguments in order (the
+    kernels are stood in for by the references on what they receive: interpreting them costs
+    seconds, and tests/kernels/test_mosaic_gpu_ragged.py checks them); float32 MLA pages,
+    which the MLA kernel refuses, run the XLA path."""
     calls = []
 
-    def stand_in(*args, num_sms, interpret, **kw):
-        calls.append((num_sms, interpret, kw))
-        return _prefill_ref(*args, **kw)
+    def stand_in(ref, **fixed):
+        def run(*args, num_sms, interpret, **kw):
+            calls.append((ref.__name__, num_sms, interpret, kw))
+            return ref(*args, **kw, **fixed)
+        return run
 
     _pretend(monkeypatch, "gpu")
     monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0", 114))
-    monkeypatch.setattr(module, "paged_prefill_attention", stand_in)
+    for op, ref in (("paged_prefill_attention", _prefill_ref),
+                    ("mla_prefill_attention", _mla_prefill_ref)):
+        module, why_not = pallas_impls._mosaic_module(op)
+        assert module is not None, why_not
+        monkeypatch.setattr(module, op, stand_in(ref))
     gqa, mla = _mixed_rows(rng)
     bf16 = jax.numpy.bfloat16
     gqa = (*(_dev(np.asarray(x), bf16) for x in gqa[:3]), *gqa[3:])
-    kernel, why = pallas_impls.gpu_kernel("paged_prefill_attention", *gqa[:3])
-    assert kernel == "mosaic" and "Hopper" in why
-    assert registry.auto_impl("paged_prefill_attention", pages=gqa[1:3]) == "pallas"
+    mla_f32, mla = mla, (*(_dev(np.asarray(x), bf16) for x in mla[:4]), *mla[4:])
+    for op, args in (("paged_prefill_attention", gqa), ("mla_prefill_attention", mla)):
+        kernel, why = pallas_impls.gpu_kernel(op, *args[:3 if op.startswith("paged") else 4])
+        assert kernel == "mosaic" and "Hopper" in why
+        assert registry.auto_impl(op, pages=args[1:3] if op.startswith("paged") else
+                                  args[2:4]) == "pallas"
     got = ops.paged_prefill_attention(*gqa, impl="auto", interpret=True)
-    assert calls == [(114, True, dict(scale=None, soft_cap=None, sliding_window=None))]
-    for g, w in zip(got, _prefill_ref(*gqa), strict=True):
+    got_mla = ops.mla_prefill_attention(*mla, scale=0.1, impl="auto", interpret=True)
+    assert calls == [
+        ("paged_prefill_attention", 114, True, dict(scale=None, soft_cap=None,
+                                                    sliding_window=None)),
+        ("mla_prefill_attention", 114, True, dict(scale=0.1)),
+    ]
+    for g, w in zip((*got, *got_mla), (*_prefill_ref(*gqa), *_mla_prefill_ref(*mla, scale=0.1)),
+                    strict=True):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    assert pallas_impls.gpu_kernel("mla_prefill_attention")[0] == "xla"
-    got_mla = ops.mla_prefill_attention(*mla, scale=0.1, impl="pallas", interpret=True)
-    for g, w in zip(got_mla, ops.mla_prefill_attention(*mla, scale=0.1, impl="xla"),
+    kernel, why = pallas_impls.gpu_kernel("mla_prefill_attention", *mla_f32[:4])
+    assert kernel == "xla" and "float32" in why
+    got_mla = ops.mla_prefill_attention(*mla_f32, scale=0.1, impl="pallas", interpret=True)
+    for g, w in zip(got_mla, ops.mla_prefill_attention(*mla_f32, scale=0.1, impl="xla"),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_prefill_the_mosaic_kernel_refuses_runs_xla_with_its_reason(rng, monkeypatch):
