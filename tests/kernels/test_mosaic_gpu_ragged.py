@@ -23,7 +23,9 @@ import pytest
 from kernel_cases import make_tables
 
 from kernels_pallas import _mosaic_gpu as mgpu
+from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
+from kernels_pallas.ragged_attention import mla_mosaic_gpu as mm
 from kernels_pallas.ragged_attention import mosaic_gpu as mk
 
 S = jax.ShapeDtypeStruct
@@ -147,4 +149,90 @@ def test_lowers_for_h100(page_size, head_dim):
         mk.paged_prefill_attention, S((batch, 512, 32, head_dim), jnp.bfloat16), pages, pages,
         S((batch,), jnp.int32), S((batch, max_pages), jnp.int32), S((batch,), jnp.int32),
         sliding_window=4096, soft_cap=50.0)
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
+
+
+# MLA: 4 heads, so 16 positions per 64-row item. A row with none; decode at 0; a 21-query
+# chunk from position 59 (two items, the second partial) across page 48 | 64 and step
+# 64 | 128; decode at a page's first position. d_c 64 and d_rope 32, the kernel's
+# narrowest widths, keep the interpreter's work small; one CTA walks every item.
+MLA_ROWS = [(13, 0), (1, 1), (80, 21), (17, 1)]
+
+
+def _mla_case(rng, *, rows, q_len, q_heads, d_c, d_rope, page_size, max_pages):
+    """bf16 inputs; NaN in the latent and inf in the rope of every slot no row occupies."""
+    lengths = np.array([n for n, _ in rows])
+    tables, num_pages = make_tables(rng, lengths, page_size, max_pages)
+    host_tables = np.asarray(tables)
+    dead = np.ones((num_pages, page_size), bool)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            dead[host_tables[b, t // page_size], t % page_size] = False
+
+    def draw(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    latent, rope = draw(num_pages, page_size, d_c), draw(num_pages, page_size, d_rope)
+    latent[dead], rope[dead] = np.nan, np.inf
+    xs = (draw(len(rows), q_len, q_heads, d_c), draw(len(rows), q_len, q_heads, d_rope),
+          latent, rope)
+    ints = [jax.device_put(np.array(x, np.int32)) for x in (lengths, [t for _, t in rows])]
+    return (*(jax.device_put(x.astype(jnp.bfloat16)) for x in xs), ints[0], tables, ints[1])
+
+
+# The interpreter's Q K^T multiplies the NaN rows too (their logits are selected away).
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_mla_interpreted_matches_reference():
+    args = _mla_case(np.random.default_rng(51), rows=MLA_ROWS, q_len=21, q_heads=4, d_c=64,
+                     d_rope=32, page_size=16, max_pages=6)
+    mgpu.reset_interpreter()
+    run = jax.jit(functools.partial(mm.mla_prefill_attention, scale=0.2, num_sms=1,
+                                    interpret=mgpu.interpret_params(detect_races=True)))
+    out, lse = jax.block_until_ready(run(*args))
+    assert not mgpu.interpreter_races_found()
+    ref_out, ref_lse = jax.jit(mla_ref.mla_prefill_attention, static_argnames="scale")(
+        *args, scale=0.2)
+    assert out.dtype == jnp.bfloat16 and out.shape == ref_out.shape
+    assert lse.dtype == jnp.float32 and lse.shape == ref_lse.shape
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    # As for GQA: P rounded to bf16 before P V, a bf16 output, float32 logits.
+    np.testing.assert_allclose(out, np.asarray(ref_out, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-4)
+    pad = np.arange(out.shape[1])[None, :] >= np.asarray(args[6])[:, None]
+    assert (out[pad] == 0).all() and (np.asarray(lse)[pad] == -np.inf).all()
+
+
+def test_mla_unsupported_reason_and_bad_inputs():
+    def mla(heads=16, d_c=512, d_rope=64, page=64, dtype=jnp.bfloat16):
+        return (S((2, 8, heads, d_c), dtype), S((2, 8, heads, d_rope), dtype),
+                S((32, page, d_c), dtype), S((32, page, d_rope), dtype))
+
+    assert mm.unsupported_reason(*mla()) is None
+    assert "bfloat16" in mm.unsupported_reason(*mla(dtype=jnp.float32))
+    assert "d_c" in mm.unsupported_reason(*mla(d_c=96))
+    assert "page_size" in mm.unsupported_reason(*mla(page=24))
+    ints, table = S((2,), jnp.int32), S((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="page_size"):
+        mm.mla_prefill_attention(*mla(page=24), ints, table, ints, scale=0.1)
+    with pytest.raises(ValueError, match="q_lengths"):
+        mm.mla_prefill_attention(*mla(), ints, table, S((3,), jnp.int32), scale=0.1)
+    with pytest.raises(ValueError, match="matching widths"):
+        mm.mla_prefill_attention(*mla()[:2], *mla(d_rope=32)[2:], ints, table, ints, scale=0.1)
+    with pytest.raises(ValueError, match="scale"):
+        mm.mla_prefill_attention(*mla(), ints, table, ints, scale=0.0)
+
+
+# DeepSeek-V3's widths (128 heads: two 64-head blocks per position, pages of 64) and a
+# tensor-parallel shard's 16 heads (four positions per item, pages of 16: four TMA copies
+# a step) at 512-query chunks.
+@pytest.mark.parametrize("heads,page_size", [(128, 64), (16, 16)])
+def test_mla_lowers_for_h100(heads, page_size):
+    batch, max_pages = 4, 8192 // page_size
+    lowered = mgpu.lower_for_cuda(
+        functools.partial(mm.mla_prefill_attention, scale=0.1),
+        S((batch, 512, heads, 512), jnp.bfloat16), S((batch, 512, heads, 64), jnp.bfloat16),
+        S((batch * max_pages, page_size, 512), jnp.bfloat16),
+        S((batch * max_pages, page_size, 64), jnp.bfloat16),
+        S((batch,), jnp.int32), S((batch, max_pages), jnp.int32), S((batch,), jnp.int32))
     assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
