@@ -95,9 +95,16 @@ def _check(got, want, dtype):
 # block); one, two and four (the default) pages per step.
 GQA_CASES = [
     ("mha_f32_window_tpu_interpreter", (2, 2), jnp.float32, None, 5, (3, 2), "tpu"),
-    ("gqa2_bf16_softcap", (4, 2), jnp.bfloat16, 2.0, None, None, "plain"),
+    ("gqa2_bf16_softcap_tpu_interpreter", (4, 2), jnp.bfloat16, 2.0, None, None, "tpu"),
     ("gqa4_f32_softcap_window", (8, 2), jnp.float32, 3.0, 9, (2, 1), "plain"),
 ]
+
+
+def _tpu_interpreter():
+    """The TPU interpreter on two simulated cores (the grid axis is "parallel") with race
+    detection, NaN in uninitialised VMEM and out-of-bounds reads raising."""
+    return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2,
+                                 uninitialized_memory="nan", out_of_bounds_reads="raise")
 
 
 @pytest.mark.parametrize("case", GQA_CASES, ids=[c[0] for c in GQA_CASES])
@@ -107,13 +114,7 @@ def test_gqa_matches_reference(rng, case):
         rng, ([(q_heads, 64)], [64, 64]), kv_heads, dtype)
     bs = None if blocks is None else RaggedBlockSizes(block_q=blocks[0],
                                                        block_tokens=blocks[1] * PAGE)
-    if where == "tpu":
-        # Two simulated cores split the KV heads (the grid axis is "parallel").
-        interpret = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2,
-                                          uninitialized_memory="nan",
-                                          out_of_bounds_reads="raise")
-    else:
-        interpret = True
+    interpret = _tpu_interpreter() if where == "tpu" else True
     got = interpreted(tpu.paged_prefill_attention, q, k, v, lengths, tables, q_lengths,
                       soft_cap=soft_cap, sliding_window=window, block_sizes=bs,
                       interpret=interpret)
@@ -131,8 +132,9 @@ def test_mla_matches_reference(rng, dtype):
         rng, ([(heads, d_c), (heads, d_rope)], [d_c, d_rope]), 1, dtype)
     latent, rope = (jax.device_put(np.asarray(x)[0]) for x in (latent, rope))  # no program
     got = interpreted(tpu.mla_prefill_attention, q_lat, q_rope, latent, rope, lengths, tables,
-                      q_lengths, scale=0.1, interpret=True,
+                      q_lengths, scale=0.1, interpret=_tpu_interpreter(),
                       block_sizes=RaggedBlockSizes(block_q=3, block_tokens=2 * PAGE))
+    assert not _races_found()
     want = _ref_mla(q_lat, q_rope, latent, rope, lengths, tables, q_lengths, scale=0.1)
     _check(got, want, dtype)
 
