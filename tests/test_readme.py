@@ -14,6 +14,8 @@ one directive per line:
     setup: CODE              a line run before the block (python blocks)
     after: CODE              a line run after the block, e.g. an assert (python blocks)
     covered-by: CMD => PATH  CMD is run by PATH (a test or CI script), not here
+    needs: MODULE            docs/flax.md: the block runs (tests/nnx/test_tunix.py) where
+                             MODULE is installed
     -->
 
 The test provides a tiny random HuggingFace checkpoint with a tokenizer.json:
@@ -41,14 +43,14 @@ def blocks(text: str):
     """(lang, body, directives, line) of every fenced block, directives parsed."""
     out = []
     for m in FENCE.finditer(text):
-        directives = dict(replace=[], setup=[], after=[], covered_by={})
+        directives = dict(replace=[], setup=[], after=[], covered_by={}, needs=[])
         for line in (m.group("ci") or "").splitlines()[1:]:
             key, _, value = line.strip().partition(":")
             value = value.strip()
             if key == "replace":
                 old, new = (s.strip() for s in value.split("=>"))
                 directives["replace"].append((old, new))
-            elif key in ("setup", "after"):
+            elif key in ("setup", "after", "needs"):
                 directives[key].append(value)
             elif key == "covered-by":
                 cmd, path = (s.strip() for s in value.split("=>"))

@@ -16,7 +16,10 @@ Pieces:
     queries over the pages (scale, soft cap, window; a policy's page selection).
   * `PagedAttention`: an NNX attention module (projections, optional RoPE) for new models.
   * `adapt(model, cache)`: replaces every `nnx.MultiHeadAttention` of an existing model,
-    in place, by `PagedMultiHeadAttention`, which reuses its projection modules (weights).
+    in place, by `PagedMultiHeadAttention`, which reuses its projection modules (weights);
+    `adapt(model, target=..., build=...)` does it for a model's own attention class
+    (`kvjax.nnx.tunix` holds the builds for tunix's published models).
+  * `PagedLayer`: the base of every paged attention module (its cache, layer, geometry).
   * `as_model(module)`: the module as a `kvjax.models.Model` plus its params (the
     `nnx.State` from `nnx.split`), so `kvjax.generate` (prefill, the jitted decode loop
     with the cache donated, sampling, `sample_n`, `beam_search`, policies, sharding
@@ -51,7 +54,7 @@ from kvjax.models.base import Model, check_logits_at, gather_positions
 from kvjax.rope import RopeConfig, apply_rope, rope_cos_sin
 from kvjax.specs import AttentionSpec, CacheSpec
 
-__all__ = ["PagedCache", "PagedAttention", "PagedMultiHeadAttention", "NNXConfig",
+__all__ = ["PagedCache", "PagedLayer", "PagedAttention", "PagedMultiHeadAttention", "NNXConfig",
            "attention", "adapt", "as_model", "generate"]
 
 
@@ -209,7 +212,29 @@ def attention(
     return out.astype(q.dtype)
 
 
-class PagedAttention(nnx.Module):
+class PagedLayer(nnx.Module):
+    """Base of the attention modules that run on a `PagedCache` (what `as_model` counts).
+
+    A subclass sets `cache` (the shared holder), `layer` (its index in the cache) and
+    `num_heads`, `num_kv_heads`, `head_dim` (its geometry), and calls `attention` in its
+    forward. `PagedAttention`, `PagedMultiHeadAttention` and the adapters of published
+    models (`kvjax.nnx.tunix`) are such modules; so can a user's own adapter be.
+    """
+
+    cache: "PagedCache"
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def spec(self) -> AttentionSpec:
+        """The layer's cache geometry."""
+        return AttentionSpec(q_heads=self.num_heads, kv_heads=self.num_kv_heads,
+                             head_dim=self.head_dim)
+
+
+class PagedAttention(PagedLayer):
     """Self-attention over kvjax's cache for new NNX models (GQA, optional RoPE).
 
     Args:
@@ -240,11 +265,6 @@ class PagedAttention(nnx.Module):
         self.v_proj = nnx.Linear(in_features, num_kv_heads * head_dim, **lin)
         self.o_proj = nnx.Linear(num_heads * head_dim, in_features, **lin)
 
-    @property
-    def spec(self) -> AttentionSpec:
-        return AttentionSpec(q_heads=self.num_heads, kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim)
-
     def __call__(self, x: Float[Array, "batch q_len hidden"]) -> Float[Array, "batch q_len hidden"]:
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -258,7 +278,7 @@ class PagedAttention(nnx.Module):
         return self.o_proj(out.reshape(b, t, -1))
 
 
-class PagedMultiHeadAttention(nnx.Module):
+class PagedMultiHeadAttention(PagedLayer):
     """An `nnx.MultiHeadAttention` running on kvjax's cache, with the same weights.
 
     Built by `adapt`: it keeps the original's `query`, `key`, `value`, `out` (and
@@ -291,11 +311,6 @@ class PagedMultiHeadAttention(nnx.Module):
         self.dropout_rate = mha.dropout_rate
         self.qk_transform = qk_transform
 
-    @property
-    def spec(self) -> AttentionSpec:
-        return AttentionSpec(q_heads=self.num_heads, kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim)
-
     def __call__(self, inputs_q: Float[Array, "batch q_len features"], inputs_k=None,
                  inputs_v=None, *, mask=None, deterministic: bool | None = None, rngs=None,
                  sow_weights: bool = False, decode: bool | None = None, is_causal=False,
@@ -323,8 +338,7 @@ class PagedMultiHeadAttention(nnx.Module):
 
 
 def _paged_layers(module: nnx.Module) -> list:
-    return [node for _, node in nnx.iter_graph(module)
-            if isinstance(node, PagedAttention | PagedMultiHeadAttention)]
+    return [node for _, node in nnx.iter_graph(module) if isinstance(node, PagedLayer)]
 
 
 def _holder(module: nnx.Module) -> PagedCache:
@@ -337,35 +351,60 @@ def _holder(module: nnx.Module) -> PagedCache:
 
 
 def adapt(model: nnx.Module, cache: PagedCache | None = None, *,
-          qk_transform: Callable | None = None) -> PagedCache:
-    """Replaces every `nnx.MultiHeadAttention` in `model` by `PagedMultiHeadAttention`.
+          qk_transform: Callable | None = None, target: type | tuple[type, ...] | None = None,
+          build: Callable[[Any, PagedCache, int], PagedLayer] | None = None) -> PagedCache:
+    """Replaces every attention module of `model` by a paged one, in place.
 
-    In place; the projections (weights) are reused. The attention modules get layer
-    indices 0, 1, ... in graph order (`nnx.iter_graph`: attribute and list order).
+    By default every `nnx.MultiHeadAttention` becomes a `PagedMultiHeadAttention`. For a
+    model with attention modules of its own, give their class as `target` and `build`,
+    which makes the paged module from the original (reusing its weights: see
+    `kvjax.nnx.tunix` for published models). The attention modules get layer indices
+    0, 1, ... in graph order (`nnx.iter_graph`: attribute and list order).
 
     Args:
-      model: an NNX model whose self-attention layers are `nnx.MultiHeadAttention`.
+      model: the NNX model to adapt.
       cache: the holder to attach (default: a new, empty `PagedCache`).
-      qk_transform: see `PagedMultiHeadAttention`.
+      qk_transform: see `PagedMultiHeadAttention` (the default `build` only).
+      target: the class (or classes) of the attention modules to replace (default
+        `nnx.MultiHeadAttention`).
+      build: `(original, cache, layer) -> PagedLayer` (required with `target`).
 
     Returns:
       The holder the adapted layers share.
 
     Raises:
-      ValueError: no `nnx.MultiHeadAttention` in the model, or one whose parent is not a
-        module or a list (it cannot be replaced there).
+      ValueError: no attention module of `target` in the model, `target` without
+        `build` (or `qk_transform` with it), or a module whose parent is not a module or
+        a list (it cannot be replaced there).
+      TypeError: `build` returned something that is not a `PagedLayer`.
     """
+    if target is None:
+        if build is not None:
+            raise ValueError("kvjax.nnx.adapt: build needs the target class it replaces.")
+        target = nnx.MultiHeadAttention
+
+        def build(mha, holder, layer):
+            return PagedMultiHeadAttention(mha, holder, layer, qk_transform=qk_transform)
+    elif build is None:
+        raise ValueError(f"kvjax.nnx.adapt: target={target!r} needs build(original, cache, "
+                         f"layer) -> PagedLayer.")
+    elif qk_transform is not None:
+        raise ValueError("kvjax.nnx.adapt: qk_transform applies to the default build only; "
+                         "apply it in your build.")
     cache = PagedCache() if cache is None else cache
-    found = [(path, node) for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.MultiHeadAttention)]
+    found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, target)]
     if not found:
-        raise ValueError(f"kvjax.nnx.adapt: no nnx.MultiHeadAttention found in "
-                         f"{type(model).__name__}.")
-    for layer, (path, mha) in enumerate(found):
+        names = (" or ".join(t.__name__ for t in target) if isinstance(target, tuple)
+                 else target.__name__)
+        raise ValueError(f"kvjax.nnx.adapt: no {names} found in {type(model).__name__}.")
+    for layer, (path, original) in enumerate(found):
         parent = model
         for key in path[:-1]:
             parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-        new = PagedMultiHeadAttention(mha, cache, layer, qk_transform=qk_transform)
+        new = build(original, cache, layer)
+        if not isinstance(new, PagedLayer):
+            raise TypeError(f"kvjax.nnx.adapt: build must return a kvjax.nnx.PagedLayer, got "
+                            f"{type(new).__name__} for the module at {path}.")
         last = path[-1]
         if isinstance(last, int):
             parent[last] = new
@@ -392,6 +431,10 @@ class NNXConfig:
       call: `(module, tokens [batch, q_len], positions [batch, q_len]) -> logits
         [batch, q_len, vocab]`, how the model is called (default `module(tokens,
         positions)`).
+
+    The hash is computed once. A graph whose static attributes are unhashable (a model
+    config that is a plain dataclass, as tunix's are) is hashed by its repr; equality
+    still compares the graphs themselves.
     """
 
     graphdef: Any
@@ -399,6 +442,18 @@ class NNXConfig:
     num_layers: int
     attention: AttentionSpec
     call: Callable = _default_call
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        rest = (self.vocab_size, self.num_layers, self.attention, self.call)
+        try:
+            key = hash((self.graphdef, *rest))
+        except TypeError:
+            key = hash((repr(self.graphdef), *rest))
+        object.__setattr__(self, "_hash", key)
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def _cache_spec(config: NNXConfig, *, page_size: int, num_pages: int, max_seqs: int,
