@@ -519,6 +519,7 @@ class _Request:
     max_new: np.ndarray
     forced: np.ndarray | None
     policy_state: Any
+    policy: Any = None  # the policy bound to the model (`setup.check_policy_model`)
 
 
 def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_size, impl,
@@ -545,8 +546,13 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
     n_forced = np.array([len(f) for f in forced_prompt], np.int32)
     total = lengths + n_forced + max_new
     if (policy is not None and isinstance(cache, setup.CacheConfig)
-            and cache.window_pages is None):
-        cache = dataclasses.replace(cache, window_pages=False)  # a policy needs every page
+            and cache.window_pages is None and cache.windows_for(model) is not None):
+        # Eviction compacts one length per sequence over every layer, and selection names
+        # pages by position: neither is defined on window groups' rings yet.
+        setup.log_fallback(f"{type(policy).__name__} runs on full pages: the model's "
+                           f"window-only pages do not combine with a cache policy. Pass "
+                           f"CacheConfig(window_pages=False) to choose this explicitly.")
+        cache = dataclasses.replace(cache, window_pages=False)
     cache, impl, plan = setup.prepare_cache(model, cache, impl, num_seqs=num_seqs or batch,
                                             max_tokens=int(total.max()) + extra_tokens,
                                             chunk=chunk)
@@ -563,7 +569,7 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
             f"{type(policy).__name__} selects or scores pages by position; a cache with "
             f"window-only pages (CacheSpec.window_groups) keeps only its windowed layers' "
             f"last pages. Decode without the policy or without window_pages.")
-    setup.check_policy_model(policy, model)
+    policy = setup.check_policy_model(policy, model)
     if policy is not None and cache.host is not None and cache.host.stream_pages > 0:
         from kvjax.cache.policies import UndefinedCombination
 
@@ -586,7 +592,7 @@ def _request(model, params, prompts, *, max_new_tokens, cache, seq_ids, chunk_si
     params = setup.shard_for_plan(model, params, plan)
     return _Request(cache=cache, impl=impl, params=params, seq_ids=jnp.asarray(seq_ids),
                     tokens=tokens, lengths=lengths, chunk=chunk, max_new=n_forced + max_new,
-                    forced=forced, policy_state=policy_state)
+                    forced=forced, policy_state=policy_state, policy=policy)
 
 
 def _prefill(model, req: _Request, *, policy, check):
@@ -688,6 +694,7 @@ def generate(
     req = _request(model, params, prompts, max_new_tokens=max_new_tokens, cache=cache,
                    seq_ids=seq_ids, chunk_size=chunk_size, impl=impl, policy=policy,
                    prefill_mode=prefill)
+    policy = req.policy
     keys, eos_ids = _decoding_args(model, req, key, sampling, eos_ids)
     state = _start(model, req, keys=keys, sampling=sampling, eos_ids=eos_ids,
                    free_finished=free_finished, policy=policy, check=check)
@@ -754,6 +761,7 @@ def score(
     req = _request(model, params, prompts, max_new_tokens=None, cache=cache, seq_ids=seq_ids,
                    chunk_size=chunk_size, impl=impl, policy=policy,
                    continuations=continuations)
+    policy = req.policy
     keys, _ = _decoding_args(model, req, jax.random.key(0), GREEDY, ())
     state = _start(model, req, keys=keys, sampling=GREEDY, eos_ids=(),
                    free_finished=free_finished, policy=policy, check=check)
@@ -802,6 +810,7 @@ def stream(
     """
     req = _request(model, params, prompts, max_new_tokens=max_new_tokens, cache=cache,
                    seq_ids=seq_ids, chunk_size=chunk_size, impl=impl, policy=policy)
+    policy = req.policy
     keys, eos_ids = _decoding_args(model, req, key, sampling, eos_ids)
     state = _start(model, req, keys=keys, sampling=sampling, eos_ids=eos_ids,
                    free_finished=free_finished, policy=policy, check=check)

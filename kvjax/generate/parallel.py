@@ -123,6 +123,7 @@ def sample_n(
     req = _request(model, params, prompts, max_new_tokens=max_new_tokens, cache=cache,
                    seq_ids=prompt_slots, chunk_size=chunk_size, impl=impl, policy=policy,
                    num_seqs=padded)
+    policy = req.policy
     if slots > req.cache.spec.max_seqs or np.any(np.asarray(req.cache.lengths)[:slots] > 0):
         raise ValueError(f"sample_n needs {slots} empty slots (0 .. {slots - 1}) in the cache.")
     cache, last_logits, status, pstate, positions = _prefill(model, req, policy=policy,
@@ -270,6 +271,7 @@ def beam_search(
     req = _request(model, params, [prompt], max_new_tokens=max_new_tokens, cache=cache,
                    seq_ids=[0], chunk_size=chunk_size, impl=impl, policy=policy,
                    num_seqs=2 * w * d)
+    policy = req.policy
     if req.cache.spec.max_seqs < 2 * w or np.any(np.asarray(req.cache.lengths)[:2 * w] > 0):
         raise ValueError(f"beam_search needs {2 * w} empty slots (0 .. {2 * w - 1}) in the "
                          f"cache.")

@@ -11,6 +11,7 @@ raises a clear error and leaves the caller's cache as it was:
 """
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 
@@ -30,7 +31,7 @@ from kvjax.sharding import (
 from kvjax.specs import CacheSpec, QuantSpec, canonical_dtype, window_groups
 
 __all__ = ["CacheConfig", "prepare_cache", "check_prompts", "check_slots", "check_room",
-           "check_policy", "check_policy_model", "shard_for_plan"]
+           "check_policy", "check_policy_model", "log_fallback", "shard_for_plan"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,6 +181,12 @@ def prepare_cache(model, cache, impl, *, num_seqs: int, max_tokens: int, chunk: 
                              "config's default) do not combine with the 'context' sharding "
                              "strategy; pass CacheConfig(window_pages=False) or use 'heads' "
                              "and/or 'sequences'.")
+        if (plan is not None and plan.context_shards > 1 and cache.window_pages is None
+                and getattr(model.config, "window_pages", False)
+                and dataclasses.replace(cache, plan=None).windows_for(model) is not None):
+            log_fallback("the 'context' sharding strategy keeps full pages: window-only "
+                         "pages (the model's default) do not split over context shards. "
+                         "Pass CacheConfig(window_pages=False) to choose this explicitly.")
         cache = cache.build(model, num_seqs=num_seqs, max_tokens=max_tokens, chunk=chunk)
     elif not isinstance(cache, kv_cache.PagedKVCache):
         raise TypeError(f"cache must be a kvjax PagedKVCache, a CacheConfig or None, got "
@@ -302,28 +309,23 @@ def check_policy(policy) -> None:
                         f"256)) or None, got {policy!r}.")
 
 
-def check_policy_model(policy, model) -> None:
-    """`UndefinedCombination` for a policy that scores or selects tokens by attention (H2O,
-    SnapKV, PyramidKV, Quest) on a model whose attention it would not reproduce: layers with
-    a sliding window or soft-capped logits. Their scores and page selections use plain
-    causal attention over every cached token, so they would keep or read the wrong
-    tokens. StreamingLLM (positional) takes any model."""
-    from kvjax.cache.policies.base import UndefinedCombination
-    from kvjax.cache.policies.streaming_llm import StreamingLLM
+def check_policy_model(policy, model):
+    """`policy` bound to the model's attention (`kvjax.cache.policies.base.bind_model`): the
+    policies that score or select tokens by attention follow its sliding windows, soft cap
+    and query scale (global layers scored with the model's logits; windowed layers keep or
+    read their window). Returns the bound policy (None for None)."""
+    from kvjax.cache.policies.base import bind_model
 
-    if policy is None or isinstance(policy, StreamingLLM):
-        return
-    config = model.config
-    windows = [w for w in getattr(config, "sliding_windows", None) or () if w is not None]
-    cap = getattr(config, "attn_softcap", None)
-    if windows or cap is not None:
-        what = (f"sliding-window layers (windows {sorted(set(windows))})" if windows
-                else f"soft-capped attention logits (cap {cap})")
-        raise UndefinedCombination(
-            f"{type(policy).__name__} scores or selects tokens with plain causal attention; "
-            f"this model has {what}, which its scores and selections would not follow. Use "
-            f"StreamingLLM or no policy (a model with sliding windows can keep window-only "
-            f"pages instead: CacheConfig(window_pages=True)).")
+    return bind_model(policy, model)
+
+
+_log = logging.getLogger("kvjax.generate")
+
+
+def log_fallback(reason: str) -> None:
+    """Logs (warning level, logger "kvjax.generate") why a cache left the model's default
+    layout, e.g. full pages instead of window-only pages."""
+    _log.warning(reason)
 
 
 def max_new_vector(max_new_tokens, batch: int) -> np.ndarray:

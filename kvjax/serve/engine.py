@@ -416,17 +416,27 @@ class Engine:
         if host_pages and cfg.plan is not None:
             raise ValueError("Engine: a host tier does not combine with a sharding plan; drop "
                              "host_pages or the plan.")
-        if (policy is not None or host_pages) and cfg.window_pages is None:
-            # A policy needs every page; the engine's host tier parks whole sequences
-            # (host.swap_out), which a cache with window groups refuses (rings stay on the
-            # device).
+        if ((policy is not None or host_pages) and cfg.window_pages is None
+                and cfg.windows_for(model) is not None):
+            # A policy needs one length per sequence over every layer; the engine's host
+            # tier parks whole sequences (host.swap_out), which a cache with window groups
+            # refuses (rings stay on the device).
+            setup.log_fallback(
+                "Engine: " + ("a cache policy" if policy is not None else "the host tier")
+                + " runs on full pages: the model's window-only pages do not combine with "
+                "it. Pass CacheConfig(window_pages=False) to choose this explicitly.")
             cfg = dataclasses.replace(cfg, window_pages=False)
+        if host_pages and cfg.windows_for(model) is not None:
+            raise ValueError("Engine: the host tier parks whole sequences, but a cache with "
+                             "window-only pages (CacheConfig.window_pages) keeps its windowed "
+                             "layers' rings on the device; serve with window_pages=False or "
+                             "without host_pages.")
         if policy is not None and cfg.windows_for(model) is not None:
             raise ValueError(f"Engine: {type(policy).__name__} selects or scores pages by "
                              f"position; a cache with window-only pages (CacheConfig."
                              f"window_pages) keeps only its windowed layers' last pages. Serve "
                              f"without the policy or with window_pages=False.")
-        setup.check_policy_model(policy, model)
+        policy = setup.check_policy_model(policy, model)
         if policy is not None and prefix_caching:
             prefix_caching = False  # eviction rewrites pages a prefix would share
         if _has_recurrent_state(model):

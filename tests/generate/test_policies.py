@@ -105,10 +105,11 @@ def test_undefined_combination_is_refused_before_any_work(tiny, rng):
     assert (res.num_generated == 4).all()
 
 
-def test_scoring_policies_on_sliding_window_models_are_refused(tiny, rng):
-    """H2O, SnapKV and Quest score or select tokens with plain causal attention, which a
-    sliding-window layer does not follow: refused before any work, in generate and in the
-    serving engine; StreamingLLM (positional) is not refused."""
+def test_policies_on_sliding_window_models_follow_the_windows(tiny, rng):
+    """generate and the serving engine bind a policy to the model's windows
+    (`setup.check_policy_model`): on a windowed layer, eviction keeps the newest tokens, so
+    a budget below the window is refused before any work; a model without windows or soft
+    cap leaves the policy as it is. (Gemma: tests/generate/test_gemma_policies.py.)"""
     import dataclasses
 
     from kvjax.cache.policies import UndefinedCombination
@@ -121,13 +122,15 @@ def test_scoring_policies_on_sliding_window_models_are_refused(tiny, rng):
     windowed = get_family("llama").model(dataclasses.replace(model.config,
                                                              sliding_windows=windows))
     prompts = _prompts(rng, model.vocab_size)
-    for policy in (H2O(budget=48), SnapKV(budget=48), Quest(top_k=6, dense_layers=0)):
-        with pytest.raises(UndefinedCombination, match=r"sliding-window layers \(windows \[6\]"):
+    for policy in (H2O(budget=4), SnapKV(budget=5, window=2)):
+        with pytest.raises(UndefinedCombination, match=r"smaller than the model's sliding "
+                                                       r"window \(6 tokens\)"):
             gen.generate(windowed, params, prompts, key=jax.random.key(0), max_new_tokens=2,
                          cache=gen.CacheConfig(page_size=PAGE, window_pages=False),
                          policy=policy)
-        with pytest.raises(UndefinedCombination, match="sliding-window"):
+        with pytest.raises(UndefinedCombination, match="sliding window"):
             Engine(windowed, params, max_seqs=2, max_seq_len=64,
                    cache=gen.CacheConfig(page_size=PAGE, window_pages=False), policy=policy)
-        setup.check_policy_model(policy, model)  # no window, no soft cap: taken
-    setup.check_policy_model(StreamingLLM(n_sink=4, window=44), windowed)
+        assert setup.check_policy_model(policy, model) is policy  # no window, no soft cap
+    bound = setup.check_policy_model(Quest(top_k=6, dense_layers=0), windowed)
+    assert bound.attention.windows == windows and bound.attention.soft_cap is None

@@ -43,6 +43,16 @@ Two kinds of results:
     (`None` means "read everything"). `kvjax.cache.attend` runs it on every page kind
     (on KIVI pages a selection names quantized pages; the tail is read besides).
 
+Models whose layers attend differently (sliding windows on some layers, soft-capped logits,
+a query scale other than 1/sqrt(head_dim): Gemma 2/3, Mistral, Qwen2/3 sliding layers)
+hand the policy a `LayerAttention` (`bind_model`, called by `kvjax.generate` and the
+serving engine): the policies that score tokens compute each global layer's
+probabilities with the model's scale and soft cap, and the windowed layers keep their
+window: eviction keeps each windowed layer's most recent tokens (a contiguous suffix, so
+the window, masked by cache position, sees exactly the tokens it would see without
+eviction; the budget must hold the largest window) and page selection leaves them alone
+(a windowed layer already reads at most its window).
+
 A combination that is not defined (a policy on a page kind it cannot act on) raises
 `UndefinedCombination` from `init_state`, naming the combination and what works. On a
 cache with lightning-indexer keys (DeepSeek-V3.2's sparse attention) the policies that
@@ -65,6 +75,7 @@ from kvjax.cache.state import PagedKVCache
 
 __all__ = [
     "CachePolicy",
+    "LayerAttention",
     "NoPolicy",
     "Selection",
     "UndefinedCombination",
@@ -74,6 +85,7 @@ __all__ = [
     "to_slots",
     "score_scale",
     "refuse_indexer",
+    "bind_model",
 ]
 
 
@@ -97,9 +109,123 @@ def full_selection(cache: PagedKVCache) -> Selection:
                      lengths=cache.table.lengths[:, None])
 
 
-def score_scale(scale: float | None, cache: PagedKVCache) -> float:
-    """The logit scale a scoring policy uses: its own, or the cache geometry's attention scale."""
-    return cache.spec.attention.softmax_scale if scale is None else scale
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerAttention:
+    """How a model's layers attend, where it differs from plain causal attention.
+
+    Attributes:
+      windows: per layer, the sliding window (a query at p sees keys k with p - k <
+        window) or None (a global layer).
+      soft_cap: attention logits become `cap * tanh(logits / cap)`; None: off.
+      scale: the logit scale; None: the cache geometry's (`softmax_scale`).
+    """
+
+    windows: tuple[int | None, ...]
+    soft_cap: float | None = None
+    scale: float | None = None
+
+    def __post_init__(self):
+        windows = tuple(self.windows)
+        if any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1)
+               for w in windows):
+            raise ValueError(f"LayerAttention.windows must hold ints >= 1 or None, got "
+                             f"{self.windows!r}.")
+        object.__setattr__(self, "windows", windows)
+        for name in ("soft_cap", "scale"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int | float) and v > 0):
+                raise ValueError(f"LayerAttention.{name} must be a positive number or None, "
+                                 f"got {v!r}.")
+
+    @classmethod
+    def of(cls, config) -> "LayerAttention | None":
+        """From a model config's `sliding_windows`, `attn_softcap` and query `scale`
+        (Gemma's `query_pre_attn_scalar ** -0.5`); None where all are absent."""
+        windows = getattr(config, "sliding_windows", None)
+        cap = getattr(config, "attn_softcap", None)
+        scale = getattr(config, "scale", None)
+        scale = float(scale) if isinstance(scale, int | float) else None
+        if (windows is None or all(w is None for w in windows)) and cap is None and (
+                scale is None):
+            return None
+        return cls(windows=tuple(windows or (None,) * config.num_layers),
+                   soft_cap=None if cap is None else float(cap), scale=scale)
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if layer < len(self.windows) else None
+
+    @property
+    def max_window(self) -> int | None:
+        ws = [w for w in self.windows if w is not None]
+        return max(ws) if ws else None
+
+    @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, w in enumerate(self.windows) if w is not None)
+
+
+def bind_model(policy: "CachePolicy | None", model) -> "CachePolicy | None":
+    """`policy` with the model's `LayerAttention` (unchanged where the model attends plainly
+    or the policy already carries one)."""
+    if policy is None or policy.attention is not None:
+        return policy
+    attention = LayerAttention.of(model.config)
+    if attention is None:
+        return policy
+    if len(attention.windows) != model.config.num_layers:
+        raise ValueError(f"bind_model: the model lists {len(attention.windows)} windows for "
+                         f"{model.config.num_layers} layers.")
+    return dataclasses.replace(policy, attention=attention)
+
+
+def score_scale(scale: float | None, cache: PagedKVCache,
+                attention: LayerAttention | None = None) -> float:
+    """The logit scale a scoring policy uses: its own, the model's (`attention.scale`), or
+    the cache geometry's attention scale."""
+    if scale is not None:
+        return scale
+    if attention is not None and attention.scale is not None:
+        return attention.scale
+    return cache.spec.attention.softmax_scale
+
+
+def soft_cap_of(attention: LayerAttention | None) -> float | None:
+    return None if attention is None else attention.soft_cap
+
+
+def windowed(attention: LayerAttention | None, layer) -> bool:
+    """Whether a static `layer` has a sliding window; ValueError for a traced layer of a
+    model with windows (its selection would differ per layer)."""
+    if attention is None or not attention.windowed_layers:
+        return False
+    if not isinstance(layer, int):
+        raise ValueError("a page-selecting policy on a model with sliding-window layers needs "
+                         "static layer indices (run the layers in a Python loop, not a scan).")
+    return attention.window(layer) is not None
+
+
+def require_window_budget(owner: str, budget: int, attention: LayerAttention | None) -> None:
+    """`UndefinedCombination` unless `budget` holds the largest window (eviction keeps each
+    windowed layer's most recent `budget` tokens, so its whole window must fit)."""
+    w = None if attention is None else attention.max_window
+    if w is not None and budget < w:
+        raise UndefinedCombination(
+            f"{owner}: budget={budget} is smaller than the model's sliding window ({w} "
+            f"tokens): eviction keeps each windowed layer's most recent tokens, so its whole "
+            f"window must fit in the budget. Use budget >= {w}, or no policy.")
+
+
+def refuse_kivi_windows(owner: str, cache: PagedKVCache,
+                        attention: LayerAttention | None) -> None:
+    """`UndefinedCombination` for page eviction on a KIVI cache of a model with windows: a
+    quantized page is dropped from every layer at once, which would move the windowed
+    layers' tokens out of their windows' positions."""
+    if cache.is_quantized and attention is not None and attention.windowed_layers:
+        raise UndefinedCombination(
+            f"{owner} on a KIVI cache of a model with sliding-window layers (layers "
+            f"{list(attention.windowed_layers)}): KIVI eviction drops whole quantized pages "
+            f"from every layer, which would shift the windowed layers' tokens in their "
+            f"windows. Use full-precision pages, Quest (selection, no eviction), or no policy.")
 
 
 def active_rows(cache: PagedKVCache, active: Bool[Array, " batch"] | None) -> Bool[Array, " batch"]:
@@ -132,7 +258,13 @@ class CachePolicy:
     Subclasses are frozen, keyword-only dataclasses that validate their settings
     in `__post_init__`; they are hashable and can be static arguments of
     `jax.jit`. All hooks are pure and run under jit.
+
+    Attributes:
+      attention: how the model's layers attend (`LayerAttention`); set by `bind_model`
+        (generate and the serving engine call it), None for plain causal attention.
     """
+
+    attention: LayerAttention | None = None
 
     def init_state(self, cache: PagedKVCache) -> Any:
         """The policy's mutable state for `cache` (a pytree of fixed-shape arrays, or None)."""

@@ -34,7 +34,7 @@ from kvjax.cache import page_table as pt
 from kvjax.cache.paged import all_pools, allocator, copy_pages, set_drop
 from kvjax.cache.state import PagedKVCache
 
-__all__ = ["compact", "keep_heavy_and_recent", "only_rows"]
+__all__ = ["compact", "keep_heavy_and_recent", "keep_windows", "only_rows"]
 
 
 def compact(
@@ -170,6 +170,26 @@ def keep_heavy_and_recent(
                      jnp.arange(budget, dtype=jnp.int32))
     new_lengths = jnp.minimum(lengths, budget)
     return keep.astype(jnp.int32), new_lengths
+
+
+def keep_windows(
+    keep: Int[Array, "layers max_seqs heads budget"],
+    lengths: Int[Array, " max_seqs"],
+    layers: tuple[int, ...],
+) -> Int[Array, "layers max_seqs heads budget"]:
+    """`keep` with the listed (sliding-window) layers keeping their most recent tokens.
+
+    A windowed layer's sequence of n tokens keeps slots [n - budget, n) (every slot when
+    n <= budget): a contiguous suffix ending at the newest token, so positions within it
+    keep their distances and the window (masked by cache position) reads the same keys.
+    """
+    if not layers:
+        return keep
+    budget = keep.shape[-1]
+    start = jnp.maximum(lengths - budget, 0).astype(jnp.int32)
+    recent = start[:, None, None] + jnp.arange(budget, dtype=jnp.int32)[None, None, :]
+    recent = jnp.broadcast_to(recent, keep.shape[1:])
+    return keep.at[jnp.asarray(layers, jnp.int32)].set(recent)
 
 
 def only_rows(

@@ -49,9 +49,17 @@ from kvjax.cache.policies.base import (
     active_rows,
     ok_status,
     refuse_indexer,
+    refuse_kivi_windows,
+    require_window_budget,
     score_scale,
+    soft_cap_of,
 )
-from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
+from kvjax.cache.policies.compaction import (
+    compact,
+    keep_heavy_and_recent,
+    keep_windows,
+    only_rows,
+)
 from kvjax.cache.state import PagedKVCache
 
 __all__ = ["H2O", "H2OState", "check_budget", "evict_lowest_pages"]
@@ -140,8 +148,12 @@ class H2O(CachePolicy):
       budget: tokens kept per sequence (per layer and head). Default 1024.
       recent: most recent tokens always kept; None means budget // 2 (the paper's even
         split). On KIVI pages the recent window is the full-precision tail; leave None.
-      scale: attention logit scale for scoring, default the cache geometry's
-        (`softmax_scale`: 1/sqrt(head_dim), MLA's own).
+      scale: attention logit scale for scoring, default the model's (`attention.scale`)
+        or the cache geometry's (`softmax_scale`: 1/sqrt(head_dim), MLA's own).
+
+    On a model with sliding-window layers (`attention`, set by `bind_model`) the global
+    layers are scored with the model's scale and soft cap, and the windowed layers keep
+    their most recent `budget` tokens (`budget` must hold the largest window).
     """
 
     budget: int = 1024
@@ -157,6 +169,8 @@ class H2O(CachePolicy):
 
     def init_state(self, cache: PagedKVCache) -> H2OState:
         refuse_indexer("H2O", cache, _DENSE_SCORES)
+        refuse_kivi_windows("H2O", cache, self.attention)
+        require_window_budget("H2O", self.budget, self.attention)
         spec = cache.spec
         if cache.is_quantized:
             if self.recent is not None:
@@ -177,10 +191,18 @@ class H2O(CachePolicy):
         return H2OState(scores=jnp.moveaxis(x, 0, axis))
 
     def _probs(self, cache, queries, q_lengths):
-        """Per layer: probabilities summed over queries, [layers, max_seqs, q_heads, tokens]."""
-        scale = score_scale(self.scale, cache)
-        return [ops.attention_probs(cache, layer, queries[layer], q_lengths, scale=scale)
-                for layer in range(cache.spec.num_layers)]
+        """Per layer: probabilities summed over queries, [layers, max_seqs, q_heads, tokens],
+        with the model's scale and soft cap; zeros on windowed layers (they keep their most
+        recent tokens, whatever the scores)."""
+        scale = score_scale(self.scale, cache, self.attention)
+        cap = soft_cap_of(self.attention)
+        spec = cache.spec
+        local = () if self.attention is None else self.attention.windowed_layers
+        shape = (spec.max_seqs, queries.shape[-2], spec.max_tokens_per_seq)
+        return [jnp.zeros(shape, jnp.float32) if layer in local else
+                ops.attention_probs(cache, layer, queries[layer], q_lengths, scale=scale,
+                                    soft_cap=cap)
+                for layer in range(spec.num_layers)]
 
     def _accumulate(self, cache, scores, queries, q_lengths):
         probs = self._probs(cache, queries, q_lengths)
@@ -202,6 +224,8 @@ class H2O(CachePolicy):
         keep, new_lengths = keep_heavy_and_recent(
             state.scores, cache.lengths, self.budget, self.n_recent, seq_axis=1
         )
+        if self.attention is not None:
+            keep = keep_windows(keep, cache.lengths, self.attention.windowed_layers)
         keep, new_lengths = only_rows(keep, new_lengths, cache.lengths, rows)
         cache, _, status = compact(cache, keep, new_lengths)
         moved = jnp.take_along_axis(state.scores, keep, axis=-1)

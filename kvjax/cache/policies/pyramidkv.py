@@ -41,8 +41,21 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.policies.base import CachePolicy, Selection, ok_status, refuse_indexer
-from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
+from kvjax.cache.policies.base import (
+    CachePolicy,
+    Selection,
+    ok_status,
+    refuse_indexer,
+    refuse_kivi_windows,
+    require_window_budget,
+    windowed,
+)
+from kvjax.cache.policies.compaction import (
+    compact,
+    keep_heavy_and_recent,
+    keep_windows,
+    only_rows,
+)
 from kvjax.cache.policies.h2o import _DENSE_SCORES, evict_lowest_pages, require_kivi_budget
 from kvjax.cache.policies.snapkv import _check_snap, kivi_page_votes, snapkv_scores
 from kvjax.cache.state import PagedKVCache
@@ -74,6 +87,10 @@ class PyramidKV(CachePolicy):
       budget: average prompt tokens kept per layer (window included). Default 1024.
       beta: the top layer keeps budget / beta tokens (paper: 20).
       window, kernel, pooling, scale: as in `SnapKV`.
+
+    On a model with sliding-window layers (`attention`, set by `bind_model`) the windowed
+    layers keep the largest layer budget's most recent tokens and read them all; that
+    budget must hold the largest window.
     """
 
     budget: int = 1024
@@ -108,6 +125,9 @@ class PyramidKV(CachePolicy):
             "model.", "model, and its per-layer page selection would compete with the "
             "indexer's token selection."))
         spec = cache.spec
+        refuse_kivi_windows("PyramidKV", cache, self.attention)
+        require_window_budget("PyramidKV", self.layer_budgets(spec.num_layers,
+                                                              spec.page_size)[0], self.attention)
         skip = jnp.zeros((spec.num_layers, spec.max_seqs), jnp.int32)
         if cache.is_quantized:
             require_kivi_budget("PyramidKV", self.layer_budgets(spec.num_layers,
@@ -137,21 +157,26 @@ class PyramidKV(CachePolicy):
             return cache, dataclasses.replace(state, skip=jnp.zeros_like(state.skip)), (
                 ok_status(cache))
         scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
-                               kernel=self.kernel, pooling=self.pooling, scale=self.scale)
+                               kernel=self.kernel, pooling=self.pooling, scale=self.scale,
+                               attention=self.attention)
         if cache.is_quantized:
             return self._kivi_prefill(cache, state, scores, q_lengths, budgets)
         lengths = cache.lengths
         evict = (q_lengths > 0) & (lengths > b_max)
         keeps, skips = [], []
         for layer, b in enumerate(budgets):
+            if windowed(self.attention, layer):  # a windowed layer keeps its b_max newest
+                b = b_max
             keep_l, _ = keep_heavy_and_recent(scores[layer], lengths, b, self.window,
                                               seq_axis=0)  # [batch, heads, b]
             front = jnp.broadcast_to(jnp.arange(b_max - b, dtype=jnp.int32),
                                      (*keep_l.shape[:2], b_max - b))
             keeps.append(jnp.concatenate([front, keep_l], axis=-1))
             skips.append((b_max - b) // ps)
-        keep, new_lengths = only_rows(jnp.stack(keeps), jnp.full_like(lengths, b_max), lengths,
-                                      evict)
+        keep = jnp.stack(keeps)
+        if self.attention is not None:
+            keep = keep_windows(keep, lengths, self.attention.windowed_layers)
+        keep, new_lengths = only_rows(keep, jnp.full_like(lengths, b_max), lengths, evict)
         cache, _, status = compact(cache, keep, new_lengths)
         skip = jnp.asarray(skips, jnp.int32)[:, None]
         skip = jnp.where(evict[None, :], skip, jnp.where(q_lengths[None, :] > 0, 0, state.skip))
@@ -192,7 +217,9 @@ class PyramidKV(CachePolicy):
         state: PyramidState,
         layer: int | Int[Array, ""],
         q: Float[Array, "batch q_heads head_dim"],
-    ) -> Selection:
+    ) -> Selection | None:
+        if windowed(self.attention, layer):  # reads its whole (kept) window
+            return None
         if cache.is_quantized:  # the quantized pages this layer reads, in column order
             drop = state.drop[layer]
             spec = cache.spec

@@ -54,6 +54,7 @@ from kvjax.cache.policies.base import (
     active_rows,
     ok_status,
     refuse_indexer,
+    windowed,
 )
 from kvjax.cache.state import PagedKVCache
 
@@ -251,13 +252,19 @@ class Quest(CachePolicy):
         layer: int | Int[Array, ""],
         q: Float[Array, "batch q_heads head_dim"],
     ) -> Selection | None:
-        """Per-head selection; a static `layer` below `dense_layers` reads everything (None).
+        """Per-head selection; a static `layer` below `dense_layers` reads everything (None),
+        as does a sliding-window layer (`attention`): it already reads at most its window,
+        and a selection reads pages out of position order, where no window applies. On
+        the other layers the ranking (an upper bound of q . k per page) is that of the
+        model's logits too: its scale and soft cap are increasing maps.
 
         With a traced `layer` (a scan over layers) the table is max_pages wide
         and dense layers select every page through it.
         """
         max_pages = cache.spec.max_pages_per_seq
         select = self._select_quantized if cache.is_quantized else self._select
+        if windowed(self.attention, layer):  # reads its window, at most window tokens
+            return None
         if isinstance(layer, int):
             if layer < self.dense_layers or self.top_k >= max_pages:
                 return None

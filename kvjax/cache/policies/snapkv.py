@@ -36,8 +36,22 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.cache import ops
 from kvjax.cache.page_table import AllocStatus
-from kvjax.cache.policies.base import CachePolicy, ok_status, refuse_indexer, score_scale
-from kvjax.cache.policies.compaction import compact, keep_heavy_and_recent, only_rows
+from kvjax.cache.policies.base import (
+    CachePolicy,
+    LayerAttention,
+    ok_status,
+    refuse_indexer,
+    refuse_kivi_windows,
+    require_window_budget,
+    score_scale,
+    soft_cap_of,
+)
+from kvjax.cache.policies.compaction import (
+    compact,
+    keep_heavy_and_recent,
+    keep_windows,
+    only_rows,
+)
 from kvjax.cache.policies.h2o import _DENSE_SCORES, evict_lowest_pages, require_kivi_budget
 from kvjax.cache.state import PagedKVCache
 
@@ -55,6 +69,7 @@ def snapkv_scores(
     kernel: int,
     pooling: str = "max",
     scale: float | None = None,
+    attention: LayerAttention | None = None,
 ) -> Float[Array, "layers batch kv_heads max_tokens"]:
     """SnapKV's pooled observation-window votes for every cached position.
 
@@ -63,6 +78,10 @@ def snapkv_scores(
     window's attention probabilities, pooled along positions (kernel `kernel`,
     stride 1, centred; zeros outside the prefix), then averaged over the KV
     head's query group. Window positions and positions past the length get 0.
+
+    `scale` (default: `attention.scale`, else the cache geometry's) and the soft cap of
+    `attention` (the model's `LayerAttention`) are those of the model's attention; its
+    windowed layers get no votes (zeros): they keep their most recent tokens.
 
     Returns:
       float32[layers, batch, cache_heads, max_tokens].
@@ -76,10 +95,16 @@ def snapkv_scores(
     prefix_end = cache.lengths - w  # positions < prefix_end are candidates
     pos = jnp.arange(spec.max_tokens_per_seq)[None, :]
     in_prefix = (pos < prefix_end[:, None])[:, None, :]  # [batch, 1, tokens]
-    scale = score_scale(scale, cache)
+    scale = score_scale(scale, cache, attention)
+    local = () if attention is None else attention.windowed_layers
     out = []
     for layer in range(spec.num_layers):
+        if layer in local:  # windowed layers keep their most recent tokens: no votes
+            out.append(jnp.zeros((q_lengths.shape[0], heads, spec.max_tokens_per_seq),
+                                 jnp.float32))
+            continue
         p = ops.attention_probs(cache, layer, queries[layer], q_lengths, scale=scale,
+                                soft_cap=soft_cap_of(attention),
                                 weights=in_window.astype(jnp.float32))
         votes = jnp.where(in_prefix, p, 0.0)  # [batch, q_heads, tokens]
         votes = _pool(votes, kernel, pooling)
@@ -133,6 +158,8 @@ class SnapKV(CachePolicy):
 
     def init_state(self, cache: PagedKVCache) -> None:
         refuse_indexer("SnapKV", cache, _DENSE_SCORES)
+        refuse_kivi_windows("SnapKV", cache, self.attention)
+        require_window_budget("SnapKV", self.budget, self.attention)
         if cache.is_quantized:
             require_kivi_budget("SnapKV", self.budget, cache)
         return None
@@ -147,13 +174,16 @@ class SnapKV(CachePolicy):
         if self.budget >= cache.spec.max_tokens_per_seq:  # no prompt can exceed the budget
             return cache, state, ok_status(cache)
         scores = snapkv_scores(cache, queries, q_lengths, window=self.window,
-                               kernel=self.kernel, pooling=self.pooling, scale=self.scale)
+                               kernel=self.kernel, pooling=self.pooling, scale=self.scale,
+                               attention=self.attention)
         if cache.is_quantized:
             cache, _, status = evict_kivi_pages(cache, scores, q_lengths, self.window,
                                                 self.budget)
             return cache, state, status
         keep, new_lengths = keep_heavy_and_recent(scores, cache.lengths, self.budget,
                                                   self.window, seq_axis=1)
+        if self.attention is not None:
+            keep = keep_windows(keep, cache.lengths, self.attention.windowed_layers)
         keep, new_lengths = only_rows(keep, new_lengths, cache.lengths, q_lengths > 0)
         cache, _, status = compact(cache, keep, new_lengths)
         return cache, state, status
