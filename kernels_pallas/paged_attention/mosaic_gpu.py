@@ -43,10 +43,21 @@ Design (each choice and the number behind it):
 * Masking: logits outside [first visible, length) are selected to -inf; on a
   range's first and last step the invisible rows of the V stage are zeroed in
   shared memory before P V, so NaN or inf there never reaches the output.
-* Dtypes: bfloat16 or float16 pages. float32 queries become two parts in the
-  pages' dtype (hi + lo, one more Q K^T wgmma per step). float32 pages are
-  refused (`unsupported_reason`): wgmma would read them as tf32, and P V with
-  tf32 needs V transposed in shared memory; the Triton kernel serves them.
+* Dtypes: bfloat16, float16 or float32 pages. float32 queries (and any query over
+  float32 pages) become two bfloat16 parts, hi + lo. wgmma would read float32 pages
+  only as tf32 (10 bits), and only K-major, which P V's value operand is not; so a
+  float32 step lands in shared memory as it is and passes through registers into
+  hi + lo bfloat16 operand buffers, and each product sums the part products but lo x
+  lo (3 wgmmas: ~2^-16 relative, inside the float32 kernels' 1e-5 test tolerance). It
+  costs FLOPs (still below the H100's bf16 peak at group <= 64) and shared memory: at
+  head_dim 256 float32 pages need more than the 200 KiB budget and go to Triton.
+* Pages of 1, 2 or 4 rows (below one 8-row tile of the swizzled wgmma layout) are
+  copied by TMA, one copy per page, into stage buffers tiled by the page's rows, and
+  repacked through registers like float32 pages; a step's copies arrive on one
+  barrier per stage (`num_arrivals` = copies).
+* Widths up to 512: a value wider than 256 columns is split over programs (each
+  accumulating 256 columns, 128 float32 registers a thread, re-reading K); the K/V
+  stages are as many as 200 KiB of shared memory holds (at least 1).
 
 Checked on CPU in Mosaic GPU's interpreter with race detection and by
 lowering for an H100 (tests/kernels/test_mosaic_gpu_decode.py).
@@ -78,10 +89,14 @@ NEG_INF = float("-inf")
 _MMA_ROWS = 64  # wgmma's M: the query group is padded to this many rows
 _BLOCK_TOKENS = 64  # tokens per pipeline step (one wgmma-layout tile of logits)
 _MIN_PAGE = 8  # rows of one tile of the swizzled shared-memory layout
+_SMALL_PAGES = (1, 2, 4)  # pages below one tile: staged untiled, repacked through registers
 _MAX_STAGES = 4
 _SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB per block, leaving room for barriers
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_HEAD_DIMS = (16, 32, 64, 128, 256)
+_F32 = jnp.dtype(jnp.float32)
+_HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+_MAX_ACC_COLS = 256  # output columns one warpgroup accumulates (128 f32 registers a thread)
+_REPACK_COLS = 64  # columns per register pass: one 128-byte swizzle tile of 16-bit values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +113,13 @@ class KernelConfig:
       table_window: table entries each program copies to shared memory: pages_per_split
         rounded up to 32 (one copy moves a multiple of 128 bytes, which jax 0.10's
         lowering requires); the entries past pages_per_split are never used.
+      v_block: output columns per program (v_head_dim up to 256; wider values are split
+        over programs, each re-reading K, so one warpgroup's accumulator fits its
+        registers).
+      repack: pages land in untiled shared memory and pass through registers into the
+        swizzled wgmma operand buffers (pages smaller than one 8-row tile, float32 pages).
+      parts: 16-bit parts per cached value in the operand buffers: 2 (hi + lo bfloat16)
+        for float32 pages, else 1.
     """
 
     block_tokens: int
@@ -106,6 +128,9 @@ class KernelConfig:
     num_splits: int
     pages_per_split: int
     table_window: int
+    v_block: int = 0
+    repack: bool = False
+    parts: int = 1
 
 
 def choose_splits(
@@ -159,23 +184,35 @@ def unsupported_reason(q, k_pages, v_pages) -> str | None:
     _, q_heads, head_dim = q.shape
     kv_heads, _, page_size, v_dim = v_pages.shape
     dtype = jnp.dtype(k_pages.dtype)
-    if dtype not in _DTYPES or jnp.dtype(v_pages.dtype) != dtype:
-        return (f"the Mosaic GPU kernel takes bfloat16 or float16 pages (one dtype for K and "
-                f"V), got k_pages {k_pages.dtype}, v_pages {v_pages.dtype}.")
-    if jnp.dtype(q.dtype) not in (*_DTYPES, jnp.dtype(jnp.float32)):
+    if dtype not in (*_DTYPES, _F32) or jnp.dtype(v_pages.dtype) != dtype:
+        return (f"the Mosaic GPU kernel takes bfloat16, float16 or float32 pages (one dtype "
+                f"for K and V), got k_pages {k_pages.dtype}, v_pages {v_pages.dtype}.")
+    if jnp.dtype(q.dtype) not in (*_DTYPES, _F32):
         return f"the Mosaic GPU kernel takes bfloat16, float16 or float32 queries, got {q.dtype}."
     for name, width in (("head_dim", head_dim), ("v_head_dim", v_dim)):
         if width not in _HEAD_DIMS:
-            return (f"the Mosaic GPU kernel takes {name} in {_HEAD_DIMS} (the float32 "
-                    f"[64, v_head_dim] accumulator of one warpgroup must fit its registers), "
-                    f"got {width}.")
-    if page_size < _MIN_PAGE or page_size % _MIN_PAGE or not (
+            return (f"the Mosaic GPU kernel takes {name} in {_HEAD_DIMS} (whole swizzle tiles "
+                    f"of wgmma operands), got {width}.")
+    if page_size not in _SMALL_PAGES and (page_size % _MIN_PAGE or not (
         _BLOCK_TOKENS % page_size == 0 or page_size % _BLOCK_TOKENS == 0
-    ):
-        return (f"the Mosaic GPU kernel takes page sizes that are multiples of {_MIN_PAGE} "
-                f"(a TMA copy of one page must fill whole 8-row tiles of the swizzled shared "
-                f"memory wgmma reads) dividing or divisible by {_BLOCK_TOKENS}, got "
-                f"{page_size}.")
+    )):
+        return (f"the Mosaic GPU kernel takes page sizes {_SMALL_PAGES} or multiples of "
+                f"{_MIN_PAGE} (a TMA copy of one page must fill whole 8-row tiles of the "
+                f"swizzled shared memory wgmma reads) dividing or divisible by "
+                f"{_BLOCK_TOKENS}, got {page_size}.")
+    if mgpu.JAX_VERSION < (0, 11):
+        v_block = _layout(head_dim, v_dim, page_size, dtype.itemsize)[0]
+        copy = min(page_size, _BLOCK_TOKENS) * min(head_dim, v_block) * dtype.itemsize
+        if copy % 128:
+            return (f"jax {jax.__version__} lowers TMA copies of a multiple of 128 bytes "
+                    f"only (jax 0.11 lowers any), and one page's rows of page_size "
+                    f"{page_size} x width {min(head_dim, v_block)} in {dtype} are {copy}.")
+    need = _smem_bytes(head_dim, v_dim, page_size, dtype.itemsize, stages=1,
+                       q_parts=_q_parts(q.dtype, dtype))
+    if need > _SMEM_BUDGET:
+        return (f"the Mosaic GPU kernel needs {need} bytes of shared memory for head_dim "
+                f"{head_dim}, v_head_dim {v_dim} and {dtype} pages (one pipeline stage, the "
+                f"query parts and the repacked operands), more than its {_SMEM_BUDGET}.")
     group = q_heads // max(kv_heads, 1)
     if group > _MMA_ROWS:
         return (f"the Mosaic GPU kernel holds at most {_MMA_ROWS} query heads per KV head "
@@ -183,20 +220,47 @@ def unsupported_reason(q, k_pages, v_pages) -> str | None:
     return None
 
 
+def _layout(head_dim: int, v_dim: int, page_size: int, itemsize: int):
+    """(v_block, repack, parts) for a cache geometry: see `KernelConfig`."""
+    repack = page_size < _MIN_PAGE or itemsize == 4
+    return min(v_dim, _MAX_ACC_COLS), repack, (2 if itemsize == 4 else 1)
+
+
+def _q_parts(q_dtype, page_dtype) -> int:
+    """16-bit parts of the query in shared memory: 2 (hi + lo) for float32 queries or pages."""
+    return 2 if _F32 in (jnp.dtype(q_dtype), jnp.dtype(page_dtype)) else 1
+
+
+def _smem_bytes(head_dim: int, v_dim: int, page_size: int, itemsize: int, stages: int,
+                q_parts: int = 2) -> int:
+    """Shared memory of one program, the block table aside: `stages` K/V stages in the
+    pages' dtype, the query's 16-bit parts, and with `repack` the 16-bit operand buffers
+    (K's and V's shared when they are equally wide)."""
+    v_block, repack, parts = _layout(head_dim, v_dim, page_size, itemsize)
+    stage = _BLOCK_TOKENS * (head_dim + v_block) * itemsize
+    q = q_parts * _MMA_ROWS * head_dim * 2
+    ops = 0
+    if repack:
+        ops = parts * _BLOCK_TOKENS * (head_dim + (0 if v_block == head_dim else v_block)) * 2
+    return stages * stage + q + ops
+
+
 def kernel_config(
     batch: int, kv_heads: int, max_pages: int, page_size: int, head_dim: int, v_dim: int,
-    itemsize: int, num_sms: int,
+    itemsize: int, num_sms: int, q_parts: int = 2,
 ) -> KernelConfig:
-    """The tiling `paged_decode_attention` uses for a cache geometry (a pure function)."""
+    """The tiling `paged_decode_attention` uses for a cache geometry (a pure function);
+    `q_parts` is 2 for float32 queries or pages (their hi + lo parts), else 1."""
     block_tokens = _BLOCK_TOKENS
     chunk = min(page_size, block_tokens)
-    stage_bytes = block_tokens * (head_dim + v_dim) * itemsize
-    q_bytes = 2 * _MMA_ROWS * head_dim * itemsize  # room for float32 queries' two parts
-    stages = max(2, min(_MAX_STAGES, (_SMEM_BUDGET - q_bytes) // stage_bytes))
+    v_block, repack, parts = _layout(head_dim, v_dim, page_size, itemsize)
+    fixed = _smem_bytes(head_dim, v_dim, page_size, itemsize, 0, q_parts)
+    stage_bytes = _smem_bytes(head_dim, v_dim, page_size, itemsize, 1, q_parts) - fixed
+    stages = max(1, min(_MAX_STAGES, (_SMEM_BUDGET - fixed) // stage_bytes))
     pages_per_step = max(1, block_tokens // page_size)
     steps_per_page = max(1, page_size // block_tokens)
     num_steps = max(1, -(-max_pages // pages_per_step) * steps_per_page)
-    splits = choose_splits(batch * kv_heads, num_steps, num_sms)
+    splits = choose_splits(batch * kv_heads * (v_dim // v_block), num_steps, num_sms)
     steps_per_split = -(-num_steps // splits)
     # A split is whole steps and starts at a 16-byte aligned table entry.
     unit = math.lcm(4, pages_per_step)
@@ -205,32 +269,46 @@ def kernel_config(
     splits = -(-max_pages // pages_per_split)  # no split without pages
     return KernelConfig(block_tokens=block_tokens, chunk=chunk, num_stages=stages,
                         num_splits=splits, pages_per_split=pages_per_split,
-                        table_window=-(-pages_per_split // 32) * 32)
+                        table_window=-(-pages_per_split // 32) * 32, v_block=v_block,
+                        repack=repack, parts=parts)
 
 
-def _smem_transforms(width: int, itemsize: int):
+def _smem_transforms(width: int, itemsize: int, rows: int = 8):
+    """Swizzled tiles of `rows` rows; wgmma operands need 8, a page of 1-4 rows is copied
+    into tiles of its own height (then repacked into 8-row tiles through registers)."""
     swizzle = min(128, width * itemsize)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    return (plgpu.TilingTransform((rows, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _pairs(a_parts: int, b_parts: int) -> tuple[tuple[int, int], ...]:
+    """The part products of a hi + lo split that carry ~2^-16 relative: all but lo x lo."""
+    return tuple((a, b) for a in range(a_parts) for b in range(b_parts) if a + b < 2)
 
 
 def _decode_kernel(
     q_ref, k_ref, v_ref, len_ref, tbl_ref, o_ref, lse_ref,  # GMEM
-    q_smem, k_smem, v_smem, tbl_smem, q_bar, k_bars, v_bars, tbl_bar, p_smem,  # scratch
+    q_smem, k_smem, v_smem, tbl_smem, q_bar, k_bars, v_bars, tbl_bar, k_op, v_op,
+    p_smem,  # scratch
     *, cfg: KernelConfig, page_size: int, scale: float, soft_cap: float | None,
     sliding_window: int | None, interpret,
 ):
     s_idx = jax.lax.axis_index("split")
-    h = jax.lax.axis_index("kv_head")
+    hv = jax.lax.axis_index("kv_head")  # KV head x value-column block
     b = jax.lax.axis_index("seq")
     bt, chunk, stages = cfg.block_tokens, cfg.chunk, cfg.num_stages
     chunks = bt // chunk
-    dtype = k_smem.dtype
-    dv = v_smem.shape[-1]
+    vb = cfg.v_block
+    v_blocks = v_ref.shape[-1] // vb
+    h, vc = hv // v_blocks, hv % v_blocks
+    op_dtype = q_smem.dtype
     pps = cfg.pages_per_split
+    if cfg.repack and v_op is None:
+        v_op = k_op
 
     plgpu.copy_gmem_to_smem(tbl_ref.at[b, pl.ds(s_idx * pps, cfg.table_window)], tbl_smem,
                             tbl_bar)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+    for part in range(q_smem.shape[0]):  # one copy per part: a TMA box has at most 5 dims
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, part], q_smem.at[part], q_bar)
 
     length = len_ref[b]
     first = jnp.int32(0) if sliding_window is None else jnp.maximum(length - sliding_window, 0)
@@ -251,10 +329,12 @@ def _decode_kernel(
             page = jnp.where(visible, tbl_smem[(tok - split0) // page_size], 0)
             rows = pl.ds(tok % page_size, chunk)
             dst = pl.ds(c * chunk, chunk)
+            v_src = v_ref.at[h, page, rows]
+            if v_blocks > 1:
+                v_src = v_ref.at[h, page, rows, pl.ds(vc * vb, vb)]
             plgpu.copy_gmem_to_smem(k_ref.at[h, page, rows], k_smem.at[slot, dst],
-                                    k_bars.at[slot * chunks + c])
-            plgpu.copy_gmem_to_smem(v_ref.at[h, page, rows], v_smem.at[slot, dst],
-                                    v_bars.at[slot * chunks + c])
+                                    k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot, dst], v_bars.at[slot])
 
     for j in range(stages):
         pl.when(j < num_steps)(functools.partial(issue, j))
@@ -267,18 +347,39 @@ def _decode_kernel(
                              interpret=interpret)
     m0 = layout_cast(jnp.full((_MMA_ROWS,), NEG_INF, jnp.float32), row_layout)
     l0 = layout_cast(jnp.full((_MMA_ROWS,), 0.0, jnp.float32), row_layout)
-    acc0 = layout_cast(jnp.zeros((_MMA_ROWS, dv), jnp.float32), wgmma_layout)
+    acc0 = layout_cast(jnp.zeros((_MMA_ROWS, vb), jnp.float32), wgmma_layout)
+
+    def repack(stage, op, step0=None):
+        """stage [bt, width] (the pages' dtype) -> op [parts, bt, width] (16-bit, 8-row
+        swizzled tiles), through registers a swizzle tile of columns at a time; with `step0`, rows
+        outside [first, length) become 0 (NaN there must not reach P V)."""
+        width = stage.shape[-1]
+        cols = min(width, _REPACK_COLS)
+        for c0 in range(0, width, cols):
+            x = mgpu.load(stage.at[:, pl.ds(c0, cols)], wgmma_layout, interpret=interpret)
+            if step0 is not None:
+                rows = step0 + iota((bt, cols), 0)
+                x = jnp.where((rows >= first) & (rows < length), x, jnp.zeros_like(x))
+            hi = x.astype(op_dtype)
+            op[0, :, pl.ds(c0, cols)] = hi
+            if cfg.parts == 2:
+                rest = x.astype(jnp.float32) - hi.astype(jnp.float32)
+                op[1, :, pl.ds(c0, cols)] = rest.astype(op_dtype)
+        plgpu.commit_smem()
 
     def step(j, carry):
         acc, m_prev, l_prev = carry
         slot = j % stages
         step0 = split0 + (lo_step + j) * bt
-        for c in range(chunks):
-            plgpu.barrier_wait(k_bars.at[slot * chunks + c])
-
-        s = mgpu.dot_transposed_b(q_smem.at[0], k_smem.at[slot], interpret=interpret)
-        for part in range(1, q_smem.shape[0]):  # float32 queries: + q_lo K^T
-            s = s + mgpu.dot_transposed_b(q_smem.at[part], k_smem.at[slot], interpret=interpret)
+        plgpu.barrier_wait(k_bars.at[slot])
+        if cfg.repack:
+            repack(k_smem.at[slot], k_op)
+            k_parts = tuple(k_op.at[i] for i in range(cfg.parts))
+        else:
+            k_parts = (k_smem.at[slot],)
+        qk = _pairs(q_smem.shape[0], len(k_parts))
+        s = mgpu.dot_transposed_b(tuple(q_smem.at[a] for a, _ in qk),
+                                  tuple(k_parts[c] for _, c in qk), interpret=interpret)
         s = s * jnp.float32(scale)
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
@@ -290,29 +391,39 @@ def _decode_kernel(
         p = jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
         l_new = l_prev * alpha + p.sum(axis=1)
 
-        for c in range(chunks):
-            plgpu.barrier_wait(v_bars.at[slot * chunks + c])
-
-        @pl.when((j == 0) | (j == num_steps - 1))
-        def _():  # zero the rows no query sees: 0 * NaN in P V would be NaN
-            v_tile = v_smem.at[slot]
-            rows = step0 + iota((bt, dv), 0)
-            v = v_tile[...]
-            v_tile[...] = jnp.where((rows >= first) & (rows < length), v, jnp.zeros_like(v))
-            plgpu.commit_smem()
-
-        if p_smem is None:
-            p_in = p.astype(dtype)
+        plgpu.barrier_wait(v_bars.at[slot])
+        if cfg.repack:
+            # Q K^T has been awaited (its result is read above), so a shared buffer is free.
+            repack(v_smem.at[slot], v_op, step0)
+            v_parts = tuple(v_op.at[i] for i in range(cfg.parts))
         else:
-            p_smem[...] = p.astype(dtype)
+            v_parts = (v_smem.at[slot],)
+
+            @pl.when((j == 0) | (j == num_steps - 1))
+            def _():  # zero the rows no query sees: 0 * NaN in P V would be NaN
+                v_tile = v_smem.at[slot]
+                rows = step0 + iota((bt, vb), 0)
+                v = v_tile[...]
+                v_tile[...] = jnp.where((rows >= first) & (rows < length), v,
+                                        jnp.zeros_like(v))
+                plgpu.commit_smem()
+
+        p_hi = p.astype(op_dtype)
+        p_in = [p_hi]
+        if cfg.parts == 2:  # float32 values: P in hi + lo parts too
+            p_in.append((p - p_hi.astype(jnp.float32)).astype(op_dtype))
+        if p_smem is not None:
+            for i, part in enumerate(p_in):
+                p_smem[i] = part
             plgpu.commit_smem()
-            p_in = p_smem
+            p_in = [p_smem.at[i] for i in range(len(p_in))]
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
+            for a, c in _pairs(len(p_in), len(v_parts)):
+                plgpu.wgmma(acc_ref, p_in[a], v_parts[c])
             return acc_ref[...]
 
-        pv_out = pl.run_scoped(pv, plgpu.ACC((_MMA_ROWS, dv), jnp.float32))
+        pv_out = pl.run_scoped(pv, plgpu.ACC((_MMA_ROWS, vb), jnp.float32))
         acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
 
         @pl.when(j + stages < num_steps)
@@ -324,10 +435,13 @@ def _decode_kernel(
     acc, m, l_sum = jax.lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
     seen = l_sum > 0.0
     safe_l = jnp.where(seen, l_sum, 1.0)
-    o_ref[s_idx, b, h] = jnp.where(
-        jax.lax.broadcast_in_dim(seen, acc.shape, [0]),
-        acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0]), 0.0)
-    lse_ref[s_idx, b, h] = jnp.where(seen, m + jnp.log(safe_l), NEG_INF)
+    out = jnp.where(jax.lax.broadcast_in_dim(seen, acc.shape, [0]),
+                    acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0]), 0.0)
+    if v_blocks > 1:
+        o_ref[s_idx, b, h, :, pl.ds(vc * vb, vb)] = out
+    else:
+        o_ref[s_idx, b, h] = out
+    lse_ref[s_idx, b, hv] = jnp.where(seen, m + jnp.log(safe_l), NEG_INF)
 
 
 @functools.partial(
@@ -341,51 +455,71 @@ def _decode(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, slid
     group = q_heads // kv_heads
     dtype = k_pages.dtype
     itemsize = jnp.dtype(dtype).itemsize
+    op_dtype = jnp.bfloat16 if dtype == jnp.float32 else dtype
+    q_parts = _q_parts(q.dtype, dtype)
     max_pages = block_tables.shape[1]
-    cfg = kernel_config(batch, kv_heads, max_pages, page_size, head_dim, dv, itemsize, num_sms)
-    splits, pps = cfg.num_splits, cfg.pages_per_split
-    chunks = cfg.block_tokens // cfg.chunk
+    cfg = kernel_config(batch, kv_heads, max_pages, page_size, head_dim, dv, itemsize, num_sms,
+                        q_parts=q_parts)
+    splits, pps, vb = cfg.num_splits, cfg.pages_per_split, cfg.v_block
+    v_blocks = dv // vb
 
     qg = q.reshape(batch, kv_heads, 1, group, head_dim)
-    if q.dtype == jnp.float32:
-        # Two parts in the pages' dtype, hi + lo, carry a float32 query to ~2^-16 relative.
-        hi = qg.astype(dtype)
-        qg = jnp.concatenate([hi, (qg - hi.astype(jnp.float32)).astype(dtype)], axis=2)
-    qg = jnp.pad(qg.astype(dtype), ((0, 0), (0, 0), (0, 0), (0, _MMA_ROWS - group), (0, 0)))
-    q_parts = qg.shape[2]
+    if q_parts == 2:
+        # Two 16-bit parts, hi + lo, carry a float32 query to ~2^-16 relative.
+        qg = qg.astype(jnp.float32)
+        hi = qg.astype(op_dtype)
+        qg = jnp.concatenate([hi, (qg - hi.astype(jnp.float32)).astype(op_dtype)], axis=2)
+    qg = jnp.pad(qg.astype(op_dtype), ((0, 0), (0, 0), (0, 0), (0, _MMA_ROWS - group), (0, 0)))
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, (splits - 1) * pps + cfg.table_window - max_pages)))
     kernel = functools.partial(
         _decode_kernel, cfg=cfg, page_size=page_size, scale=scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret,
     )
+
+    def staged(width):  # K/V stages, swizzled in tiles of one TMA copy's rows (at most 8)
+        return plgpu.SMEM((cfg.num_stages, cfg.block_tokens, width), dtype,
+                          transforms=_smem_transforms(width, itemsize, min(cfg.chunk, 8)))
+
+    def operands(width):
+        return plgpu.SMEM((cfg.parts, cfg.block_tokens, width), op_dtype,
+                          transforms=_smem_transforms(width, 2))
+
+    k_op = v_op = None
+    if cfg.repack:
+        k_op = operands(head_dim)
+        v_op = None if vb == head_dim else operands(vb)  # None: V shares K's buffer
+    p_parts = cfg.parts
     out, lse = plgpu.kernel(
         kernel,
         out_type=(
             jax.ShapeDtypeStruct((splits, batch, kv_heads, _MMA_ROWS, dv), jnp.float32),
-            jax.ShapeDtypeStruct((splits, batch, kv_heads, _MMA_ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, kv_heads * v_blocks, _MMA_ROWS), jnp.float32),
         ),
         scratch_types=(
-            plgpu.SMEM((q_parts, _MMA_ROWS, head_dim), dtype,
-                       transforms=_smem_transforms(head_dim, itemsize)),
-            plgpu.SMEM((cfg.num_stages, cfg.block_tokens, head_dim), dtype,
-                       transforms=_smem_transforms(head_dim, itemsize)),
-            plgpu.SMEM((cfg.num_stages, cfg.block_tokens, dv), dtype,
-                       transforms=_smem_transforms(dv, itemsize)),
+            plgpu.SMEM((q_parts, _MMA_ROWS, head_dim), op_dtype,
+                       transforms=_smem_transforms(head_dim, 2)),
+            staged(head_dim),
+            staged(vb),
             plgpu.SMEM((cfg.table_window,), jnp.int32),
+            plgpu.Barrier(num_arrivals=q_parts),
+            plgpu.Barrier(num_arrivals=cfg.block_tokens // cfg.chunk,
+                          num_barriers=cfg.num_stages),
+            plgpu.Barrier(num_arrivals=cfg.block_tokens // cfg.chunk,
+                          num_barriers=cfg.num_stages),
             plgpu.Barrier(),
-            plgpu.Barrier(num_barriers=cfg.num_stages * chunks),
-            plgpu.Barrier(num_barriers=cfg.num_stages * chunks),
-            plgpu.Barrier(),
-            (plgpu.SMEM((_MMA_ROWS, cfg.block_tokens), dtype,
-                        transforms=_smem_transforms(cfg.block_tokens, itemsize))
+            k_op,
+            v_op,
+            (plgpu.SMEM((p_parts, _MMA_ROWS, cfg.block_tokens), op_dtype,
+                        transforms=_smem_transforms(cfg.block_tokens, 2))
              if mgpu.wgmma_a_from_smem(interpret) else None),
         ),
-        grid=(splits, kv_heads, batch),
+        grid=(splits, kv_heads * v_blocks, batch),
         grid_names=("split", "kv_head", "seq"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mgpu.resolve_interpret(interpret),
     )(qg, k_pages, v_pages, lengths.astype(jnp.int32), tables)
+    lse = lse.reshape(splits, batch, kv_heads, v_blocks, _MMA_ROWS)[:, :, :, 0]
     out, lse = merge_splits(out, lse)
     out = out[:, :, :group].reshape(batch, q_heads, dv).astype(q.dtype)
     return out, lse[:, :, :group].reshape(batch, q_heads)

@@ -281,6 +281,23 @@ def test_shapes_the_mosaic_kernel_refuses_go_to_triton_with_its_reason(monkeypat
     assert kernel == "triton" and "page size 3 is not copied" in why
 
 
+def test_hopper_takes_f32_small_pages_and_width_512_on_mosaic(monkeypatch):
+    """Float32 pages, pages of 1-4 rows and width 512 run the Mosaic GPU kernel on a Hopper;
+    what exceeds its shared memory (float32 at width 256) goes to Triton, saying why."""
+    S = jax.ShapeDtypeStruct
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0"))
+    for width, page_size, dtype in ((128, 16, np.float32), (64, 4, jax.numpy.bfloat16),
+                                    (128, 1, np.float32), (512, 16, jax.numpy.bfloat16)):
+        pages = S((2, 8, page_size, width), dtype)
+        kernel, why = pallas_impls.gpu_kernel("paged_decode_attention",
+                                              S((2, 8, width), dtype), pages, pages)
+        assert kernel == "mosaic" and "Hopper" in why, (width, page_size, dtype, why)
+    pages = S((2, 8, 16, 256), np.float32)
+    kernel, why = pallas_impls.gpu_kernel("paged_decode_attention", S((2, 8, 256), np.float32),
+                                          pages, pages)
+    assert kernel == "triton" and "shared memory" in why
+
+
 @pytest.mark.parametrize("op", ["paged_decode_attention", "mla_decode_attention"])
 def test_pallas_on_hopper_runs_the_mosaic_kernel_with_the_sm_count(rng, monkeypatch, op):
     """On a Hopper, impl="pallas" calls the Mosaic GPU kernel (interpreted here) with the
