@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kvjax.generate
 import kvjax.nnx as kvnnx
 from kvjax import QuantSpec
 from kvjax.generate import CacheConfig
@@ -138,6 +139,75 @@ for name, quant in (("float32", None), ("KIVI int4", QuantSpec(bits=4, group_siz
                                    free_finished=False)
     print(f"kvjax {name}: {held_bytes(results[name].cache) / 1024:.1f} KiB in use; "
           f"tokens equal Flax's: {(results[name].tokens == flax_tokens).all()}")
+
+# %% [markdown]
+# ## A published model: tunix's Gemma 3
+#
+# [tunix](https://github.com/google/tunix) publishes NNX LLMs with dense caches of their
+# own. `kvjax.nnx.tunix.adapt_gemma3` swaps the attention layers of its Gemma 3 (five
+# sliding-window layers to one global) for paged ones that keep its weights. A toy
+# config, random weights; tunix's own decoding on its dense cache first. On Colab the
+# next cell installs `google-tunix`; where tunix is not installed this section says so
+# and is skipped.
+
+# %%
+if "google.colab" in sys.modules and importlib.util.find_spec("tunix") is None:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "google-tunix"])
+try:
+    from tunix.models.gemma3 import model as gemma3
+except ImportError as err:
+    gemma3 = None
+    print(f"tunix is not available ({err}); skipping its section")
+
+# %%
+if gemma3 is not None:
+    from kvjax.nnx import tunix as kvtunix
+
+    config = gemma3.ModelConfig(num_layers=6, num_embed=VOCAB, embed_dim=DIM,
+                                hidden_dim=2 * DIM, num_heads=4, head_dim=16, num_kv_heads=2,
+                                sliding_window_size=16, global_base_frequency=1_000_000,
+                                param_dtype=jnp.float32)
+    gemma = gemma3.Gemma3(config, rngs=nnx.Rngs(1))
+    # tunix initialises norms and MLPs to zero and embeddings at 0.01: draw them afresh.
+    params = nnx.state(gemma, nnx.Param)
+    draw = np.random.default_rng(1)
+    nnx.update(gemma, jax.tree.map(
+        lambda x: jnp.asarray(draw.normal(0, 1 if x.shape == (VOCAB, DIM) else 0.2, x.shape),
+                              jnp.float32), params))
+
+    # tunix's dense cache: every layer holds MAX_LEN positions up front.
+    shape = (2, MAX_LEN, config.num_kv_heads, config.head_dim)
+    tunix_cache = {f"layer_{i}": dict(k=jnp.zeros(shape), v=jnp.zeros(shape),
+                                      end_index=jnp.zeros(2, jnp.int32))
+                   for i in range(config.num_layers)}
+    tunix_bytes = sum(x.nbytes for layer in tunix_cache.values()
+                      for x in (layer["k"], layer["v"]))
+
+    @nnx.jit
+    def tunix_step(gemma, token, position, cache):
+        mask = jnp.broadcast_to(jnp.arange(MAX_LEN) <= position, (2, 1, MAX_LEN))
+        logits, cache = gemma(token, jnp.full(token.shape, position), cache, mask)
+        return jnp.argmax(logits[:, -1], -1), cache
+
+    tunix_tokens = []
+    for t in range(prompts.shape[1] + NEW - 1):
+        token = prompts[:, t:t + 1] if t < prompts.shape[1] else last[:, None]
+        last, tunix_cache = tunix_step(gemma, jnp.asarray(token), t, tunix_cache)
+        if t >= prompts.shape[1] - 1:
+            tunix_tokens.append(np.asarray(last))
+    tunix_tokens = np.stack(tunix_tokens, 1)
+
+    kvtunix.adapt_gemma3(gemma)  # in place: the weights are shared
+    gemma_model, gemma_params = kvtunix.as_model(gemma)
+    gemma_result = kvjax.generate.generate(gemma_model, gemma_params, prompts.tolist(),
+                                           key=jax.random.key(0), max_new_tokens=NEW,
+                                           cache=CacheConfig(page_size=16),
+                                           free_finished=False)
+    print(f"tunix dense cache: {tunix_bytes / 1024:.0f} KiB for {config.num_layers} layers; "
+          f"kvjax: {held_bytes(gemma_result.cache) / 1024:.1f} KiB in use")
+    print("all tokens equal tunix's:", (gemma_result.tokens == tunix_tokens).all())
+    assert (gemma_result.tokens == tunix_tokens).all()
+    assert held_bytes(gemma_result.cache) < tunix_bytes / 4  # 40 of 256 positions
 
 # %%
 paged = held_bytes(results["float32"].cache)

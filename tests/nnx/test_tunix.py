@@ -135,3 +135,18 @@ def test_flax_doc_tunix_block_runs():
                             *directives["after"]])
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(source, where, "exec"), {"__name__": "flax_doc"})  # noqa: S102
+
+
+def test_notebook_07_runs_with_tunix(tmp_path, monkeypatch):
+    """notebooks/07_flax_nnx.py end to end where tunix is installed, its tunix section
+    included (tests/notebooks runs the notebook in the job without tunix), as a script:
+    the percent-format source is plain Python. Its own asserts check the tunix tokens."""
+    src = Path(__file__).resolve().parents[2] / "notebooks" / "07_flax_nnx.py"
+    assert "adapt_gemma3" in src.read_text()
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__main__"}
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+            jax.numpy_dtype_promotion("standard"):  # a notebook runs with jax's default
+        exec(compile(src.read_text(), str(src), "exec"), namespace)  # noqa: S102
+    assert namespace["gemma3"] is not None, out.getvalue()
+    assert "all tokens equal tunix's: True" in out.getvalue()
