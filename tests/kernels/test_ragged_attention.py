@@ -8,10 +8,11 @@ permutation of the pool, table entries past a row's length hold garbage ids
 (negative and past the pool), and the pool's spare pages and the unused slots
 of each row's last page hold NaN, which must not reach any output.
 
-The kernel runs in Pallas' interpret mode and in the TPU interpreter
-(`pltpu.InterpretParams`: uninitialised VMEM is NaN, out-of-bounds reads
-raise, DMAs and semaphores are simulated) on two simulated cores with race
-detection, and lowers to Mosaic for TPU v5e, v6e and v7 from CPU.
+The kernel runs in the TPU interpreter (`pltpu.InterpretParams`:
+uninitialised VMEM is NaN, out-of-bounds reads raise, DMAs and semaphores are
+simulated) on two simulated cores with race detection, and lowers to Mosaic
+for TPU v5e, v6e and v7 from CPU. KIVI int4 pages, which the cache serves
+through the quantized op's TPU kernel, are checked here on prefill rows too.
 """
 
 import functools
@@ -26,6 +27,8 @@ from kernel_cases import TOL, interpreted, make_tables
 
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
+from kernels_pallas.quantized_attention import reference as quant_ref
+from kernels_pallas.quantized_attention import tpu as quant_tpu
 from kernels_pallas.ragged_attention import tpu
 from kernels_pallas.ragged_attention.block_sizes import RaggedBlockSizes
 
@@ -38,6 +41,8 @@ ROWS = [(13, 0), (1, 1), (6, 6), (32, 3), (20, 6), (9, 1)]
 _ref_gqa = jax.jit(paged_ref.paged_prefill_attention,
                    static_argnames=("scale", "soft_cap", "sliding_window"))
 _ref_mla = jax.jit(mla_ref.mla_prefill_attention, static_argnames=("scale",))
+_ref_quant = jax.jit(quant_ref.quantized_attention,
+                     static_argnames=("k_bits", "v_bits", "scale", "soft_cap", "sliding_window"))
 
 
 def _rows(rng, widths, heads_pool, dtype):
@@ -89,14 +94,14 @@ def _check(got, want, dtype):
     assert (out[pad] == 0).all() and (lse[pad] == -np.inf).all()
 
 
-# (name, (q_heads, kv_heads), dtype, soft_cap, sliding_window, (block_q, block_pages),
-# interpreter): GQA ratios 1, 2 and 4; one query block per chunk (the default block_q is
-# the whole chunk) and several (block_q 3 and 2; 2 leaves the 3-query chunk a partial
-# block); one, two and four (the default) pages per step.
+# (name, (q_heads, kv_heads), dtype, soft_cap, sliding_window, (block_q, block_pages)), in
+# the TPU interpreter: GQA ratios 1 and 4; the default block sizes (block_q the whole chunk, four
+# pages per step) and block_q 3 with two pages per step (several query blocks per chunk,
+# decode rows a partial block). Pallas' plain interpret mode (what "pallas" runs on CPU)
+# is exercised through kvjax.attention in tests/attention/test_pallas_dispatch.py.
 GQA_CASES = [
-    ("mha_f32_window_tpu_interpreter", (2, 2), jnp.float32, None, 5, (3, 2), "tpu"),
-    ("gqa2_bf16_softcap_tpu_interpreter", (4, 2), jnp.bfloat16, 2.0, None, None, "tpu"),
-    ("gqa4_f32_softcap_window", (8, 2), jnp.float32, 3.0, 9, (2, 1), "plain"),
+    ("mha_f32_window", (2, 2), jnp.float32, None, 5, (3, 2)),
+    ("gqa4_bf16_softcap_window", (8, 2), jnp.bfloat16, 2.0, 9, None),
 ]
 
 
@@ -109,17 +114,15 @@ def _tpu_interpreter():
 
 @pytest.mark.parametrize("case", GQA_CASES, ids=[c[0] for c in GQA_CASES])
 def test_gqa_matches_reference(rng, case):
-    _, (q_heads, kv_heads), dtype, soft_cap, window, blocks, where = case
+    _, (q_heads, kv_heads), dtype, soft_cap, window, blocks = case
     (q,), (k, v), lengths, tables, q_lengths = _rows(
         rng, ([(q_heads, 64)], [64, 64]), kv_heads, dtype)
     bs = None if blocks is None else RaggedBlockSizes(block_q=blocks[0],
                                                        block_tokens=blocks[1] * PAGE)
-    interpret = _tpu_interpreter() if where == "tpu" else True
     got = interpreted(tpu.paged_prefill_attention, q, k, v, lengths, tables, q_lengths,
                       soft_cap=soft_cap, sliding_window=window, block_sizes=bs,
-                      interpret=interpret)
-    if where == "tpu":
-        assert not _races_found()
+                      interpret=_tpu_interpreter())
+    assert not _races_found()
     want = _ref_gqa(q, k, v, lengths, tables, q_lengths, soft_cap=soft_cap,
                     sliding_window=window)
     _check(got, want, dtype)
@@ -137,6 +140,29 @@ def test_mla_matches_reference(rng, dtype):
     assert not _races_found()
     want = _ref_mla(q_lat, q_rope, latent, rope, lengths, tables, q_lengths, scale=0.1)
     _check(got, want, dtype)
+
+
+def test_int4_pages_prefill_rows_match_reference(rng):
+    """KIVI int4 pages (with their full-precision tail) serve ragged prefill rows through the
+    quantized op's TPU kernel: rows of 0 (an empty sequence), 1 and up to 3 new queries,
+    quantized lengths ending mid-page, bf16 queries with soft cap and window, in the TPU
+    interpreter with race detection."""
+    from test_quantized_kernels import gqa_case
+
+    args = gqa_case(rng, bits=4, q_heads=8, kv_heads=2, q_len=3, batch=4, dtype=jnp.bfloat16)
+    # New queries per row (row 0 is the empty sequence), at the end of each sequence.
+    lengths, q_lengths, t = np.asarray(args[10]), np.array([0, 1, 3, 2]), np.arange(3)
+    q_pos = np.where(t < q_lengths[:, None], lengths[:, None] - q_lengths[:, None] + t, -1)
+    args = (*args[:-1], jax.device_put(q_pos.astype(np.int32)))
+    opts = dict(k_bits=4, v_bits=4, scale=0.125, soft_cap=3.0, sliding_window=21)
+    got = interpreted(quant_tpu.quantized_attention, *args, interpret=_tpu_interpreter(),
+                      **opts)
+    assert not _races_found()
+    (out, lse), (ref_out, ref_lse) = got, _ref_quant(*args, **opts)
+    assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               **TOL[jnp.bfloat16]["out"])
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **TOL[jnp.bfloat16]["lse"])
 
 
 def test_bad_inputs_raise_before_tracing(rng):
@@ -169,7 +195,8 @@ _CHIPS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v7": "TPU7x"}
 def test_lowers_for_tpu(chip):
     """Mosaic lowering from CPU for each TPU generation (an abstract device of that kind):
     GQA over bf16 pages with window and soft cap, MLA over f32 pages at DeepSeek-V3's
-    widths."""
+    widths, and 64-query prefill chunks over KIVI int4 pages (keys in groups of 16 tokens,
+    values in groups of 32 channels)."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
     S = jax.ShapeDtypeStruct
@@ -181,8 +208,16 @@ def test_lowers_for_tpu(chip):
     mla = functools.partial(tpu.mla_prefill_attention, scale=0.1)
     mla_args = (S((batch, q_len, 16, 512), jnp.float32), S((batch, q_len, 16, 64), jnp.float32),
                 S((pages, 16, 512), jnp.float32), S((pages, 16, 64), jnp.float32), *i32)
+    int4 = functools.partial(quant_tpu.quantized_pages_attention, k_bits=4, v_bits=4,
+                             scale=0.1, soft_cap=30.0, sliding_window=100)
+    u8, f16 = jnp.uint8, jnp.float16
+    int4_args = (S((batch, q_len, 32, 128), jnp.bfloat16),
+                 S((8, pages, 16, 64), u8), *(S((8, pages, 1, 128), f16),) * 2,
+                 S((8, pages, 16, 64), u8), *(S((8, pages, 16, 4), f16),) * 2,
+                 S((batch,), jnp.int32), S((batch, max_pages), jnp.int32),
+                 S((batch, q_len), jnp.int32))
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(_CHIPS[chip], 1, "tpu"))
     with use_abstract_mesh(mesh):
-        for fn, args in ((gqa, gqa_args), (mla, mla_args)):
+        for fn, args in ((gqa, gqa_args), (mla, mla_args), (int4, int4_args)):
             module = export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
             assert module.count("tpu_custom_call") == 1
