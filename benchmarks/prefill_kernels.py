@@ -8,6 +8,9 @@ Rows (each checked against the jnp reference in the same run):
            `paged_prefill_attention` op; `--bits` KIVI pages: `quantized_prefill_attention`
            over quantized pages plus a full-precision tail). The time is the sum of the
            chunks' median times.
+  mla      the prefill row for DeepSeek-style absorbed MLA (`mla_prefill_attention`: all
+           `--mla-heads` query heads over one latent head, key [c_KV, k_rope] of
+           `--d-c` + `--d-rope`, value c_KV) over bf16 latent pages.
   mixed    one step of `--batch` prefill chunks (at the middle of their prompts) and
            `--decode-rows` decode rows (at the full prompt length) in one ragged call,
            against the same work run as a prefill call plus a decode call.
@@ -46,9 +49,9 @@ from kvjax import attention  # noqa: E402
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 DEFAULTS = dict(batch=8, prompt=4096, chunk=512, decode_rows=56, q_heads=32, kv_heads=8,
-                head_dim=128, page_size=16)
+                head_dim=128, page_size=16, mla_heads=128, d_c=512, d_rope=64)
 QUICK = dict(batch=2, prompt=128, chunk=32, decode_rows=6, q_heads=4, kv_heads=2,
-             head_dim=64, page_size=8)
+             head_dim=64, page_size=8, mla_heads=4, d_c=64, d_rope=64)
 
 
 @dataclasses.dataclass
@@ -81,8 +84,8 @@ def parse_args(argv=None):
                    help="KIVI group size (default: the page size)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto = bfloat16 on accelerators, float32 on CPU")
-    p.add_argument("--cases", nargs="+", choices=["prefill", "kivi", "mixed"],
-                   default=["prefill", "kivi", "mixed"], help="which rows to run")
+    p.add_argument("--cases", nargs="+", choices=["prefill", "kivi", "mla", "mixed"],
+                   default=["prefill", "kivi", "mla", "mixed"], help="which rows to run")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per call (default 10; 2 on CPU)")
     p.add_argument("--plan", action="store_true", help="print the sizes and FLOPs and exit")
@@ -104,18 +107,22 @@ def parse_args(argv=None):
     return args
 
 
-def causal_flops(args, starts, counts) -> int:
+def causal_flops(args, starts, counts, mla=False) -> int:
     """FLOPs of rows whose `counts[i]` queries start at position `starts[i]` (each query
-    sees every key up to itself)."""
+    sees every key up to itself); MLA's absorbed form: d_c + d_rope for the logits, d_c for
+    P V, every query head."""
     pairs = sum(c * s + c * (c + 1) // 2 for s, c in zip(starts, counts, strict=True))
+    if mla:
+        return 2 * pairs * args.mla_heads * (2 * args.d_c + args.d_rope)
     return 2 * pairs * args.q_heads * 2 * args.head_dim
 
 
 def plan(args) -> list[tuple[str, int, int]]:
     """(case, batch, FLOPs) of each row."""
     chunks = args.prompt // args.chunk
-    prefill = sum(causal_flops(args, [k * args.chunk] * args.batch, [args.chunk] * args.batch)
-                  for k in range(chunks))
+    prefill, mla = (sum(causal_flops(args, [k * args.chunk] * args.batch,
+                                     [args.chunk] * args.batch, mla=m) for k in range(chunks))
+                    for m in (False, True))
     mid = args.prompt // 2
     mixed = (causal_flops(args, [mid] * args.batch, [args.chunk] * args.batch)
              + causal_flops(args, [args.prompt - 1] * args.decode_rows, [1] * args.decode_rows))
@@ -123,6 +130,8 @@ def plan(args) -> list[tuple[str, int, int]]:
     for case in args.cases:
         if case in ("prefill", "kivi"):
             rows.append((case, args.batch, prefill))
+        elif case == "mla":
+            rows.append((case, args.batch, mla))
         else:
             rows.append((case, args.batch + args.decode_rows, mixed))
     return rows
@@ -133,9 +142,11 @@ def main(argv=None):
     if args.plan:
         print(f"{'case':8} {'rows':>5} {'GFLOP':>10}  shape")
         for case, rows, flops in plan(args):
+            heads = (f"{args.mla_heads} heads over a {args.d_c} + {args.d_rope} latent"
+                     if case == "mla" else
+                     f"{args.q_heads}/{args.kv_heads} heads x {args.head_dim}")
             print(f"{case:8} {rows:>5} {flops / 1e9:>10.2f}  {args.prompt} tokens in "
-                  f"{args.chunk}-token chunks, {args.q_heads}/{args.kv_heads} heads x "
-                  f"{args.head_dim}, page {args.page_size}")
+                  f"{args.chunk}-token chunks, {heads}, page {args.page_size}")
         return 0
     backend = jax.default_backend()
     accel = backend != "cpu"
@@ -214,6 +225,29 @@ def main(argv=None):
         for impl in times:
             add("kivi", impl, f"int{args.bits}", args.batch, times[impl], flops["kivi"],
                 errs[impl])
+    if "mla" in args.cases:
+        _, pools, _, tables = paged_inputs(rng, args.batch, total, 1, 1,
+                                           (args.d_c, args.d_rope), args.page_size, dtype)
+        latent, rope = (p[0] for p in pools)
+        ql, qr = (jnp.asarray(rng.standard_normal((args.batch, args.chunk, args.mla_heads, w)),
+                              dtype) for w in (args.d_c, args.d_rope))
+        q_len = jnp.full((args.batch,), args.chunk, jnp.int32)
+        mla_scale = (args.d_c // 4 + args.d_rope) ** -0.5  # DeepSeek's (nope + rope)^-1/2
+        fns = {impl: jax.jit(functools.partial(attention.mla_prefill_attention,
+                                               scale=mla_scale, impl=impl))
+               for impl in ("reference", "xla", "pallas")}
+        times = {"xla": 0.0, "pallas": 0.0}
+        errs = {"xla": 0.0, "pallas": 0.0}
+        for k in range(chunks):
+            lengths = jnp.full((args.batch,), (k + 1) * args.chunk, jnp.int32)
+            inputs = (ql, qr, latent, rope, lengths, tables, q_len)
+            want = fns["reference"](*inputs)[0]
+            for impl in times:
+                ms, (out, _) = timed(fns[impl], inputs)
+                times[impl] += ms
+                errs[impl] = max(errs[impl], err_of(out, want))
+        for impl in times:
+            add("mla", impl, dtype_name, args.batch, times[impl], flops["mla"], errs[impl])
     if "mixed" in args.cases:
         rows_total = args.batch + args.decode_rows
         qs, pools, _, tables = paged_inputs(rng, rows_total, total, args.kv_heads,
