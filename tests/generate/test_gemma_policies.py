@@ -2,20 +2,20 @@
 windowed layers keeping their window.
 
 A tiny Gemma (a local layer with a 6-token window, then a global layer; soft-capped
-attention logits at 3 and a query scale of 5 ** -0.5, not head_dim ** -0.5) decodes through
-`kvjax.generate` on full-precision pages (`window_pages=False`; a policy with window-only
-pages is refused). Two checks per policy, each against a reference that runs none of the
-policy code:
+attention logits at 3 and a query scale of 5 ** -0.5, not head_dim ** -0.5) on
+full-precision pages (`window_pages=False`; a policy with window-only pages is refused).
+Checked against references that run none of the policy code:
 
   * the scores H2O and SnapKV rank the global layer's tokens by are the model's attention
     probabilities, soft cap and scale included: NumPy float64 over the keys the cache holds
     and the queries the model computed;
-  * SnapKV's compaction keeps the global layer's best tokens by that reference's votes,
-    and the local layer's newest tokens; Quest selects pages on the global layer only;
+  * SnapKV's compaction keeps the global layer's best tokens by that reference's votes;
+  * SnapKV's and PyramidKV's compactions keep the local layer's newest tokens, and
+    PyramidKV's and Quest's page selections skip it;
   * with the global layer muted (its attention output projection zero, so only the local
-    layer's attention reaches the logits), H2O and PyramidKV through `kvjax.generate` give
-    the tokens of a run with no policy while they evict: the local layer keeps and reads
-    exactly its window.
+    layer's attention reaches the logits), H2O through `kvjax.generate` gives the tokens
+    of a run with no policy while it evicts: the local layer keeps and reads exactly its
+    window.
 """
 
 import dataclasses
@@ -104,13 +104,15 @@ def test_scores_are_the_models_attention(model_params, prompts):
     """After a prefill, on the global layer: H2O's accumulated scores and SnapKV's votes
     equal float64 softmax(cap * tanh(scale * q.k / cap)) over the cached keys (no pooling,
     kernel 1), and SnapKV's compaction keeps the top voted tokens of that reference plus
-    its observation window. The windowed layer gets no scores and keeps its newest tokens;
-    Quest reads it whole and selects pages on the global layer only."""
+    its observation window. The windowed layer gets no scores and keeps its newest tokens
+    (SnapKV, PyramidKV); Quest and PyramidKV select pages on the global layer only."""
     model, params = model_params
     cache = _full().build(model, num_seqs=2, max_tokens=32)
     h2o = bind_model(H2O(budget=64), model)  # budget past every length: scores only
     snap = bind_model(SnapKV(budget=8, window=2, kernel=1, pooling="avg"), model)
     quest = bind_model(Quest(top_k=2, dense_layers=0), model)
+    # Layer budgets 12 (the windowed layer's) and 4: the windowed layer keeps 12.
+    pyramid = bind_model(PyramidKV(budget=8, beta=2.0, window=2, kernel=1), model)
     tokens = np.zeros((2, 24), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
@@ -130,11 +132,17 @@ def test_scores_are_the_models_attention(model_params, prompts):
         selections.extend(quest.before_attention(cache, qstate, layer, queries[layer, :, 0])
                           for layer in (0, 1))
         kept, _, _ = snap.after_prefill(cache, None, queries, q_lengths)
-        return cache, queries, state.scores, votes, kept
+        pkept, pstate, _ = pyramid.after_prefill(cache, pyramid.init_state(cache), queries,
+                                                 q_lengths)
+        selections.extend(pyramid.before_attention(pkept, pstate, layer, queries[layer, :, 0])
+                          for layer in (0, 1))
+        return cache, queries, state.scores, votes, kept, pkept
 
-    cache, queries, scores, votes, kept = jax.device_get(run(
+    cache, queries, scores, votes, kept, pkept = jax.device_get(run(
         cache, jax.device_put(tokens), jax.device_put(q_lengths)))
+    # Quest and PyramidKV select pages on the global layer only.
     assert selections[0] is None and selections[1] is not None
+    assert selections[2] is None and selections[3] is not None
     assert not scores[0].any() and not votes[0].any()  # the windowed layer: no scores
 
     def keys(c, layer, r, n):
@@ -158,14 +166,14 @@ def test_scores_are_the_models_attention(model_params, prompts):
         for h in range(2):
             top = np.sort(np.argsort(-want_v[h, : n - 2], kind="stable")[:6])
             np.testing.assert_array_equal(got[:, h], k[np.r_[top, n - 2, n - 1], h])
-        # The windowed layer keeps its last 8 tokens, in order.
+        # The windowed layer keeps its last 8 tokens (PyramidKV: 12), in order.
         np.testing.assert_array_equal(keys(kept, 0, r, 8), keys(cache, 0, r, n)[n - 8:])
+        np.testing.assert_array_equal(keys(pkept, 0, r, 12), keys(cache, 0, r, n)[n - 12:])
 
 
-def test_policies_keep_the_windowed_layer_exact(model_params, prompts):
-    """Global layer muted: the tokens of H2O (eviction at every decode step) and PyramidKV
-    (prompt compression, then per-layer page selection in decode) equal those without a
-    policy while they hold sequences below their lengths."""
+def test_h2o_keeps_the_windowed_layer_exact(model_params, prompts):
+    """Global layer muted: H2O's tokens (eviction at every decode step) equal those without
+    a policy while it holds each sequence to its budget."""
     model, params = model_params
     wo = np.asarray(params.layers.wo).copy()
     wo[1] = 0
@@ -174,15 +182,9 @@ def test_policies_keep_the_windowed_layer_exact(model_params, prompts):
     kw = dict(key=jax.random.key(0), max_new_tokens=NEW, chunk_size=CHUNK, free_finished=False)
     ref = gen.generate(model, muted, prompts, cache=_full(), **kw)
     ref_tokens = np.asarray(ref.tokens)
-    # Each policy acts on these lengths (21 and 13 prompt tokens, 15 more cached by the
-    # decode steps): H2O holds 8 tokens, PyramidKV its largest layer budget (12, the
-    # windowed layer's; the global layer reads 4) of each prompt. An observation window of
-    # 2 leaves most of that budget to scored tokens, so a windowed layer that did not keep
-    # its newest tokens would read others.
-    held = NEW - 1
-    for policy, want in ((H2O(budget=8), [8, 8]),
-                         (PyramidKV(budget=8, beta=2.0, window=2), [12 + held] * 2)):
-        res = gen.generate(model, muted, prompts, cache=_full(), policy=policy, **kw)
-        np.testing.assert_array_equal(np.asarray(res.tokens), ref_tokens,
-                                      err_msg=type(policy).__name__)
-        assert np.asarray(res.cache.lengths)[:2].tolist() == want, type(policy).__name__
+    # H2O evicts at every step (21 and 13 prompt tokens, 15 more cached by the decode
+    # steps, 8 held): its recent half (4 tokens) is below the window (6), so a windowed
+    # layer that kept H2O's choice instead of its newest tokens would read others.
+    res = gen.generate(model, muted, prompts, cache=_full(), policy=H2O(budget=8), **kw)
+    np.testing.assert_array_equal(np.asarray(res.tokens), ref_tokens)
+    assert np.asarray(res.cache.lengths)[:2].tolist() == [8, 8]
