@@ -68,7 +68,8 @@ intra-warpgroup overlap), the first thing to try if the tensor cores idle.
 Absorbed MLA is not served here: its value is the d_c = 512 latent, whose
 float32 [64, 512] accumulator exceeds one warpgroup's registers; it needs the
 output columns split across warpgroups (as the MLA decode kernel does) rather
-than the query rows. `mla_prefill_attention` stays on the XLA path on GPU.
+than the query rows. `mla_mosaic_gpu.py` does that on this kernel's schedule
+(`work_items`).
 """
 
 import dataclasses
