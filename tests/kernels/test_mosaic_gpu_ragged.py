@@ -140,8 +140,9 @@ def test_unsupported_reason_and_bad_inputs():
 
 
 # Llama-3-8B's heads (32 / 8 x 128) at 512-query chunks with window and soft cap, pages of
-# 16 (eight TMA copies a step) and 64; head_dim 256 (Gemma) at 64-token steps.
-@pytest.mark.parametrize("page_size,head_dim", [(16, 128), (64, 128), (64, 256)])
+# 16 (eight TMA copies a step); head_dim 256 (Gemma) at 64-token steps, pages of 64 (one
+# copy a step).
+@pytest.mark.parametrize("page_size,head_dim", [(16, 128), (64, 256)])
 def test_lowers_for_h100(page_size, head_dim):
     batch, max_pages = 4, 8192 // page_size
     pages = S((8, batch * max_pages, page_size, head_dim), jnp.bfloat16)
@@ -152,11 +153,17 @@ def test_lowers_for_h100(page_size, head_dim):
     assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
 
 
-# MLA: 4 heads, so 16 positions per 64-row item. A row with none; decode at 0; a 21-query
+# MLA. 4 heads, so 16 positions per 64-row item: a row with none; decode at 0; a 21-query
 # chunk from position 59 (two items, the second partial) across page 48 | 64 and step
-# 64 | 128; decode at a page's first position. d_c 64 and d_rope 32, the kernel's
-# narrowest widths, keep the interpreter's work small; one CTA walks every item.
-MLA_ROWS = [(13, 0), (1, 1), (80, 21), (17, 1)]
+# 64 | 128; decode at a page's first position. 96 heads: two 64-head blocks per position
+# (the second half padding), a 2-query chunk at 7 and a row with none. d_c 64 and d_rope
+# 32, the kernel's narrowest widths, keep the interpreter's work small; one CTA walks
+# every item.
+MLA_CASES = {
+    "heads4": dict(rows=[(13, 0), (1, 1), (80, 21), (17, 1)], q_len=21, q_heads=4,
+                   max_pages=6),
+    "heads96": dict(rows=[(9, 2), (3, 0)], q_len=2, q_heads=96, max_pages=2),
+}
 
 
 def _mla_case(rng, *, rows, q_len, q_heads, d_c, d_rope, page_size, max_pages):
@@ -182,9 +189,10 @@ def _mla_case(rng, *, rows, q_len, q_heads, d_c, d_rope, page_size, max_pages):
 
 # The interpreter's Q K^T multiplies the NaN rows too (their logits are selected away).
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_mla_interpreted_matches_reference():
-    args = _mla_case(np.random.default_rng(51), rows=MLA_ROWS, q_len=21, q_heads=4, d_c=64,
-                     d_rope=32, page_size=16, max_pages=6)
+@pytest.mark.parametrize("name", sorted(MLA_CASES))
+def test_mla_interpreted_matches_reference(name):
+    args = _mla_case(np.random.default_rng(zlib.crc32(name.encode())), d_c=64, d_rope=32,
+                     page_size=16, **MLA_CASES[name])
     mgpu.reset_interpreter()
     run = jax.jit(functools.partial(mm.mla_prefill_attention, scale=0.2, num_sms=1,
                                     interpret=mgpu.interpret_params(detect_races=True)))
