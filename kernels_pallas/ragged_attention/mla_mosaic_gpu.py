@@ -58,10 +58,15 @@ on the GQA ragged kernel's schedule (`mosaic_gpu.work_items`):
 
 Not measured on a GPU yet; checked in Mosaic GPU's interpreter with race
 detection and lowered for an H100 from CPU (tests/kernels/test_mosaic_gpu_ragged.py).
-Known costs to measure first: the per-item start (a dependent query copy that
-waits for the previous item's last Q K^T: ~1-2 us an item, no room in shared
-memory for a second query buffer), and rows padded to 64 at small head counts
-that do not divide 64.
+Known costs to measure first: 64 query rows per CTA (two [64, 256] float32
+accumulators fill the compute warpgroups' registers at d_c 512) give 2176 x 64
+FLOPs per 1152-byte latent row, about 121 FLOP/B from shared memory, below
+an H100's HBM ridge (~295): the design relies on L2 for the re-reads, which
+the schedule favours (the items of a row start together and walk its pages
+in the same order); the per-item start (a dependent query copy that waits for
+the previous item's last Q K^T: ~1-2 us an item, no room in shared memory for
+a second query buffer); and rows padded to 64 at head counts that do not
+divide 64.
 """
 
 import functools
