@@ -4,11 +4,15 @@ Examples:
   python -m kvjax serve --model ./TinyLlama-1.1B-Chat
   python -m kvjax serve --model ./llama --port 8080 --max-seqs 16 --kv-bits 4 --kv-residual 64
   python -m kvjax serve --model ./llama --num-pages 2048 --host-pages 16384 --host-rows 32
+  python -m kvjax serve --model ./llama --api-key "$KEY" --max-waiting 64 --request-timeout 600
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "TinyLlama-1.1B-Chat", "prompt": "Paged caches are", "max_tokens": 32}'
 
-Any OpenAI client works against http://HOST:PORT/v1 (the API key is not checked):
+Any OpenAI client works against http://HOST:PORT/v1 (the API key is checked only with
+--api-key):
   openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+
+SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight finish, then it exits.
 """
 
 import argparse
@@ -32,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "Loads a HuggingFace model directory (config.json, safetensors and a tokenizer) "
             "and serves it with continuous batching, chunked prefill and prefix caching on "
             "a paged KV cache: GET /health, GET /v1/models, POST /v1/completions and "
-            "POST /v1/chat/completions (streaming as server-sent events). Needs "
+            "POST /v1/chat/completions (streaming as server-sent events), POST /tokenize, "
+            "POST /detokenize and GET /metrics (Prometheus). Needs "
             "`pip install 'kvjax[serve]'`."
         ),
         epilog=__doc__.split("\n", 2)[2],
@@ -90,11 +95,51 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "requests then wait for the compiles)")
     p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help="params and activations dtype (default: the checkpoint's)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every path but /health and "
+                   "/metrics (401 otherwise); default: no key. KVJAX_API_KEY in the "
+                   "environment sets it too, out of the process list")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=8 * 2**20,
+                   metavar="BYTES",
+                   help="largest request body; a larger one gets a 413 before it is read "
+                   "whole or parsed (default 8388608, 8 MiB). Text prompts longer than "
+                   "32 characters per token of --max-seq-len are refused untokenized")
+    p.add_argument("--request-timeout", type=_positive_float, default=None,
+                   metavar="SECONDS",
+                   help="a request unfinished this long after it arrived (body upload "
+                   "included) is cancelled and answered 408 (default: no limit)")
+    p.add_argument("--max-waiting", type=_non_negative_int, default=None, metavar="N",
+                   help="requests that may wait for a row beyond the --max-seqs running; "
+                   "more get a 429 (default: no bound)")
+    p.add_argument("--drain-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, wait at most this long for requests in flight "
+                   "before exiting (default: until they finish; a second signal exits at "
+                   "once)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info: one line per request)")
     p.set_defaults(func=run)
     return p
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _eos_ids(path: str, hf: dict, tokenizer) -> list[int]:
@@ -157,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     from kvjax import models
     from kvjax.generate import CacheConfig
     from kvjax.serve import Engine
-    from kvjax.serve.server import create_app
+    from kvjax.serve.server import DrainingServer, create_app
     from kvjax.specs import QuantSpec
 
     t0 = time.perf_counter()
@@ -209,9 +254,20 @@ def run(args: argparse.Namespace) -> int:
           + ("" if args.host_pages is None else
              f"; host tier of {args.host_pages} pages, {engine.host_rows} rows") + ")",
           file=sys.stderr)
-    app = create_app(engine, tokenizer, model_name=name)
+    api_key = args.api_key if args.api_key is not None else (
+        os.environ.get("KVJAX_API_KEY") or None)
+    app = create_app(engine, tokenizer, model_name=name, api_key=api_key,
+                     max_request_bytes=args.max_request_bytes,
+                     request_timeout=args.request_timeout, max_waiting=args.max_waiting)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.drain_timeout))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on
+        pass
     except SystemExit as e:  # uvicorn exits when it cannot bind the port (it logged why)
         return e.code if isinstance(e.code, int) else 1
+    if not server.started:  # as uvicorn.run: a startup that failed is exit status 3
+        return 3
     return 0

@@ -7,7 +7,11 @@ Endpoints:
   * `GET /health`: `{"status": "ok"}` (503 once the engine has failed);
   * `GET /v1/models`: the one served model, in OpenAI's list format;
   * `POST /v1/completions`: a prompt given as text or token ids;
-  * `POST /v1/chat/completions`: messages rendered by the tokenizer's chat template.
+  * `POST /v1/chat/completions`: messages rendered by the tokenizer's chat template;
+  * `POST /tokenize`, `POST /detokenize`: the tokenizer, in vLLM's request and response
+    shapes (`{"prompt"}` or `{"messages"}` -> `{"count", "max_model_len", "tokens"}`;
+    `{"tokens"}` -> `{"prompt"}`);
+  * `GET /metrics`: Prometheus text format (`kvjax.serve.metrics`).
 
 Both generation endpoints take `max_tokens`, `temperature`, `top_p`, `top_k` (an
 extension), `seed`, `stop` and `stream` (server-sent events in OpenAI's chunk
@@ -17,6 +21,25 @@ from the prefix cache) and `finish_reason` ("stop" or "length"). Bad requests ge
 a 4xx answer in OpenAI's error shape, `{"error": {"message", "type", "param",
 "code"}}`; fields this server does not implement (`n` > 1, `logprobs`, `echo`,
 penalties, tools, ...) are refused rather than silently ignored.
+
+Limits, checked in this order before a handler runs (`_Gate`, a plain ASGI middleware):
+a server that is draining answers 503 (`/health` and `/metrics` stay open); with an API
+key, a request without `Authorization: Bearer KEY` gets a 401 (`/health` and `/metrics`
+stay open); a body longer than `max_request_bytes` gets a 413 -- from its Content-Length
+header before any byte is read, or as soon as a chunked body passes the limit, never
+buffering more than the limit; a body not received within `request_timeout` gets a 408.
+Then, before tokenizing, a text prompt longer than `max_prompt_chars` characters is
+refused (400, `context_length_exceeded`) without being tokenized. Tokenization, the chat
+template and detokenization run in a thread pool, never on the event loop, so a large
+prompt does not hold other requests. A request still unfinished `request_timeout`
+seconds after it arrived is cancelled and answered 408 (a stream ends with an error
+event). With `max_waiting`, a request that would make more than `max_seqs + max_waiting`
+requests unfinished at once is refused with a 429.
+
+Draining (`DrainingServer`, what `python -m kvjax serve` runs): SIGTERM or SIGINT stops
+admitting (new connections are refused, requests on open connections get a 503, `/health`
+says "draining" with a 503), lets every request in flight finish, then stops the engine
+and exits; a second signal, or `drain_timeout`, cuts the drain short.
 
 Threading: the engine is not thread-safe, so one thread (`EngineWorker`) owns it.
 Request handlers, on the event loop, hand `add_request` / `cancel` commands to that
@@ -36,7 +59,10 @@ not part of the returned text, and neither is an EOS token.
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
+import hmac
 import json
 import logging
 import queue
@@ -49,21 +75,40 @@ from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import fastapi
+import jax
+import numpy as np
 import pydantic
+import uvicorn
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["create_app", "EngineWorker", "EngineError"]
+from kvjax.serve.metrics import ServerMetrics
+
+__all__ = ["create_app", "DrainingServer", "EngineWorker", "EngineError", "QueueFullError"]
 
 _log = logging.getLogger("kvjax.serve")
 
 # Completions without max_tokens get OpenAI's default; chat completions get the room left.
 _DEFAULT_COMPLETION_TOKENS = 16
+# Text prompts longer than max_seq_len * this many characters are refused untokenized: no
+# tokenizer this server meets averages more characters per token over a whole prompt
+# (English text averages about 4), so such a prompt cannot fit.
+_CHARS_PER_TOKEN_BOUND = 32
+# Paths served without an API key and while draining: probes and scrapes.
+_OPEN_PATHS = ("/health", "/metrics")
 
 
 class EngineError(RuntimeError):
     """The engine failed (or stopped) while a request was waiting on it: a 500."""
+
+
+class QueueFullError(RuntimeError):
+    """As many requests as the worker's capacity are unfinished: a 429."""
+
+
+class _RequestTimeout(Exception):
+    """A request outlived the server's request timeout: a 408."""
 
 
 class _APIError(Exception):
@@ -135,6 +180,29 @@ class EngineWorker:
         self._lock = threading.Lock()  # orders submissions against failure and shutdown
         self._error: str | None = None
         self._thread: threading.Thread | None = None
+        self._unfinished = 0  # submitted and not finished, refused or failed; under _lock
+        self._num_pages = int(engine.spec.num_pages)
+        self._load = (0, 0, 0, self._num_pages)
+
+    @property
+    def unfinished(self) -> int:
+        """Requests submitted that have not finished (or been refused, or failed) yet."""
+        return self._unfinished
+
+    def load(self) -> tuple[int, int, int, int]:
+        """`(running, waiting, pages_in_use, pages_total)` as the engine's thread last saw
+        them (after its last step)."""
+        return self._load
+
+    def _done(self, n: int = 1) -> None:
+        with self._lock:
+            self._unfinished = max(0, self._unfinished - n)
+
+    def _observe(self) -> None:
+        engine = self.engine
+        free = int(np.min(jax.device_get(engine.state.cache.table.num_free)))
+        self._load = (engine.num_running, engine.num_waiting, self._num_pages - free,
+                      self._num_pages)
 
     @property
     def error(self) -> str | None:
@@ -155,13 +223,21 @@ class EngineWorker:
         self._thread.join(timeout)
 
     async def submit(self, prompt_ids: list[int], *, request_id: str,
-                     **kwargs) -> asyncio.Queue:
+                     capacity: int | None = None, **kwargs) -> asyncio.Queue:
         """Adds a request; returns the queue its `RequestOutput`s arrive on.
 
         The queue receives `RequestOutput`s up to a finished one, or an `EngineError`.
 
+        Args:
+          prompt_ids: the prompt's token ids.
+          request_id: a unique id.
+          capacity: refuse the request if this many are unfinished already (None: no
+            bound).
+          **kwargs: `Engine.add_request`'s other arguments.
+
         Raises:
           ValueError / TypeError: the engine refused the request (`add_request`'s message).
+          QueueFullError: `capacity` requests are unfinished.
           EngineError: the engine has failed or the server is shutting down.
         """
         loop = asyncio.get_running_loop()
@@ -171,6 +247,10 @@ class EngineWorker:
                 raise EngineError(self._error)
             if self._thread is None:
                 raise EngineError("the engine worker is not running (EngineWorker.start()).")
+            if capacity is not None and self._unfinished >= capacity:
+                raise QueueFullError(f"{self._unfinished} requests are running or waiting, the "
+                                     f"most this server queues; retry later.")
+            self._unfinished += 1
             self._commands.put(("add", request_id, prompt_ids, kwargs, sink))
         await sink.added
         return sink.queue
@@ -205,10 +285,13 @@ class EngineWorker:
                         sink.put(out)
                         if out.finished:
                             del self._sinks[out.request_id]
+                            self._done()
                 elif self._sinks:  # the engine has nothing left for them: never wait forever
                     for rid in list(self._sinks):
                         self._sinks.pop(rid).put(EngineError(
                             f"the engine dropped request {rid} without finishing it"))
+                        self._done()
+                self._observe()
         except BaseException as e:  # every failure must reach the waiting clients
             _log.exception("the engine failed; failing every waiting request")
             self._fail(f"the engine failed: {type(e).__name__}: {e}")
@@ -219,10 +302,12 @@ class EngineWorker:
             try:
                 self.engine.add_request(prompt_ids, request_id=rid, **kwargs)
             except (ValueError, TypeError) as e:  # a bad request: the engine is untouched
+                self._done()
                 sink.reject(e)
                 return
             except Exception as e:  # one request's 500; the engine goes on
                 _log.exception("add_request failed")
+                self._done()
                 sink.reject(EngineError(f"the engine could not add the request: "
                                         f"{type(e).__name__}: {e}"))
                 return
@@ -235,6 +320,7 @@ class EngineWorker:
     def _fail(self, message: str) -> None:
         with self._lock:
             self._error = message
+            self._unfinished = 0
         error = EngineError(message)
         for sink in self._sinks.values():
             sink.put(error)
@@ -248,6 +334,117 @@ class EngineWorker:
             if command is not _STOP and command[0] == "add":
                 command[4].reject(error)
         self._pending.clear()
+
+
+# ----------------------------------------------------------------------------- the gate
+
+
+def _error_body(message: str, type: str, code: str | None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type, "param": None,
+                                 "code": code}}).encode()
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Gate:
+    """ASGI middleware: draining, the API key, the body's size and arrival time, before
+    the app (FastAPI) parses anything.
+
+    A body that passes is read whole (at most `max_bytes`) and replayed to the app; later
+    `receive` calls (disconnect detection) go to the client as before. Each request's
+    arrival time and deadline go into its ASGI scope (`kvjax.arrival`, `kvjax.deadline`).
+    """
+
+    def __init__(self, app, *, api_key: str | None, max_bytes: int,
+                 timeout: float | None, metrics: ServerMetrics, draining):
+        self.app = app
+        self.api_key = None if api_key is None else api_key.encode()
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+        self.metrics = metrics
+        self.draining = draining  # () -> bool
+
+    async def _refuse(self, send, status: int, message: str, *, type: str, code: str,
+                      headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        self.metrics.rejected.labels(status=str(status)).inc()
+        body = _error_body(message, type, code)
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _read(self, receive) -> bytes | None:
+        """The whole body, or None if the client left; `_BodyTooLarge` past the limit."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            if len(body) + len(chunk) > self.max_bytes:
+                raise _BodyTooLarge
+            body += chunk
+            if not message.get("more_body", False):
+                return bytes(body)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        arrival = time.monotonic()
+        scope["kvjax.arrival"] = arrival
+        scope["kvjax.deadline"] = None if self.timeout is None else arrival + self.timeout
+        path = scope.get("path", "")
+        if path not in _OPEN_PATHS:
+            if self.draining():
+                return await self._refuse(
+                    send, 503, "The server is shutting down and takes no new requests.",
+                    type="server_error", code="draining", headers=[(b"connection", b"close")])
+            if self.api_key is not None and not self._authorized(scope):
+                return await self._refuse(
+                    send, 401, "Incorrect or missing API key: send the header "
+                    "'Authorization: Bearer <key>' with the server's --api-key.",
+                    type="invalid_request_error", code="invalid_api_key",
+                    headers=[(b"www-authenticate", b"Bearer")])
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_large = (f"The request body is larger than this server's limit of "
+                     f"{self.max_bytes} bytes (--max-request-bytes).")
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(send, 413, too_large + f" It declared {int(length)}.",
+                                      type="invalid_request_error", code="request_too_large",
+                                      headers=[(b"connection", b"close")])
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout)
+        except _BodyTooLarge:
+            # Closing the connection stops the rest of the body; nothing more is read.
+            return await self._refuse(send, 413, too_large, type="invalid_request_error",
+                                      code="request_too_large",
+                                      headers=[(b"connection", b"close")])
+        except TimeoutError:
+            return await self._refuse(
+                send, 408, f"The request body did not arrive within the server's "
+                f"{self.timeout:g} s request timeout (--request-timeout).",
+                type="invalid_request_error", code="request_timeout",
+                headers=[(b"connection", b"close")])
+        if body is None:  # the client left
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        await self.app(scope, replay, send)
+
+    def _authorized(self, scope) -> bool:
+        value = dict(scope.get("headers", ())).get(b"authorization", b"")
+        scheme, _, key = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -317,6 +514,8 @@ class _Plan:
     seed: int
     stream: bool
     include_usage: bool
+    arrival: float = 0.0  # time.monotonic() when the request arrived
+    deadline: float | None = None  # time.monotonic() by which it must end (None: never)
 
 
 class _TextStream:
@@ -365,12 +564,39 @@ class _TextStream:
 
 
 class _Server:
-    def __init__(self, worker: EngineWorker, tokenizer, model_name: str):
+    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, *,
+                 max_prompt_chars: int, capacity: int | None, metrics: ServerMetrics):
         self.worker = worker
         self.engine = worker.engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.created = int(time.time())
+        self.max_prompt_chars = max_prompt_chars
+        self.capacity = capacity
+        self.metrics = metrics
+        # Tokenizing and detokenizing happen here, off the event loop.
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="kvjax-tokenizer")
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` in the tokenizer pool; its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, functools.partial(fn, *args, **kwargs))
+
+    async def prepare(self, request: fastapi.Request, fn) -> "_Plan":
+        """Runs `fn() -> _Plan` (tokenization, validation) off the event loop and stamps the
+        plan with the request's arrival and deadline."""
+        plan = await self.off_loop(fn)
+        return dataclasses.replace(plan, arrival=request.scope.get("kvjax.arrival", 0.0),
+                                   deadline=request.scope.get("kvjax.deadline"))
+
+    def check_chars(self, n: int, param: str) -> None:
+        """Refuses text that cannot fit in `max_seq_len` tokens before tokenizing it."""
+        if n > self.max_prompt_chars:
+            raise _APIError(400, f"The {param} has {n} characters; this server holds at most "
+                            f"{self.engine.max_seq_len} tokens per sequence and refuses text "
+                            f"longer than {self.max_prompt_chars} characters untokenized. "
+                            f"Shorten it.", param=param, code="context_length_exceeded")
 
     # -- validation
 
@@ -450,10 +676,12 @@ class _Server:
                                 "one request per prompt.", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self.check_chars(len(prompt), "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         return list(prompt)
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], *,
+                    add_generation_prompt: bool = True) -> list[int]:
         if not messages:
             raise _APIError(400, "messages is empty; give at least one message.",
                             param="messages")
@@ -467,9 +695,10 @@ class _Server:
                                     f"{sorted(map(str, kinds - {'text'}))}.", param="messages")
                 d["content"] = "".join(str(part.get("text", "")) for part in m.content)
             rendered.append(d)
+        self.check_chars(sum(len(d.get("content") or "") for d in rendered), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as e:  # no template, or the template refused the chat
             raise _APIError(400, f"The chat template could not render these messages: {e}",
                             param="messages") from e
@@ -481,14 +710,23 @@ class _Server:
     async def submit(self, plan: _Plan) -> tuple[str, asyncio.Queue]:
         rid = uuid.uuid4().hex
         try:
-            q = await self.worker.submit(
-                plan.prompt_ids, request_id=rid, max_tokens=plan.max_tokens,
-                sampling=plan.sampling, stop_ids=plan.stop_ids, seed=plan.seed)
+            q = await asyncio.wait_for(self.worker.submit(
+                plan.prompt_ids, request_id=rid, capacity=self.capacity,
+                max_tokens=plan.max_tokens, sampling=plan.sampling, stop_ids=plan.stop_ids,
+                seed=plan.seed), _remaining(plan))
         except (ValueError, TypeError) as e:
             raise _APIError(400, str(e)) from e
+        except QueueFullError as e:
+            self.metrics.rejected.labels(status="429").inc()
+            raise _APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
+        except TimeoutError as e:
+            self.worker.cancel(rid)
+            self.metrics.requests.labels(finish_reason="timeout").inc()
+            raise _APIError(408, _timeout_message(plan), code="request_timeout") from e
         except asyncio.CancelledError:  # the handler is gone before the request started
             self.worker.cancel(rid)
             raise
+        self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
         return rid, q
 
     async def generate(self, rid: str, q: asyncio.Queue, plan: _Plan,
@@ -500,24 +738,37 @@ class _Server:
         """
         text = _TextStream(self.tokenizer, plan.stops)
         completion_tokens, cached, engine_done = 0, 0, False
+        outcome = "cancelled"  # unless it ends otherwise
         try:
             while True:
-                out = await q.get()
+                try:
+                    out = await asyncio.wait_for(q.get(), _remaining(plan))
+                except TimeoutError:
+                    outcome = "timeout"
+                    raise _RequestTimeout(_timeout_message(plan)) from None
                 if isinstance(out, Exception):
+                    outcome = "error"
                     raise out
                 engine_done = out.finished
                 ids = list(out.token_ids)
+                if ids and not completion_tokens:
+                    self.metrics.ttft.observe(time.monotonic() - plan.arrival)
                 completion_tokens += len(ids)
+                self.metrics.generation_tokens.inc(len(ids))
+                if out.finished:
+                    self.metrics.cached_tokens.inc(out.cached_tokens)
                 cached = max(cached, out.cached_tokens)
                 finish = out.finish_reason if out.finished else None
                 if finish == "stop" and ids:  # the stop / EOS token is not part of the text
                     ids = ids[:-1]
-                delta = text.feed(ids, final=out.finished)
+                delta = await self.off_loop(text.feed, ids, final=out.finished)
                 if text.stopped:
                     finish = "stop"
                 done = finish is not None
                 usage = None
                 if done:
+                    outcome = finish
+                    self.metrics.duration.observe(time.monotonic() - plan.arrival)
                     usage = {"prompt_tokens": out.prompt_tokens,
                              "completion_tokens": completion_tokens,
                              "total_tokens": out.prompt_tokens + completion_tokens,
@@ -530,6 +781,7 @@ class _Server:
         finally:
             if not engine_done:
                 self.worker.cancel(rid)
+            self.metrics.requests.labels(finish_reason=outcome).inc()
 
     async def collect(self, rid, q, plan, request) -> tuple[str, str, dict]:
         pieces, finish, usage = [], None, None
@@ -540,6 +792,8 @@ class _Server:
                     finish, usage = piece["finish_reason"], piece["usage"]
         except EngineError as e:
             raise _APIError(500, str(e), type="server_error", code="engine_error") from e
+        except _RequestTimeout as e:
+            raise _APIError(408, str(e), code="request_timeout") from e
         return "".join(pieces), finish, usage
 
     async def sse(self, rid, q, plan, chunk, final_usage_chunk) -> AsyncIterator[str]:
@@ -555,7 +809,21 @@ class _Server:
             error = {"message": str(e), "type": "server_error", "param": None,
                      "code": "engine_error"}
             yield f"data: {json.dumps({'error': error})}\n\n"
+        except _RequestTimeout as e:
+            error = {"message": str(e), "type": "invalid_request_error", "param": None,
+                     "code": "request_timeout"}
+            yield f"data: {json.dumps({'error': error})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _remaining(plan: _Plan) -> float | None:
+    """Seconds left before the plan's deadline (None: no deadline; never negative)."""
+    return None if plan.deadline is None else max(0.0, plan.deadline - time.monotonic())
+
+
+def _timeout_message(plan: _Plan) -> str:
+    return (f"The request did not finish within the server's request timeout "
+            f"({plan.deadline - plan.arrival:g} s, --request-timeout); it was cancelled.")
 
 
 def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
@@ -563,7 +831,26 @@ def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
-def create_app(engine, tokenizer, *, model_name: str) -> fastapi.FastAPI:
+class TokenizeRequest(pydantic.BaseModel):
+    """vLLM's `/tokenize` body: a `prompt` (completion) or `messages` (chat), not both."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for a chat
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def create_app(engine, tokenizer, *, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = 8 * 2**20, request_timeout: float | None = None,
+               max_waiting: int | None = None,
+               max_prompt_chars: int | None = None) -> fastapi.FastAPI:
     """The FastAPI app serving `engine` under `model_name`.
 
     Args:
@@ -572,12 +859,44 @@ def create_app(engine, tokenizer, *, model_name: str) -> fastapi.FastAPI:
       tokenizer: a `transformers` tokenizer (`AutoTokenizer.from_pretrained(DIR)`) for
         text prompts, completions and the chat template.
       model_name: the id clients pass as `model` (and `/v1/models` lists).
+      api_key: if given, every path but `/health` and `/metrics` needs
+        `Authorization: Bearer <api_key>` (401 otherwise).
+      max_request_bytes: longest request body, in bytes (413 beyond it, before parsing).
+      request_timeout: seconds from a request's arrival to its end, body upload and
+        generation included (408 beyond it; the engine request is cancelled). None: no
+        limit.
+      max_waiting: requests that may wait beyond the engine's `max_seqs` running ones; a
+        request beyond that is refused with a 429. None: no bound.
+      max_prompt_chars: longest text prompt (a chat: the messages' text together) taken
+        for tokenization, in characters (default `engine.max_seq_len * 32`); longer ones
+        are refused untokenized (400, `context_length_exceeded`).
 
     Returns:
-      The app; its `EngineWorker` is `app.state.worker`.
+      The app; its `EngineWorker` is `app.state.worker`, its `ServerMetrics`
+      `app.state.metrics`; `app.state.drain()` starts refusing new requests (503) and
+      `app.state.draining` says whether it has.
     """
+    for name, value, lo in (("max_request_bytes", max_request_bytes, 1),
+                            ("max_waiting", max_waiting, 0),
+                            ("max_prompt_chars", max_prompt_chars, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < lo):
+            raise ValueError(f"create_app: {name} must be an int >= {lo}, got {value!r}.")
+    if request_timeout is not None and not (
+            isinstance(request_timeout, int | float) and request_timeout > 0):
+        raise ValueError(f"create_app: request_timeout must be a positive number of seconds "
+                         f"(or None), got {request_timeout!r}.")
+    if api_key is not None and not (isinstance(api_key, str) and api_key.strip()):
+        raise ValueError(f"create_app: api_key must be a non-empty string (or None), got "
+                         f"{api_key!r}.")
     worker = EngineWorker(engine)
-    server = _Server(worker, tokenizer, model_name)
+    metrics = ServerMetrics(worker.load)
+    server = _Server(worker, tokenizer, model_name,
+                     max_prompt_chars=(engine.max_seq_len * _CHARS_PER_TOKEN_BOUND
+                                       if max_prompt_chars is None else max_prompt_chars),
+                     capacity=None if max_waiting is None else engine.rows + max_waiting,
+                     metrics=metrics)
+    draining = threading.Event()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -586,9 +905,15 @@ def create_app(engine, tokenizer, *, model_name: str) -> fastapi.FastAPI:
             yield
         finally:
             await asyncio.to_thread(worker.stop)
+            server.pool.shutdown(wait=False, cancel_futures=True)
 
     app = fastapi.FastAPI(title="kvjax", lifespan=lifespan)
     app.state.worker = worker
+    app.state.metrics = metrics
+    app.state.drain = draining.set
+    app.state.draining = draining.is_set
+    app.add_middleware(_Gate, api_key=api_key, max_bytes=max_request_bytes,
+                       timeout=request_timeout, metrics=metrics, draining=draining.is_set)
 
     @app.exception_handler(_APIError)
     async def _api_error(request, e: _APIError):
@@ -624,7 +949,53 @@ def create_app(engine, tokenizer, *, model_name: str) -> fastapi.FastAPI:
         if worker.error is not None:
             return JSONResponse(status_code=503,
                                 content={"status": "error", "message": worker.error})
+        if draining.is_set():
+            return JSONResponse(status_code=503, content={"status": "draining"})
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    def check_model_name(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise _APIError(404, f"The model {name!r} does not exist; this server serves "
+                            f"{model_name!r}.", param="model", code="model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise _APIError(400, "Give either 'prompt' (a string) or 'messages' (a chat), "
+                            "not both or neither.", param="prompt")
+
+        def run():
+            if body.prompt is not None:
+                server.check_chars(len(body.prompt), "prompt")
+                special = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = tokenizer.encode(body.prompt, add_special_tokens=special)
+            else:
+                ids = server.chat_prompt(body.messages,
+                                         add_generation_prompt=body.add_generation_prompt)
+                if body.add_special_tokens:  # the template writes them; vLLM adds them again
+                    ids = tokenizer.build_inputs_with_special_tokens(ids)
+            strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            return ids, strs
+        ids, strs = await server.off_loop(run)
+        out = {"count": len(ids), "max_model_len": engine.max_seq_len, "tokens": ids}
+        if strs is not None:
+            out["token_strs"] = strs
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model_name(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise _APIError(400, f"Token ids must lie in [0, {engine.vocab_size}), got "
+                            f"{bad[:5]}.", param="tokens")
+        text = await server.off_loop(tokenizer.decode, body.tokens)
+        return {"prompt": text}
 
     @app.get("/v1/models")
     async def models():
@@ -646,9 +1017,10 @@ def create_app(engine, tokenizer, *, model_name: str) -> fastapi.FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: fastapi.Request):
         server.check_model(body)
-        plan = server.plan(body, server.completion_prompt(body.prompt),
-                           max_tokens=body.max_tokens, max_tokens_param="max_tokens",
-                           default_max_tokens=_DEFAULT_COMPLETION_TOKENS, prompt_param="prompt")
+        plan = await server.prepare(request, lambda: server.plan(
+            body, server.completion_prompt(body.prompt), max_tokens=body.max_tokens,
+            max_tokens_param="max_tokens", default_max_tokens=_DEFAULT_COMPLETION_TOKENS,
+            prompt_param="prompt"))
         rid, q = await start(plan)
         oid, created = f"cmpl-{rid}", int(time.time())
         if plan.stream:
@@ -671,9 +1043,9 @@ def create_app(engine, tokenizer, *, model_name: str) -> fastapi.FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
         server.check_model(body)
         param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
-        plan = server.plan(body, server.chat_prompt(body.messages),
-                           max_tokens=getattr(body, param), max_tokens_param=param,
-                           default_max_tokens=None, prompt_param="messages")
+        plan = await server.prepare(request, lambda: server.plan(
+            body, server.chat_prompt(body.messages), max_tokens=getattr(body, param),
+            max_tokens_param=param, default_max_tokens=None, prompt_param="messages"))
         rid, q = await start(plan)
         oid, created = f"chatcmpl-{rid}", int(time.time())
         if plan.stream:
@@ -707,3 +1079,19 @@ def create_app(engine, tokenizer, *, model_name: str) -> fastapi.FastAPI:
                 "usage": usage}
 
     return app
+
+
+class DrainingServer(uvicorn.Server):
+    """A `uvicorn.Server` whose first SIGTERM / SIGINT drains a `create_app` app.
+
+    The app stops admitting requests (`app.state.drain()`: 503 for new ones, `/health`
+    "draining") while uvicorn closes its listening sockets and waits for the requests in
+    flight to finish (at most `config.timeout_graceful_shutdown` seconds, if set); then
+    the app's shutdown stops the engine. A second signal exits at once, as in uvicorn.
+    """
+
+    def handle_exit(self, sig, frame) -> None:
+        drain = getattr(getattr(self.config.app, "state", None), "drain", None)
+        if drain is not None:
+            drain()
+        super().handle_exit(sig, frame)

@@ -452,7 +452,9 @@ def test_cli_serves_health_and_models(checkpoint):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvjax", "serve", "--model", str(checkpoint), "--port",
          str(port), "--max-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--page-size", "8",
-         "--chunk-size", "16", "--log-level", "warning", "--no-warmup", "--host-pages", "32"],
+         "--chunk-size", "16", "--log-level", "warning", "--no-warmup", "--host-pages", "32",
+         "--api-key", "sk-cli", "--max-request-bytes", "4096", "--request-timeout", "30",
+         "--max-waiting", "2", "--drain-timeout", "20"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
@@ -466,8 +468,13 @@ def test_cli_serves_health_and_models(checkpoint):
                 assert time.monotonic() < deadline, "the server did not come up in 120 s"
                 time.sleep(0.2)
         assert r.status_code == 200 and r.json() == {"status": "ok"}
-        models_ = httpx.get(url + "/v1/models").json()
+        assert httpx.get(url + "/v1/models").status_code == 401  # --api-key
+        auth = {"Authorization": "Bearer sk-cli"}
+        models_ = httpx.get(url + "/v1/models", headers=auth).json()
         assert [m["id"] for m in models_["data"]] == [checkpoint.name]
+        r = httpx.post(url + "/v1/completions", headers=auth, content=b" " * 5000)
+        assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+        assert "kvjax_kv_pages_total" in httpx.get(url + "/metrics").text
         proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
@@ -486,7 +493,9 @@ def test_help_lists_every_flag():
     for flag in ("--model", "--host", "--port", "--served-model-name", "--max-seqs",
                  "--max-seq-len", "--num-pages", "--page-size", "--chunk-size", "--kv-dtype",
                  "--kv-bits", "--kv-group-size", "--kv-residual", "--no-prefix-caching",
-                 "--dtype", "--log-level", "--no-warmup", "--host-pages", "--host-rows"):
+                 "--dtype", "--log-level", "--no-warmup", "--host-pages", "--host-rows",
+                 "--api-key", "--max-request-bytes", "--request-timeout", "--max-waiting",
+                 "--drain-timeout"):
         assert flag in r.stdout, flag
 
 

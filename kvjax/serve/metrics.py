@@ -1,0 +1,69 @@
+"""The server's Prometheus metrics (`GET /metrics`, text exposition format).
+
+Each app owns its own `prometheus_client.CollectorRegistry`, so several apps in one
+process (tests, a router in front of several engines) never share counters.
+
+Counters: `kvjax_requests_total{finish_reason}` (requests that ended: "stop",
+"length", "cancelled", "error", "timeout"), `kvjax_rejected_requests_total{status}`
+(refused before the engine saw them: 401, 408, 413, 429, 503),
+`kvjax_prompt_tokens_total`, `kvjax_generation_tokens_total`,
+`kvjax_prefix_cache_hit_tokens_total`. Gauges (read off the engine thread's last
+snapshot when scraped): `kvjax_requests_running`, `kvjax_requests_waiting`,
+`kvjax_kv_pages_in_use`, `kvjax_kv_pages_total`. Histograms:
+`kvjax_time_to_first_token_seconds` (arrival of the request to its first token) and
+`kvjax_request_duration_seconds` (arrival to the last token).
+"""
+
+import prometheus_client
+
+__all__ = ["ServerMetrics"]
+
+# From a few milliseconds (a prefix hit on a short prompt) to minutes (a long queue).
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, float("inf"))
+
+
+class ServerMetrics:
+    """The metrics of one app.
+
+    Args:
+      load: a callable returning `(running, waiting, pages_in_use, pages_total)`: the
+        engine's load as last seen by its thread; called at each scrape.
+    """
+
+    def __init__(self, load):
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = prometheus_client.Counter(
+            "kvjax_requests", "Requests that ended, by finish reason.", ["finish_reason"],
+            registry=r)
+        self.rejected = prometheus_client.Counter(
+            "kvjax_rejected_requests", "Requests refused before reaching the engine, by HTTP "
+            "status.", ["status"], registry=r)
+        self.prompt_tokens = prometheus_client.Counter(
+            "kvjax_prompt_tokens", "Prompt tokens of requests the engine took.", registry=r)
+        self.generation_tokens = prometheus_client.Counter(
+            "kvjax_generation_tokens", "Tokens generated.", registry=r)
+        self.cached_tokens = prometheus_client.Counter(
+            "kvjax_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+            registry=r)
+        self.ttft = prometheus_client.Histogram(
+            "kvjax_time_to_first_token_seconds", "From a request's arrival to its first "
+            "generated token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = prometheus_client.Histogram(
+            "kvjax_request_duration_seconds", "From a request's arrival to its last token.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        for i, (name, doc) in enumerate((
+                ("kvjax_requests_running", "Requests holding a decoding row."),
+                ("kvjax_requests_waiting", "Requests queued for a row (or preempted)."),
+                ("kvjax_kv_pages_in_use", "KV pool pages referenced by sequences or cached "
+                 "prefixes."),
+                ("kvjax_kv_pages_total", "Pages in the KV pool."))):
+            prometheus_client.Gauge(name, doc, registry=r).set_function(
+                lambda i=i: float(load()[i]))
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return prometheus_client.generate_latest(self.registry)
+
+    content_type = prometheus_client.CONTENT_TYPE_LATEST
