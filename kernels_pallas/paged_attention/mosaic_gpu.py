@@ -23,13 +23,24 @@ Design (each choice and the number behind it):
   tokens (the width of one wgmma-layout tile; P goes from registers straight
   into the second product as its A operand). Online softmax in float32.
 * K/V pages come in by TMA, one copy per page (Hopper has no TMA gather), each
-  page landing in its 8-row-tiled, swizzled slice of a stage buffer. The
-  pipeline keeps `num_stages` steps in flight (copies for step j + stages are
-  issued as soon as step j's products are done): 4 stages x 64 tokens x 256
-  bf16 columns = 128 KiB of shared memory at head_dim 128, i.e. three 32 KiB
+  page landing in its 8-row-tiled, swizzled slice of a stage slot. K and V each
+  have a ring of `num_stages` slots; the copy into a slot is issued as soon as the
+  product reading its previous contents has been awaited: 4 stages x 64 tokens x
+  256 bf16 columns = 128 KiB of shared memory at head_dim 128, i.e. three 32 KiB
   steps in flight per SM, 3x what Little's law asks of one SM at ~1 us memory
-  latency (3.35 TB/s / 132 SMs x 1 us = 25 KiB). Wider heads get fewer stages
-  (at least 2) to fit 227 KiB.
+  latency (3.35 TB/s / 132 SMs x 1 us = 25 KiB).
+* Column parts: where a step's whole K and V rows leave fewer than 2 stages in the
+  200 KiB budget, each step's K and V come in parts of `k_cols` / `v_cols` columns
+  (the widest that leave 2 stages, halving down to 32), each part a slot of its
+  ring: Q K^T sums the parts' products (a loop over K's parts), P V fills the
+  output's column parts one by one (an accumulator per part, unrolled). The cost is
+  smaller copies and wgmmas and more barrier waits per step, not bytes; it buys
+  overlap where whole rows fit one stage or none. Chosen per geometry: bf16 up to
+  width 256 whole rows (4 stages to 128, 2 at 256); bf16 width 512 in 256-column
+  parts (2 stages; whole rows were 1), 128 with pages under 8 rows or float32
+  queries (3 / 2 stages), 64 with both (4); float32 pages whole rows to width 64
+  (4 stages), 64-column parts at 128 and 256 (3 / 2), 32 at 512 (3 stages of
+  2 x 8 KiB: 48 KiB in flight).
 * The split's block-table entries are staged in shared memory by one TMA copy
   at the start (FlashInfer stages page offsets the same way), so issuing a
   page copy never waits on a global-memory load. Entries outside the
@@ -43,21 +54,31 @@ Design (each choice and the number behind it):
 * Masking: logits outside [first visible, length) are selected to -inf; on a
   range's first and last step the invisible rows of the V stage are zeroed in
   shared memory before P V, so NaN or inf there never reaches the output.
-* Dtypes: bfloat16, float16 or float32 pages. float32 queries (and any query over
-  float32 pages) become two bfloat16 parts, hi + lo. wgmma would read float32 pages
-  only as tf32 (10 bits), and only K-major, which P V's value operand is not; so a
-  float32 step lands in shared memory as it is and passes through registers into
-  hi + lo bfloat16 operand buffers, and each product sums the part products but lo x
-  lo (3 wgmmas: ~2^-16 relative, inside the float32 kernels' 1e-5 test tolerance). It
-  costs FLOPs (still below the H100's bf16 peak at group <= 64) and shared memory: at
-  head_dim 256 float32 pages need more than the 200 KiB budget and go to Triton.
+* Dtypes: bfloat16, float16 or float32 pages. wgmma reads float32 only as tf32 (10
+  bits), and only K-major, which P V's value operand is not; so float32 values go
+  into the products as 3 bfloat16 parts, hi + mid + lo (8 significand bits each,
+  together exact), and each product sums the 6 part products above 2^-24 (i + j < 3
+  of 9). Two parts (16 bits, 3 wgmmas) missed the float32 tolerance (1e-5) on short
+  sequences: a NumPy emulation over 3 tokens erred by up to 1.8e-5 at every width,
+  against 1e-7 with 3 parts. A float32 step lands in shared memory as it is and
+  passes through registers into the parts' operand buffers; the query stays float32
+  in shared memory (the bytes of two parts) and is split the same way, a column part
+  at a time. The cost is FLOPs: at group <= 64 padded to 64 rows, 6 products need 192
+  FLOP per float32 K/V byte, ~640 TFLOP/s at the H100's full bandwidth, beyond what
+  its tensor cores sustain beside the register repacking, so float32 pages are
+  compute-bound: they buy float32 accuracy, not speed. Float32 queries over 16-bit
+  pages become hi + lo parts (the pages are exact in 16 bits; logits to ~2^-16).
 * Pages of 1, 2 or 4 rows (below one 8-row tile of the swizzled wgmma layout) are
-  copied by TMA, one copy per page, into stage buffers tiled by the page's rows, and
-  repacked through registers like float32 pages; a step's copies arrive on one
-  barrier per stage (`num_arrivals` = copies).
+  copied by TMA, one copy per page, into stage slots tiled by the page's rows, and
+  repacked through registers like float32 pages; a part's copies arrive on one
+  barrier per slot (`num_arrivals` = copies). Beyond 8 copies a part (pages under 8
+  rows) the copies are a loop, not unrolled: lowering a page-1 kernel took 23 s on
+  jax 0.11.2 with 64 unrolled copies, 2 s with the loop.
 * Widths up to 512: a value wider than 256 columns is split over programs (each
-  accumulating 256 columns, 128 float32 registers a thread, re-reading K); the K/V
-  stages are as many as 200 KiB of shared memory holds (at least 1).
+  accumulating 256 columns, 128 float32 registers a thread, re-reading K).
+* Every page dtype, query dtype, head width (16 to 512) and page size the Triton
+  kernel takes runs here on jax >= 0.11; jax 0.10 lowers TMA copies of whole 128
+  bytes only, which sends the narrowest tiny-page copies (e.g. 1 x 16 bf16) to Triton.
 
 Checked on CPU in Mosaic GPU's interpreter with race detection and by
 lowering for an H100 (tests/kernels/test_mosaic_gpu_decode.py).
@@ -97,6 +118,8 @@ _F32 = jnp.dtype(jnp.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 _MAX_ACC_COLS = 256  # output columns one warpgroup accumulates (128 f32 registers a thread)
 _REPACK_COLS = 64  # columns per register pass: one 128-byte swizzle tile of 16-bit values
+_MIN_COLS = 32  # narrowest column part of a copy (128 bytes of float32)
+_UNROLLED_COPIES = 8  # page copies a step issues unrolled (pages >= 8 rows); more: a loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +141,13 @@ class KernelConfig:
         registers).
       repack: pages land in untiled shared memory and pass through registers into the
         swizzled wgmma operand buffers (pages smaller than one 8-row tile, float32 pages).
-      parts: 16-bit parts per cached value in the operand buffers: 2 (hi + lo bfloat16)
-        for float32 pages, else 1.
+      parts: 16-bit parts per cached value in the operand buffers: 3 (hi + mid + lo
+        bfloat16, together exact) for float32 pages, else 1.
+      k_cols, v_cols: columns of K and of the program's value block per copy into a stage
+        slot (0: the whole width). Narrower than the width when a step's whole K and V
+        rows do not fit shared memory: a step then takes several slots of each ring, Q K^T
+        sums the column parts' products and P V fills the output's column parts one by
+        one.
     """
 
     block_tokens: int
@@ -131,6 +159,8 @@ class KernelConfig:
     v_block: int = 0
     repack: bool = False
     parts: int = 1
+    k_cols: int = 0
+    v_cols: int = 0
 
 
 def choose_splits(
@@ -200,19 +230,22 @@ def unsupported_reason(q, k_pages, v_pages) -> str | None:
                 f"{_MIN_PAGE} (a TMA copy of one page must fill whole 8-row tiles of the "
                 f"swizzled shared memory wgmma reads) dividing or divisible by "
                 f"{_BLOCK_TOKENS}, got {page_size}.")
+    q_parts = _q_parts(q.dtype, dtype)
+    tiling = _tiling(head_dim, v_dim, page_size, dtype.itemsize, q_parts, _SMEM_BUDGET)
+    if tiling is None:
+        need = _smem_bytes(head_dim, v_dim, page_size, dtype.itemsize, 1, q_parts,
+                           _MIN_COLS)
+        return (f"the Mosaic GPU kernel needs {need} bytes of shared memory for head_dim "
+                f"{head_dim}, v_head_dim {v_dim} and {dtype} pages (one pipeline stage of "
+                f"{_MIN_COLS}-column copies, the query parts and the repacked operands), more "
+                f"than its {_SMEM_BUDGET}.")
     if mgpu.JAX_VERSION < (0, 11):
-        v_block = _layout(head_dim, v_dim, page_size, dtype.itemsize)[0]
-        copy = min(page_size, _BLOCK_TOKENS) * min(head_dim, v_block) * dtype.itemsize
+        cols = tiling[0]
+        copy = min(page_size, _BLOCK_TOKENS) * cols * dtype.itemsize
         if copy % 128:
             return (f"jax {jax.__version__} lowers TMA copies of a multiple of 128 bytes "
-                    f"only (jax 0.11 lowers any), and one page's rows of page_size "
-                    f"{page_size} x width {min(head_dim, v_block)} in {dtype} are {copy}.")
-    need = _smem_bytes(head_dim, v_dim, page_size, dtype.itemsize, stages=1,
-                       q_parts=_q_parts(q.dtype, dtype))
-    if need > _SMEM_BUDGET:
-        return (f"the Mosaic GPU kernel needs {need} bytes of shared memory for head_dim "
-                f"{head_dim}, v_head_dim {v_dim} and {dtype} pages (one pipeline stage, the "
-                f"query parts and the repacked operands), more than its {_SMEM_BUDGET}.")
+                    f"only (a jax 0.10 lowering limit; jax 0.11 lowers any), and one page's "
+                    f"rows of page_size {page_size} x {cols} columns in {dtype} are {copy}.")
     group = q_heads // max(kv_heads, 1)
     if group > _MMA_ROWS:
         return (f"the Mosaic GPU kernel holds at most {_MMA_ROWS} query heads per KV head "
@@ -223,26 +256,51 @@ def unsupported_reason(q, k_pages, v_pages) -> str | None:
 def _layout(head_dim: int, v_dim: int, page_size: int, itemsize: int):
     """(v_block, repack, parts) for a cache geometry: see `KernelConfig`."""
     repack = page_size < _MIN_PAGE or itemsize == 4
-    return min(v_dim, _MAX_ACC_COLS), repack, (2 if itemsize == 4 else 1)
+    return min(v_dim, _MAX_ACC_COLS), repack, (3 if itemsize == 4 else 1)
 
 
 def _q_parts(q_dtype, page_dtype) -> int:
-    """16-bit parts of the query in shared memory: 2 (hi + lo) for float32 queries or pages."""
+    """Bytes per query element in shared memory, over 2: 2 for float32 queries over 16-bit
+    pages (hi + lo bfloat16 parts) and for float32 pages (the float32 query itself, split
+    into parts a column part at a time), else 1."""
     return 2 if _F32 in (jnp.dtype(q_dtype), jnp.dtype(page_dtype)) else 1
 
 
 def _smem_bytes(head_dim: int, v_dim: int, page_size: int, itemsize: int, stages: int,
-                q_parts: int = 2) -> int:
-    """Shared memory of one program, the block table aside: `stages` K/V stages in the
-    pages' dtype, the query's 16-bit parts, and with `repack` the 16-bit operand buffers
-    (K's and V's shared when they are equally wide)."""
+                q_parts: int, cols: int) -> int:
+    """Shared memory of one program, the block table aside: `stages` K/V stage slots of at
+    most `cols` columns each in the pages' dtype, the query (`q_parts` x 2 bytes an
+    element), and with `repack` the 16-bit operand buffers (K's and V's shared when they
+    are equally wide; for float32 pages also the query's parts of one column part)."""
     v_block, repack, parts = _layout(head_dim, v_dim, page_size, itemsize)
-    stage = _BLOCK_TOKENS * (head_dim + v_block) * itemsize
+    kc, vc = min(head_dim, cols), min(v_block, cols)
+    stage = _BLOCK_TOKENS * (kc + vc) * itemsize
     q = q_parts * _MMA_ROWS * head_dim * 2
-    ops = 0
-    if repack:
-        ops = parts * _BLOCK_TOKENS * (head_dim + (0 if v_block == head_dim else v_block)) * 2
+    ops = parts * _BLOCK_TOKENS * (kc + (0 if vc == kc else vc)) * 2 if repack else 0
+    if itemsize == 4:
+        ops += parts * _MMA_ROWS * kc * 2
     return stages * stage + q + ops
+
+
+def _tiling(head_dim: int, v_dim: int, page_size: int, itemsize: int, q_parts: int,
+            budget: int) -> tuple[int, int] | None:
+    """(columns per copy, stages) within `budget` bytes, or None when nothing fits.
+
+    Whole rows first: the widest copies that leave 2 or more stages in flight, halving the
+    columns (down to `_MIN_COLS`) until they do; if no width leaves 2, the widest with 1.
+    """
+    widest = max(head_dim, min(v_dim, _MAX_ACC_COLS))
+    caps = [widest >> i for i in range(8) if widest >> i >= min(_MIN_COLS, widest)]
+    single = None
+    for cap in caps:
+        fixed = _smem_bytes(head_dim, v_dim, page_size, itemsize, 0, q_parts, cap)
+        stage = _smem_bytes(head_dim, v_dim, page_size, itemsize, 1, q_parts, cap) - fixed
+        stages = min(_MAX_STAGES, max(0, budget - fixed) // stage)
+        if stages >= 2:
+            return cap, stages
+        if stages == 1 and single is None:
+            single = (cap, 1)
+    return single
 
 
 def kernel_config(
@@ -250,13 +308,21 @@ def kernel_config(
     itemsize: int, num_sms: int, q_parts: int = 2,
 ) -> KernelConfig:
     """The tiling `paged_decode_attention` uses for a cache geometry (a pure function);
-    `q_parts` is 2 for float32 queries or pages (their hi + lo parts), else 1."""
+    `q_parts` is 2 for float32 queries or pages (hi + lo parts over 16-bit pages, the
+    float32 query itself over float32 pages), else 1.
+
+    Raises:
+      ValueError: when the geometry does not fit shared memory (`unsupported_reason`).
+    """
     block_tokens = _BLOCK_TOKENS
     chunk = min(page_size, block_tokens)
     v_block, repack, parts = _layout(head_dim, v_dim, page_size, itemsize)
-    fixed = _smem_bytes(head_dim, v_dim, page_size, itemsize, 0, q_parts)
-    stage_bytes = _smem_bytes(head_dim, v_dim, page_size, itemsize, 1, q_parts) - fixed
-    stages = max(1, min(_MAX_STAGES, (_SMEM_BUDGET - fixed) // stage_bytes))
+    tiling = _tiling(head_dim, v_dim, page_size, itemsize, q_parts, _SMEM_BUDGET)
+    if tiling is None:
+        raise ValueError(f"kernel_config: head_dim {head_dim}, v_head_dim {v_dim}, "
+                         f"page_size {page_size} and {itemsize}-byte pages do not fit "
+                         f"{_SMEM_BUDGET} bytes of shared memory; see unsupported_reason.")
+    cols, stages = tiling
     pages_per_step = max(1, block_tokens // page_size)
     steps_per_page = max(1, page_size // block_tokens)
     num_steps = max(1, -(-max_pages // pages_per_step) * steps_per_page)
@@ -270,7 +336,8 @@ def kernel_config(
     return KernelConfig(block_tokens=block_tokens, chunk=chunk, num_stages=stages,
                         num_splits=splits, pages_per_split=pages_per_split,
                         table_window=-(-pages_per_split // 32) * 32, v_block=v_block,
-                        repack=repack, parts=parts)
+                        repack=repack, parts=parts, k_cols=min(head_dim, cols),
+                        v_cols=min(v_block, cols))
 
 
 def _smem_transforms(width: int, itemsize: int, rows: int = 8):
@@ -281,13 +348,28 @@ def _smem_transforms(width: int, itemsize: int, rows: int = 8):
 
 
 def _pairs(a_parts: int, b_parts: int) -> tuple[tuple[int, int], ...]:
-    """The part products of a hi + lo split that carry ~2^-16 relative: all but lo x lo."""
-    return tuple((a, b) for a in range(a_parts) for b in range(b_parts) if a + b < 2)
+    """The part products that matter to float32 accuracy: part i carries ~2^(-8 i) of a
+    value, so of n-part splits keep the products with i + j < n (hi + lo: all but lo x lo;
+    hi + mid + lo: 6 of 9, the rest below 2^-24)."""
+    n = max(a_parts, b_parts)
+    return tuple((a, b) for a in range(a_parts) for b in range(b_parts) if a + b < n)
+
+
+def _split(x, dtype, parts: int) -> list:
+    """x (float32) as `parts` values of a 16-bit `dtype` summing to x: each the rounding of
+    what the previous ones leave (exact subtractions), so 3 bfloat16 parts hold all 24
+    bits of a float32 significand."""
+    out = []
+    for _ in range(parts):
+        piece = x.astype(dtype)
+        out.append(piece)
+        x = x - piece.astype(jnp.float32)
+    return out
 
 
 def _decode_kernel(
     q_ref, k_ref, v_ref, len_ref, tbl_ref, o_ref, lse_ref,  # GMEM
-    q_smem, k_smem, v_smem, tbl_smem, q_bar, k_bars, v_bars, tbl_bar, k_op, v_op,
+    q_smem, k_smem, v_smem, tbl_smem, q_bar, k_bars, v_bars, tbl_bar, k_op, v_op, q_op,
     p_smem,  # scratch
     *, cfg: KernelConfig, page_size: int, scale: float, soft_cap: float | None,
     sliding_window: int | None, interpret,
@@ -300,15 +382,18 @@ def _decode_kernel(
     vb = cfg.v_block
     v_blocks = v_ref.shape[-1] // vb
     h, vc = hv // v_blocks, hv % v_blocks
-    op_dtype = q_smem.dtype
+    kc, vcols = cfg.k_cols, cfg.v_cols
+    nk, nv = k_ref.shape[-1] // kc, vb // vcols  # K and V copies per step
+    op_dtype = q_smem.dtype if q_op is None else q_op.dtype
     pps = cfg.pages_per_split
     if cfg.repack and v_op is None:
         v_op = k_op
 
     plgpu.copy_gmem_to_smem(tbl_ref.at[b, pl.ds(s_idx * pps, cfg.table_window)], tbl_smem,
                             tbl_bar)
-    for part in range(q_smem.shape[0]):  # one copy per part: a TMA box has at most 5 dims
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h, part], q_smem.at[part], q_bar)
+    # One copy per (part, column part): a TMA box has at most 5 dims.
+    for i in range(q_smem.shape[0]):
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, i], q_smem.at[i], q_bar)
 
     length = len_ref[b]
     first = jnp.int32(0) if sliding_window is None else jnp.maximum(length - sliding_window, 0)
@@ -320,24 +405,43 @@ def _decode_kernel(
 
     plgpu.barrier_wait(tbl_bar)
 
-    def issue(j):
-        slot = j % stages
-        step0 = split0 + (lo_step + j) * bt
-        for c in range(chunks):
-            tok = step0 + c * chunk
-            visible = (tok < length) & (tok + chunk > first)
-            page = jnp.where(visible, tbl_smem[(tok - split0) // page_size], 0)
-            rows = pl.ds(tok % page_size, chunk)
-            dst = pl.ds(c * chunk, chunk)
-            v_src = v_ref.at[h, page, rows]
-            if v_blocks > 1:
-                v_src = v_ref.at[h, page, rows, pl.ds(vc * vb, vb)]
-            plgpu.copy_gmem_to_smem(k_ref.at[h, page, rows], k_smem.at[slot, dst],
-                                    k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot, dst], v_bars.at[slot])
+    def ring(ref, smem, bars, col0, cols, per_step):
+        """The copy for the `i`-th column part (static; past `per_step`, a later step's) of
+        step j: `cols` columns from `col0` of the step's rows into slot
+        (j * per_step + i) % stages of a ring."""
 
-    for j in range(stages):
-        pl.when(j < num_steps)(functools.partial(issue, j))
+        def issue(j, i):
+            j = j + i // per_step
+            i = i % per_step
+            slot = (j * per_step + i) % stages
+            step0 = split0 + (lo_step + j) * bt
+
+            def copy(c):
+                tok = step0 + c * chunk
+                visible = (tok < length) & (tok + chunk > first)
+                page = jnp.where(visible, tbl_smem[(tok - split0) // page_size], 0)
+                src = ref.at[h, page, pl.ds(tok % page_size, chunk)]
+                if cols != ref.shape[-1]:
+                    src = ref.at[h, page, pl.ds(tok % page_size, chunk),
+                                 pl.ds(col0 + i * cols, cols)]
+                plgpu.copy_gmem_to_smem(src, smem.at[slot, pl.ds(c * chunk, chunk)],
+                                        bars.at[slot])
+
+            @pl.when(j < num_steps)
+            def _():
+                if chunks <= _UNROLLED_COPIES:
+                    for c in range(chunks):
+                        copy(c)
+                else:  # pages of 1-4 rows: a loop keeps the lowered program small
+                    pl.loop(0, chunks)(copy)
+
+        return issue
+
+    issue_k = ring(k_ref, k_smem, k_bars, 0, kc, nk)
+    issue_v = ring(v_ref, v_smem, v_bars, vc * vb, vcols, nv)
+    for i in range(stages):
+        issue_k(0, i)
+        issue_v(0, i)
 
     plgpu.barrier_wait(q_bar)
     wgmma_layout = plgpu.Layout.WGMMA
@@ -347,39 +451,63 @@ def _decode_kernel(
                              interpret=interpret)
     m0 = layout_cast(jnp.full((_MMA_ROWS,), NEG_INF, jnp.float32), row_layout)
     l0 = layout_cast(jnp.full((_MMA_ROWS,), 0.0, jnp.float32), row_layout)
-    acc0 = layout_cast(jnp.zeros((_MMA_ROWS, vb), jnp.float32), wgmma_layout)
+    acc0 = tuple(layout_cast(jnp.zeros((_MMA_ROWS, vcols), jnp.float32), wgmma_layout)
+                 for _ in range(nv))
 
     def repack(stage, op, step0=None):
-        """stage [bt, width] (the pages' dtype) -> op [parts, bt, width] (16-bit, 8-row
-        swizzled tiles), through registers a swizzle tile of columns at a time; with `step0`, rows
-        outside [first, length) become 0 (NaN there must not reach P V)."""
-        width = stage.shape[-1]
+        """stage [rows, width] (the pages' dtype, or the float32 query) -> op [parts, rows,
+        width] (16-bit, 8-row swizzled tiles), through registers a swizzle tile of columns
+        at a time; with `step0`, rows outside [first, length) become 0 (NaN there must not
+        reach P V)."""
+        rows, width = stage.shape
         cols = min(width, _REPACK_COLS)
         for c0 in range(0, width, cols):
             x = mgpu.load(stage.at[:, pl.ds(c0, cols)], wgmma_layout, interpret=interpret)
             if step0 is not None:
-                rows = step0 + iota((bt, cols), 0)
-                x = jnp.where((rows >= first) & (rows < length), x, jnp.zeros_like(x))
-            hi = x.astype(op_dtype)
-            op[0, :, pl.ds(c0, cols)] = hi
-            if cfg.parts == 2:
-                rest = x.astype(jnp.float32) - hi.astype(jnp.float32)
-                op[1, :, pl.ds(c0, cols)] = rest.astype(op_dtype)
+                pos = step0 + iota((rows, cols), 0)
+                x = jnp.where((pos >= first) & (pos < length), x, jnp.zeros_like(x))
+            for i, piece in enumerate(_split(x.astype(jnp.float32), op_dtype, cfg.parts)):
+                op[i, :, pl.ds(c0, cols)] = piece
         plgpu.commit_smem()
 
+    if q_op is None:
+        q_parts = q_smem.shape[0] // nk
+    else:  # float32 pages: the query's parts of one column part at a time
+        q_parts = cfg.parts
+        if nk == 1:
+            repack(q_smem.at[0], q_op)
+
     def step(j, carry):
-        acc, m_prev, l_prev = carry
-        slot = j % stages
+        accs, m_prev, l_prev = carry
         step0 = split0 + (lo_step + j) * bt
-        plgpu.barrier_wait(k_bars.at[slot])
-        if cfg.repack:
-            repack(k_smem.at[slot], k_op)
-            k_parts = tuple(k_op.at[i] for i in range(cfg.parts))
-        else:
-            k_parts = (k_smem.at[slot],)
-        qk = _pairs(q_smem.shape[0], len(k_parts))
-        s = mgpu.dot_transposed_b(tuple(q_smem.at[a] for a, _ in qk),
-                                  tuple(k_parts[c] for _, c in qk), interpret=interpret)
+
+        def qk_part(i):  # Q K^T over K's i-th column part
+            slot = (j * nk + i) % stages
+            plgpu.barrier_wait(k_bars.at[slot])
+            if cfg.repack:
+                repack(k_smem.at[slot], k_op)
+                k_parts = tuple(k_op.at[p] for p in range(cfg.parts))
+            else:
+                k_parts = (k_smem.at[slot],)
+            if q_op is None:
+                q_in = tuple(q_smem.at[a * nk + i] for a in range(q_parts))
+            else:
+                if nk > 1:
+                    repack(q_smem.at[i], q_op)
+                q_in = tuple(q_op.at[a] for a in range(q_parts))
+            qk = _pairs(q_parts, len(k_parts))
+            part = mgpu.dot_transposed_b(tuple(q_in[a] for a, _ in qk),
+                                         tuple(k_parts[c] for _, c in qk),
+                                         interpret=interpret)
+            issue_k(j, i + stages)  # the slot is read (the product is awaited)
+            return part
+
+        if nk == 1:
+            s = qk_part(0)
+        else:  # a loop over the column parts keeps the lowered program small
+            s = jax.lax.fori_loop(0, nk, lambda i, s: s + qk_part(i),
+                                  layout_cast(jnp.zeros((_MMA_ROWS, bt), jnp.float32),
+                                              wgmma_layout))
         s = s * jnp.float32(scale)
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
@@ -391,56 +519,55 @@ def _decode_kernel(
         p = jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
         l_new = l_prev * alpha + p.sum(axis=1)
 
-        plgpu.barrier_wait(v_bars.at[slot])
-        if cfg.repack:
-            # Q K^T has been awaited (its result is read above), so a shared buffer is free.
-            repack(v_smem.at[slot], v_op, step0)
-            v_parts = tuple(v_op.at[i] for i in range(cfg.parts))
-        else:
-            v_parts = (v_smem.at[slot],)
-
-            @pl.when((j == 0) | (j == num_steps - 1))
-            def _():  # zero the rows no query sees: 0 * NaN in P V would be NaN
-                v_tile = v_smem.at[slot]
-                rows = step0 + iota((bt, vb), 0)
-                v = v_tile[...]
-                v_tile[...] = jnp.where((rows >= first) & (rows < length), v,
-                                        jnp.zeros_like(v))
-                plgpu.commit_smem()
-
-        p_hi = p.astype(op_dtype)
-        p_in = [p_hi]
-        if cfg.parts == 2:  # float32 values: P in hi + lo parts too
-            p_in.append((p - p_hi.astype(jnp.float32)).astype(op_dtype))
+        p_in = _split(p, op_dtype, cfg.parts)  # float32 values: P in parts too
         if p_smem is not None:
             for i, part in enumerate(p_in):
                 p_smem[i] = part
             plgpu.commit_smem()
             p_in = [p_smem.at[i] for i in range(len(p_in))]
 
-        def pv(acc_ref):
-            for a, c in _pairs(len(p_in), len(v_parts)):
-                plgpu.wgmma(acc_ref, p_in[a], v_parts[c])
-            return acc_ref[...]
+        new_accs = []
+        for i in range(nv):  # P V, one column part of the output at a time
+            slot = (j * nv + i) % stages
+            plgpu.barrier_wait(v_bars.at[slot])
+            if cfg.repack:
+                # The last product has been awaited, so a shared operand buffer is free.
+                repack(v_smem.at[slot], v_op, step0)
+                v_parts = tuple(v_op.at[c] for c in range(cfg.parts))
+            else:
+                v_parts = (v_smem.at[slot],)
 
-        pv_out = pl.run_scoped(pv, plgpu.ACC((_MMA_ROWS, vb), jnp.float32))
-        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
+                @pl.when((j == 0) | (j == num_steps - 1))
+                def _(slot=slot):  # zero the rows no query sees: 0 * NaN in P V is NaN
+                    v_tile = v_smem.at[slot]
+                    rows = step0 + iota((bt, vcols), 0)
+                    v = v_tile[...]
+                    v_tile[...] = jnp.where((rows >= first) & (rows < length), v,
+                                            jnp.zeros_like(v))
+                    plgpu.commit_smem()
 
-        @pl.when(j + stages < num_steps)
-        def _():
-            issue(j + stages)
+            def pv(acc_ref, v_parts=v_parts):
+                for a, c in _pairs(len(p_in), len(v_parts)):
+                    plgpu.wgmma(acc_ref, p_in[a], v_parts[c])
+                return acc_ref[...]
 
-        return acc, m_new, l_new
+            pv_out = pl.run_scoped(pv, plgpu.ACC((_MMA_ROWS, vcols), jnp.float32))
+            new_accs.append(
+                accs[i] * jax.lax.broadcast_in_dim(alpha, accs[i].shape, [0]) + pv_out)
+            issue_v(j, i + stages)
 
-    acc, m, l_sum = jax.lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
+        return tuple(new_accs), m_new, l_new
+
+    accs, m, l_sum = jax.lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
     seen = l_sum > 0.0
     safe_l = jnp.where(seen, l_sum, 1.0)
-    out = jnp.where(jax.lax.broadcast_in_dim(seen, acc.shape, [0]),
-                    acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0]), 0.0)
-    if v_blocks > 1:
-        o_ref[s_idx, b, h, :, pl.ds(vc * vb, vb)] = out
-    else:
-        o_ref[s_idx, b, h] = out
+    for i, acc in enumerate(accs):
+        out = jnp.where(jax.lax.broadcast_in_dim(seen, acc.shape, [0]),
+                        acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0]), 0.0)
+        if vcols == o_ref.shape[-1]:
+            o_ref[s_idx, b, h] = out
+        else:
+            o_ref[s_idx, b, h, :, pl.ds(vc * vb + i * vcols, vcols)] = out
     lse_ref[s_idx, b, hv] = jnp.where(seen, m + jnp.log(safe_l), NEG_INF)
 
 
@@ -457,19 +584,28 @@ def _decode(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, slid
     itemsize = jnp.dtype(dtype).itemsize
     op_dtype = jnp.bfloat16 if dtype == jnp.float32 else dtype
     q_parts = _q_parts(q.dtype, dtype)
+    f32_pages = itemsize == 4
     max_pages = block_tables.shape[1]
     cfg = kernel_config(batch, kv_heads, max_pages, page_size, head_dim, dv, itemsize, num_sms,
                         q_parts=q_parts)
     splits, pps, vb = cfg.num_splits, cfg.pages_per_split, cfg.v_block
     v_blocks = dv // vb
+    kc = cfg.k_cols
+    nk = head_dim // kc
 
     qg = q.reshape(batch, kv_heads, 1, group, head_dim)
-    if q_parts == 2:
+    if f32_pages:  # the kernel splits the float32 query as it splits K
+        qg, q_dtype, q_slices = qg.astype(jnp.float32), jnp.float32, 1
+    elif q_parts == 2:
         # Two 16-bit parts, hi + lo, carry a float32 query to ~2^-16 relative.
-        qg = qg.astype(jnp.float32)
-        hi = qg.astype(op_dtype)
-        qg = jnp.concatenate([hi, (qg - hi.astype(jnp.float32)).astype(op_dtype)], axis=2)
-    qg = jnp.pad(qg.astype(op_dtype), ((0, 0), (0, 0), (0, 0), (0, _MMA_ROWS - group), (0, 0)))
+        qg = jnp.concatenate(_split(qg.astype(jnp.float32), op_dtype, 2), axis=2)
+        q_dtype, q_slices = op_dtype, 2
+    else:
+        q_dtype, q_slices = op_dtype, 1
+    qg = jnp.pad(qg.astype(q_dtype), ((0, 0), (0, 0), (0, 0), (0, _MMA_ROWS - group), (0, 0)))
+    # [batch, kv_heads, parts x column parts, rows, k_cols]: one TMA copy per slice.
+    qg = qg.reshape(batch, kv_heads, q_slices, _MMA_ROWS, nk, kc).transpose(0, 1, 2, 4, 3, 5)
+    qg = qg.reshape(batch, kv_heads, q_slices * nk, _MMA_ROWS, kc)
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, (splits - 1) * pps + cfg.table_window - max_pages)))
     kernel = functools.partial(
@@ -487,9 +623,10 @@ def _decode(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, slid
 
     k_op = v_op = None
     if cfg.repack:
-        k_op = operands(head_dim)
-        v_op = None if vb == head_dim else operands(vb)  # None: V shares K's buffer
+        k_op = operands(kc)
+        v_op = None if cfg.v_cols == kc else operands(cfg.v_cols)  # None: V shares K's
     p_parts = cfg.parts
+    copies = cfg.block_tokens // cfg.chunk
     out, lse = plgpu.kernel(
         kernel,
         out_type=(
@@ -497,19 +634,19 @@ def _decode(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, slid
             jax.ShapeDtypeStruct((splits, batch, kv_heads * v_blocks, _MMA_ROWS), jnp.float32),
         ),
         scratch_types=(
-            plgpu.SMEM((q_parts, _MMA_ROWS, head_dim), op_dtype,
-                       transforms=_smem_transforms(head_dim, 2)),
-            staged(head_dim),
-            staged(vb),
+            plgpu.SMEM((q_slices * nk, _MMA_ROWS, kc), q_dtype,
+                       transforms=_smem_transforms(kc, jnp.dtype(q_dtype).itemsize)),
+            staged(kc),
+            staged(cfg.v_cols),
             plgpu.SMEM((cfg.table_window,), jnp.int32),
-            plgpu.Barrier(num_arrivals=q_parts),
-            plgpu.Barrier(num_arrivals=cfg.block_tokens // cfg.chunk,
-                          num_barriers=cfg.num_stages),
-            plgpu.Barrier(num_arrivals=cfg.block_tokens // cfg.chunk,
-                          num_barriers=cfg.num_stages),
+            plgpu.Barrier(num_arrivals=q_slices * nk),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=cfg.num_stages),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=cfg.num_stages),
             plgpu.Barrier(),
             k_op,
             v_op,
+            plgpu.SMEM((cfg.parts, _MMA_ROWS, kc), op_dtype,
+                       transforms=_smem_transforms(kc, 2)) if f32_pages else None,
             (plgpu.SMEM((p_parts, _MMA_ROWS, cfg.block_tokens), op_dtype,
                         transforms=_smem_transforms(cfg.block_tokens, 2))
              if mgpu.wgmma_a_from_smem(interpret) else None),
@@ -542,11 +679,14 @@ def paged_decode_attention(
     `reference.paged_decode_attention`.
 
     Args:
-      q: [batch, q_heads, head_dim]; q_heads a multiple of kv_heads; in the pages' dtype or
-        float32 (then split into two parts in the pages' dtype, hi + lo, for the tensor
-        cores: logits to ~2^-16 relative).
+      q: [batch, q_heads, head_dim]; q_heads a multiple of kv_heads, at most 64 per KV
+        head; bfloat16, float16 or float32 (over 16-bit pages split into hi + lo parts
+        in the pages' dtype for the tensor cores: logits to ~2^-16 relative).
       k_pages, v_pages: one layer's pools [kv_heads, pages, page_size, head_dim |
-        v_head_dim], bfloat16 or float16.
+        v_head_dim], bfloat16, float16 or float32 (one dtype; float32 to float32
+        accuracy through 3 bfloat16 parts, see the module docstring); head_dim and
+        v_head_dim in 16..512 (powers of two); page_size 1, 2, 4 or a multiple of 8
+        dividing or divisible by 64.
       lengths: int32[batch], tokens per sequence including the new one.
       block_tables: int32[batch, max_pages]; entries past a sequence's length are never
         used as addresses.

@@ -7,6 +7,8 @@ TPU and the XLA path on a GPU. Whole models decoded through the kernels are in
 test_pallas_models.py.
 """
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import gpu as paged_gpu
 from kernels_pallas.paged_attention import reference as paged_ref
+from kernels_pallas.paged_attention.block_sizes import GPU_HEAD_DIMS
 from kernels_pallas.ragged_attention import tpu as ragged_tpu
 from kvjax.attention import ops, pallas_impls, registry
 from kvjax.attention import paged_decode_attention as decode_op
@@ -281,21 +284,30 @@ def test_shapes_the_mosaic_kernel_refuses_go_to_triton_with_its_reason(monkeypat
     assert kernel == "triton" and "page size 3 is not copied" in why
 
 
-def test_hopper_takes_f32_small_pages_and_width_512_on_mosaic(monkeypatch):
-    """Float32 pages, pages of 1-4 rows and width 512 run the Mosaic GPU kernel on a Hopper;
-    what exceeds its shared memory (float32 at width 256) goes to Triton, saying why."""
+def test_hopper_runs_every_triton_geometry_on_mosaic(monkeypatch):
+    """On a Hopper every page dtype, query dtype, head width and page size the Triton kernel
+    takes runs the Mosaic GPU kernel (on jax 0.10 its TMA lowering sends the copies under
+    128 bytes to Triton, saying so); what the Mosaic kernel refuses (a GQA group over one
+    64-row wgmma tile) goes to Triton with its reason."""
     S = jax.ShapeDtypeStruct
     monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0"))
-    for width, page_size, dtype in ((128, 16, np.float32), (64, 4, jax.numpy.bfloat16),
-                                    (128, 1, np.float32), (512, 16, jax.numpy.bfloat16)):
+    jax_010 = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
+    for dtype, q_dtype, width, page_size in itertools.product(
+        (jax.numpy.bfloat16, np.float32), (jax.numpy.bfloat16, np.float32),
+        GPU_HEAD_DIMS, (1, 2, 4, 8, 16, 64, 128),
+    ):
         pages = S((2, 8, page_size, width), dtype)
         kernel, why = pallas_impls.gpu_kernel("paged_decode_attention",
-                                              S((2, 8, width), dtype), pages, pages)
-        assert kernel == "mosaic" and "Hopper" in why, (width, page_size, dtype, why)
-    pages = S((2, 8, 16, 256), np.float32)
-    kernel, why = pallas_impls.gpu_kernel("paged_decode_attention", S((2, 8, 256), np.float32),
-                                          pages, pages)
-    assert kernel == "triton" and "shared memory" in why
+                                              S((2, 8, width), q_dtype), pages, pages)
+        if jax_010 and page_size * width * np.dtype(dtype).itemsize < 128:
+            assert kernel == "triton" and "jax 0.10 lowering limit" in why, why
+        else:
+            assert kernel == "mosaic" and "Hopper" in why, (dtype, q_dtype, width, page_size,
+                                                            why)
+    pages = S((1, 8, 16, 128), jax.numpy.bfloat16)
+    kernel, why = pallas_impls.gpu_kernel("paged_decode_attention",
+                                          S((2, 128, 128), jax.numpy.bfloat16), pages, pages)
+    assert kernel == "triton" and "at most 64 query heads per KV head" in why, why
 
 
 @pytest.mark.parametrize("op", ["paged_decode_attention", "mla_decode_attention"])

@@ -9,6 +9,7 @@ properties.
 """
 
 import functools
+import itertools
 import math
 import zlib
 
@@ -19,6 +20,7 @@ import pytest
 
 from kernels_pallas import _mosaic_gpu as mgpu
 from kernels_pallas.paged_attention import mosaic_gpu as mk
+from kernels_pallas.paged_attention.block_sizes import GPU_HEAD_DIMS
 from tests.kernels.kernel_cases import assert_close, ref_decode
 
 S = jax.ShapeDtypeStruct
@@ -66,13 +68,16 @@ CASES = {
                    lengths=[11, 37, 128], q_dtype=jnp.float32),
         static=dict(),
     ),
-    # Float32 pages (hi + lo bfloat16 parts of Q, K, P and V) in pages of 4 rows (several
-    # TMA copies a step, repacked through registers into 8-row tiles), float32 accuracy.
-    # One split of 6 steps over 4 stages: the pipeline reuses its ring of buffers.
-    "f32_pages_page4_window_softcap": dict(
-        shape=dict(q_heads=2, kv_heads=1, head_dim=32, page_size=4, max_pages=96,
-                   lengths=[5, 61, 380], q_dtype=jnp.float32, page_dtype=jnp.float32),
-        static=dict(sliding_window=300, soft_cap=4.0, num_sms=1),
+    # Float32 pages at width 256 (hi + mid + lo bfloat16 parts of Q, K, P and V), float32
+    # accuracy over a 3-token sequence (where hi + lo parts alone erred by 1.3e-5): a
+    # step's K and V do not fit shared memory whole, so each comes in 64-column
+    # parts through rings of 3 slots (the rings wrap within a step; Q K^T sums the parts,
+    # P V fills the output's column parts); pages of 4 rows (a loop of 16 TMA copies per
+    # part, repacked through registers into 8-row tiles); the window skips the first step.
+    "f32_pages_width256_page4_window_softcap": dict(
+        shape=dict(q_heads=2, kv_heads=1, head_dim=256, page_size=4, max_pages=40,
+                   lengths=[3, 150], q_dtype=jnp.float32, page_dtype=jnp.float32),
+        static=dict(sliding_window=80, soft_cap=4.0, num_sms=1),
     ),
     # Width 512 in bf16: two programs per KV head, each accumulating 256 value columns.
     "bf16_width512": dict(
@@ -103,10 +108,11 @@ def test_interpreted_matches_reference(name):
     span = cfg.pages_per_split * shape["page_size"]
     if cfg.num_splits > 1:
         assert min(shape["lengths"]) <= span  # an empty split runs
-    elif "sliding_window" in case["static"]:  # visible steps outnumber the stages
-        window = case["static"]["sliding_window"]
-        assert -(-max(shape["lengths"]) // cfg.block_tokens) - (
-            (max(shape["lengths"]) - window) // cfg.block_tokens) > cfg.num_stages
+    elif "sliding_window" in case["static"]:  # the window skips a step; rings wrap
+        window, longest = case["static"]["sliding_window"], max(shape["lengths"])
+        assert longest - window >= cfg.block_tokens
+        steps = -(-longest // cfg.block_tokens) - (longest - window) // cfg.block_tokens
+        assert steps * shape["head_dim"] // cfg.k_cols > cfg.num_stages
 
     mgpu.reset_interpreter()
     out, lse = jax.block_until_ready(_interpreted(q, k, v, lengths, tables, **case["static"]))
@@ -114,8 +120,8 @@ def test_interpreted_matches_reference(name):
     ref_static = {name: value for name, value in case["static"].items() if name != "num_sms"}
     ref_out, ref_lse = ref_decode(q, k, v, lengths, tables, **ref_static)
     if page_dtype == jnp.float32:
-        # hi + lo parts of Q, K, P and V (all products but lo x lo): the float32 kernels'
-        # tolerance (kernel_cases.TOL).
+        # hi + mid + lo parts of Q, K, P and V (the 6 part products above 2^-24): the
+        # float32 kernels' tolerance (kernel_cases.TOL).
         assert_close((out, lse), (ref_out, ref_lse), jnp.float32)
         return
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
@@ -164,25 +170,61 @@ def test_kernel_config_fills_the_gpu():
     assert cfg.num_stages == 4
     assert mk.kernel_config(64, 8, 512, 16, 128, 128, 2, 132).num_splits == 1
     assert mk.kernel_config(1, 8, 64, 16, 256, 256, 2, 132).num_stages >= 2
+    assert (cfg.k_cols, cfg.v_cols) == (128, 128)  # whole rows where 2+ stages fit
 
 
-def test_unsupported_reason():
+def test_kernel_config_fits_shared_memory():
+    # Every geometry the kernel takes fits the shared-memory budget, counted here from the
+    # config: stage slots of K and V column parts in the pages' dtype, the query (16-bit
+    # parts, or float32 over float32 pages plus its 3 bfloat16 parts of one column part)
+    # and, for repacked pages, the 16-bit operand buffers (V's shared with K's when equally
+    # wide).
+    for itemsize, q_parts, width, page_size in itertools.product(
+        (2, 4), (1, 2), GPU_HEAD_DIMS, (1, 4, 16, 128)
+    ):
+        if itemsize == 4 and q_parts == 1:  # float32 pages keep a float32 query
+            continue
+        cfg = mk.kernel_config(2, 8, 64, page_size, width, width, itemsize, 132,
+                               q_parts=q_parts)
+        assert width % cfg.k_cols == 0 and cfg.v_block % cfg.v_cols == 0
+        assert cfg.num_stages >= 1 and cfg.k_cols >= min(width, 32)
+        assert cfg.parts == (3 if itemsize == 4 else 1)
+        kc, vc = cfg.k_cols, cfg.v_cols
+        used = cfg.num_stages * 64 * (kc + vc) * itemsize
+        if itemsize == 4:
+            used += 64 * width * 4 + 3 * 64 * kc * 2
+        else:
+            used += q_parts * 64 * width * 2
+        if page_size < 8 or itemsize == 4:
+            used += cfg.parts * 64 * (kc + (vc if vc != kc else 0)) * 2
+        assert used <= 200 * 1024, (itemsize, q_parts, width, page_size, cfg)
+    f32_512 = mk.kernel_config(2, 8, 64, 16, 512, 512, 4, 132)
+    assert (f32_512.k_cols, f32_512.v_block, f32_512.num_stages) == (32, 256, 3)
+
+
+def test_unsupported_reason(monkeypatch):
     q, pages = S((2, 32, 128), jnp.bfloat16), S((8, 64, 16, 128), jnp.bfloat16)
     assert mk.unsupported_reason(q, pages, pages) is None
-    assert mk.unsupported_reason(S((2, 32, 128), jnp.float32), pages, pages) is None
-    # Every dtype, width and page size the Triton kernel takes, within shared memory.
-    f32_q = S((2, 32, 128), jnp.float32)
-    for page_size in (1, 2, 4, 8, 128):
-        for dtype in (jnp.bfloat16, jnp.float32):
-            p = S((8, 64, page_size, 128), dtype)
-            assert mk.unsupported_reason(f32_q, p, p) is None, (page_size, dtype)
-    wide_q, wide = S((2, 32, 512), jnp.bfloat16), S((8, 64, 16, 512), jnp.bfloat16)
-    assert mk.unsupported_reason(wide_q, wide, wide) is None
-    # What does not fit 200 KiB of shared memory goes to Triton, saying so.
-    f32_256 = S((8, 64, 16, 256), jnp.float32)
-    assert "shared memory" in mk.unsupported_reason(S((2, 32, 256), jnp.float32), f32_256,
-                                                    f32_256)
-    assert "shared memory" in mk.unsupported_reason(S((2, 32, 512), jnp.float32), wide, wide)
+    # Every page dtype, query dtype, width and page size the Triton kernel takes (gpu.py:
+    # GPU_HEAD_DIMS, power-of-two pages) runs here; on jax 0.10 only its TMA lowering
+    # limit (copies of whole 128 bytes) sends the narrowest tiny-page copies to Triton.
+    for page_dtype, q_dtype, width, page_size in itertools.product(
+        (jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.float32), GPU_HEAD_DIMS,
+        (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    ):
+        p = S((8, 64, page_size, width), page_dtype)
+        reason = mk.unsupported_reason(S((2, 32, width), q_dtype), p, p)
+        copy = width * jnp.dtype(page_dtype).itemsize * page_size
+        if mgpu.JAX_VERSION >= (0, 11) or copy >= 128:
+            assert reason is None, (page_dtype, q_dtype, width, page_size, reason)
+        else:
+            assert "jax 0.10 lowering limit" in reason, reason
+    # A geometry beyond shared memory (here a budget cut to 64 KiB) goes to Triton, saying so.
+    monkeypatch.setattr(mk, "_SMEM_BUDGET", 64 * 1024)
+    f32_512 = S((8, 64, 16, 512), jnp.float32)
+    assert "shared memory" in mk.unsupported_reason(S((2, 32, 512), jnp.float32), f32_512,
+                                                    f32_512)
+    monkeypatch.undo()
     odd = S((8, 64, 12, 128), jnp.bfloat16)
     assert "page sizes" in mk.unsupported_reason(q, odd, odd)
     narrow = S((8, 64, 16, 8), jnp.bfloat16)
@@ -192,16 +234,21 @@ def test_unsupported_reason():
         jax.eval_shape(mk.paged_decode_attention, q, odd, odd, lengths, tables)
 
 
-@pytest.mark.parametrize("page_size,head_dim,dtype", [
-    (16, 128, jnp.bfloat16), (64, 64, jnp.bfloat16), (16, 256, jnp.bfloat16),
-    (16, 128, jnp.float32),  # float32 pages and queries: hi + lo parts
-    (4, 64, jnp.bfloat16),  # pages below one 8-row tile
-    (16, 512, jnp.bfloat16),  # two value-column blocks
+@pytest.mark.parametrize("page_size,head_dim,dtype,q_dtype", [
+    (16, 128, jnp.bfloat16, jnp.bfloat16), (64, 64, jnp.bfloat16, jnp.bfloat16),
+    (16, 256, jnp.bfloat16, jnp.bfloat16),
+    (16, 128, jnp.float32, jnp.float32),  # float32 pages: 3 parts, 64-column parts
+    (1, 64, jnp.bfloat16, jnp.bfloat16),  # pages of one row: a loop of 64 copies a step
+    (16, 512, jnp.bfloat16, jnp.bfloat16),  # two value-column blocks
+    # Width 512 with float32 queries over pages of 4 rows: K and V in 128-column parts.
+    (4, 512, jnp.bfloat16, jnp.float32),
+    # Float32 pages at width 512: 32-column parts, two value-column blocks, pages of 2.
+    (2, 512, jnp.float32, jnp.float32),
 ])
-def test_lowers_for_h100(page_size, head_dim, dtype):
+def test_lowers_for_h100(page_size, head_dim, dtype, q_dtype):
     pages = S((8, 256, page_size, head_dim), dtype)
     lowered = mgpu.lower_for_cuda(
-        mk.paged_decode_attention, S((4, 32, head_dim), dtype), pages, pages,
+        mk.paged_decode_attention, S((4, 32, head_dim), q_dtype), pages, pages,
         S((4,), jnp.int32), S((4, 64), jnp.int32), sliding_window=1000, soft_cap=30.0,
     )
     assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
