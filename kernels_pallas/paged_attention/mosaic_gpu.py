@@ -112,7 +112,8 @@ _BLOCK_TOKENS = 64  # tokens per pipeline step (one wgmma-layout tile of logits)
 _MIN_PAGE = 8  # rows of one tile of the swizzled shared-memory layout
 _SMALL_PAGES = (1, 2, 4)  # pages below one tile: staged untiled, repacked through registers
 _MAX_STAGES = 4
-_SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB per block, leaving room for barriers
+_SMEM_BUDGET = 200 * 1024  # of the H100's 227 KiB per block, leaving room for the table
+_MAX_TABLE_WINDOW = 4096  # block-table entries per program: 16 KiB beside the budget
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256, 512)
@@ -332,6 +333,9 @@ def kernel_config(
     unit = math.lcm(4, pages_per_step)
     pages_per_split = -(-steps_per_split * block_tokens // page_size)
     pages_per_split = -(-pages_per_split // unit) * unit
+    # The table window shares the block's shared memory with the budget's buffers: tiny
+    # pages over a long sequence take more splits rather than a larger window.
+    pages_per_split = min(pages_per_split, _MAX_TABLE_WINDOW)
     splits = -(-max_pages // pages_per_split)  # no split without pages
     return KernelConfig(block_tokens=block_tokens, chunk=chunk, num_stages=stages,
                         num_splits=splits, pages_per_split=pages_per_split,

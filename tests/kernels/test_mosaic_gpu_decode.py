@@ -171,6 +171,11 @@ def test_kernel_config_fills_the_gpu():
     assert mk.kernel_config(64, 8, 512, 16, 128, 128, 2, 132).num_splits == 1
     assert mk.kernel_config(1, 8, 64, 16, 256, 256, 2, 132).num_stages >= 2
     assert (cfg.k_cols, cfg.v_cols) == (128, 128)  # whole rows where 2+ stages fit
+    # Pages of one row over 128K tokens: the staged block table stays within 16 KiB (the
+    # shared memory beside the 200 KiB budget) by taking more splits.
+    cfg = mk.kernel_config(1, 8, 131072, 1, 128, 128, 2, 132)
+    assert cfg.table_window * 4 <= 16 * 1024
+    assert cfg.num_splits * cfg.pages_per_split >= 131072 and cfg.pages_per_split % 64 == 0
 
 
 def test_kernel_config_fits_shared_memory():
