@@ -233,6 +233,72 @@ def _cache_salt_ignored(mp):
     mp.setattr(engine, "page_hashes", unsalted)
 
 
+_LIMITS = "tests/serve/test_server_limits.py::"
+
+
+@mutation("request_bytes_unbounded", "the server reads and parses a request body of any "
+                                     "size (--max-request-bytes ignored)",
+          (_LIMITS + "test_a_100_mb_body_is_refused_at_once",))
+def _request_bytes_unbounded(mp):
+    from kvjax.serve import server
+
+    init = server._Gate.__init__
+
+    def unbounded(self, app, **kwargs):
+        init(self, app, **kwargs)
+        self.max_bytes = 2**62
+
+    mp.setattr(server._Gate, "__init__", unbounded)
+
+
+@mutation("tokenize_on_event_loop", "the server tokenizes and detokenizes on its event loop, "
+                                    "so one slow tokenization holds every request",
+          (_LIMITS + "test_tokenizing_does_not_hold_other_requests",))
+def _tokenize_on_event_loop(mp):
+    from kvjax.serve import server
+
+    async def inline(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    mp.setattr(server._Server, "off_loop", inline)
+
+
+@mutation("api_key_unchecked", "the server takes requests without its --api-key",
+          (_LIMITS + "test_api_key",))
+def _api_key_unchecked(mp):
+    from kvjax.serve import server
+
+    mp.setattr(server._Gate, "_authorized", lambda self, scope: True)
+
+
+@mutation("waiting_unbounded", "the server queues any number of requests (--max-waiting "
+                               "ignored: no 429)",
+          (_LIMITS + "test_waiting_bound_and_timeouts",))
+def _waiting_unbounded(mp):
+    from kvjax.serve import server
+
+    submit = server.EngineWorker.submit
+
+    async def unbounded(self, prompt_ids, *, request_id, capacity=None, **kwargs):
+        return await submit(self, prompt_ids, request_id=request_id, **kwargs)
+
+    mp.setattr(server.EngineWorker, "submit", unbounded)
+
+
+@mutation("sigterm_no_drain", "SIGTERM stops the server at once, dropping requests in flight",
+          (_LIMITS + "test_sigterm_drains_in_flight_requests",))
+def _sigterm_no_drain(mp):
+    from kvjax.serve import server
+
+    handle_exit = server.DrainingServer.handle_exit
+
+    def at_once(self, sig, frame):
+        handle_exit(self, sig, frame)
+        self.force_exit = True
+
+    mp.setattr(server.DrainingServer, "handle_exit", at_once)
+
+
 @mutation("sharding_plan_ignored", "a ShardingPlan given to generate (CacheConfig.plan) is "
                                    "ignored: cache, params and attention run on one device",
           ("tests/test_composition.py::test_cell[llama-float32-none-8:heads+sequences-generate]",

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over the continuous-batching `Engine`.
 
-    app = create_app(engine, tokenizer, model_name="tiny-llama")
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    app = create_app(engine, tokenizer, model_name="tiny-llama", api_key=key,
+                     request_timeout=600, max_waiting=64)
+    DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=8000)).run()
 
 Endpoints:
   * `GET /health`: `{"status": "ok"}` (503 once the engine has failed);
@@ -39,7 +40,8 @@ requests unfinished at once is refused with a 429.
 Draining (`DrainingServer`, what `python -m kvjax serve` runs): SIGTERM or SIGINT stops
 admitting (new connections are refused, requests on open connections get a 503, `/health`
 says "draining" with a 503), lets every request in flight finish, then stops the engine
-and exits; a second signal, or `drain_timeout`, cuts the drain short.
+and exits; a second signal, or uvicorn's `timeout_graceful_shutdown` (`--drain-timeout`),
+cuts the drain short.
 
 Threading: the engine is not thread-safe, so one thread (`EngineWorker`) owns it.
 Request handlers, on the event loop, hand `add_request` / `cancel` commands to that

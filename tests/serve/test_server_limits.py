@@ -18,6 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 import transformers
@@ -397,7 +399,7 @@ def test_metrics_count_requests_tokens_and_pages(served, client):
     assert delta("kvjax_time_to_first_token_seconds_count") == 2
     assert delta("kvjax_request_duration_seconds_count") == 2
     assert after[("kvjax_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] >= 2
-    free = int(engine.state.cache.table.num_free.min())  # the worker is idle now
+    free = int(np.min(jax.device_get(engine.state.cache.table.num_free)))  # worker idle
     assert after[("kvjax_kv_pages_total", ())] == engine.spec.num_pages
     assert after[("kvjax_kv_pages_in_use", ())] == engine.spec.num_pages - free
     assert after[("kvjax_kv_pages_in_use", ())] > 0  # the prompts' pages stay cached
@@ -408,10 +410,21 @@ def test_sigterm_drains_in_flight_requests(served, monkeypatch):
     server takes no new request, then exits and stops the engine. Ends the module's
     server, so it runs last."""
     engine, server, url = served["engine"], served["server"], served["url"]
-    real_step = engine.step
+    real_step, app, calls, in_shutdown = engine.step, served["app"], [], []
 
-    def step():  # slowed down, so that the stream is still running at the signal
-        time.sleep(0.02)
+    def step():
+        # The first call gives the stream its first token; the next waits for the signal
+        # and for uvicorn to close its listening socket, then 0.15 s more (past uvicorn's
+        # 0.1 s pause before it waits for, or without a drain drops, the connections in
+        # flight): the stream's other tokens come while the server is shutting down.
+        if calls and not in_shutdown:
+            deadline = time.monotonic() + 5
+            while (not app.state.draining() or server.servers[0].is_serving()) and (
+                    time.monotonic() < deadline):
+                time.sleep(0.005)
+            in_shutdown.append(not server.servers[0].is_serving())
+            time.sleep(0.15)
+        calls.append(1)
         return real_step()
     monkeypatch.setattr(engine, "step", step)
     body = {"model": NAME, "prompt": "w01 w02", "max_tokens": 20, "temperature": 0,
@@ -424,6 +437,7 @@ def test_sigterm_drains_in_flight_requests(served, monkeypatch):
         rest = list(lines)
     events = [json.loads(line[6:]) for line in [first, *rest] if line.startswith("data: {")]
     assert [line for line in rest if line][-1] == "data: [DONE]"
+    assert in_shutdown == [True]
     assert "choices" in events[-1], events[-1]
     assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
     text = "".join(e["choices"][0]["text"] for e in events)
