@@ -9,6 +9,7 @@ server starts one request runs through it directly, so the single-prompt program
 tests use are compiled before any request timeout runs.
 """
 
+import asyncio
 import json
 import select
 import signal
@@ -406,11 +407,17 @@ def test_metrics_count_requests_tokens_and_pages(served, client):
 
 
 def test_sigterm_drains_in_flight_requests(served, monkeypatch):
-    """The first SIGTERM: a stream in flight runs to its end ([DONE], every token), the
-    server takes no new request, then exits and stops the engine. Ends the module's
-    server, so it runs last."""
+    """The first SIGTERM: a stream in flight runs to its end ([DONE], every token) while
+    uvicorn shuts down; meanwhile /health says "draining" and a new request gets a 503;
+    then the server exits and stops the engine. Ends the module's server: it runs last."""
     engine, server, url = served["engine"], served["server"], served["url"]
-    real_step, app, calls, in_shutdown = engine.step, served["app"], [], []
+    real_step, app, calls, in_shutdown, during = engine.step, served["app"], [], [], []
+
+    async def ask_app():  # what a request on a connection still open gets while draining
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvjax") as c:
+            return (await c.get("/health"),
+                    await c.post("/v1/completions", headers=AUTH, json=body))
 
     def step():
         # The first call gives the stream its first token; the next waits for the signal
@@ -423,12 +430,13 @@ def test_sigterm_drains_in_flight_requests(served, monkeypatch):
                     time.monotonic() < deadline):
                 time.sleep(0.005)
             in_shutdown.append(not server.servers[0].is_serving())
+            during.append(asyncio.run(ask_app()))
             time.sleep(0.15)
         calls.append(1)
         return real_step()
     monkeypatch.setattr(engine, "step", step)
     body = {"model": NAME, "prompt": "w01 w02", "max_tokens": 20, "temperature": 0,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + "/v1/completions", headers=AUTH, json=body) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -438,12 +446,15 @@ def test_sigterm_drains_in_flight_requests(served, monkeypatch):
     events = [json.loads(line[6:]) for line in [first, *rest] if line.startswith("data: {")]
     assert [line for line in rest if line][-1] == "data: [DONE]"
     assert in_shutdown == [True]
-    assert "choices" in events[-1], events[-1]
-    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
-    text = "".join(e["choices"][0]["text"] for e in events)
-    assert len(text.split()) >= 1
+    assert "usage" in events[-1], events[-1]
+    finish = events[-2]["choices"][0]["finish_reason"]
+    tokens = events[-1]["usage"]["completion_tokens"]
+    assert (finish, tokens) == ("length", 20) or (finish == "stop" and tokens < 20)
     served["thread"].join(30)
     assert not served["thread"].is_alive()
     assert served["app"].state.worker.error == "the server is shutting down"
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=5)
+    health, r = during[0]  # asked while the stream was still running
+    assert (health.status_code, health.json()) == (503, {"status": "draining"})
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "draining")
