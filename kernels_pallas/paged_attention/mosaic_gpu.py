@@ -35,12 +35,16 @@ Design (each choice and the number behind it):
   ring: Q K^T sums the parts' products (a loop over K's parts), P V fills the
   output's column parts one by one (an accumulator per part, unrolled). The cost is
   smaller copies and wgmmas and more barrier waits per step, not bytes; it buys
-  overlap where whole rows fit one stage or none. Chosen per geometry: bf16 up to
-  width 256 whole rows (4 stages to 128, 2 at 256); bf16 width 512 in 256-column
-  parts (2 stages; whole rows were 1), 128 with pages under 8 rows or float32
-  queries (3 / 2 stages), 64 with both (4); float32 pages whole rows to width 64
-  (4 stages), 64-column parts at 128 and 256 (3 / 2), 32 at 512 (3 stages of
-  2 x 8 KiB: 48 KiB in flight).
+  overlap where whole rows fit one stage or none. Pages that are repacked through
+  registers (under 8 rows, float32) take parts of at most 64 columns, one register
+  pass each: Mosaic GPU's layout inference (jax 0.11.2) searched for ~5 s over a
+  part of 2 passes and did not finish in minutes over 4 (bf16 width 256, page 1).
+  Chosen per geometry: bf16 pages of 8+ rows whole rows to width 256 (4 stages to
+  128, 2 at 256), width 512 in 256-column parts (2 stages; whole rows were 1), 128
+  with float32 queries (2); pages under 8 rows whole rows to width 64, 64-column
+  parts beyond (4 stages); float32 pages whole rows to width 64 (4 stages),
+  64-column parts at 128 and 256 (3 / 2), 32 at 512 (3 stages of 2 x 8 KiB: 48 KiB
+  in flight).
 * The split's block-table entries are staged in shared memory by one TMA copy
   at the start (FlashInfer stages page offsets the same way), so issuing a
   page copy never waits on a global-memory load. Entries outside the
@@ -291,6 +295,8 @@ def _tiling(head_dim: int, v_dim: int, page_size: int, itemsize: int, q_parts: i
     columns (down to `_MIN_COLS`) until they do; if no width leaves 2, the widest with 1.
     """
     widest = max(head_dim, min(v_dim, _MAX_ACC_COLS))
+    if _layout(head_dim, v_dim, page_size, itemsize)[1]:
+        widest = min(widest, _REPACK_COLS)  # one register pass a part (see the docstring)
     caps = [widest >> i for i in range(8) if widest >> i >= min(_MIN_COLS, widest)]
     single = None
     for cap in caps:
