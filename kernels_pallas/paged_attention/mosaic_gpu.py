@@ -416,9 +416,10 @@ def _decode_kernel(
     plgpu.barrier_wait(tbl_bar)
 
     def ring(ref, smem, bars, col0, cols, per_step):
-        """The copy for the `i`-th column part (static; past `per_step`, a later step's) of
-        step j: `cols` columns from `col0` of the step's rows into slot
-        (j * per_step + i) % stages of a ring."""
+        """`issue(j, i)`: the copies of step j's `i`-th column part (i static or traced; past
+        `per_step`, a later step's), `cols` columns from `col0 + i * cols` of the step's
+        rows, into slot (j * per_step + i) % stages of the ring; nothing past the split's
+        last step."""
 
         def issue(j, i):
             j = j + i // per_step
