@@ -185,6 +185,7 @@ class EngineWorker:
         self._unfinished = 0  # submitted and not finished, refused or failed; under _lock
         self._num_pages = int(engine.spec.num_pages)
         self._load = (0, 0, 0, self._num_pages)
+        self._stats: dict[str, int] = {}
 
     @property
     def unfinished(self) -> int:
@@ -196,6 +197,10 @@ class EngineWorker:
         them (after its last step)."""
         return self._load
 
+    def stats(self) -> dict[str, int]:
+        """The engine's counters (`Engine.stats`) after its thread's last step."""
+        return self._stats
+
     def _done(self, n: int = 1) -> None:
         with self._lock:
             self._unfinished = max(0, self._unfinished - n)
@@ -205,6 +210,7 @@ class EngineWorker:
         free = int(np.min(jax.device_get(engine.state.cache.table.num_free)))
         self._load = (engine.num_running, engine.num_waiting, self._num_pages - free,
                       self._num_pages)
+        self._stats = dict(engine.stats)
 
     @property
     def error(self) -> str | None:
@@ -740,6 +746,7 @@ class _Server:
         """
         text = _TextStream(self.tokenizer, plan.stops)
         completion_tokens, cached, engine_done = 0, 0, False
+        last = plan.arrival  # when the request's last tokens arrived
         outcome = "cancelled"  # unless it ends otherwise
         try:
             while True:
@@ -753,8 +760,17 @@ class _Server:
                     raise out
                 engine_done = out.finished
                 ids = list(out.token_ids)
+                now = time.monotonic()
                 if ids and not completion_tokens:
-                    self.metrics.ttft.observe(time.monotonic() - plan.arrival)
+                    self.metrics.ttft.observe(now - plan.arrival)
+                    gaps = len(ids) - 1  # the first token's wait is the TTFT
+                    last = now
+                else:
+                    gaps = len(ids)
+                for _ in range(gaps):
+                    self.metrics.itl.observe((now - last) / len(ids))
+                if ids:
+                    last = now
                 completion_tokens += len(ids)
                 self.metrics.generation_tokens.inc(len(ids))
                 if out.finished:
@@ -892,7 +908,7 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str | None = None
         raise ValueError(f"create_app: api_key must be a non-empty string (or None), got "
                          f"{api_key!r}.")
     worker = EngineWorker(engine)
-    metrics = ServerMetrics(worker.load)
+    metrics = ServerMetrics(worker.load, worker.stats)
     server = _Server(worker, tokenizer, model_name,
                      max_prompt_chars=(engine.max_seq_len * _CHARS_PER_TOKEN_BOUND
                                        if max_prompt_chars is None else max_prompt_chars),

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvjax import generate as gen
 from kvjax import models
 from kvjax.serve import Engine
+from kvjax.serve.metrics import ENGINE_COUNTERS
 from kvjax.serve.server import DrainingServer, create_app
 from tests.serve import tiny_chat
 
@@ -382,10 +383,13 @@ def test_waiting_bound_and_timeouts(served, client, monkeypatch):
 
 def test_metrics_count_requests_tokens_and_pages(served, client):
     """Counters move by what the responses report; the TTFT histogram gains one sample per
-    request; pages in use equal the engine's pool less its free pages (read directly)."""
+    request and the inter-token one a sample per later token; pages in use equal the
+    engine's pool less its free pages, and the engine counters its stats (read
+    directly)."""
     url, engine = served["url"], served["engine"]
     before = _metrics(url)
-    rs = [client.completions.create(model=NAME, prompt=p, max_tokens=4, temperature=0)
+    # 12 tokens: more than one engine call (8 decode steps a call) delivers them.
+    rs = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0)
           for p in ("w11 w12 w13", "w21 w22 w23 w24 w25 w26 w27 w28 w29 w30")]
     after = _metrics(url)
 
@@ -398,12 +402,17 @@ def test_metrics_count_requests_tokens_and_pages(served, client):
     assert delta("kvjax_prompt_tokens_total") == sum(r.usage.prompt_tokens for r in rs)
     assert delta("kvjax_generation_tokens_total") == sum(r.usage.completion_tokens for r in rs)
     assert delta("kvjax_time_to_first_token_seconds_count") == 2
+    assert delta("kvjax_inter_token_latency_seconds_count") == sum(
+        r.usage.completion_tokens - 1 for r in rs)
     assert delta("kvjax_request_duration_seconds_count") == 2
     assert after[("kvjax_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] >= 2
     free = int(np.min(jax.device_get(engine.state.cache.table.num_free)))  # worker idle
     assert after[("kvjax_kv_pages_total", ())] == engine.spec.num_pages
     assert after[("kvjax_kv_pages_in_use", ())] == engine.spec.num_pages - free
     assert after[("kvjax_kv_pages_in_use", ())] > 0  # the prompts' pages stay cached
+    for name in ENGINE_COUNTERS:
+        assert after[(f"kvjax_engine_{name}_total", ())] == engine.stats[name], name
+    assert delta("kvjax_engine_calls_total") >= 2
 
 
 def test_sigterm_drains_in_flight_requests(served, monkeypatch):
