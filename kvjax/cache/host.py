@@ -40,8 +40,8 @@ from jaxtyping import Array, Bool, Int
 from kernels_pallas.merge import merge_attention_states
 from kernels_pallas.quantized_attention.layout import dequantize
 from kvjax.cache import page_table as pt
-from kvjax.cache import paged, quantized
-from kvjax.cache.state import HostTier, KIVITail, PagedKVCache, QuantPool
+from kvjax.cache import paged, quantized, window
+from kvjax.cache.state import HostTier, KIVITail, KVPages, PagedKVCache, QuantPool
 
 __all__ = [
     "attach",
@@ -191,11 +191,11 @@ def attach(
     """The cache with an empty host tier of `num_pages` pages in host memory.
 
     With window groups (`CacheSpec.window_groups`) the tier mirrors the main pools (the
-    global layers); the groups' rings stay on the device: a ring is at most
-    `ring_pages(window, chunk, page_size)` pages per sequence whatever its length, so
+    global layers); a live sequence's ring stays on the device: a ring is at most
+    `ring_pages(window, chunk, page_size)` = R pages per sequence whatever its length, so
     moving its pages would save little, and its attention never reads a host page. `move`
-    then moves the global layers' leading pages; `swap_out`/`swap_in` (which would have
-    to park the rings too) refuse such a cache.
+    moves the global layers' leading pages. A parked sequence (`swap_out`) takes its rings
+    along: each group gets R host pages per parked row.
 
     Args:
       cache: a cache of any page kind on one device (not laid out by a sharding plan).
@@ -252,8 +252,18 @@ def attach(
             shape = (*x.shape[:2], int(parked), *x.shape[3:])
             return _host_zeros(shape, x)
         tail_a, tail_b = ring(cache.tail.a), ring(cache.tail.b)
+    rings, ring_held = [], []
+    for g, grp in enumerate(cache.groups):
+        ring = window.ring_size(spec, g)
+
+        def ring_pool(x, ring=ring):
+            return _host_zeros((*x.shape[:2], int(parked) * ring, *x.shape[3:]), x)
+
+        rings.append(KVPages(k=ring_pool(grp.pages.k), v=ring_pool(grp.pages.v)))
+        ring_held.append(jnp.zeros((int(parked), ring), bool))
     tier = HostTier(pages=pages, table=table, parked_lengths=jnp.zeros((parked,), jnp.int32),
-                    tail_a=tail_a, tail_b=tail_b, stream_pages=int(stream_pages))
+                    tail_a=tail_a, tail_b=tail_b, stream_pages=int(stream_pages),
+                    rings=tuple(rings), ring_held=tuple(ring_held))
     return dataclasses.replace(cache, host=tier)
 
 
@@ -416,11 +426,39 @@ def _move(cache: PagedKVCache, s, n, *, k: int):
 # --------------------------------------------------------------------------- swap
 
 
-def _no_groups(op: str, cache: PagedKVCache) -> None:
-    if cache.groups:
-        raise ValueError(f"{op}: a cache with window groups (CacheSpec.window_groups) keeps "
-                         f"its rings on the device, so a whole sequence cannot be parked on "
-                         f"the host; move its leading pages (host.move) instead.")
+def _park_rings(cache: PagedKVCache, tier: HostTier, s, r, ok):
+    """Each window group's ring of slot s copied to parked row r's host ring pages (all R
+    slots, holes included: their flags say which were held). Nothing changes unless ok."""
+    rings, held = [], []
+    for g, (grp, hr, hh) in enumerate(zip(cache.groups, tier.rings, tier.ring_held,
+                                          strict=True)):
+        ring = window.ring_size(cache.spec, g)
+        row_bt = grp.table.block_tables[s]  # [R], -1 for holes
+        dst = jnp.where(ok, r * ring + jnp.arange(ring, dtype=jnp.int32), hr.k.shape[2])
+        src = jnp.clip(row_bt, 0, grp.table.num_pages - 1)
+        rings.append(KVPages(k=_write_host_pages(hr.k, dst, grp.pages.k, src),
+                             v=_write_host_pages(hr.v, dst, grp.pages.v, src)))
+        held.append(hh.at[r].set(jnp.where(ok, row_bt >= 0, hh[r])))
+    return tuple(rings), tuple(held)
+
+
+def _unpark_rings(cache: PagedKVCache, tier: HostTier, r, s, ok):
+    """Each window group's ring of parked row r brought back into the empty slot s: a fresh
+    page at every slot the row held, filled from the host, the group's length the parked
+    sequence's. Nothing changes unless ok (the caller checked each group has the pages)."""
+    groups = []
+    for g, (grp, hr, hh) in enumerate(zip(cache.groups, tier.rings, tier.ring_held,
+                                          strict=True)):
+        ring = window.ring_size(cache.spec, g)
+        rows = (jnp.arange(cache.spec.max_seqs)[:, None] == s) & (hh[r] & ok)[None, :]
+        table, new, _ = pt.assign_entries(grp.table, rows)
+        table = dataclasses.replace(table, lengths=table.lengths.at[s].set(
+            jnp.where(ok, tier.parked_lengths[r], table.lengths[s])))
+        src = r * ring + jnp.arange(ring, dtype=jnp.int32)
+        pages = KVPages(k=_read_host_pages(grp.pages.k, new[s], hr.k, src),
+                        v=_read_host_pages(grp.pages.v, new[s], hr.v, src))
+        groups.append(dataclasses.replace(grp, pages=pages, table=table))
+    return tuple(groups)
 
 
 def _check_row(op: str, tier: HostTier, row) -> int:
@@ -435,7 +473,9 @@ def swap_out(cache: PagedKVCache, slot: int, row: int) -> tuple[PagedKVCache, pt
     """Moves the whole sequence of `slot` to parked row `row`; the slot becomes empty.
 
     Its device pages are copied to fresh host pages (pages it already holds on the host
-    move with it), a KIVI tail is copied to the row's ring, and the slot is freed.
+    move with it), a KIVI tail is copied to the row's ring, each window group's ring
+    (`CacheSpec.window_groups`) to the row's R host ring pages (slot j to page r * R + j,
+    holes flagged), and the slot is freed.
 
     Returns:
       (cache, status): OUT_OF_PAGES (nothing changed) when the host pool is too small.
@@ -444,7 +484,6 @@ def swap_out(cache: PagedKVCache, slot: int, row: int) -> tuple[PagedKVCache, pt
       ValueError: a slot that holds nothing, or a row that is out of range or in use.
     """
     tier = _tier(cache, "swap_out")
-    _no_groups("swap_out", cache)
     s = _check_slot("swap_out", cache, slot)
     r = _check_row("swap_out", tier, row)
     if int(cache.lengths[s]) == 0:
@@ -488,12 +527,14 @@ def _swap_out(cache: PagedKVCache, s, r, *, k: int):
         tail_a, tail_b = park(tier.tail_a, cache.tail.a), park(tier.tail_b, cache.tail.b)
     parked = tier.parked_lengths.at[r].set(jnp.where(ok, cache.lengths[s],
                                                      tier.parked_lengths[r]))
+    rings, ring_held = _park_rings(cache, tier, s, r, ok)
     tier = dataclasses.replace(tier, pages=pages_h, table=htable, parked_lengths=parked,
-                               tail_a=tail_a, tail_b=tail_b)
+                               tail_a=tail_a, tail_b=tail_b, rings=rings, ring_held=ring_held)
     # The device slot: host-resident entries are already out of its references.
     flags = (jnp.arange(spec.max_seqs) == s) & ok
     cache = dataclasses.replace(cache, host=None)
     cache = (quantized if cache.tail is not None else paged).free(cache, flags)
+    cache = window.free(cache, flags)
     status = pt.AllocStatus(code=jnp.where(ok, pt.OK, pt.OUT_OF_PAGES).astype(jnp.int32),
                             pages_needed=jnp.sum(out, dtype=jnp.int32),
                             pages_free=tier.table.num_free)
@@ -501,7 +542,8 @@ def _swap_out(cache: PagedKVCache, s, r, *, k: int):
 
 
 def swap_in(cache: PagedKVCache, row: int, slot: int) -> tuple[PagedKVCache, pt.AllocStatus]:
-    """Brings parked row `row` back into the empty `slot`, all its pages on the device.
+    """Brings parked row `row` back into the empty `slot`, all its pages on the device
+    (each window group's ring: a fresh page at every ring slot it held, holes left holes).
 
     Returns:
       (cache, status): OUT_OF_PAGES (nothing changed) when the device pool is too small.
@@ -510,7 +552,6 @@ def swap_in(cache: PagedKVCache, row: int, slot: int) -> tuple[PagedKVCache, pt.
       ValueError: a row that holds nothing, or a slot that is out of range or in use.
     """
     tier = _tier(cache, "swap_in")
-    _no_groups("swap_in", cache)
     r = _check_row("swap_in", tier, row)
     s = _check_slot("swap_in", cache, slot)
     if int(tier.parked_lengths[r]) == 0:
@@ -531,6 +572,8 @@ def _swap_in(cache: PagedKVCache, r, s, *, k: int):
     cols = jnp.arange(spec.max_pages_per_seq)
     back = cols < (dev_len + ps - 1) // ps
     ok = jnp.sum(back) <= cache.table.num_free
+    for grp, held in zip(cache.groups, tier.ring_held, strict=True):
+        ok &= jnp.sum(held[r], dtype=jnp.int32) <= grp.table.num_free
     back = back & ok
     rows_d = jnp.arange(spec.max_seqs)[:, None] == s
     dtable, new_d, _ = pt.assign_entries(cache.table, rows_d & back[None])
@@ -549,6 +592,7 @@ def _swap_in(cache: PagedKVCache, r, s, *, k: int):
         tail = KIVITail(a=unpark(tail.a, tier.tail_a), b=unpark(tail.b, tier.tail_b),
                         lengths=tail.lengths.at[tgt].set(tier.parked_lengths[r], mode="drop"),
                         pending=tail.pending.at[:, tgt].set(0, mode="drop"))
+    groups = _unpark_rings(cache, tier, r, s, ok)
     flags = (jnp.arange(tier.table.max_seqs) == row) & ok
     htable, _ = pt.free(tier.table, flags)
     tier = dataclasses.replace(
@@ -557,7 +601,8 @@ def _swap_in(cache: PagedKVCache, r, s, *, k: int):
     status = pt.AllocStatus(code=jnp.where(ok, pt.OK, pt.OUT_OF_PAGES).astype(jnp.int32),
                             pages_needed=jnp.sum(back, dtype=jnp.int32),
                             pages_free=cache.table.num_free)
-    return dataclasses.replace(cache, pages=pages_d, table=dtable, tail=tail, host=tier), status
+    return dataclasses.replace(cache, pages=pages_d, table=dtable, tail=tail, host=tier,
+                               groups=groups), status
 
 
 def drop_parked(cache: PagedKVCache, row: int) -> PagedKVCache:

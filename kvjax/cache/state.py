@@ -163,6 +163,11 @@ class HostTier:
         `[layers, heads, parked, ring, width]` in host memory; None otherwise.
       stream_pages: leading pages per live slot that may live on the host; decode
         attention streams that many pages of each row back per layer (static).
+      rings: per window group (`CacheSpec.window_groups`), the parked sequences' ring
+        pages in host memory, `KVPages` of `[layers_g, heads, parked * R, page_size,
+        head_dim]` (parked row r's ring slot j at page r * R + j); () without groups.
+      ring_held: per window group, bool[parked, R]: which ring slots the parked row held
+        (the others were holes).
     """
 
     pages: KVPages | LatentPages | QuantizedKVPages | QuantizedLatentPages
@@ -171,6 +176,8 @@ class HostTier:
     tail_a: Float[Array, "layers heads parked ring width_a"] | None = None
     tail_b: Float[Array, "layers heads parked ring width_b"] | None = None
     stream_pages: int = dataclasses.field(default=0, metadata=dict(static=True))
+    rings: tuple = ()
+    ring_held: tuple = ()
 
     @property
     def num_parked(self) -> int:

@@ -44,7 +44,10 @@ instead: the request's sequence moves to a parked row of a host-memory page pool
 stopped without recomputing anything. Evicted prefix holders move to parked rows
 too, and a later hit brings them back before sharing them. When the host tier is
 full, parked prefixes are dropped least recently used first; a swapped request is
-never dropped, and a request the tier cannot take is preempted by recompute.
+never dropped, and a request the tier cannot take is preempted by recompute. With
+window-only pages a parked sequence takes its windowed layers' rings along (and a
+swapped request keeps the first logical page its rings hold), so it comes back as it
+left.
 
 Tokens of a request equal those of `kvjax.generate` run on that request alone with
 the same `chunk_size` (greedy, or sampled with the same key: row i's step s samples
@@ -150,6 +153,7 @@ class _Request:
     parked: int | None = None
     parked_tokens: int = 0
     parked_table: int = 0
+    parked_ring_base: np.ndarray | None = None  # per window group: its rings' first page
     row_state: "_Row | None" = None
 
 
@@ -416,21 +420,15 @@ class Engine:
         if host_pages and cfg.plan is not None:
             raise ValueError("Engine: a host tier does not combine with a sharding plan; drop "
                              "host_pages or the plan.")
-        if ((policy is not None or host_pages) and cfg.window_pages is None
+        if (policy is not None and cfg.window_pages is None
                 and cfg.windows_for(model) is not None):
-            # A policy needs one length per sequence over every layer; the engine's host
-            # tier parks whole sequences (host.swap_out), which a cache with window groups
-            # refuses (rings stay on the device).
+            # A policy compacts one length per sequence over every layer and selects pages
+            # by position: not defined on window groups' rings.
             setup.log_fallback(
-                "Engine: " + ("a cache policy" if policy is not None else "the host tier")
-                + " runs on full pages: the model's window-only pages do not combine with "
-                "it. Pass CacheConfig(window_pages=False) to choose this explicitly.")
+                f"Engine: {type(policy).__name__} runs on full pages: the model's "
+                f"window-only pages do not combine with a cache policy. Pass "
+                f"CacheConfig(window_pages=False) to choose this explicitly.")
             cfg = dataclasses.replace(cfg, window_pages=False)
-        if host_pages and cfg.windows_for(model) is not None:
-            raise ValueError("Engine: the host tier parks whole sequences, but a cache with "
-                             "window-only pages (CacheConfig.window_pages) keeps its windowed "
-                             "layers' rings on the device; serve with window_pages=False or "
-                             "without host_pages.")
         if policy is not None and cfg.windows_for(model) is not None:
             raise ValueError(f"Engine: {type(policy).__name__} selects or scores pages by "
                              f"position; a cache with window-only pages (CacheConfig."
@@ -837,6 +835,7 @@ class Engine:
         self.state = _release(self.state, rows)  # the row stops (slot empty)
         del self._running[slot]
         req.parked, req.parked_tokens, req.parked_table, req.row_state = row, L, q, saved
+        req.parked_ring_base = self._ring_base[slot].copy()
         req.slot = None
         self._swapped[row] = req
         self._waiting.appendleft(req)
@@ -860,6 +859,7 @@ class Engine:
         del self._swapped[req.parked]
         self._waiting.popleft()
         req.parked, req.slot = None, slot
+        self._ring_base[slot] = req.parked_ring_base  # the rings came back as they left
         req.admitted = next(self._admissions)
         self._running[slot] = req
         if req.row_state is not None:
