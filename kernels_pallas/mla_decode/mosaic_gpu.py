@@ -160,7 +160,15 @@ def _kernel(
     num_splits: int,
     page_size: int,
     interpret,
+    num_stages: int = NUM_STAGES,
+    latent: Any = None,
 ):
+    # `latent`, when given, brings the latent in another form (e.g. quantized codes): the
+    # memory warpgroup calls `latent.fetch(page, rows, dst, slot, barrier)` in place of the
+    # latent page copy, and each compute warpgroup calls `latent.convert(slot, step, wg,
+    # length)` once a step's copies land, which writes that warpgroup's d_c / 2 columns of
+    # the step's latent into `lat_smem[0]` (one buffer; `lat_ref` is unused). A third
+    # warpgroup barrier per step then makes both halves visible to both products.
     b = lax.axis_index("batch")
     split = lax.axis_index("split")
     hb = lax.axis_index("heads")
@@ -197,26 +205,29 @@ def _kernel(
                     lax.rem(tok, page_size), BLOCK_TOKENS)
                 rows = pl.ds(start, piece)
                 dst = pl.ds(j * piece, piece)
-                plgpu.copy_gmem_to_smem(lat_ref.at[page, rows], lat_smem.at[slot, dst],
-                                        kv_bar.at[slot])
+                if latent is None:
+                    plgpu.copy_gmem_to_smem(lat_ref.at[page, rows], lat_smem.at[slot, dst],
+                                            kv_bar.at[slot])
+                else:
+                    latent.fetch(page, rows, dst, slot, kv_bar.at[slot])
                 plgpu.copy_gmem_to_smem(rope_ref.at[page, rows], rope_smem.at[slot, dst],
                                         kv_bar.at[slot])
 
         @pl.loop(lo, hi)
         def _(step):
             i = step - lo
-            slot = lax.rem(i, NUM_STAGES)
+            slot = lax.rem(i, num_stages)
 
-            @pl.when(i >= NUM_STAGES)
+            @pl.when(i >= num_stages)
             def _():
                 plgpu.barrier_wait(kv_free.at[slot])
 
             fetch(step, slot)
 
         # Observe the last steps' releases too: no barrier phase is left unwaited at exit.
-        @pl.loop(jnp.maximum(hi - NUM_STAGES, lo), hi)
+        @pl.loop(jnp.maximum(hi - num_stages, lo), hi)
         def _(step):
-            plgpu.barrier_wait(kv_free.at[lax.rem(step - lo, NUM_STAGES)])
+            plgpu.barrier_wait(kv_free.at[lax.rem(step - lo, num_stages)])
 
     @pl.when(wg < 2)
     def _compute_warpgroup():
@@ -236,11 +247,18 @@ def _kernel(
 
         def step_fn(step, carry):
             acc, m_prev, l_prev = carry
-            slot = lax.rem(step - lo, NUM_STAGES)
+            slot = lax.rem(step - lo, num_stages)
             plgpu.barrier_wait(kv_bar.at[slot])
+            buf = slot
+            if latent is not None:
+                latent.convert(slot, step, wg, length)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(x_bar)
+                plgpu.barrier_wait(x_bar)
+                buf = 0
 
             s = mgpu.dot_transposed_b((q_smem, qr_smem),
-                                      (lat_smem.at[slot, mine], rope_smem.at[slot, mine]),
+                                      (lat_smem.at[buf, mine], rope_smem.at[slot, mine]),
                                       interpret=interpret)
             pos = (step * BLOCK_TOKENS + wg * tok_half) + iota((BLOCK_HEADS, tok_half), 1)
             s = jnp.where(pos < length, s * qk_scale, -jnp.inf)
@@ -259,13 +277,15 @@ def _kernel(
             # Both warpgroups' Q K^T is done (x_bar), and each clears only its own columns.
             visible = length - step * BLOCK_TOKENS
 
-            @pl.when(visible < BLOCK_TOKENS)
-            def _():
+            def clear_rows():
                 for c0 in range(0, half, ZERO_COLS):  # a few registers at a time
-                    v_ref = lat_smem.at[slot, :, pl.ds(wg * half + c0, ZERO_COLS)]
+                    v_ref = lat_smem.at[buf, :, pl.ds(wg * half + c0, ZERO_COLS)]
                     v = mgpu.load(v_ref, wgmma_layout, interpret=interpret)
                     row = iota(v.shape, 0)
                     v_ref[...] = jnp.where(row < visible, v, jnp.zeros_like(v))
+
+            if latent is None:  # a converted latent has them zeroed by `latent.convert`
+                pl.when(visible < BLOCK_TOKENS)(clear_rows)
 
             plgpu.commit_smem()
             plgpu.barrier_arrive(x_bar)
@@ -273,7 +293,7 @@ def _kernel(
 
             acc = _accumulate_pv(
                 acc, alpha, p_smem,
-                lambda t: lat_smem.at[slot, pl.ds(t * tok_half, tok_half), cols],
+                lambda t: lat_smem.at[buf, pl.ds(t * tok_half, tok_half), cols],
                 in_place=mgpu.wgmma_acc_in_place(interpret))
             plgpu.barrier_arrive(kv_free.at[slot])
             return acc, m_new, l_new
