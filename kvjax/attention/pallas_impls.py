@@ -46,6 +46,7 @@ MOSAIC_GPU_OPS = {
     "paged_decode_attention": "kernels_pallas.paged_attention.mosaic_gpu",
     "mla_decode_attention": "kernels_pallas.mla_decode.mosaic_gpu",
     "quantized_attention": "kernels_pallas.quantized_attention.mosaic_gpu",
+    "quantized_mla_attention": "kernels_pallas.quantized_attention.mosaic_gpu_mla",
 }
 # Prefill ops with a Mosaic GPU kernel (Hopper), and its module; the XLA path elsewhere.
 MOSAIC_GPU_PREFILL_OPS = {
@@ -244,8 +245,15 @@ def quantized_attention(*args, interpret=None, **kwargs):
 
 
 def quantized_mla_attention(*args, interpret=None, **kwargs):
-    """Absorbed MLA over quantized latent pages + tail through the backend's kernel."""
+    """Absorbed MLA over quantized latent pages + tail through the backend's kernel; decode
+    rows on a Hopper run the Mosaic GPU kernel where it takes the shapes."""
     backend, interpret = _backend_and_interpret(interpret)
+    if backend == "gpu" and kwargs.get("block_sizes") is None and gpu_kernel(
+            "quantized_mla_attention", *args[:6], bits=kwargs["bits"])[0] == "mosaic":
+        module, _ = _mosaic_module("quantized_mla_attention")
+        kw = {k: v for k, v in kwargs.items() if k not in ("block_sizes", "max_pages")}
+        return module.quantized_mla_attention(*args, num_sms=_num_sms(gpu_device()),
+                                              interpret=interpret, **kw)
     kernel = quant_gpu if backend == "gpu" else quant_tpu
     return kernel.quantized_mla_attention(*args, interpret=interpret, **kwargs)
 

@@ -267,7 +267,7 @@ def test_gpu_runs_mosaic_kernels_on_hopper_and_triton_elsewhere(monkeypatch):
     monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
     from kvjax import info
 
-    ops_listed = {*pallas_impls.KERNEL_OPS, "quantized_attention"}
+    ops_listed = {*pallas_impls.KERNEL_OPS, "quantized_attention", "quantized_mla_attention"}
     assert {op: c["kernel"] for op, c in info._gpu_ops().items()} == dict.fromkeys(
         ops_listed, "triton")
     monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H200", "9.0"))

@@ -146,3 +146,33 @@ def test_unsupported_reason():
     assert "rope pages" in why(4, dtype=jnp.float32)
     with pytest.raises(ValueError, match="q_len"):
         km.quantized_mla_pages_attention(*_pools(4, q_len=2), bits=4, scale=0.1)
+
+
+class _Hopper:
+    device_kind, compute_capability, core_count = "NVIDIA H100 80GB HBM3", "9.0", 114
+
+
+def test_kivi_mla_decode_on_hopper_runs_this_kernel_and_prefill_rows_triton(monkeypatch):
+    """impl="pallas" on a Hopper hands KIVI MLA decode rows to this kernel with the device's
+    SM count (Triton's block sizes dropped); chunked-prefill rows, which it refuses, and
+    non-Hopper GPUs go to the Triton kernel."""
+    from kernels_pallas.quantized_attention import gpu as quant_gpu
+    from kvjax.attention import pallas_impls
+
+    calls = []
+    monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
+    monkeypatch.setattr(pallas_impls, "gpu_device", _Hopper)
+    monkeypatch.setattr(km, "quantized_mla_attention",
+                        lambda *a, **kw: calls.append(("mosaic", kw)) or "mosaic")
+    monkeypatch.setattr(quant_gpu, "quantized_mla_attention",
+                        lambda *a, **kw: calls.append(("triton", kw)) or "triton")
+    args = _inputs(4)
+    kw = dict(bits=4, scale=0.1, block_sizes=None, max_pages=None)
+    assert pallas_impls.quantized_mla_attention(*args, interpret=True, **kw) == "mosaic"
+    assert calls[-1][1]["num_sms"] == 114 and "block_sizes" not in calls[-1][1]
+    rows = (jnp.repeat(args[0], 2, axis=1), jnp.repeat(args[1], 2, axis=1), *args[2:])
+    assert pallas_impls.quantized_mla_attention(*rows, interpret=True, **kw) == "triton"
+    kernel, why = pallas_impls.gpu_kernel("quantized_mla_attention", *rows[:6], bits=4)
+    assert kernel == "triton" and "q_len" in why
+    monkeypatch.setattr(_Hopper, "compute_capability", "8.0")
+    assert pallas_impls.quantized_mla_attention(*args, interpret=True, **kw) == "triton"
