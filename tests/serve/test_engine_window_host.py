@@ -75,15 +75,15 @@ def test_swap_moves_rings_exactly(model_params):
     kv = rng.standard_normal((4, 2, 2, 2, CHUNK, 2, 8)).astype(np.float32)
 
     @jax.jit
-    def fill(cache, kv):  # 4 chunks of 8 tokens in both rows and layers: the rings wrap
-        for c in range(4):
-            cache, _ = cache_ops.reserve(cache, np.full((2,), CHUNK, np.int32))
-            for layer in range(2):
-                cache = cache_ops.write(cache, layer, kv[c, layer, 0], kv[c, layer, 1],
-                                        q_lengths=np.full((2,), CHUNK, np.int32))
+    def fill(cache, kv):  # a chunk of 8 tokens in both rows and layers
+        cache, _ = cache_ops.reserve(cache, np.full((2,), CHUNK, np.int32))
+        for layer in range(2):
+            cache = cache_ops.write(cache, layer, kv[layer, 0], kv[layer, 1],
+                                    q_lengths=np.full((2,), CHUNK, np.int32))
         return cache
 
-    cache = fill(cache, jax.device_put(kv))
+    for c in range(4):  # 32 tokens: the rings (16 tokens) wrap
+        cache = fill(cache, jax.device_put(kv[c]))
     cache, st = cache_ops.truncate(cache, np.array([32, 28], np.int32))  # row 1: a hole
     st.raise_if_error()
     before = _rings(cache)
