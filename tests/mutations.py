@@ -400,3 +400,37 @@ def _gemma3_multimodal_prefix(mp):
     from kvjax.models.gemma import checkpoint
 
     mp.setattr(checkpoint, "_MULTIMODAL_PREFIXES", ("model.language_model.",))
+
+
+_GPOL = "tests/generate/test_gemma_policies.py"
+
+
+@mutation("policy_scores_plain_attention", "cache policies score a soft-capped model's tokens "
+                                           "with plain logits (no soft cap, head_dim scale)",
+          (f"{_GPOL}::test_scores_are_the_models_attention",))
+def _policy_scores_plain_attention(mp):
+    from kvjax.cache.policies.base import LayerAttention
+
+    mp.setattr(LayerAttention, "of", classmethod(
+        lambda cls, config: cls(windows=tuple(config.sliding_windows))))
+
+
+@mutation("policy_evicts_windowed_layers", "eviction policies choose a windowed layer's tokens "
+                                           "by score instead of keeping its newest ones",
+          (f"{_GPOL}::test_scores_are_the_models_attention",
+           f"{_GPOL}::test_h2o_keeps_the_windowed_layer_exact"))
+def _policy_evicts_windowed_layers(mp):
+    from kvjax.cache.policies import h2o, pyramidkv, snapkv
+
+    for module in (h2o, pyramidkv, snapkv):
+        mp.setattr(module, "keep_windows", lambda keep, lengths, layers: keep)
+
+
+@mutation("window_rings_not_parked", "host.swap_out leaves the window groups' rings out of "
+                                     "the parked row (swap_in brings back stale pages)",
+          ("tests/serve/test_engine_window_host.py",))
+def _window_rings_not_parked(mp):
+    from kvjax.cache import host
+
+    mp.setattr(host, "_park_rings", lambda cache, tier, s, r, ok: (tier.rings,
+                                                                   tier.ring_held))
