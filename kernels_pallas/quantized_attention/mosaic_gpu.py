@@ -32,6 +32,10 @@ online softmax in float32 and the split merge `merge.merge_splits`):
   probabilities are scaled per token before the wgmma and the zero points
   enter through one row sum. The scales and zeros are read token-minor
   ([groups, tokens]), transposed by the wrapper.
+* Small shapes: key groups of 16 tokens (pages of 16) run 16-token logits
+  and P V sub-blocks (bf16 wgmma's K and N of 16); code rows of 16 bytes
+  (int2 at head_dim 64) are copied to and read from untiled shared memory
+  (Mosaic's smallest swizzle is 32 bytes).
 * Masking: logits outside [lo, hi) are selected to -inf, and the scaled
   probabilities and zero sums of those tokens to 0, so a NaN scale of a page
   no query sees never reaches the output (codes are integers and always
@@ -118,20 +122,20 @@ def unsupported_reason(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *,
     ):
         return (f"the Mosaic GPU KIVI kernel takes page sizes that are multiples of {_MIN_PAGE} "
                 f"dividing or divisible by {_BLOCK_TOKENS}, got {page_size}.")
-    if group % 32:
-        return (f"the Mosaic GPU KIVI kernel takes key groups of a multiple of 32 tokens (the "
-                f"K extent of one P V wgmma over a group's probabilities), got {group}.")
+    if group % 16:
+        return (f"the Mosaic GPU KIVI kernel takes key groups of a multiple of 16 tokens (the "
+                f"K extent of one bf16 P V wgmma over a group's probabilities), got {group}.")
     if 4 * (v_dim // v_group) * min(page_size, _BLOCK_TOKENS) % 128:
         return ("the Mosaic GPU KIVI kernel copies a page chunk's value scales and zeros in "
                 "one TMA copy of a multiple of 128 bytes; use more value groups or larger "
                 "pages.")
     piece = min(v_group, v_dim * v_bits // 8)
-    if piece < 32:
+    if piece < 16:
         return (f"the Mosaic GPU KIVI kernel reads value codes in pieces of min(group, "
-                f"v_head_dim * bits / 8) >= 32 bytes (one swizzled TMA box), got {piece}.")
+                f"v_head_dim * bits / 8) >= 16 bytes (one TMA box row), got {piece}.")
     for name, width in (("head_dim", head_dim * k_bits // 8), ("v_head_dim", piece)):
-        if width < 32:
-            return f"the Mosaic GPU KIVI kernel needs >= 32-byte code rows for {name}."
+        if width < 16:
+            return f"the Mosaic GPU KIVI kernel needs >= 16-byte code rows for {name}."
     group_rows = q.shape[2] // max(k_codes.shape[0], 1)
     if group_rows > _MMA_ROWS:
         return (f"the Mosaic GPU KIVI kernel holds at most {_MMA_ROWS} query heads per KV head, "
@@ -162,6 +166,8 @@ def kernel_config(batch: int, kv_heads: int, max_pages: int, page_size: int, sta
 
 def _swizzled(width: int, itemsize: int):
     swizzle = min(128, width * itemsize)
+    if swizzle < 32:  # 16-byte rows (int2 codes at head_dim 64): untiled, one row a line
+        return ()
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -406,7 +412,9 @@ def _pages(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_lengths,
             plgpu.SMEM((st, vpc, _BLOCK_TOKENS, vw), jnp.uint8, transforms=_swizzled(vw, 1)),
             plgpu.SMEM((st, chunks, 2, n_groups, cfg.chunk), sdt),
             plgpu.SMEM((kk, _BLOCK_TOKENS, kw), dtype, transforms=_swizzled(kw, 2)),
-            plgpu.SMEM((n_pieces, _BLOCK_TOKENS, vw), dtype, transforms=_swizzled(vw, 2)),
+            # P V's K is a sub-block's tokens: a multiple of the swizzle's width in elements.
+            plgpu.SMEM((n_pieces, _BLOCK_TOKENS, vw), dtype,
+                       transforms=_swizzled(min(vw, sub), 2)),
             plgpu.SMEM((cfg.table_window,), jnp.int32),
             plgpu.Barrier(),
             plgpu.Barrier(),

@@ -18,7 +18,8 @@ rtol = atol = 3e-2 (bf16 output rounding plus those logits). A wrong field, a
 misplaced scale or zero, a mask or a page index moves them by O(0.1-1).
 
 Lowering for an H100 from CPU runs the whole Mosaic GPU lowering at the
-production shape (32/8 heads x 128, pages of 32 and 64) for each bit width.
+production shape (32/8 heads x 128, pages of 32 and 64) for each bit width,
+and for 16-token key groups on 16-token pages and int2 at head_dim 64.
 """
 
 import functools
@@ -33,8 +34,10 @@ from kernels_pallas.quantized_attention import mosaic_gpu as qm
 from kernels_pallas.quantized_attention import reference as qref
 
 S = jax.ShapeDtypeStruct
-# bits -> (head_dim, page_size, key group, value group); int2 needs 32-byte code rows.
-CASES = {8: (64, 32, 32, 32), 4: (64, 32, 32, 32), 2: (128, 64, 64, 32)}
+# bits -> (head_dim, page_size, key group, value group): int4 with key groups and pages of
+# 16 tokens (16-token logits and P V sub-blocks), int2 at head_dim 64 (16-byte code rows,
+# copied and read untiled).
+CASES = {8: (64, 32, 32, 32), 4: (64, 16, 16, 32), 2: (64, 64, 64, 32)}
 KV_HEADS, Q_HEADS, MAX_PAGES = 1, 4, 4
 
 
@@ -126,16 +129,20 @@ def test_unsupported_reason():
     for bits in (2, 4, 8):
         assert why(bits, 64) is None
     assert "q_len" in why(4, 64, q_len=2)
-    assert "multiple of 32 tokens" in why(4, 16, group=16)
-    assert "32 bytes" in why(2, 64, head_dim=64)
+    assert why(4, 16, group=16) is None and why(2, 64, head_dim=64) is None
+    assert "multiple of 16 tokens" in why(4, 16, group=8)
+    assert "16 bytes" in why(2, 64, head_dim=64, v_group=8)
     with pytest.raises(ValueError, match="q_len"):
         qm.quantized_pages_attention(*_pools(4, 64, q_len=2), k_bits=4, v_bits=4, scale=0.1)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
-@pytest.mark.parametrize("page_size", [32, 64])
-def test_lowers_for_h100(bits, page_size):
+@pytest.mark.parametrize("bits,page_size,kw", [
+    *((b, p, {}) for b in (8, 4, 2) for p in (32, 64)),
+    (4, 16, dict(group=16)),  # 16-token key groups on 16-token pages
+    (2, 64, dict(head_dim=64)),  # 16-byte code rows, untiled
+])
+def test_lowers_for_h100(bits, page_size, kw):
     lowered = mgpu.lower_for_cuda(
         functools.partial(qm.quantized_pages_attention, k_bits=bits, v_bits=bits, scale=0.1),
-        *_pools(bits, page_size))
+        *_pools(bits, page_size, **kw))
     assert "mosaic_gpu" in lowered.as_text()
