@@ -4,12 +4,14 @@ Two configs (`hf_tiny.GEMMA_VARIANTS`): "gemma2" (local/global alternating, atte
 final soft caps) and "gemma3" (two local layers to one global, QK-norm, local RoPE base
 10k and global base 1M with linear scaling), both with an 8-token window on 4-token pages
 and prompts and generations more than 3x the window, built and saved with transformers
-and loaded with `kvjax.models.load`. Checked: float32 last-position logits within 1e-4;
-32 greedy tokens identical through `kvjax.generate.generate`, through `python -m kvjax
-generate` (two greedy samples of one prompt: the prompt's pages forked) and on a
-`ShardingPlan` over 4 CPU devices; `beam_search` against transformers' beams; bf16 params
-and cache against float32 within transformers' own bf16 error; a
-`Gemma3ForConditionalGeneration` checkpoint's text model loads to the same params.
+and loaded with `kvjax.models.load`. The local layers keep only their window's pages (the
+Gemma config's default) on every decoding path. Checked for both configs: float32
+last-position logits within 1e-4; 32 greedy tokens identical to transformers' through
+`kvjax.generate.generate`, through `sample_n` and `python -m kvjax generate --n 2` (each
+prompt prefilled once and its pages forked into two samples) and on a `ShardingPlan` over
+4 CPU devices; `beam_search` against transformers' beams. Also: bf16 params and cache
+against float32 within transformers' own bf16 error; a `Gemma3ForConditionalGeneration`
+checkpoint's text model loads to the same params.
 """
 
 import copy
@@ -37,10 +39,15 @@ from kvjax.specs import ring_pages  # noqa: E402
 PAGE = 4
 WINDOW = 8  # hf_tiny's Gemma windows
 LENS = (26, 31)  # both > 3 windows; the longer one prefills in two chunks of 16
+# The greedy paths' prompts: 28 tokens fill 7 pages, the others end inside a page. The
+# forked, CLI and sharded paths take the first two; plain `generate` takes all four, so
+# that its decode loop (4 rows, same cache spec) is `sample_n`'s with n=2, one program.
+REF_LENS = (28, 31, 26, 29)
 CHUNK = 16
 NEW = 32
 LOGIT_ATOL = 1e-4  # float32 on both sides; they sum in different orders (~1e-6 here)
 CC = gen.CacheConfig(page_size=PAGE)
+FAMILIES = ["gemma2", "gemma3"]
 
 
 @functools.cache
@@ -76,25 +83,51 @@ def _prompts(rng, lens=LENS):
     return [rng.integers(3, 96, n).tolist() for n in lens]
 
 
+@pytest.fixture(scope="module")
+def reference(root):
+    """name -> (prompts of lengths REF_LENS, transformers' NEW greedy tokens after each).
+
+    Drawn and decoded once per variant: the greedy paths (plain, forked, CLI, sharded)
+    all compare against the same transformers run.
+    """
+    refs = {}
+
+    def get(name):
+        if name not in refs:
+            seed = int(os.environ.get("KVJAX_TEST_SEED",
+                                      np.random.SeedSequence().entropy % 2**31))
+            m = _case(name, root)[0]
+            prompts = _prompts(np.random.default_rng(seed), REF_LENS)
+            refs[name] = seed, prompts, [hf_tiny.hf_greedy(m, p, NEW) for p in prompts]
+        seed, prompts, greedy = refs[name]
+        print(f"{name} prompts: KVJAX_TEST_SEED={seed}")  # in each test's captured output
+        return prompts, greedy
+
+    return get
+
+
 # ------------------------------------------------------------------- transformers parity
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_matches_transformers(name, root, rng):
-    """Last-position logits of each prompt and 32 greedy tokens through `generate`."""
+@pytest.mark.parametrize("name", FAMILIES)
+def test_matches_transformers(name, root, reference):
+    """Last-position logits of each prompt and 32 greedy tokens through `generate`, the
+    local layers holding only their rings at the end."""
     m, model, params, _ = _case(name, root)
     assert model.family == "gemma"
     c = model.config
     assert c.sliding_window == WINDOW and gemma.LOCAL in c.layer_types
     assert gemma.GLOBAL in c.layer_types
-    prompts = _prompts(rng)
+    prompts, ref = reference(name)
     # The prefill `generate` runs (same cache spec, shapes, chunk and keyword arguments:
     # one program).
     tokens, lengths, chunk = gen.pad_prompts(prompts, CHUNK)
-    cache = CC.build(model, num_seqs=2, max_tokens=max(LENS) + NEW, chunk=chunk)
+    cache = CC.build(model, num_seqs=len(prompts), max_tokens=max(REF_LENS) + NEW,
+                     chunk=chunk)
     _, last, status, _, _ = gen.prefill(model, params, cache, jax.device_put(tokens),
                                         jax.device_put(lengths),
-                                        jax.device_put(np.arange(2, dtype=np.int32)),
+                                        jax.device_put(np.arange(len(prompts),
+                                                                 dtype=np.int32)),
                                         chunk_size=chunk, impl="auto", policy=None,
                                         policy_state=None)
     status.raise_if_error()
@@ -103,39 +136,67 @@ def test_matches_transformers(name, root, rng):
         np.testing.assert_allclose(last[i], hf_tiny.hf_logits(m, p)[-1], atol=LOGIT_ATOL,
                                    rtol=0, err_msg=f"last-position logits, prompt {i}")
     res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
-                       cache=CC, chunk_size=CHUNK)
+                       cache=CC, chunk_size=CHUNK, free_finished=False)
+    # Every row is past its ring: the prompt's older pages went back to the local pool.
+    assert window.pages_in_use(res.cache) == (len(prompts) * ring_pages(WINDOW, CHUNK, PAGE),)
     for i, p in enumerate(prompts):
-        hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), hf_tiny.hf_greedy(m, p, NEW))
+        hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), ref[i])
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_cli_generate_matches_transformers(name, root, rng, capsys):
-    """`python -m kvjax generate` on the saved checkpoint: transformers' greedy tokens.
-    (Prompts of `test_matches_transformers`' lengths: the same prefill program.)"""
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sample_n_forks_match_transformers(name, root, reference):
+    """Each prompt prefilled once and forked into two greedy samples (`sample_n`, with the
+    arguments `python -m kvjax generate --n 2` passes: the same programs): every sample's
+    32 tokens are transformers'. The two samples of a prompt share its full pages in the
+    global layers and own disjoint pages past them (a partly filled last page is copied
+    on write); in the local layers each holds a ring of its own."""
+    m, model, params, _ = _case(name, root)
+    prompts, ref = (x[:2] for x in reference(name))
+    res = gen.sample_n(model, params, prompts, n=2, key=jax.random.key(0),
+                       max_new_tokens=NEW, eos_ids=[], cache=CC, chunk_size=CHUNK,
+                       free_finished=False)
+    assert window.pages_in_use(res.cache) == (4 * ring_pages(WINDOW, CHUNK, PAGE),)
+    table = np.asarray(res.cache.block_tables)
+    for i, p in enumerate(prompts):
+        full = len(p) // PAGE
+        a, b = table[2 * i], table[2 * i + 1]
+        np.testing.assert_array_equal(a[:full], b[:full], err_msg=f"prompt {i}'s full pages")
+        own = [set(r[full:][r[full:] >= 0].tolist()) for r in (a, b)]
+        assert own[0] and own[1] and not own[0] & own[1], (i, a, b)
+        for j in range(2):
+            hf_tiny.assert_greedy(m, p, res.tokens[2 * i + j].tolist(), ref[i])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cli_generate_matches_transformers(name, root, reference, capsys):
+    """`python -m kvjax generate --n 2` on the saved checkpoint: both greedy samples of each
+    prompt (its pages forked after its prefill) are transformers' greedy tokens."""
     m, _, _, d = _case(name, root)
-    capsys.readouterr()  # the case's seed line, when this test built it
-    prompts = _prompts(rng)
+    prompts, ref = (x[:2] for x in reference(name))
+    capsys.readouterr()  # the case's seed lines, when this test built them
     args = ["generate", "--model", d, "--max-new-tokens", str(NEW), "--page-size", str(PAGE),
-            "--eos-id", "none", "--chunk-size", str(CHUNK)]
+            "--eos-id", "none", "--chunk-size", str(CHUNK), "--n", "2"]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
     assert main(args) == 0
     out = capsys.readouterr()
     lines = out.out.strip().splitlines()
-    assert len(lines) == len(prompts)
-    for j, (line, p) in enumerate(zip(lines, prompts, strict=True)):
+    assert len(lines) == 2 * len(prompts)
+    for j, line in enumerate(lines):
+        p = prompts[j // 2]
         head, ids = line.split(" ", 1)
         ids = [int(t) for t in ids.split(",")]
         assert head == f"[{j}]" and ids[:len(p)] == p
-        hf_tiny.assert_greedy(m, p, ids[len(p):], hf_tiny.hf_greedy(m, p, NEW))
+        hf_tiny.assert_greedy(m, p, ids[len(p):], ref[j // 2])
     assert f"loaded {m.config.architectures[0]} (gemma" in out.err
 
 
-def test_beam_search_matches_transformers(root, rng):
-    """Beams sharing forked pages through the soft-capped model, its local layers keeping
-    only their window's pages (`CacheConfig(window_pages=True)`): transformers' best beam,
-    and its summed log-probability."""
-    m, model, params, _ = _case("gemma2", root)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_beam_search_matches_transformers(name, root, rng):
+    """Beams sharing forked pages, the local layers keeping only their window's pages
+    (`CacheConfig(window_pages=True)`): transformers' best beam, and its summed
+    log-probability."""
+    m, model, params, _ = _case(name, root)
     prompt = _prompts(rng, (26,))[0]
     new = 3 * WINDOW
     beams = gen.beam_search(model, params, prompt, beam_width=3, max_new_tokens=new,
@@ -153,20 +214,23 @@ def test_beam_search_matches_transformers(root, rng):
     np.testing.assert_allclose(beams.scores[0], want, rtol=0, atol=1e-3)
 
 
-def test_sharded_plan_matches_transformers(root, rng):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sharded_plan_matches_transformers(name, root, reference):
     """Params and KV heads tensor-parallel over `model` (2 KV heads, one per device), the
-    two sequences over `data` (the 'context' strategy refuses windows): transformers'
-    greedy tokens from the windowed, soft-capped attention."""
-    m, model, params, _ = _case("gemma2", root)
+    two sequences over `data` (the 'context' strategy refuses windows), the local layers
+    keeping only their window's pages: transformers' greedy tokens."""
+    m, model, params, _ = _case(name, root)
     plan = kvs.ShardingPlan(mesh=kvs.make_mesh((2, 2), ("data", "model")),
                             strategies=("sequences", "heads"))
-    prompts = _prompts(rng)
+    prompts, ref = (x[:2] for x in reference(name))
     res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
-                       cache=gen.CacheConfig(page_size=PAGE, plan=plan), chunk_size=CHUNK)
+                       cache=gen.CacheConfig(page_size=PAGE, plan=plan), chunk_size=CHUNK,
+                       free_finished=False)
     pool = jax.tree.leaves(res.cache.pages)[0]
     assert len(pool.sharding.device_set) == 4
+    assert window.pages_in_use(res.cache) == (2 * ring_pages(WINDOW, CHUNK, PAGE),)
     for i, p in enumerate(prompts):
-        hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), hf_tiny.hf_greedy(m, p, NEW))
+        hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), ref[i])
 
 
 def test_bfloat16_params_and_cache(root, rng):
