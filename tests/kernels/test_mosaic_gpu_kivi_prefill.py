@@ -10,8 +10,9 @@ a page boundary, the chunk split over two items) and a row with nothing
 quantized yet. Two CTAs, so each walks several items and the ring wraps
 across them. Pages come from a permuted pool with garbage table entries past
 each row; scales and zeros of pages no row owns, and of the unwritten tokens
-past each row's quantized length, are NaN. Cases: int4; int2 with a sliding
-window and a soft cap.
+past each row's quantized length, are NaN. Cases: int4 with 16-token pages
+and key groups (16-token sub-blocks); int2 at head_dim 64 (16-byte code rows)
+with a sliding window and a soft cap.
 
 Tolerance (as the decode kernel's test): the kernel rounds q times each key
 scale and the scaled probabilities to bfloat16 for the tensor cores
@@ -21,7 +22,8 @@ a few 1e-3, hence lse atol 1e-2 and out rtol = atol = 3e-2. A wrong field,
 scale, mask, position or page moves them by O(0.1-1).
 
 Lowering for an H100 from CPU runs the whole Mosaic GPU lowering at a
-production shape (32/8 heads x 128, int4, pages of 32, 128-query rows).
+production shape (32/8 heads x 128, int4, pages of 32, 128-query rows) and
+for int2 16-byte code rows.
 Routing: on a Hopper, "pallas"/"auto" hand KIVI rows of several queries to
 this kernel, decode rows to the decode kernel, and `python -m kvjax info`
 lists it.
@@ -39,9 +41,10 @@ from kernels_pallas.quantized_attention import mosaic_gpu_prefill as qp
 from kernels_pallas.quantized_attention import reference as qref
 
 S = jax.ShapeDtypeStruct
-# bits -> (head_dim, page_size, key group, value group); int2 needs 32-byte code rows.
-SHAPES = {4: (64, 32, 32, 32), 2: (128, 64, 64, 32)}
-KV_HEADS, Q_HEADS, MAX_PAGES, RING = 1, 4, 5, 32
+# bits -> (head_dim, page_size, key group, value group): int4 with 16-token pages and key
+# groups (16-token sub-blocks), int2 with 16-byte code rows (untiled shared memory).
+SHAPES = {4: (64, 16, 16, 32), 2: (64, 64, 64, 32)}
+KV_HEADS, Q_HEADS, MAX_PAGES, RING = 1, 4, 8, 32
 CASES = {"int4": dict(bits=4), "int2_window_softcap": dict(bits=2, sliding_window=20,
                                                              soft_cap=3.0)}
 
@@ -138,8 +141,17 @@ def _pools(bits=4, page_size=32, *, batch=8, q_len=128, kv_heads=8, q_heads=32, 
             S((batch, q_len), jnp.int32))
 
 
-def test_lowers_for_h100():
+@pytest.mark.parametrize("bits,page_size,head_dim,group",
+                         [(4, 32, 128, 32), (2, 64, 64, 64), (4, 16, 64, 16)])
+def test_lowers_for_h100(bits, page_size, head_dim, group):
+    """The production shape; int2 at head_dim 64 (16-byte code rows in untiled shared
+    memory); 16-token key groups (P V's K of 16 needs the value tile's 32-byte swizzle, which
+    only the lowering checks) at head_dim 64, the cheapest to lower (3 s on jax 0.11.2,
+    5 s at 128)."""
+    assert qp.unsupported_reason(*_pools(bits, page_size, head_dim=head_dim, group=group)[:7],
+                                 k_bits=bits, v_bits=bits) is None
     lowered = mgpu.lower_for_cuda(
-        functools.partial(qp.quantized_pages_attention, k_bits=4, v_bits=4, scale=0.1,
-                          sliding_window=1024), *_pools())
-    assert "mosaic_gpu" in lowered.as_text()
+        functools.partial(qp.quantized_pages_attention, k_bits=bits, v_bits=bits, scale=0.1,
+                          sliding_window=1024),
+        *_pools(bits, page_size, head_dim=head_dim, group=group))
+    assert "kvjax_kivi_prefill" in lowered.as_text()
