@@ -14,7 +14,10 @@ attention kernel: `kernels_pallas/ragged_attention/tpu.py` on TPU, and on a Hopp
 GPU `kernels_pallas/ragged_attention/mosaic_gpu.py` (GQA) and `mla_mosaic_gpu.py`
 (absorbed MLA) where they take the shapes; the XLA path on other GPUs and for
 shapes they refuse (`PREFILL_KERNEL_OPS` lists, per backend, the prefill ops with a kernel;
-`prefill_kernel` and `gpu_kernel` say which runs and why).
+`prefill_kernel` and `gpu_kernel` say which runs and why). KIVI's `quantized_attention`
+on a Hopper ("auto" picks "pallas" there) runs decode rows on
+`kernels_pallas/quantized_attention/mosaic_gpu.py` and rows of several queries on
+`mosaic_gpu_prefill.py`, Triton for the shapes they refuse.
 """
 
 import importlib
@@ -47,6 +50,8 @@ MOSAIC_GPU_OPS = {
     "mla_decode_attention": "kernels_pallas.mla_decode.mosaic_gpu",
     "quantized_attention": "kernels_pallas.quantized_attention.mosaic_gpu",
     "quantized_mla_attention": "kernels_pallas.quantized_attention.mosaic_gpu_mla",
+    # KIVI rows of several queries (chunked prefill, mixed steps) through `quantized_attention`.
+    "quantized_prefill_attention": "kernels_pallas.quantized_attention.mosaic_gpu_prefill",
 }
 # Prefill ops with a Mosaic GPU kernel (Hopper), and its module; the XLA path elsewhere.
 MOSAIC_GPU_PREFILL_OPS = {
@@ -72,10 +77,13 @@ def platform() -> str:
 def kernel_ops(backend: str) -> tuple[str, ...]:
     """The ops with a Pallas kernel of their own on `backend` ("tpu" or "gpu"): "auto" picks
     "pallas" for them there (on GPU the prefill ops only where `prefill_kernel` finds the
-    Mosaic GPU kernel runs on the default device)."""
+    Mosaic GPU kernel runs on the default device; there KIVI's `quantized_attention` too, its
+    decode and prefill rows on their Mosaic GPU kernels)."""
     prefill = PREFILL_KERNEL_OPS.get(backend, ())
     if backend == "gpu":
         prefill = tuple(op for op in prefill if prefill_kernel(op, "gpu")[0] != "xla")
+        if platform() == "gpu" and gpu_kernel("quantized_prefill_attention")[0] == "mosaic":
+            prefill += ("quantized_attention",)
     return KERNEL_OPS + prefill
 
 
@@ -233,10 +241,11 @@ def quantized_attention(*args, interpret=None, **kwargs):
     `kernels_pallas/quantized_attention/reference.py`) through the backend's kernel; decode and
     chunked prefill alike (the kernels fold query rows)."""
     backend, interpret = _backend_and_interpret(interpret)
+    # Decode rows run the split-K decode kernel, rows of several queries the prefill kernel.
+    op = "quantized_attention" if args[0].shape[1] == 1 else "quantized_prefill_attention"
     if backend == "gpu" and kwargs.get("block_sizes") is None and gpu_kernel(
-            "quantized_attention", *args[:7], k_bits=kwargs["k_bits"],
-            v_bits=kwargs["v_bits"])[0] == "mosaic":
-        module, _ = _mosaic_module("quantized_attention")
+            op, *args[:7], k_bits=kwargs["k_bits"], v_bits=kwargs["v_bits"])[0] == "mosaic":
+        module, _ = _mosaic_module(op)
         kw = {k: v for k, v in kwargs.items() if k not in ("block_sizes", "max_pages")}
         return module.quantized_attention(*args, num_sms=_num_sms(gpu_device()),
                                           interpret=interpret, **kw)

@@ -267,7 +267,8 @@ def test_gpu_runs_mosaic_kernels_on_hopper_and_triton_elsewhere(monkeypatch):
     monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
     from kvjax import info
 
-    ops_listed = {*pallas_impls.KERNEL_OPS, "quantized_attention", "quantized_mla_attention"}
+    ops_listed = {*pallas_impls.KERNEL_OPS, "quantized_attention", "quantized_mla_attention",
+                  "quantized_prefill_attention"}
     assert {op: c["kernel"] for op, c in info._gpu_ops().items()} == dict.fromkeys(
         ops_listed, "triton")
     monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H200", "9.0"))
@@ -348,10 +349,12 @@ def test_pallas_on_hopper_runs_the_mosaic_kernel_with_the_sm_count(rng, monkeypa
                                    rtol=2e-2, atol=2e-2)
 
 
-def test_kivi_decode_on_hopper_runs_the_mosaic_kernel_and_prefill_rows_triton(monkeypatch):
+def test_kivi_decode_on_hopper_runs_the_mosaic_kernel(monkeypatch):
     """KIVI decode rows go to the Mosaic GPU kernel with the SM count (Triton's block sizes
-    and table width dropped); chunked-prefill rows, which it refuses, to the Triton kernel."""
+    and table width dropped); chunked-prefill rows to the Mosaic GPU prefill kernel
+    (tests/kernels/test_mosaic_gpu_kivi_prefill.py)."""
     from kernels_pallas.quantized_attention import gpu as quant_gpu
+    from kernels_pallas.quantized_attention import mosaic_gpu_prefill
     from tests.kernels.test_mosaic_gpu_quantized import _inputs
 
     module, why_not = pallas_impls._mosaic_module("quantized_attention")
@@ -367,8 +370,9 @@ def test_kivi_decode_on_hopper_runs_the_mosaic_kernel_and_prefill_rows_triton(mo
     kw = dict(k_bits=4, v_bits=4, scale=0.1, block_sizes=None, max_pages=None)
     assert pallas_impls.quantized_attention(*args, interpret=True, **kw) == "mosaic"
     assert calls[-1][1]["num_sms"] == 114 and "block_sizes" not in calls[-1][1]
+    monkeypatch.setattr(mosaic_gpu_prefill, "quantized_attention", lambda *a, **kw: "prefill")
     rows = (jax.numpy.repeat(args[0], 2, axis=1), *args[1:])  # two query rows: prefill
-    assert pallas_impls.quantized_attention(*rows, interpret=True, **kw) == "triton"
+    assert pallas_impls.quantized_attention(*rows, interpret=True, **kw) == "prefill"
 
 
 def test_prefill_on_hopper_runs_the_mosaic_ragged_kernel(rng, monkeypatch):

@@ -155,3 +155,54 @@ def test_lowers_for_h100(bits, page_size, head_dim, group):
                           sliding_window=1024),
         *_pools(bits, page_size, head_dim=head_dim, group=group))
     assert "kvjax_kivi_prefill" in lowered.as_text()
+
+
+class _Gpu:
+    """A stand-in for a GPU device: the attributes the kernel choice reads."""
+
+    def __init__(self, device_kind, compute_capability, core_count=132):
+        self.device_kind = device_kind
+        self.compute_capability = compute_capability
+        self.core_count = core_count
+
+
+def test_auto_on_hopper_runs_kivi_prefill_rows_here(monkeypatch):
+    """On a Hopper, "auto" resolves KIVI attention to "pallas", whose rows of several queries
+    run this kernel with the device's SM count (decode rows: the decode kernel), and `python
+    -m kvjax info` lists it; on an A100 "auto" stays on the XLA path and "pallas" runs Triton;
+    shapes this kernel refuses go to Triton with its reason."""
+    from jax.experimental.pallas import triton as pl_triton
+
+    from kernels_pallas.quantized_attention import gpu as quant_gpu
+    from kernels_pallas.quantized_attention import mosaic_gpu as qdecode
+    from kvjax import info
+    from kvjax.attention import pallas_impls, registry
+
+    monkeypatch.setattr(pallas_impls, "platform", lambda: "gpu")
+    # Triton's lowering knows this "GPU" (from jax 0.11 it raises where none is attached).
+    monkeypatch.setattr(pl_triton, "get_gpu_info", lambda: object(), raising=False)
+    calls = []
+    for name, module in (("prefill", qp), ("decode", qdecode), ("triton", quant_gpu)):
+        monkeypatch.setattr(module, "quantized_attention",
+                            lambda *a, name=name, **kw: calls.append((name, kw)) or name)
+    args = _inputs(4)
+    kw = dict(k_bits=4, v_bits=4, scale=0.1, block_sizes=None, max_pages=None)
+    decode_rows = (args[0][:, :1], *args[1:-1], args[-1][:, :1])
+
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA H100", "9.0", 114))
+    assert registry.auto_impl("quantized_attention") == "pallas"
+    run = registry.resolve("quantized_attention", "auto")[0]
+    assert run(*args, interpret=True, **kw) == "prefill"
+    assert calls[-1][1]["num_sms"] == 114 and "block_sizes" not in calls[-1][1]
+    assert run(*decode_rows, interpret=True, **kw) == "decode"
+    listed = info._gpu_ops()["quantized_prefill_attention"]
+    assert listed["kernel"] == "mosaic" and "Hopper" in listed["reason"]
+    many_heads = (S((2, 8, 8 * 128, 128), jnp.bfloat16), *_pools()[1:7])
+    kernel, why = pallas_impls.gpu_kernel("quantized_prefill_attention", *many_heads, k_bits=4,
+                                          v_bits=4)
+    assert kernel == "triton" and "at most 64 query heads" in why
+
+    monkeypatch.setattr(pallas_impls, "gpu_device", lambda: _Gpu("NVIDIA A100", "8.0"))
+    assert registry.auto_impl("quantized_attention") == "xla"
+    assert pallas_impls.quantized_attention(*args, interpret=True, **kw) == "triton"
+    assert info._gpu_ops()["quantized_prefill_attention"]["kernel"] == "triton"
