@@ -12,7 +12,8 @@ across them. Pages come from a permuted pool with garbage table entries past
 each row; scales and zeros of pages no row owns, and of the unwritten tokens
 past each row's quantized length, are NaN. Cases: int4 with 16-token pages
 and key groups (16-token sub-blocks); int2 at head_dim 64 (16-byte code rows)
-with a sliding window and a soft cap.
+with a sliding window, a soft cap, a padding query and two swapped queries
+inside the chunk.
 
 Tolerance (as the decode kernel's test): the kernel rounds q times each key
 scale and the scaled probabilities to bfloat16 for the tensor cores
@@ -75,6 +76,9 @@ def _inputs(bits):
     q_len = int(n_new.max())
     t = np.arange(q_len)[None, :]
     q_pos = np.where(t < n_new[:, None], lengths[:, None] - n_new[:, None] + t, -1)
+    if bits == 2:  # a padding slot and two swapped queries: masks by each query's position
+        q_pos[2, 3] = -1
+        q_pos[2, [5, 6]] = q_pos[2, [6, 5]]
     used = -(-quant // page_size)
     num_pages = int(used.sum()) + 2
     perm = rng.permutation(num_pages)
