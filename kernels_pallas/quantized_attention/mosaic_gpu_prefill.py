@@ -30,8 +30,9 @@ Design: the decode kernel's per-step body on the ragged kernel's schedule.
 * Steps of 64 tokens, one warpgroup per CTA: the decode kernel's pipeline
   (one TMA copy per page chunk for codes, key scales/zeros and value
   scales/zeros into a `num_stages` ring, the next steps issued as a slot
-  frees), run across item boundaries by a step counter carried from item to
-  item so each slot's barriers are waited in order.
+  frees). A step counter carried from item to item keeps each slot's
+  barriers waited in order; an item's first copies are issued when it
+  starts (no prefetch across items).
 * Dequantization as in the decode kernel (its `_to_float`: magic-number
   exponent, one OR and one subtract per element): keys per channel by the
   query times each G-token group's scales (rounded to the 16-bit dtype) plus
@@ -50,7 +51,8 @@ and lowered for an H100 from CPU: tests/kernels/test_mosaic_gpu_kivi_prefill.py)
 Known costs to measure first: a single warpgroup per CTA (no copy warpgroup,
 no second compute warpgroup sharing the converted codes: the codes of a step
 are converted once per 64 query rows), the conversion of every step's codes
-in the same warpgroup as the wgmmas, every step masked.
+in the same warpgroup as the wgmmas, every step masked, an item's first
+pages fetched only when it starts.
 """
 
 import functools
@@ -111,20 +113,13 @@ def num_stages(stage_bytes: int, fixed_bytes: int) -> int:
 def _item_bounds(q_pos, quant_lengths, positions: int, blocks: int, max_tokens: int,
                  sliding_window: int | None):
     """Per (row, query block): the token range [lo, hi) its queries see in the quantized
-    part (int32[batch, blocks] each; lo = hi = 0 when they see none)."""
+    part (int32[batch, blocks] each; lo == hi when they see none): `_common.visit_bounds`
+    over each block's queries."""
     batch = q_pos.shape[0]
     pos = jnp.pad(q_pos, ((0, 0), (0, blocks * positions - q_pos.shape[1])),
-                  constant_values=-1).reshape(batch, blocks, positions)
-    valid = pos >= 0
-    last = jnp.max(jnp.where(valid, pos, -1), axis=2)
-    hi = jnp.minimum(jnp.minimum(last + 1, quant_lengths[:, None]), max_tokens)
-    if sliding_window is None:
-        lo = jnp.zeros_like(hi)
-    else:
-        first = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max), axis=2)
-        lo = jnp.maximum(first - (sliding_window - 1), 0)
-    empty = hi <= lo
-    return jnp.where(empty, 0, lo).astype(jnp.int32), jnp.where(empty, 0, hi).astype(jnp.int32)
+                  constant_values=-1).reshape(batch * blocks, positions)
+    lo, hi = c.visit_bounds(pos, jnp.repeat(quant_lengths, blocks), max_tokens, sliding_window)
+    return lo.reshape(batch, blocks), hi.reshape(batch, blocks)
 
 
 def _kernel(
