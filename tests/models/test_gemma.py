@@ -218,17 +218,18 @@ def test_beam_search_matches_transformers(name, root, rng):
 def test_sharded_plan_matches_transformers(name, root, reference):
     """Params and KV heads tensor-parallel over `model` (2 KV heads, one per device), the
     two sequences over `data` (the 'context' strategy refuses windows), the local layers
-    keeping only their window's pages: transformers' greedy tokens."""
+    keeping only their window's pages: transformers' greedy tokens, and every page of the
+    global layers and the local rings back in the pools once the rows finish."""
     m, model, params, _ = _case(name, root)
     plan = kvs.ShardingPlan(mesh=kvs.make_mesh((2, 2), ("data", "model")),
                             strategies=("sequences", "heads"))
     prompts, ref = (x[:2] for x in reference(name))
     res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
-                       cache=gen.CacheConfig(page_size=PAGE, plan=plan), chunk_size=CHUNK,
-                       free_finished=False)
+                       cache=gen.CacheConfig(page_size=PAGE, plan=plan), chunk_size=CHUNK)
     pool = jax.tree.leaves(res.cache.pages)[0]
     assert len(pool.sharding.device_set) == 4
-    assert window.pages_in_use(res.cache) == (2 * ring_pages(WINDOW, CHUNK, PAGE),)
+    assert window.pages_in_use(res.cache) == (0,)  # one window group, its rings freed
+    assert int(np.sum(res.cache.num_free_pages)) == res.cache.spec.num_pages
     for i, p in enumerate(prompts):
         hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), ref[i])
 
