@@ -234,11 +234,14 @@ def test_sharded_plan_matches_transformers(name, root, reference):
         hf_tiny.assert_greedy(m, p, res.tokens[i].tolist(), ref[i])
 
 
-def test_bfloat16_params_and_cache(root, rng):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_bfloat16_params_and_cache(name, root, rng):
     """bf16 params, activations and pages through `generate`, the local layers keeping only
     their window's pages: every token is float32 transformers' argmax up to bf16's error,
-    which transformers' own bf16 model bounds."""
-    m, model, _, d = _case("gemma3", root)
+    which transformers' own bf16 model bounds. (Not the same tokens as transformers' bf16
+    model: its own eager and sdpa attention disagree on most prompts' greedy tokens in
+    bf16, `scripts/hf_bf16_greedy.py`.)"""
+    m, model, _, d = _case(name, root)
     model16, params16 = models.load(d, dtype="bfloat16")
     assert params16.embed.dtype == jnp.bfloat16 and model16.config.dtype == "bfloat16"
     prompts = _prompts(rng)
@@ -256,11 +259,13 @@ def test_bfloat16_params_and_cache(root, rng):
         with torch.no_grad():
             hf16 = m16(torch.tensor([p + toks])).logits[0].float().numpy()[len(p) - 1:-1]
         hf_err = np.abs(hf16 - ref).max()  # bf16 rounding is the only error on both sides
-        assert 0 < hf_err < 0.1
-        chosen = ref[np.arange(NEW), toks]
-        gap = ref.max(-1) - chosen
-        # A wrong window, RoPE or scale picks tokens far below the best (these logits
-        # spread over ~1): each choice must be within twice transformers' bf16 error.
+        gaps = ref.max(-1, keepdims=True) - ref  # every token's distance below the best
+        # The bound below must tell tokens apart: most tokens sit further below the best
+        # than twice transformers' bf16 error (else this check could pass any token).
+        assert 0 < 2 * hf_err < np.median(gaps) / 2, (hf_err, np.median(gaps))
+        gap = gaps[np.arange(NEW), toks]
+        # A wrong window, RoPE or scale picks tokens far below the best: each choice must
+        # be within twice transformers' bf16 error.
         assert (gap <= 2 * hf_err).all(), (gap.max(), hf_err)
 
 
