@@ -120,12 +120,12 @@ def _gpu_ops() -> dict | None:
 
 def _prefill_ops() -> dict:
     """Per prefill op (chunked prefill and mixed decode/prefill steps), for TPU and GPU: the
-    kernel "auto" runs there ("ragged": the TPU kernel, "mosaic": the Mosaic GPU kernel on a
-    Hopper, or "xla") and why."""
+    kernel "auto" runs there ("ragged": the TPU kernel, "kivi": the TPU KIVI kernel,
+    "mosaic": the Mosaic GPU kernel on a Hopper, or "xla") and why."""
     from kvjax.attention import pallas_impls
 
     ops = {}
-    for op in ("paged_prefill_attention", "mla_prefill_attention"):
+    for op in ("paged_prefill_attention", "mla_prefill_attention", "quantized_attention"):
         ops[op] = {}
         for backend in ("tpu", "gpu"):
             kernel, reason = pallas_impls.prefill_kernel(op, backend)

@@ -78,8 +78,11 @@ def kernel_ops(backend: str) -> tuple[str, ...]:
     """The ops with a Pallas kernel of their own on `backend` ("tpu" or "gpu"): "auto" picks
     "pallas" for them there (on GPU the prefill ops only where `prefill_kernel` finds the
     Mosaic GPU kernel runs on the default device; there KIVI's `quantized_attention` too, its
-    decode and prefill rows on their Mosaic GPU kernels)."""
+    decode and prefill rows on their Mosaic GPU kernels). On TPU KIVI's `quantized_attention`
+    runs its TPU kernel, which takes decode, chunked-prefill and mixed rows alike."""
     prefill = PREFILL_KERNEL_OPS.get(backend, ())
+    if backend == "tpu":
+        prefill += ("quantized_attention",)
     if backend == "gpu":
         prefill = tuple(op for op in prefill if prefill_kernel(op, "gpu")[0] != "xla")
         if platform() == "gpu" and gpu_kernel("quantized_prefill_attention")[0] == "mosaic":
@@ -92,7 +95,17 @@ def prefill_kernel(op: str, backend: str, *arrays) -> tuple[str, str]:
     ("ragged", reason) for the TPU ragged kernel, ("mosaic", reason) for the Mosaic GPU
     ragged kernel, ("xla", reason) for the XLA path. On a GPU backend the answer is the
     default device's (`gpu_kernel`, for `arrays`: the op's query and page arrays, or none:
-    any shapes); asked about "gpu" elsewhere, it says what a GPU runs."""
+    any shapes); asked about "gpu" elsewhere, it says what a GPU runs. For KIVI pages
+    (`quantized_attention`, whose prefill rows go through the same op as its decode rows):
+    ("kivi", reason) for the TPU kernel, ("mosaic", reason) for the Hopper kernel."""
+    if op == "quantized_attention":
+        if backend == "gpu":
+            if platform() == "gpu":
+                return gpu_kernel("quantized_prefill_attention", *arrays)
+            return "mosaic", ("kernels_pallas/quantized_attention/mosaic_gpu_prefill on a Hopper "
+                              "GPU (sm_90) where it takes the shapes; the XLA path on other GPUs")
+        return "kivi", ("kernels_pallas/quantized_attention/tpu: KIVI pages, decode, "
+                        "chunked-prefill and mixed rows in one kernel")
     if backend == "gpu":
         if platform() == "gpu":
             return gpu_kernel(op, *arrays)

@@ -70,6 +70,9 @@ def test_auto_picks_kernel_on_accelerators_and_xla_on_cpu(monkeypatch, platform,
         prefill = "pallas" if platform == "tpu" else "xla"
         assert registry.auto_impl("paged_prefill_attention") == prefill
         assert registry.auto_impl("mla_prefill_attention") == prefill
+        if platform != "gpu":  # (a Hopper's KIVI routing: test_kivi_decode_on_hopper_...)
+            # KIVI pages, decode and prefill rows alike: the TPU kernel on TPU.
+            assert registry.auto_impl("quantized_attention") == prefill
 
 
 @pytest.mark.parametrize("platform,head_dim,page_size", [
