@@ -37,6 +37,7 @@ and the static run on a first untimed pass over the same batches.
     python benchmarks/serving.py                # 64 requests, 3 interleaved repeats
     python benchmarks/serving.py --rate 0       # all requests at once
     python benchmarks/serving.py --quick        # seconds: 8 requests, short prompts
+    python benchmarks/serving.py --compare-xla  # GPU/TPU: TTFT with the kernels vs XLA
 """
 
 import argparse
@@ -55,6 +56,7 @@ import jax  # noqa: E402
 
 import kvjax.generate as gen  # noqa: E402
 from benchmarks import result_path  # noqa: E402
+from kvjax.attention import registry  # noqa: E402
 from kvjax.models.tiny import load_tiny  # noqa: E402
 from kvjax.serve import Engine  # noqa: E402
 
@@ -278,6 +280,10 @@ def main(argv=None):
     parser.add_argument("--prefill-rows", type=int, default=None,
                         help="prompts the engine prefills per step (default 4; --quick 1)")
     parser.add_argument("--kv-dtype", default="float32", help="cache dtype (default float32)")
+    parser.add_argument("--compare-xla", action="store_true",
+                        help="also replay the engine with impl='xla' in each repeat (on a GPU or "
+                             "TPU: time to first token with the attention kernels against the "
+                             "XLA path, same trace, same process)")
     parser.add_argument("--seed", type=int, default=None, help="trace seed (default random)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     args = parser.parse_args(argv)
@@ -309,9 +315,9 @@ def main(argv=None):
                       suffix=suffix, new=(2, 4), rate=0, vocab=model.vocab_size,
                       dist=args.suffix_dist)
 
-    def new_engine():
+    def new_engine(impl="auto"):
         return Engine(model, params, max_seqs=args.rows, max_seq_len=max_len, chunk_size=CHUNK,
-                      cache=cfg, prefill_rows=prefill_rows)
+                      cache=cfg, prefill_rows=prefill_rows, impl=impl)
 
     if not args.quick:  # first calls (allocations, caches) outside the timing
         run_engine(new_engine(), *warm)
@@ -342,6 +348,17 @@ def main(argv=None):
             x["tokens_per_s"] = produced / x["makespan_s"]
         pairs.append(dict(load_average=load, engine=e, static=s, identical=same,
                           speedup=e["tokens_per_s"] / s["tokens_per_s"]))
+        if args.compare_xla:  # the same replay, every attention op on the XLA path
+            x_engine = new_engine("xla")
+            x_engine.warmup()
+            x_tokens, x_times, x_split = run_engine(x_engine, *trace)
+            x_engine.check()
+            x = dict(**latency(arrivals, x_times, streamed=True), **x_split)
+            x["tokens_per_s"] = produced / x["makespan_s"]
+            pairs[-1]["engine_xla"] = x
+            # Kernels and XLA sum in other orders: greedy tokens may part at near-ties.
+            pairs[-1]["identical_xla"] = sum(a == b for a, b in zip(e_tokens, x_tokens,
+                                                                    strict=True))
         print(f"repeat {r + 1}/{repeats} (load {load:.1f}): engine {e['tokens_per_s']:.0f} "
               f"tokens/s, static {s['tokens_per_s']:.0f}, ratio {pairs[-1]['speedup']:.2f}; "
               f"tokens identical {same}/{n}", flush=True)
@@ -352,7 +369,8 @@ def main(argv=None):
 
     keys = ("tokens_per_s", "ttft_median_s", "ttft_p90_s", "itl_median_ms", "itl_p90_ms",
             "makespan_s")
-    rows = {side: {k: median(side, k) for k in keys} for side in ("engine", "static")}
+    sides = ("engine", "static") + (("engine_xla",) if args.compare_xla else ())
+    rows = {side: {k: median(side, k) for k in keys} for side in sides}
     speedup = rows["engine"]["tokens_per_s"] / rows["static"]["tokens_per_s"]
     stats = engine.stats  # the last repeat's (the schedule depends on timing a little)
     ps = cfg.page_size
@@ -403,6 +421,14 @@ def main(argv=None):
           f"({hit / prompt_pages:.0%}), {hit * ps} prefill tokens saved; "
           f"{stats['preemptions']} preemptions, {stats['evictions']} evictions; tokens "
           f"identical: {same}/{n} in every repeat")
+    if args.compare_xla:
+        ex = rows["engine_xla"]
+        print(f"time to first token p50 / p90: engine {rows['engine']['ttft_median_s']:.3f} / "
+              f"{rows['engine']['ttft_p90_s']:.3f} s (impl auto: "
+              f"{registry.auto_impl('paged_prefill_attention')} prefill) against "
+              f"{ex['ttft_median_s']:.3f} / {ex['ttft_p90_s']:.3f} s on the XLA path "
+              f"({ex['ttft_p90_s'] / rows['engine']['ttft_p90_s']:.2f}x at p90); tokens "
+              f"identical to the XLA path's: {min(p['identical_xla'] for p in pairs)}/{n}")
     we, ws = work["engine"], work["static"]
     print(f"work: engine {we['decode_steps']} decode steps in {we['calls']} calls, "
           f"{we['prefill_chunks']} prefill chunks ({we['prefill_tokens']} tokens); static "

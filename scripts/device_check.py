@@ -50,6 +50,8 @@ PARTS = {
              "--out", "{out}/mla_decode.json"], 120),
     "prefill": ([sys.executable, "benchmarks/prefill_kernels.py", "--out",
                  "{out}/prefill.json"], 150),
+    "ttft": ([sys.executable, "benchmarks/serving.py", "--compare-xla", "--repeats", "2", "--out",
+              "{out}/serving.json"], 240),
     "long": ([sys.executable, "benchmarks/long_context.py", "--json", "{out}/long_context.json"],
              300),
     "kernels": (PYTEST + ["--slow", "tests/kernels", "-k", "native"], 150),
