@@ -78,7 +78,6 @@ def test_cli_serves_a_sliding_window_model_on_window_pages(tmp_path, monkeypatch
     """`python -m kvjax serve --window-pages` on a Qwen2 checkpoint whose second layer has a
     6-token window: one greedy completion of 30 prompt + 20 new tokens (more than 3 windows)
     equals transformers'."""
-    import uvicorn
     from fastapi.testclient import TestClient
 
     from kvjax.__main__ import main
@@ -88,8 +87,14 @@ def test_cli_serves_a_sliding_window_model_on_window_pages(tmp_path, monkeypatch
     m = hf_tiny.build("qwen2_swa")
     m.save_pretrained(tmp_path)
     tiny_chat.tokenizer().save_pretrained(tmp_path)
+    from kvjax.serve import server as kvserver
+
     served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.setdefault("app", app))
+
+    def run(self, sockets=None):  # the CLI's server, not started: the app is served below
+        served["app"], self.started = self.config.app, True
+
+    monkeypatch.setattr(kvserver.DrainingServer, "run", run)
     assert main(["serve", "--model", str(tmp_path), "--window-pages", "--no-warmup",
                  "--max-seqs", "2", "--max-seq-len", "64", "--page-size", str(PAGE),
                  "--chunk-size", str(CHUNK), "--dtype", "float32"]) == 0
