@@ -18,6 +18,7 @@ from kvjax import sharding as kvs
 from kvjax.cache.policies import H2O
 from kvjax.specs import QuantSpec
 from tests.nnx.flax_lm import VOCAB, FlaxLM, dense_decode
+from tests.nnx.paged_logits import assert_paged_logits_equal
 
 MAX_NEW, PAGE = 32, 8
 PROMPT_LENS = (13, 5, 21)
@@ -58,19 +59,8 @@ def test_greedy_tokens_and_logits_equal_flax_dense_decoding(setup):
     prompts, result = setup["prompts"], setup["result"]
     np.testing.assert_array_equal(result.tokens, setup["ref_tokens"])
     assert result.status.code == 0
-    # Logits at every position of prompt + generated tokens, through chunked prefill
-    # over the pages (each chunk reads the earlier chunks' pages).
-    seqs = [p + setup["ref_tokens"][b, : MAX_NEW - 1].tolist() for b, p in enumerate(prompts)]
-    tokens, lengths, chunk = kvg.pad_prompts(seqs, PAGE)
-    model = setup["model"]
-    cache = kvg.CacheConfig(page_size=PAGE).build(model, num_seqs=len(seqs),
-                                                  max_tokens=tokens.shape[1])
-    *_, logits, _ = kvg.prefill(model, setup["params"], cache, jax.device_put(tokens),
-                                jax.device_put(lengths), jax.device_put(np.arange(len(seqs))),
-                                chunk_size=chunk, return_logits=True)
-    logits = np.asarray(logits)
-    for b, n in enumerate(lengths):
-        np.testing.assert_allclose(logits[b, :n], setup["ref_logits"][b, :n], **LOGIT_TOL)
+    assert_paged_logits_equal(setup["model"], setup["params"], prompts, setup["ref_tokens"],
+                              setup["ref_logits"], page=PAGE, max_new=MAX_NEW, tol=LOGIT_TOL)
 
 
 def test_kivi_int4_pages_with_h2o_eviction(setup):

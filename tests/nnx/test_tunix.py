@@ -24,6 +24,7 @@ from kvjax import sharding as kvs
 from kvjax.cache.policies import H2O
 from kvjax.nnx import tunix as kvtunix
 from kvjax.specs import QuantSpec
+from tests.nnx.paged_logits import assert_paged_logits_equal
 from tests.nnx.tunix_gemma3 import CONFIG, dense_decode, load_gemma3, tiny_gemma3
 from tests.test_readme import apply_replacements, blocks
 
@@ -77,19 +78,8 @@ def test_greedy_tokens_and_logits_equal_tunix_dense_decoding(setup):
     assert min(PROMPT_LENS) + MAX_NEW >= 3 * CONFIG["sliding_window_size"]
     np.testing.assert_array_equal(result.tokens, setup["ref_tokens"])
     assert result.status.code == 0
-    # Logits at every position of prompt + generated tokens, through chunked prefill
-    # over the pages (each chunk reads the earlier chunks' pages).
-    seqs = [p + setup["ref_tokens"][b, : MAX_NEW - 1].tolist() for b, p in enumerate(prompts)]
-    tokens, lengths, chunk = kvg.pad_prompts(seqs, PAGE)
-    model = setup["model"]
-    cache = kvg.CacheConfig(page_size=PAGE).build(model, num_seqs=len(seqs),
-                                                  max_tokens=tokens.shape[1])
-    *_, logits, _ = kvg.prefill(model, setup["params"], cache, jax.device_put(tokens),
-                                jax.device_put(lengths), jax.device_put(np.arange(len(seqs))),
-                                chunk_size=chunk, return_logits=True)
-    logits = np.asarray(logits)
-    for b, n in enumerate(lengths):
-        np.testing.assert_allclose(logits[b, :n], setup["ref_logits"][b, :n], **LOGIT_TOL)
+    assert_paged_logits_equal(setup["model"], setup["params"], prompts, setup["ref_tokens"],
+                              setup["ref_logits"], page=PAGE, max_new=MAX_NEW, tol=LOGIT_TOL)
 
 
 def test_kivi_int4_pages_with_h2o_eviction(setup):
