@@ -152,10 +152,10 @@ def engine_breakdown(engine, trace) -> dict:
     ready, which costs a little overlap): seconds in its step programs (with and without a
     prefill chunk), in its bookkeeping programs (prefix forks, frees) with their syncs, and
     in host Python (scheduling, token delivery, dispatch)."""
-    from kvjax.serve import engine as engine_mod
+    from kvjax.serve import steps
 
-    names = ("_step", "_share", "_release", "_free")
-    saved = {k: getattr(engine_mod, k) for k in names}
+    names = ("step", "share", "release", "free")
+    saved = {k: getattr(steps, k) for k in names}
     spent = {k: 0.0 for k in names}
     calls = []  # (lanes, decode steps run, seconds) per step program; read after the replay
 
@@ -165,20 +165,20 @@ def engine_breakdown(engine, trace) -> dict:
             out = jax.block_until_ready(saved[name](*args, **kw))
             dt = time.perf_counter() - t
             spent[name] += dt
-            if name == "_step":
+            if name == "step":
                 calls.append((args[4], out[2], dt))
             return out
         return run
 
     for k in names:
-        setattr(engine_mod, k, timed(k))
+        setattr(steps, k, timed(k))
     try:
         t0 = time.perf_counter()
         _, _, split = run_engine(engine, *trace)
         wall = time.perf_counter() - t0
     finally:
         for k, f in saved.items():
-            setattr(engine_mod, k, f)
+            setattr(steps, k, f)
     calls = [(0 if lanes is None else int(np.sum(np.asarray(lanes.lengths) > 0)), int(ran), dt)
              for lanes, ran, dt in calls]
     device = sum(spent.values())
@@ -186,7 +186,7 @@ def engine_breakdown(engine, trace) -> dict:
     return dict(wall_s=wall, idle_s=split["idle_s"], lane_s=lane_s, step_s=step_s,
                 prefill_programs_s=sum(dt for lanes, _, dt in calls if lanes),
                 decode_programs_s=sum(dt for lanes, _, dt in calls if not lanes),
-                bookkeeping_s=device - spent["_step"], host_s=wall - split["idle_s"] - device,
+                bookkeeping_s=device - spent["step"], host_s=wall - split["idle_s"] - device,
                 calls=len(calls), prefill_calls=sum(1 for lanes, _, _ in calls if lanes),
                 decode_steps=sum(k for _, k, _ in calls),
                 prefill_chunks=sum(lanes for lanes, _, _ in calls))

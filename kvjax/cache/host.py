@@ -5,6 +5,7 @@
     cache, st = host.swap_out(cache, slot, row)        # whole sequence -> parked row
     cache, st = host.swap_in(cache, row, slot)         # parked row -> empty slot
     cache = host.drop_parked(cache, row)               # forget a parked sequence
+    cache = host.compile_swaps(cache, slot, row)       # compile every swap (empty slot/row)
 
 The tier (`HostTier`, a field of `PagedKVCache`) is a second page pool of the same
 page kind and layout in host memory (`memory_kind="pinned_host"`), with its own page
@@ -50,6 +51,7 @@ __all__ = [
     "swap_out",
     "swap_in",
     "drop_parked",
+    "compile_swaps",
     "parked_lengths",
     "check",
     "tier_bytes",
@@ -620,6 +622,39 @@ def _drop_parked(cache: PagedKVCache, r):
     tier = dataclasses.replace(tier, table=htable,
                                parked_lengths=tier.parked_lengths.at[r].set(0))
     return dataclasses.replace(cache, host=tier)
+
+
+def compile_swaps(cache: PagedKVCache, slot: int, row: int) -> PagedKVCache:
+    """Compiles `swap_out` and `swap_in` for every copy width they may use, by running each
+    on the empty `slot` and the free parked `row`: a swap of nothing changes nothing, and
+    the row is dropped after (as `drop_parked` leaves it), so the cache comes back as it
+    was. For a server that compiles its programs before taking requests.
+
+    Args:
+      cache: a cache with a host tier (donated).
+      slot: an empty slot.
+      row: a parked row that holds nothing.
+
+    Returns:
+      The cache, its contents unchanged.
+
+    Raises:
+      ValueError: no host tier, a slot that holds a sequence, a row in use, or either
+        out of range.
+    """
+    tier = _tier(cache, "compile_swaps")
+    s = _check_slot("compile_swaps", cache, slot)
+    r = _check_row("compile_swaps", tier, row)
+    if int(cache.lengths[s]) != 0:
+        raise ValueError(f"compile_swaps: slot {s} holds a sequence; give an empty one.")
+    if int(tier.parked_lengths[r]) != 0:
+        raise ValueError(f"compile_swaps: parked row {r} is in use; give a free one.")
+    mp = cache.spec.max_pages_per_seq
+    s_, r_ = jnp.int32(s), jnp.int32(r)
+    for k in sorted({_bucket(n, mp) for n in range(mp + 1)}):
+        cache, _ = _swap_out(cache, s_, r_, k=k)
+        cache, _ = _swap_in(cache, r_, s_, k=k)
+    return _drop_parked(cache, r_)
 
 
 # --------------------------------------------------------------------------- the generic ops

@@ -15,8 +15,7 @@ from hypothesis import strategies as hst
 
 import kvjax.generate as gen
 from kvjax.cache import host
-from kvjax.serve import Engine, PrefixCache, page_hashes
-from kvjax.serve import engine as engine_mod
+from kvjax.serve import Engine, PrefixCache, page_hashes, steps
 from kvjax.specs import QuantSpec
 from tests.serve.engine_helpers import (
     _EVENTS,
@@ -65,8 +64,8 @@ def test_swaps_and_host_prefix_hits_keep_the_tokens(tiny, rng, kind):
     per_seq = -(-MAX_LEN // PAGE) + 1
     engine = _engine(model, params, pool, host_pages=n * per_seq, host_rows=n + 2)
     engine.warmup()
-    programs = (engine_mod._step, engine_mod._release, engine_mod._share, engine_mod._take_row,
-                engine_mod._put_row, host._swap_out, host._swap_in, host._drop_parked)
+    programs = (steps.step, steps.release, steps.share, steps.take_row, steps.put_row,
+                host._swap_out, host._swap_in, host._drop_parked)
     compiled = [f._cache_size() for f in programs]
     got, reasons = _drive(engine, prompts, max_new)
     assert [f._cache_size() for f in programs] == compiled  # warmup compiled every one

@@ -66,7 +66,7 @@ def test_stop_ids_eos_and_cancel(tiny, rng):
     e = engine.add_request(prompts[3], max_tokens=12)
     b, c, d = (engine.add_request(p, max_tokens=40) for p in prompts[1:3] + [prompts[0]])
     outs, reasons = {}, {}
-    req_e = engine._requests[e]  # its row, once admitted: req_e.slot
+    req_e = engine.scheduler.requests[e]  # its row, once admitted: req_e.slot
 
     def step():
         for o in engine.step():
@@ -190,14 +190,14 @@ def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng):
 
 
 def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
-    from kvjax.serve import engine as engine_mod
+    from kvjax.serve import steps
 
     model, params = tiny
     engine = Engine(model, params, max_seqs=2, max_seq_len=64, chunk_size=CHUNK,
                     cache=gen.CacheConfig(page_size=PAGE, num_pages=12), decode_steps=4,
                     prefix_slots=1, prefill_rows=1)
     engine.warmup()
-    programs = (engine_mod._step, engine_mod._release, engine_mod._share)
+    programs = (steps.step, steps.release, steps.share)
     compiled = [f._cache_size() for f in programs]
     # Prompts of 35 to 48 tokens: the references' programs are the other tests'.
     prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, new=(2, 12))

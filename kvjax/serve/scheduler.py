@@ -1,0 +1,470 @@
+"""The engine's scheduler: which requests hold rows, which prefill, how far a step decodes.
+
+`Scheduler` keeps the requests (waiting, running, swapped out) and, before each step,
+admits waiting requests to free rows, looks up their prefix hits, plans the step's
+prefill lanes and decode rows within the token budget, and makes the pool able to
+supply every page the step may allocate (evicting cached prefixes, then preempting
+the most recently admitted request: swapped to the host tier when it has room, else
+recomputed later from its prompt and the tokens it produced). After the step it hands
+each request its new tokens and finishes those that ended. It runs no device program
+itself but through `CacheSlots` and `PrefixPages`.
+"""
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvjax.generate.sampling import SamplingConfig
+from kvjax.serve import steps
+from kvjax.serve.prefixes import PrefixPages
+from kvjax.serve.slots import CacheSlots
+
+__all__ = ["Request", "RequestOutput", "Scheduler"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one `Engine.step` produced for one request.
+
+    Attributes:
+      request_id: the request.
+      token_ids: tokens produced in this step (up to `max_decode_steps` + 1; a stop
+        or EOS token is included).
+      finished: the request is done; this is its last output.
+      finish_reason: "stop" (an EOS or stop id), "length" (`max_tokens`), "cancelled", or
+        None while it runs.
+      prompt_tokens: tokens of its prompt.
+      cached_tokens: prompt tokens served from the prefix cache (0 without a hit).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request and where it stands (the scheduler's record of it)."""
+
+    id: str
+    prompt: np.ndarray
+    max_tokens: int
+    sampling: SamplingConfig
+    stop_ids: frozenset[int]
+    key_data: np.ndarray  # uint32 words of its PRNG key
+    salt: str | None
+    output: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    fed: np.ndarray | None = None  # what the slot must hold: prompt (+ output if preempted)
+    done_tokens: int = 0  # tokens of `fed` in the cache
+    cached_tokens: int = 0
+    decoding: bool = False
+    looked_up: bool = False  # prefix hits attached (or none to look for)
+    # While it waits for an earlier prompt to prefill pages it shares: that request, and
+    # the pages of its own prompt it will then find cached.
+    leader: "Request | None" = None
+    target: int = 0
+    hashes: list[bytes] | None = None  # the hash chain of `fed`'s full pages
+    admitted: int = 0  # admission counter (preemption picks the latest)
+    cancelled: bool = False
+    # While swapped out to the host tier: its parked row, the tokens and device-table
+    # tokens (KIVI: quantized) it held, and its decoding row's state (None: prefilling).
+    parked: int | None = None
+    parked_tokens: int = 0
+    parked_table: int = 0
+    parked_ring_base: np.ndarray | None = None  # per window group: its rings' first page
+    row_state: steps.RowState | None = None
+
+
+class Scheduler:
+    """Admission, planning, preemption and delivery over the engine's rows.
+
+    Args:
+      slots: the engine's `CacheSlots`.
+      prefixes: the engine's `PrefixPages`.
+      chunk, prefill_rows, token_budget, decode_steps, max_decode_steps: as `Engine`.
+      stats: the engine's counters (preemptions, requeues, swaps, swap_ins,
+        decode_tokens).
+
+    Attributes:
+      waiting: requests without a row, first in line first (swapped out ones included).
+      running: row -> the request holding it.
+      swapped: parked row -> the request swapped out there.
+      requests: id -> every unfinished request.
+      outputs: the `RequestOutput`s of the current step so far.
+    """
+
+    def __init__(self, slots: CacheSlots, prefixes: PrefixPages, *, chunk: int,
+                 prefill_rows: int, token_budget: int, decode_steps: int,
+                 max_decode_steps: int, stats: collections.Counter):
+        self.slots = slots
+        self.prefixes = prefixes
+        self.rows = slots.rows
+        self.chunk = chunk
+        self.prefill_rows = prefill_rows
+        self.token_budget = token_budget
+        self.decode_steps = decode_steps
+        self.max_decode_steps = max_decode_steps
+        self.stats = stats
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}
+        self.swapped: dict[int, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.outputs: list[RequestOutput] = []
+        self._admissions = itertools.count(1)
+
+    def add(self, req: Request) -> None:
+        self.requests[req.id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str, tokens: Sequence[int] = ()) -> None:
+        self.requests.pop(req.id, None)
+        self.outputs.append(RequestOutput(
+            request_id=req.id, token_ids=list(tokens), finished=True, finish_reason=reason,
+            prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens))
+
+    def drop_cancelled(self) -> None:
+        """Finishes the cancelled requests, freeing what they hold (their pages serve the
+        coming step)."""
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            if r.parked is not None:
+                self.slots.drop_row(r.parked)
+                del self.swapped[r.parked]
+                r.parked = None
+                self.slots.sync()
+            self.finish(r, "cancelled")
+        gone = [r for r in self.running.values() if r.cancelled]
+        if gone:
+            for r in gone:
+                del self.running[r.slot]
+                self.finish(r, "cancelled")
+            self.slots.release([r.slot for r in gone])
+            self.slots.sync()
+
+    # ------------------------------------------------------------------ admission
+
+    def admit_waiting(self) -> None:
+        """Gives free rows to waiting requests, first in line first, while the pool can
+        take their prompts (swapped out ones come back whole)."""
+        slots, prefixes = self.slots, self.prefixes
+        free_rows = [s for s in range(self.rows) if s not in self.running]
+        while self.waiting and free_rows:
+            req = self.waiting[0]
+            if req.parked is not None:
+                if self._resume(req, free_rows[0]):
+                    free_rows.pop(0)
+                    continue
+                if self.running:
+                    break
+                # Nothing runs and the pool still cannot take it back (the pool holds a
+                # request of max_seq_len, so this is a safety net): recompute it instead.
+                self._unswap(req)
+            # Admit when the pool can take the prompt but for the pages a prefix hit will
+            # share (their holder is marked used, so eviction takes others first); a hit
+            # on a parked prefix needs the pages that bring it back.
+            need = -(-len(req.fed) // slots.spec.page_size)
+            if prefixes.enabled:
+                hit, holder, row = prefixes.find_hit(req)
+                if hit:
+                    if holder is not None:
+                        need -= hit
+                    else:
+                        need += len(prefixes.parked[row]) // slots.spec.page_size - hit
+            while slots.free_pages < need and prefixes.evict():
+                pass
+            if slots.free_pages < need and self.running:
+                break
+            self.waiting.popleft()
+            req.slot = free_rows.pop(0)
+            req.admitted = next(self._admissions)
+            req.done_tokens, req.decoding = 0, False
+            slots.ring_base[req.slot] = 0
+            self.running[req.slot] = req
+            req.looked_up = not prefixes.enabled
+            if slots.blank is not None:
+                slots.reset_policy_row(req.slot)
+
+    def look_up_prefixes(self) -> None:
+        """Prefix hits for the prompts about to take a prefill lane. Looked up this late,
+        not at admission, so that a prompt queued behind one with the same prefix finds
+        the pages that one registered. A prompt that shares more whole chunks with an
+        earlier prompt still being prefilled than the cache holds waits for them (takes
+        no lane) instead of computing them again: that prompt registers its pages as soon
+        as they cover what a waiting prompt needs (`register_for_followers`)."""
+        prefilling = sorted((r for r in self.running.values() if not r.decoding),
+                            key=lambda r: r.admitted)
+        lanes = 0
+        for req in prefilling:
+            if lanes == self.prefill_rows:
+                break
+            if not req.looked_up:
+                req.leader, req.target = self._leader_for(req, prefilling)
+                if req.leader is not None:
+                    continue
+                req.looked_up = True
+                self.prefixes.attach(req)
+            lanes += 1
+
+    def _leader_for(self, req: Request, prefilling) -> tuple["Request | None", int]:
+        """An earlier prompt being prefilled that will register more of `req`'s pages than
+        the cache holds now (whole chunks `req` may use), and how many; else (None, 0)."""
+        hashes = self.prefixes.hashes(req)
+        have = self.prefixes.find_hit(req, touch=False)[0]
+        for lead in prefilling:
+            if lead.admitted >= req.admitted or not lead.looked_up:
+                continue
+            theirs = self.prefixes.hashes(lead)
+            common = 0
+            while (common < min(len(hashes), len(theirs))
+                   and hashes[common] == theirs[common]):
+                common += 1
+            want = self.prefixes.usable_hit(req, common)
+            if want > have:
+                return lead, want
+        return None, 0
+
+    def after_prefill(self, lanes: list[tuple[Request, int]]) -> None:
+        """Records the chunks a step prefilled; a prompt that ended starts decoding, and
+        its pages are kept for later prompts (with prefix caching), as are the pages a
+        prompt waiting for it needs."""
+        ps = self.slots.spec.page_size
+        for r, n in lanes:
+            r.done_tokens += n
+            if r.done_tokens == len(r.fed):
+                r.decoding = True
+                if self.prefixes.enabled:
+                    self.prefixes.register(r)
+            elif self.prefixes.enabled:
+                done = (r.done_tokens if self.slots.spec.quant is None
+                        else int(self.slots.quant[r.slot])) // ps
+                if any(f.leader is r and f.target <= done for f in self.running.values()):
+                    self.prefixes.register(r)
+
+    # ------------------------------------------------------------------ the step's plan
+
+    def plan(self) -> tuple[list[int], list[tuple[Request, int]], int, bool]:
+        """The step: its decoding rows, its prefill lanes (request, tokens), the decode
+        steps it runs at most and whether it ends as soon as a row finishes. Before it
+        returns, the pool can supply every page such a step allocates: cached prefixes
+        are evicted and the latest requests preempted until it can."""
+        decode, lanes = self._rows_and_lanes()
+        k, until_finish = self._call_plan(decode, lanes)
+        while self._pages_needed(decode, lanes, k) > self.slots.free_pages:
+            if not self.prefixes.evict():
+                if len(self.running) <= 1:
+                    raise RuntimeError(
+                        f"the pool ({self.slots.spec.num_pages} pages) cannot hold the next "
+                        f"step of the only running request; give the Engine more pages.")
+                self._preempt()
+            decode, lanes = self._rows_and_lanes()
+            k, until_finish = self._call_plan(decode, lanes)
+        return decode, lanes, k, until_finish
+
+    def _rows_and_lanes(self) -> tuple[list[int], list[tuple[Request, int]]]:
+        """This step's decoding rows and prefill lanes (request, tokens) within the budget."""
+        decode = [s for s, r in self.running.items() if r.decoding]
+        room = self.token_budget - len(decode)
+        lanes = []
+        for req in sorted((r for r in self.running.values() if not r.decoding),
+                          key=lambda r: r.admitted):
+            if not req.looked_up:  # waits for an earlier prompt's pages, or for a lane
+                continue
+            if len(lanes) == self.prefill_rows or (room < self.chunk and (lanes or decode)):
+                break
+            n = min(self.chunk, len(req.fed) - req.done_tokens)
+            lanes.append((req, n))
+            room -= self.chunk
+        return decode, lanes
+
+    def _decode_steps(self, decode, lanes) -> tuple[int, bool]:
+        """Decode steps this call runs at most, and whether it ends as soon as a row
+        finishes (its request is then done and a waiting one can take the row):
+
+          * none without a decoding row;
+          * one while a prompt still waits for a chunk or a lane (it starts sooner);
+          * while every row is busy (or a request waits for pages), until the first row
+            finishes, at most `max_decode_steps`: by length the host knows when, so no step
+            runs past it; by EOS the device stops there;
+          * else `decode_steps` (a request that arrives meanwhile waits at most this long).
+        """
+        ending = [r for r, n in lanes if r.done_tokens + n == len(r.fed)]
+        if not decode and not ending:
+            return 0, False
+        in_lanes = {r.slot for r, _ in lanes}
+        if len(ending) < len(lanes) or any(
+                not r.decoding and s not in in_lanes for s, r in self.running.items()):
+            return 1, False
+        if not self.waiting and len(self.running) < self.rows:
+            return self.decode_steps, False
+        left = [self.running[s].max_tokens - len(self.running[s].output) for s in decode]
+        left += [r.max_tokens - len(r.output) - 1 for r in ending]  # after the first token
+        return max(1, min(self.max_decode_steps, *left)), True
+
+    def _call_plan(self, decode, lanes) -> tuple[int, bool]:
+        """`_decode_steps`, with fewer steps when the free pages cannot cover them all (the
+        page check then evicts or preempts only if one step does not fit)."""
+        k, until_finish = self._decode_steps(decode, lanes)
+        k = min(k, self._ring_steps(lanes))
+        while k > 1 and self._pages_needed(decode, lanes, k) > self.slots.free_pages:
+            k //= 2
+        return k, until_finish
+
+    def _ring_steps(self, lanes) -> int:
+        """Decode steps a call may run after a prompt that ends in it while its rings still
+        serve a later hit on its pages, which ends at its last whole chunk c: a window
+        group's ring must still hold the page of position c - window + 1, which k more
+        tokens push out once ceil((len + k) / page_size) - R passes it (unbounded without
+        window groups or prefix caching). At least 1: R * page_size >= window + chunk_size
+        + page_size - 2 (`kvjax.specs.ring_pages`)."""
+        k, slots = self.max_decode_steps, self.slots
+        if not self.prefixes.enabled or not slots.windows.size:
+            return k
+        ps = slots.spec.page_size
+        for r, n in lanes:
+            total = len(r.fed)
+            if r.done_tokens + n != total or total < self.chunk:
+                continue
+            first = np.maximum((total // self.chunk) * self.chunk - slots.windows + 1, 0) // ps
+            if np.any(first < slots.ring_base[r.slot]):
+                continue  # a hit's ring that cannot register this prompt anyway
+            k = min(k, int(np.min((first + slots.rings) * ps)) - total)
+        return max(k, 1)
+
+    def _pages_needed(self, decode, lanes, k: int) -> int:
+        """Pages the call allocates at most: k decode steps of each decoding row, and each
+        lane's chunk (with k steps after it when the prompt ends there)."""
+        pages_for = self.slots.pages_for
+        return (sum(pages_for(s, k) for s in decode)
+                + sum(pages_for(r.slot, n + (k if r.done_tokens + n == len(r.fed) else 0))
+                      for r, n in lanes))
+
+    # ------------------------------------------------------------------ preemption
+
+    def _preempt(self) -> None:
+        """Preempts the most recently admitted request; it waits again, first in line. With
+        a host tier that has room, its sequence is swapped out; else its pages are freed
+        and it is recomputed when readmitted."""
+        req = max(self.running.values(), key=lambda r: r.admitted)
+        held = bool(self.slots.lengths[req.slot])
+        if self.slots.host_rows and held and self._swap_out(req):
+            return
+        del self.running[req.slot]
+        self.slots.release([req.slot])
+        req.slot = None
+        self.to_recompute(req)
+        # A request admitted this step may hold nothing yet: it loses no work.
+        self.stats["preemptions" if held else "requeues"] += 1
+        self.waiting.appendleft(req)
+        self.slots.sync()
+
+    @staticmethod
+    def to_recompute(req: Request) -> None:
+        """A request without pages will be recomputed: its prompt and the tokens it
+        produced so far."""
+        req.fed = np.concatenate([req.prompt, np.asarray(req.output, np.int32)])
+        req.hashes = None
+        req.decoding, req.done_tokens = False, 0
+
+    def _swap_out(self, req: Request) -> bool:
+        """Preempts a running request by swapping its sequence (and decoding row) to the
+        host tier; False (nothing changed) when the tier cannot take it."""
+        slots, slot = self.slots, req.slot
+        L, q = int(slots.lengths[slot]), int(slots.quant[slot])
+        row = self.prefixes.host_room(-(-q // slots.spec.page_size))
+        if row is None:
+            return False
+        saved = slots.take_row(slot) if req.decoding else None
+        if not slots.swap_out(slot, row):
+            return False
+        slots.release([slot])  # the row stops (slot empty)
+        del self.running[slot]
+        req.parked, req.parked_tokens, req.parked_table, req.row_state = row, L, q, saved
+        req.parked_ring_base = slots.ring_base[slot].copy()
+        req.slot = None
+        self.swapped[row] = req
+        self.waiting.appendleft(req)
+        self.stats["swaps"] += 1
+        return True
+
+    def _resume(self, req: Request, slot: int) -> bool:
+        """Swaps a swapped-out request back into row `slot` when the pool can take it and
+        the pages it will allocate next (any time while nothing else runs); it continues
+        where it stopped. False (nothing changed) otherwise."""
+        slots = self.slots
+        need = -(-req.parked_table // slots.spec.page_size)
+        if self.running:
+            ahead = self.decode_steps if req.decoding else min(
+                self.chunk, len(req.fed) - req.done_tokens)
+            need += slots.growth(req.parked_tokens, req.parked_table, ahead)
+        while slots.free_pages < need and self.prefixes.evict():
+            pass
+        if slots.free_pages < need or not slots.swap_in(req.parked, slot):
+            return False
+        del self.swapped[req.parked]
+        self.waiting.popleft()
+        req.parked, req.slot = None, slot
+        slots.ring_base[slot] = req.parked_ring_base  # the rings came back as they left
+        req.admitted = next(self._admissions)
+        self.running[slot] = req
+        if req.row_state is not None:
+            slots.put_row(slot, req.row_state)
+            req.row_state = None
+        self.stats["swap_ins"] += 1
+        return True
+
+    def _unswap(self, req: Request) -> None:
+        """Forgets a swapped-out request's parked row; it will be recomputed."""
+        self.slots.drop_row(req.parked)
+        del self.swapped[req.parked]
+        self.slots.sync()
+        req.parked, req.row_state = None, None
+        self.to_recompute(req)
+        self.stats["preemptions"] += 1
+
+    # ------------------------------------------------------------------ delivery
+
+    def deliver(self, record, entries: int, eos_ids: tuple[int, ...]) -> None:
+        """Hands each decoding row's new tokens to its request, finishes the requests that
+        ended and frees their rows. `record`: (last, count, done) [steps, rows] after each
+        step of the call (the lanes' first tokens included), of which `entries` ran."""
+        last, num, done = (x[:entries] for x in record)
+        release = []
+        for slot, r in list(self.running.items()):
+            if not r.decoding:
+                continue
+            # A row produced a token at the steps where its count grew (a row that was
+            # admitted in this call starts from its request's count: the lanes' entry).
+            col = num[:, slot]
+            at = np.flatnonzero(np.diff(col, prepend=len(r.output)) > 0)
+            toks = last[at, slot]
+            reason = None
+            stops = np.isin(toks, [*r.stop_ids, *eos_ids]) if toks.size else toks
+            if stops.any():
+                toks = toks[: int(np.argmax(stops)) + 1]  # the row may have run on past a
+                reason = "stop"                           # host-side stop id
+            elif toks.size and done[at[-1], slot]:
+                reason = "length"
+            toks = toks.tolist()
+            # Finished rows keep their pages until now (their prompt pages were registered
+            # above, even when the request ended in the call that prefilled it).
+            if reason is not None:
+                release.append(slot)
+            r.output.extend(toks)
+            self.stats["decode_tokens"] += len(toks)
+            if reason is not None:
+                del self.running[slot]
+                self.finish(r, reason, toks)
+            elif toks:
+                self.outputs.append(RequestOutput(
+                    request_id=r.id, token_ids=toks, finished=False, finish_reason=None,
+                    prompt_tokens=len(r.prompt), cached_tokens=r.cached_tokens))
+        if release:
+            self.slots.release(release)
+            self.slots.sync()

@@ -1,0 +1,228 @@
+"""The serving engine's device programs: the jitted step and the bookkeeping it needs.
+
+Every function here is pure over the engine's `DecodeState` (or its cache) and donates
+it; the engine's host side (`kvjax.serve.engine`, `scheduler`, `prefixes`, `slots`)
+decides what to run and calls these by module attribute, so a profiler can wrap them.
+
+  * `step`: one prefill chunk per lane (rows whose prompt ends take their first token,
+    `admit`), then up to `steps` decode steps of `kvjax.generate.decode_step` in a
+    `lax.while_loop`;
+  * `share`: a slot takes a prefix of another slot's pages (a prefix-cache hit);
+  * `free`, `release`: free slots (cached prefixes) or decoding rows;
+  * `take_row`, `put_row`: a decoding row's state, saved to the host and restored (a
+    request swapped out to the host tier and back).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int, UInt32
+
+from kvjax import cache as kv_cache
+from kvjax.cache import AllocStatus, PagedKVCache, host, window
+from kvjax.cache.policies.base import CachePolicy
+from kvjax.generate.loop import DecodeState, decode_step, prefill
+from kvjax.generate.sampling import RowSampling, SamplingConfig, sample_rows
+from kvjax.models.base import Model
+
+__all__ = ["GREEDY", "Lanes", "RowState", "admit", "first_error", "free", "is_eos",
+           "ok_status", "put_row", "release", "seed_key", "share", "step", "take_row"]
+
+GREEDY = SamplingConfig()
+
+
+def ok_status(cache: PagedKVCache) -> AllocStatus:
+    """A success status for `cache` (its free count summed over a sharded pool's shards)."""
+    return AllocStatus(code=jnp.int32(0), pages_needed=jnp.int32(0),
+                       pages_free=jnp.sum(cache.table.num_free, dtype=jnp.int32))
+
+
+def first_error(old: AllocStatus, new: AllocStatus) -> AllocStatus:
+    """`old` if it records an error, else `new`: the first failure of a sequence of ops."""
+    keep = old.code != 0
+    return jax.tree.map(lambda a, b: jnp.where(keep, a, b), old, new)
+
+
+def is_eos(tok: Int[Array, " n"], eos_ids: tuple[int, ...]) -> Bool[Array, " n"]:
+    """Whether each token is one of `eos_ids` (static)."""
+    if not eos_ids:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Lanes:
+    """One prefill chunk per lane (a bucket of lanes up to `prefill_rows`; length 0: idle)."""
+
+    tokens: Int[Array, "lanes chunk"]
+    lengths: Int[Array, " lanes"]
+    slots: Int[Array, " lanes"]
+    start: Int[Array, " lanes"]  # position of the chunk's first token
+    last: Bool[Array, " lanes"]  # the prompt's last chunk: sample its first token
+    key_data: UInt32[Array, "lanes key_words"]  # each request's PRNG key, as its words
+    count: Int[Array, " lanes"]  # tokens the request produced before (preemption)
+    max_new: Int[Array, " lanes"]
+    sampling: RowSampling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowState:
+    """One decoding row's state, kept on the host while its sequence is swapped out (the
+    cache holds the rest: its tokens, and on KIVI its tail)."""
+
+    last: Int[Array, ""]
+    position: Int[Array, ""]
+    num_generated: Int[Array, ""]
+    max_new: Int[Array, ""]
+    done: Bool[Array, ""]
+    key_data: UInt32[Array, " key_words"]
+    sampling: RowSampling  # one row's settings (scalars)
+
+
+@jax.jit
+def take_row(state: DecodeState, slot: Int[Array, ""]) -> RowState:
+    rs = state.row_sampling
+    return RowState(last=state.last[slot], position=state.position[slot],
+                num_generated=state.num_generated[slot], max_new=state.max_new[slot],
+                done=state.done[slot], key_data=jax.random.key_data(state.keys[slot]),
+                sampling=RowSampling(temperature=rs.temperature[slot], top_k=rs.top_k[slot],
+                                     top_p=rs.top_p[slot]))
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def put_row(state: DecodeState, slot: Int[Array, ""], row: RowState) -> DecodeState:
+    """Row `slot` takes a state `take_row` saved (the inverse of `take_row`)."""
+    rs, r = state.row_sampling, row.sampling
+    key = jax.random.wrap_key_data(row.key_data, impl=jax.random.key_impl(state.keys))
+    return dataclasses.replace(
+        state, last=state.last.at[slot].set(row.last),
+        position=state.position.at[slot].set(row.position),
+        num_generated=state.num_generated.at[slot].set(row.num_generated),
+        max_new=state.max_new.at[slot].set(row.max_new), done=state.done.at[slot].set(row.done),
+        keys=state.keys.at[slot].set(key),
+        row_sampling=RowSampling(temperature=rs.temperature.at[slot].set(r.temperature),
+                                 top_k=rs.top_k.at[slot].set(r.top_k),
+                                 top_p=rs.top_p.at[slot].set(r.top_p)))
+
+
+def admit(state: DecodeState, lanes: Lanes, last_logits, ok,
+           eos_ids) -> tuple[DecodeState, Bool[Array, ""]]:
+    """Rows whose prompt just ended take their first token and start decoding; also
+    returns whether one of them finished with it (EOS, or a request of one token)."""
+    rows = state.seq_ids.shape[0]
+    admit = lanes.last & (lanes.lengths > 0) & ok
+    lane_keys = jax.random.wrap_key_data(lanes.key_data, impl=jax.random.key_impl(state.keys))
+    keys = jax.vmap(jax.random.fold_in)(lane_keys, lanes.count)
+    tok = sample_rows(last_logits, keys, lanes.sampling)
+    num = lanes.count + 1
+    finished = admit & (is_eos(tok, eos_ids) | (num >= lanes.max_new))
+    tgt = jnp.where(admit, lanes.slots, rows)  # out of range: dropped
+
+    def put(x, v):
+        return x.at[tgt].set(v, mode="drop")
+
+    rs, ls = state.row_sampling, lanes.sampling
+    state = dataclasses.replace(
+        state, last=put(state.last, tok),
+        position=put(state.position, lanes.start + lanes.lengths),
+        num_generated=put(state.num_generated, num), max_new=put(state.max_new, lanes.max_new),
+        done=put(state.done, finished), keys=put(state.keys, lane_keys),
+        row_sampling=RowSampling(temperature=put(rs.temperature, ls.temperature),
+                                 top_k=put(rs.top_k, ls.top_k), top_p=put(rs.top_p, ls.top_p)))
+    return state, jnp.any(finished)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "decode"),
+                   donate_argnames="state")
+def step(model: Model, params, dparams, state: DecodeState, lanes: Lanes | None,
+          steps: Int[Array, ""], until_finish: Bool[Array, ""], *,
+          eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: int):
+    """The engine's step: one prefill chunk per lane (rows whose prompt ends take their
+    first token), then up to `steps` (<= `decode`, static) decode steps over the rows, in
+    a `lax.while_loop` that stops once every row is done, and, when `until_finish`, as soon
+    as a row has finished (a waiting request can take its row at once).
+
+    Returns:
+      (state, record, ran): record holds (last, count, done) [rows] after the lanes (when
+      there are lanes) and after each decode step, [lanes? + decode, rows]; only the
+      first `ran` decode steps' entries are filled.
+    """
+    rows = state.seq_ids.shape[0]
+    head = None
+    if lanes is not None:
+        cache, last_logits, status, _, pstate = prefill(
+            model, params, state.cache, lanes.tokens, lanes.lengths, lanes.slots,
+            chunk_size=lanes.tokens.shape[1], impl=impl, policy=policy,
+            policy_state=state.policy_state, start_positions=lanes.start)
+        state = dataclasses.replace(state, cache=cache, policy_state=pstate,
+                                    status=first_error(state.status, status))
+        state, finished = admit(state, lanes, last_logits, status.code == 0, eos_ids)
+        head = (state.last[None], state.num_generated[None], state.done[None])
+        stop = until_finish & finished  # that row is free already
+    else:
+        stop = jnp.bool_(False)
+    ran = jnp.int32(0)
+    record = (jnp.zeros((decode, rows), jnp.int32), jnp.zeros((decode, rows), jnp.int32),
+              jnp.zeros((decode, rows), bool))
+    if decode:
+        def more(c):
+            i, s, stop, _ = c
+            return (i < steps) & ~stop & jnp.any(~s.done)  # no step once every row is done
+
+        def one(c):
+            i, prev, _, rec = c
+            s = decode_step(model, dparams, prev, sampling=GREEDY, eos_ids=eos_ids,
+                            free_finished=False, impl=impl, policy=policy)
+            finished = jnp.any(s.done & ~prev.done)
+            rec = tuple(r.at[i].set(x) for r, x in zip(rec, (s.last, s.num_generated, s.done),
+                                                       strict=True))
+            return i + 1, s, until_finish & finished, rec
+
+        ran, state, _, record = jax.lax.while_loop(more, one, (ran, state, stop, record))
+    if head is not None:
+        record = tuple(jnp.concatenate([h, r]) for h, r in zip(head, record, strict=True))
+    return state, record, ran
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def share(cache, src: Int[Array, ""], dst: Int[Array, ""], length: Int[Array, ""]):
+    """Slot `dst` (empty) takes the first `length` tokens of slot `src` — whole pages (or
+    quantized pages), shared: a fork truncated to them. The engine checks the slots and
+    the length before; the status is returned for the record."""
+    kind = kv_cache.page_kind(cache)
+    cache, st = kind.fork(cache, src[None], dst[None])
+    cache = window.fork(cache, src[None], dst[None])  # no-ops without window groups
+    cache = host.after_fork(cache, src[None], dst[None], st)  # or a host tier
+    new_lengths = cache.lengths.at[dst].set(length)
+    cache, st2 = kind.truncate(cache, new_lengths)
+    # The engine shares only lengths whose windows the rings still hold (`CacheSlots.ring_holds`).
+    cache = window.truncate(cache, cache.lengths)
+    cache = host.after_truncate(cache, new_lengths, st2)
+    return cache, first_error(st, st2)
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def free(cache, slots: Bool[Array, " slots"]):
+    """Frees the flagged slots (cached prefixes the engine lets go)."""
+    return kv_cache.free(cache, slots)
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def release(state: DecodeState, rows: Bool[Array, " rows"]) -> DecodeState:
+    """Frees the flagged rows' slots and marks them done."""
+    mask = jnp.zeros((state.cache.spec.max_seqs,), bool).at[state.seq_ids].set(rows)
+    cache = jax.lax.cond(jnp.any(rows), lambda c: kv_cache.free(c, mask), lambda c: c,
+                         state.cache)
+    return dataclasses.replace(state, cache=cache, done=state.done | rows)
+
+
+def seed_key(seed: int) -> jax.Array:
+    """`jax.random.key(seed)` for 32-bit seeds (what `generate` takes); wider seeds fold their
+    high word in, so they do not collide with their low 32 bits."""
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    key = jax.random.key(low)
+    return key if high == 0 else jax.random.fold_in(key, high)
