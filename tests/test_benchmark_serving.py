@@ -1,7 +1,15 @@
 """benchmarks/serving.py: the work ceiling its --breakdown reports (the fewest decode steps
-first-come first-served rows need, and the fitted costs of a lane and a step)."""
+first-come first-served rows need, and the fitted costs of a lane and a step), and the
+pieces of its --peer-vllm run that need no vLLM: argument checks, the streaming client
+against a fake server, the latency statistics, the traces and the checkpoint."""
+
+import http.server
+import json
+import sys
+import threading
 
 import benchmark_cli
+import jax
 import numpy as np
 import pytest
 
@@ -45,3 +53,153 @@ def test_call_costs_recover_the_lane_and_step_cost(script):
              for k, s in zip(rng.integers(0, 5, 200), rng.integers(1, 64, 200), strict=True)]
     got_lane, got_step = script.call_costs(calls)
     np.testing.assert_allclose([got_lane, got_step], [lane, step], rtol=0.02)
+
+
+# --peer-vllm: argument handling, the streaming client, the statistics, the checkpoint.
+
+
+def test_peer_vllm_refuses_a_python_without_vllm(script, capsys, monkeypatch, tmp_path):
+    def ran(args):
+        raise AssertionError("the peer run started despite a bad --peer-vllm")
+
+    monkeypatch.setattr(script, "peer_main", ran)
+    # This test's Python has no vllm (vLLM's CPU build lives in its own environment).
+    benchmark_cli.assert_refuses(script.main, capsys, ["--peer-vllm", sys.executable],
+                                 sys.executable, "no vllm package")
+    missing = str(tmp_path / "no-python")
+    benchmark_cli.assert_refuses(script.main, capsys, ["--peer-vllm", missing], missing,
+                                 "no such executable")
+    benchmark_cli.assert_refuses(script.main, capsys, ["--peer-vllm", "x", "--quick"],
+                                 "--quick")
+    benchmark_cli.assert_refuses(script.main, capsys,
+                                 ["--peer-vllm", "x", "--peer-rates", "1,-2"], "-2")
+    benchmark_cli.assert_help_lists(script.main, capsys, ["--peer-vllm", "--peer-rates",
+                                                          "--peer-dtype", "--peer-timeout"])
+
+
+def test_text_ids_reads_any_spacing_of_the_vocabulary_words(script):
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 32000, 50).tolist()
+    seps = rng.choice(["", " ", "  ", "\n"], len(ids))
+    text = "".join(s + script.vocab_word(i) for s, i in zip(seps, ids, strict=True))
+    assert script.text_ids(text) == ids
+    assert script.text_ids("") == []
+    for bad in ("w0001", "w00012x3456", "x00012"):
+        with pytest.raises(ValueError, match="streamed text"):
+            script.text_ids(bad)
+
+
+class _FakeServer(http.server.BaseHTTPRequestHandler):
+    """Streams `plan` (lists of token ids, one per event) as OpenAI completion chunks in
+    HTTP/1.1 chunked encoding, as uvicorn does; records each request body."""
+
+    protocol_version = "HTTP/1.1"
+    plan: list = []
+    bodies: list = []
+    finish = True
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = [{"choices": [{"text": "".join(" " + f"w{i:05d}" for i in ids)}]}
+                  for ids in self.plan]
+        events.append({"choices": [{"text": "", "finish_reason": "length"}]})
+        for e in events:
+            self._chunk(f"data: {json.dumps(e)}\n\n".encode())
+            self.wfile.flush()
+        if self.finish:
+            self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _chunk(self, data: bytes):
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_stream_completion_reads_every_chunk_of_a_server(script):
+    rng = np.random.default_rng()
+    plan = [rng.integers(0, 32000, int(k)).tolist() for k in rng.integers(1, 6, 7)]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        port = server.server_address[1]
+        _FakeServer.plan, _FakeServer.bodies = plan, []
+        prompt = rng.integers(0, 32000, 9).tolist()
+        got = script.stream_completion(port, prompt, 23)
+        assert got["ids"] == [t for ids in plan for t in ids]
+        assert [k for _, k in got["chunks"]] == [len(ids) for ids in plan]
+        times = [got["sent"]] + [t for t, _ in got["chunks"]]
+        assert times == sorted(times)
+        body = _FakeServer.bodies[0]
+        assert (body["prompt"], body["max_tokens"], body["temperature"], body["stream"],
+                body["model"]) == (prompt, 23, 0, True, script.PEER_NAME)
+        _FakeServer.finish = False  # a stream cut short is an error, not a short answer
+        with pytest.raises(RuntimeError, match=r"without \[DONE\]"):
+            script.stream_completion(port, prompt, 23)
+    finally:
+        _FakeServer.finish = True
+        server.shutdown()
+        server.server_close()
+
+
+def test_http_latency_by_hand(script):
+    # Request a: sent at 0, 1 token at 1.0, 3 at 1.6, 1 at 1.7; request b: sent at 0.5,
+    # 2 tokens at 2.0, 2 at 2.4.
+    t0 = 0.0
+    done = [dict(sent=0.0, ids=[1] * 5, chunks=[(1.0, 1), (1.6, 3), (1.7, 1)]),
+            dict(sent=0.5, ids=[2] * 4, chunks=[(2.0, 2), (2.4, 2)])]
+    got = script.http_latency(done, t0)
+    assert got["tokens"] == 9
+    np.testing.assert_allclose(got["tokens_per_s"], 9 / 2.4)
+    np.testing.assert_allclose(got["ttft_s"], np.percentile([1.0, 1.5], [50, 90, 99]))
+    itl = [0.2, 0.2, 0.2, 0.1, 0.2, 0.2]  # 0.6 s over 3 tokens, 0.1 over 1, 0.4 over 2
+    np.testing.assert_allclose(got["itl_ms"], 1e3 * np.percentile(itl, [50, 90, 99]))
+    np.testing.assert_allclose(got["chunk_gap_ms"],
+                               1e3 * np.percentile([0.6, 0.1, 0.4], [50, 90, 99]))
+    np.testing.assert_allclose(got["tokens_per_chunk"], (3 + 1 + 2) / 3)
+
+
+def test_lognormal_trace_keeps_its_bounds_and_rate(script):
+    rng = np.random.default_rng()
+    arrivals, prompts, new = script.lognormal_trace(
+        rng, 4000, rate=3.0, prompt=(200, 0.8, 16, 900), new=(50, 0.8, 8, 120), vocab=97)
+    lens = np.array([len(p) for p in prompts])
+    assert lens.min() >= 16 and lens.max() <= 900 and min(new) >= 8 and max(new) <= 120
+    assert all(0 <= t < 97 for p in prompts[:50] for t in p)
+    np.testing.assert_allclose(np.median(lens), 200, rtol=0.1)
+    np.testing.assert_allclose(np.median(new), 50, rtol=0.1)
+    gaps = np.diff(arrivals)
+    assert arrivals[0] == 0 and gaps.min() >= 0
+    np.testing.assert_allclose(gaps.mean(), 1 / 3.0, rtol=0.1)
+
+
+def test_peer_checkpoint_loads_in_kvjax_and_its_tokenizer_matches_text_ids(
+        script, monkeypatch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import kvjax.models as models
+
+    small = dict(script.PEER_MODEL, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=300)
+    monkeypatch.setattr(script, "PEER_MODEL", small)
+    count = script.save_peer_checkpoint(str(tmp_path), seed=int(np.random.SeedSequence(
+        ).entropy % 2**31))
+    model, params = models.load(str(tmp_path))
+    c = model.config
+    assert (c.num_layers, c.hidden_size, c.q_heads, c.kv_heads, c.head_dim, model.vocab_size) \
+        == (2, 32, 4, 2, 8, 300)
+    assert count == sum(x.size for x in jax.tree.leaves(params))
+    # What AutoTokenizer builds from this directory (TokenizersBackend is that class in
+    # transformers 5), without the torch import AutoTokenizer costs.
+    with open(tmp_path / "tokenizer_config.json") as fh:
+        assert getattr(transformers, json.load(fh)["tokenizer_class"]) is \
+            transformers.PreTrainedTokenizerFast
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    ids = np.random.default_rng().integers(0, 300, 40).tolist()
+    assert script.text_ids(tok.decode(ids)) == ids
+    assert tok.encode(" ".join(script.vocab_word(i) for i in ids)) == ids
+    assert tok.eos_token_id is None and tok.bos_token_id is None  # nothing ends a request
