@@ -296,3 +296,72 @@ def pytest_report_header(config):
     return [*lines, f"sweeps: a covering sample, rotations: k of each list; --sweep-seed {seed} "
                     f"(from {source}; --slow for all of them); hypothesis profile "
                     f"{hypothesis.settings.get_current_profile_name()}"]
+
+
+# ------------------------------------------------------------------ hangs and crashes
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's `thread` method in an xdist worker, with the stacks shown.
+
+    The plugin's own timer writes its report through the worker's terminal writer, whose
+    output xdist drops, so a hung worker would go down without a word. This timer does the
+    same (suspends output capture, prints what the test printed and every thread's stack,
+    ends the process) on the worker's stderr, which reaches the run's output. Elsewhere,
+    or with another method, the plugin's own timer runs.
+    """
+    if not hasattr(item.config, "workerinput") or settings.method != "thread" \
+            or not settings.timeout or settings.timeout <= 0:
+        return None
+    timer = threading.Timer(settings.timeout, _report_hang_and_exit, (item, settings.timeout))
+    timer.name, timer.daemon = "kvjax test timeout", True
+    timer.start()
+    item.cancel_timeout = timer.cancel  # what pytest-timeout's teardown hook calls
+    return True
+
+
+def _report_hang_and_exit(item, timeout):
+    import sys
+    import traceback
+
+    try:
+        capman = item.config.pluginmanager.getplugin("capturemanager")
+        out, err = "", ""
+        if capman is not None:
+            capman.suspend_global_capture(in_=True)
+            out, err = capman.read_global_capture()
+        worker = item.config.workerinput.get("workerid", "worker")
+        lines = [f"\n{'+' * 30} Timeout: {item.nodeid} ran past {timeout:g} s on {worker}"]
+        if out:
+            lines += ["~~~ its captured stdout", out]
+        if err:
+            lines += ["~~~ its captured stderr", err]
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            lines += [f"~~~ stack of thread {names.get(ident, '?')} ({ident})",
+                      "".join(traceback.format_stack(frame))]
+        sys.stderr.write("\n".join(lines) + f"\n{'+' * 30} end of timeout report\n")
+    finally:
+        sys.stderr.flush()
+        os._exit(1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """A test that ended its worker (a timeout above; a segfault) fails once and is not
+    run again.
+
+    Under `--dist loadfile` xdist hands the crashed test's file back to the queue with the
+    crashed test still pending, so each replacement worker would run it again and crash
+    again, up to `--max-worker-restart` times (8 with two workers: 40 minutes for one hung
+    test at a 5-minute timeout). Marking it done lets the file's other tests go on.
+    """
+    queue = getattr(sched, "workqueue", None)  # loadscope / loadfile: scope -> {nodeid: done}
+    if not isinstance(queue, dict):
+        return
+    for scope, unit in list(queue.items()):
+        if isinstance(unit, dict) and crashitem in unit:
+            unit[crashitem] = True
+            if all(unit.values()):
+                del queue[scope]
