@@ -73,6 +73,13 @@ LONGEST_FIRST = (
     "attention/test_invisible_nonfinite.py", "test_benchmark_offload.py",
     "test_benchmarks_quick.py", "reliability/test_fuzz_cache_api.py", "serve/test_server.py",
     "models/test_logits_at.py",
+    # Files of one to three long tests (10-40 s) that collection order put near the end of a
+    # run, where one of them could leave a worker running alone: the NNX files end job 2's
+    # collection order, the benchmark and multi-host files job 1's.
+    "generate/test_generate.py", "generate/test_gemma_policies.py",
+    "generate/test_window_pages.py", "nnx/test_tunix.py", "generate/test_window_pages_levers.py",
+    "nnx/test_nnx.py", "nnx/test_flax_doc.py", "test_benchmark_breakdown.py", "test_multihost.py",
+    "nnx/test_nnx_serve.py",
 )
 
 
