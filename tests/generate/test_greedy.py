@@ -1,0 +1,35 @@
+"""`sampling.greedy`, the decode loop's greedy pick: NumPy's argmax on every row, ties to
+the first index, NaN counted largest (as `jnp.argmax`), rows of -inf."""
+
+import jax
+import numpy as np
+
+from kvjax.generate import sampling
+
+
+def test_greedy_is_argmax_with_its_ties_nans_and_infinities():
+    rng = np.random.default_rng()
+    vocab = 1000
+    logits = rng.standard_normal((12, vocab)).astype(np.float32)
+    top = logits.max(axis=1)
+    for r in (1, 2):  # ties: the first of two (or three) equal maxima wins
+        cols = np.sort(rng.choice(vocab, 1 + r, replace=False))
+        logits[r, cols] = top[r] + 1
+    logits[3, rng.integers(vocab)] = np.inf
+    logits[4, :] = -np.inf
+    # NaN rows whose largest number comes first (XLA:CPU's max skips NaNs: a pick by the
+    # maximum alone would return it).
+    for r, n in ((5, 2), (6, 1)):
+        big, *nans = np.sort(rng.choice(vocab, 1 + n, replace=False))
+        logits[r, big] = 10.0
+        logits[r, nans] = np.nan
+    logits[7, :] = np.float32(rng.standard_normal())  # a constant row: index 0
+    # bfloat16 too (the sampled dtype of a bf16 model's logits), in the same program.
+    halves = logits.astype(jax.numpy.bfloat16)
+    got, got_half = jax.jit(lambda a, b: (sampling.greedy(a), sampling.greedy(b)))(
+        jax.device_put(logits), jax.device_put(halves))
+    want = np.argmax(logits, axis=1)  # NumPy: the first NaN, else the first maximum
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(got_half),
+                                  np.argmax(halves.astype(np.float32), axis=1))
+    assert got.dtype == np.int32
