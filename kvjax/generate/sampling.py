@@ -135,11 +135,11 @@ def sample_rows(logits: Float[Array, "batch vocab"], keys: jax.Array,
     """`sample` with each row's own settings: row i draws what `sample` would draw for it
     alone with `SamplingConfig(temperature[i], top_k[i] or None, top_p[i])`."""
     logits = logits.astype(jnp.float32)
-    greedy = rows.temperature <= 0
+    pick = rows.temperature <= 0
     best = greedy(logits)
     # All-greedy batches (the common serving case) skip the sort and the draws.
-    return jax.lax.cond(jnp.all(greedy), lambda: best,
-                        lambda: jnp.where(greedy, best, _draw_rows(logits, keys, rows)))
+    return jax.lax.cond(jnp.all(pick), lambda: best,
+                        lambda: jnp.where(pick, best, _draw_rows(logits, keys, rows)))
 
 
 def _draw_rows(logits, keys, rows: RowSampling):

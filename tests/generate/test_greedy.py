@@ -1,5 +1,6 @@
-"""`sampling.greedy`, the decode loop's greedy pick: NumPy's argmax on every row, ties to
-the first index, NaN counted largest (as `jnp.argmax`), rows of -inf."""
+"""`sampling.greedy`, the decode loop's greedy pick (directly and through `sample_rows`,
+the serving engine's per-row sampling): NumPy's argmax on every row, ties to the first
+index, NaN counted largest (as `jnp.argmax`), rows of -inf."""
 
 import jax
 import numpy as np
@@ -24,12 +25,28 @@ def test_greedy_is_argmax_with_its_ties_nans_and_infinities():
         logits[r, big] = 10.0
         logits[r, nans] = np.nan
     logits[7, :] = np.float32(rng.standard_normal())  # a constant row: index 0
-    # bfloat16 too (the sampled dtype of a bf16 model's logits), in the same program.
+    # bfloat16 too (the sampled dtype of a bf16 model's logits), and the serving engine's
+    # per-row sampling (all rows greedy; every other row greedy), in the same program.
     halves = logits.astype(jax.numpy.bfloat16)
-    got, got_half = jax.jit(lambda a, b: (sampling.greedy(a), sampling.greedy(b)))(
-        jax.device_put(logits), jax.device_put(halves))
+    rows = len(logits)
+    temps = np.where(np.arange(rows) % 2, rng.uniform(0.5, 2, rows), 0).astype(np.float32)
+
+    def settings(t):
+        return sampling.RowSampling(temperature=t, top_k=np.zeros(rows, np.int32),
+                                    top_p=np.ones(rows, np.float32))
+
+    def picks(a, b, keys):
+        return (sampling.greedy(a), sampling.greedy(b),
+                sampling.sample_rows(a, keys, settings(np.zeros(rows, np.float32))),
+                sampling.sample_rows(a, keys, settings(temps)))
+
+    got, got_half, rows_all, rows_mixed = jax.jit(picks)(
+        jax.device_put(logits), jax.device_put(halves),
+        jax.random.split(jax.random.key(int(rng.integers(1 << 30))), rows))
     want = np.argmax(logits, axis=1)  # NumPy: the first NaN, else the first maximum
     np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(np.asarray(got_half),
                                   np.argmax(halves.astype(np.float32), axis=1))
-    assert got.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(rows_all), want)
+    np.testing.assert_array_equal(np.asarray(rows_mixed)[temps == 0], want[temps == 0])
+    assert got.dtype == rows_all.dtype == np.int32
