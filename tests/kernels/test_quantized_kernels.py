@@ -431,15 +431,16 @@ def test_tiny_model_decodes_same_tokens_with_pallas(rng, family):
     def generate(impl):
         # The prompt goes in one token per step (prefill="step"), so that prefill and decode
         # share one compilation (q_len > 1 is covered by the kernel tests above). With R = 16
-        # the 33rd token moves page 0 into the quantized pool and the 48th page 1.
+        # the 33rd token moves page 0 into the quantized pool and the 48th page 1. The loop
+        # records the log-probability of each token it feeds or picks: the teacher-forced
+        # prompt tokens after the first, then the greedy ones (what `score` would return for
+        # that continuation, from the same run).
         res = gen.generate(model, params, prompts.tolist(), key=jax.random.key(0),
                            max_new_tokens=9, cache=cc, prefill="step", impl=impl)
-        fed = np.concatenate([prompts[:, 1:], res.tokens], axis=1)
-        scored = gen.score(model, params, prompts[:, :1].tolist(), fed.tolist(), cache=cc,
-                           impl=impl)
-        return res.tokens, scored.logprobs
+        return res.tokens, np.asarray(res.state.logprobs)
 
-    ref_tokens, ref_logits = generate("reference")
-    got_tokens, got_logits = generate("pallas")
+    ref_tokens, ref_logprobs = generate("reference")
+    got_tokens, got_logprobs = generate("pallas")
+    assert ref_logprobs.shape == (2, 39 + 9) and (ref_logprobs < 0).all()
     np.testing.assert_array_equal(got_tokens, ref_tokens)
-    np.testing.assert_allclose(got_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_logprobs, ref_logprobs, rtol=1e-4, atol=1e-4)
