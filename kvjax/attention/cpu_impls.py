@@ -2,7 +2,7 @@
 
 Each function has the signature of the op's reference and runs the kernel when it
 takes the inputs (`kvjax.backends.cpu.quantized_supported` / `mla_supported`: static
-shapes and dtypes), the XLA path otherwise (KIVI and MLA prefill chunks, mixed dtypes).
+shapes and dtypes), the XLA path otherwise (MLA prefill chunks, mixed dtypes).
 """
 
 from kvjax.attention import xla as xla_path
@@ -18,7 +18,7 @@ paged_prefill_attention = cpu.paged_prefill_attention
 
 def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, tail_v,
                         *args, **kwargs):
-    """`reference.quantized_attention` by the CPU kernel (decode) or the XLA path."""
+    """`reference.quantized_attention` by the CPU kernels (decode, prefill) or the XLA path."""
     if cpu.quantized_supported(q, k_scale, k_zero, v_scale, v_zero, tail_k, tail_v):
         fn = cpu.quantized_attention
     else:

@@ -15,7 +15,7 @@ from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
 from kernels_pallas.quantized_attention import reference as qref
 from kvjax import attention
-from kvjax.attention import cpu_impls, paged_decode_attention
+from kvjax.attention import paged_decode_attention
 from kvjax.backends import cpu as cpu_kernels
 from kvjax.backends.cpu import build, policy
 from kvjax.cache import quantized as qz
@@ -409,19 +409,35 @@ def test_quantized_traced_layer_in_a_scan(rng):
     q_close(run("cpu", True), run("reference", False), 2e-5)
 
 
-def test_quantized_prefill_falls_back_to_xla(monkeypatch):
-    # Chunked prefill (q_len > 1) goes to the XLA path with every argument.
-    seen = {}
-    monkeypatch.setattr(cpu_impls.xla_quantized, "quantized_attention",
-                        lambda *a, **kw: seen.update(args=a, kw=kw) or "xla")
-    q = jnp.ones((2, 3, 4, 8), jnp.float32)
-    scales = [jnp.ones((1,), jnp.float16)] * 2
-    tails = [jnp.ones((1,), jnp.float32)] * 2
-    args = (0, *scales, 3, *scales, *tails, 9, 10, 11, 12)
-    got = cpu_impls.quantized_attention(q, *args, k_bits=4, v_bits=2, scale=0.5, layer=1)
-    assert got == "xla" and seen["args"][0] is q and seen["args"][1:] == args
-    assert {k: v for k, v in seen["kw"].items() if v is not None} == dict(
-        k_bits=4, v_bits=2, scale=0.5, layer=1)
+def _qprefill(view, q, q_lengths, impl, **kw):
+    fn = jax.jit(lambda q, v, n: attention.quantized_prefill_attention(q, v, n, impl=impl, **kw))
+    return fn(q, view, q_lengths), fn.lower(q, view, q_lengths).as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,q_heads,kv_heads,dtype,kw", [
+    (4, 8, 2, "float32", {}),
+    ((8, 2), 4, 4, "bfloat16", dict(soft_cap=3.0, sliding_window=19)),
+])
+def test_quantized_prefill_matches_reference(rng, bits, q_heads, kv_heads, dtype, kw):
+    """Chunked prefill over KIVI pages and their tail ring by the kernel: rows of 0 to 60
+    new tokens (several work items per row, queries on both sides of the quantized/tail
+    boundary), lengths at the page and tail edges, pages no query may read filled with NaN;
+    every layer read from the whole pools. Equal to the reference (dequantize, then attend)."""
+    layers = 2 if isinstance(bits, tuple) else 1
+    cache = random_cache(rng, bits=bits, q_heads=q_heads, kv_heads=kv_heads, layers=layers,
+                         dtype=dtype, nan_unused=True)
+    lengths = np.asarray(cache.lengths)
+    q_len = 60
+    q_lengths = np.minimum(lengths, rng.integers(0, q_len + 1, lengths.shape)).astype(np.int32)
+    q_lengths[-1] = min(lengths[-1], q_len)  # one row whose chunk is all real queries
+    q = _put(rng.standard_normal((len(lengths), q_len, q_heads, qz_D)), jnp.dtype(dtype))
+    n = jax.device_put(q_lengths)
+    for layer in range(layers):
+        want, _ = _qprefill(qz.layer_view(cache, layer), q, n, "reference", **kw)
+        got, hlo = _qprefill(qz.layer_view(cache, layer, whole_pools=True), q, n, "cpu", **kw)
+        assert "kvjax_quantized_prefill" in hlo  # the kernel, not the XLA path
+        q_close(got, want, 2e-5 if dtype == "float32" else 2e-2)
 
 
 def _vector_case(rng, bits, head_dim, group, scale_dtype, q_heads):

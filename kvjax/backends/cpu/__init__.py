@@ -12,7 +12,8 @@ pool. Kernels: GQA/MQA decode over full-precision pages (`paged_decode.cc`), ove
 KIVI-quantized pages and their tail ring (`quantized_kernel.h`) and MLA decode
 in absorbed form (`mla_decode.cc`); GQA/MQA chunked prefill over full-precision pages
 (`paged_prefill.cc`: causal flash attention, each query block reading only the keys it
-sees). KIVI and MLA prefill stay on the XLA path. The same library holds the model's
+sees), and over KIVI-quantized pages and their tail (key blocks dequantized once per
+block of queries). MLA prefill stays on the XLA path. The same library holds the model's
 other CPU pieces: a matmul (`matmul.py`, used by `kvjax.models.layers.linear`; a few
 rows streamed at memory speed, many rows as a packed GEMM) and in-place row writes and
 page copies for 16-bit cache pools (`write_rows`, `copy_pages`; `write_rows.cc`), which
@@ -255,12 +256,14 @@ def _paged_prefill(q, k_pages, v_pages, lengths, block_tables, q_lengths, layer,
 
 
 def quantized_supported(q, k_scale, k_zero, v_scale, v_zero, tail_k, tail_v) -> bool:
-    """Whether `quantized_attention`'s kernel takes these inputs (static: shapes and dtypes).
+    """Whether `quantized_attention`'s kernels take these inputs (static: shapes and dtypes).
 
-    Decode only (q_len 1); scales and zeros of one dtype (the kernel takes one; widening
-    would copy whole pools every call); a float32, bfloat16 or float16 tail.
+    Scales and zeros of one dtype (the kernels take one; widening would copy whole pools
+    every call); a float32, bfloat16 or float16 tail. Any q_len: decode (q_len 1) and
+    chunked prefill (q_len > 1) have a kernel each.
     """
-    return (q.shape[1] == 1 and len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) == 1
+    del q
+    return (len({x.dtype for x in (k_scale, k_zero, v_scale, v_zero)}) == 1
             and tail_k.dtype == tail_v.dtype
             and tail_k.dtype in (jnp.float32, jnp.bfloat16, jnp.float16))
 
@@ -296,21 +299,29 @@ def quantized_attention(
 
     The signature and semantics of `reference.quantized_attention` (with `layer` as in
     `xla_quantized.quantized_attention`: the six pool arguments are then a cache's whole
-    pools and the kernel reads that layer in place). The kernel does decode (q_len = 1):
-    it streams the quantized pages once, multiplying the packed codes in registers (key
-    scales folded into the query, value scales into the probabilities), then the tail
-    ring (at most residual + page_size tokens, f32/bf16/f16 rows) in the same online
-    softmax. Chunked prefill (q_len > 1), scales / zeros of mixed dtypes and tails
-    of other dtypes are not supported (`quantized_supported` says; callers take the XLA
-    path for them).
+    pools and the kernels read that layer in place). Decode (q_len = 1,
+    `quantized_kernel.h`) streams the quantized pages once, multiplying the packed codes in
+    registers (key scales folded into the query, value scales into the probabilities),
+    then the tail ring (at most residual + page_size tokens, f32/bf16/f16 rows) in the
+    same online softmax. Chunked prefill (q_len > 1, `paged_prefill.cc`) is the causal
+    flash attention of `paged_prefill_attention` over key blocks dequantized once per
+    block of `PREFILL_ITEM_ROWS` query rows (pages below `quant_lengths`, the tail ring
+    above), each query at its own `q_pos`. Scales / zeros of mixed dtypes and tails of
+    other dtypes are not supported (`quantized_supported` says; callers take the XLA path
+    for them).
 
     Returns:
       (out [batch, q_len, q_heads, v_head_dim] in q's dtype, lse float32[batch, q_len, q_heads]).
     """
     if not quantized_supported(q, k_scale, k_zero, v_scale, v_zero, tail_k, tail_v):
-        raise ValueError("quantized_attention: the CPU kernel does decode (q_len 1) with one "
-                         "scale dtype and a float32/bfloat16/float16 tail; check "
-                         "quantized_supported first.")
+        raise ValueError("quantized_attention: the CPU kernels take one scale dtype and a "
+                         "float32/bfloat16/float16 tail; check quantized_supported first.")
+    if q.shape[1] > 1:
+        return _quantized_prefill(
+            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, tail_v,
+            quant_lengths, lengths, block_tables, q_pos, layer, k_bits=k_bits, v_bits=v_bits,
+            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            item_rows=PREFILL_ITEM_ROWS, target=load().target("quantized_prefill"))
     opts = get_options()
     return _quantized(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, tail_v,
                       quant_lengths, lengths, block_tables, q_pos, layer, k_bits=k_bits,
@@ -346,6 +357,32 @@ def _quantized(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, ta
         int_values=np.int64(tuning.int_values),
     )
     return out[:, None].astype(q.dtype), lse[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("k_bits", "v_bits", "scale", "soft_cap",
+                                             "sliding_window", "item_rows", "target"))
+def _quantized_prefill(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, tail_k, tail_v,
+                       quant_lengths, lengths, block_tables, q_pos, layer, *, k_bits, v_bits,
+                       scale, soft_cap, sliding_window, item_rows, target):
+    pools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    layer_idx = _as_pools(k_codes, layer)[1]
+    pools = tuple(_as_pools(p, layer)[0] for p in pools)
+    batch, q_len, q_heads, _ = q.shape
+    v_head_dim = tail_v.shape[-1]
+    call = jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((batch, q_len, q_heads, v_head_dim), jnp.float32),
+         jax.ShapeDtypeStruct((batch, q_len, q_heads), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, lse = call(
+        q.astype(jnp.float32), *pools, tail_k, tail_v, layer_idx,
+        quant_lengths.astype(jnp.int32), lengths.astype(jnp.int32), q_pos.astype(jnp.int32),
+        block_tables.astype(jnp.int32), scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap or 0.0), window=np.int64(sliding_window or 0),
+        k_bits=np.int64(k_bits), v_bits=np.int64(v_bits), item_rows=np.int64(item_rows),
+    )
+    return out.astype(q.dtype), lse
 
 
 def mla_decode_attention(

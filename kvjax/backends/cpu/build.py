@@ -60,6 +60,7 @@ _HEADERS = ("common.h", "native.h", "attend.h", "quantized_decode.h", "quantized
 TARGETS = {
     "KvjaxPagedDecode": "paged_decode",
     "KvjaxPagedPrefill": "paged_prefill",
+    "KvjaxQuantizedPrefill": "quantized_prefill",
     "KvjaxQuantizedDecode": "quantized_decode",
     "KvjaxMlaDecode": "mla_decode",
     "KvjaxMatmul": "matmul",
