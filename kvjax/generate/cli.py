@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 __all__ = ["add_parser", "run"]
 
@@ -83,6 +84,66 @@ def add_kivi_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-residual", type=int, default=128, metavar="R",
                    help="KIVI full-precision recent tokens R, a multiple of --page-size "
                    "(default 128)")
+
+
+# The cache strategy each mesh axis carries under --mesh (kvjax.sharding.ShardingPlan).
+_AXIS_STRATEGY = {"data": "sequences", "model": "heads", "context": "context"}
+
+
+def _mesh(text: str) -> tuple[tuple[str, int], ...]:
+    """`--mesh data=2,model=4` -> (("data", 2), ("model", 4))."""
+    expected = (f"expected AXIS=SIZE pairs joined by commas, each AXIS one of "
+                f"{', '.join(_AXIS_STRATEGY)} at most once and each SIZE a positive integer "
+                f"(e.g. data=2,model=4), got {text!r}")
+    axes = []
+    for part in text.replace(" ", "").split(","):
+        name, eq, size = part.partition("=")
+        if not eq or name not in _AXIS_STRATEGY or not size.isdigit() or int(size) < 1 or (
+                name in dict(axes)):
+            raise argparse.ArgumentTypeError(expected)
+        axes.append((name, int(size)))
+    return tuple(axes)
+
+
+def add_mesh_flags(p: argparse.ArgumentParser) -> None:
+    """--mesh: lay the cache and the params out on a device mesh (also `serve`'s)."""
+    p.add_argument("--mesh", type=_mesh, default=None, metavar="AXIS=N[,AXIS=N...]",
+                   help="run on a mesh of N1 x N2 ... devices (kvjax.sharding.make_mesh) with "
+                   "these axes, each sharding the KV cache by its strategy: data=N spreads "
+                   "the sequences and their pages over N devices ('sequences'), model=N "
+                   "splits the attention heads, MLP and vocabulary (tensor parallel; KV heads "
+                   "are replicated where N does not divide them, 'heads'), context=N spreads "
+                   "each sequence's pages round-robin ('context'). The product must not "
+                   "exceed the devices JAX sees (on a CPU host, "
+                   "XLA_FLAGS=--xla_force_host_platform_device_count=8 gives 8). Default: "
+                   "one device")
+
+
+def sharding_plan(mesh: Sequence[tuple[str, int]] | None):
+    """The `kvjax.sharding.ShardingPlan` of a parsed `--mesh` (None: no plan).
+
+    Raises:
+      ValueError: the mesh needs more devices than JAX sees; the message names the flag's
+        value, the devices it needs and those available.
+    """
+    if mesh is None:
+        return None
+    import math
+
+    import jax
+
+    from kvjax import sharding as kvs
+
+    names, sizes = [n for n, _ in mesh], [s for _, s in mesh]
+    text = ",".join(f"{n}={s}" for n, s in mesh)
+    have = jax.device_count()
+    if math.prod(sizes) > have:
+        raise ValueError(f"--mesh {text} needs {math.prod(sizes)} devices, but JAX sees {have} "
+                         f"({jax.devices()[0].platform}); give a mesh of at most {have} "
+                         f"devices (on a CPU host, XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count=N simulates N)")
+    return kvs.ShardingPlan(mesh=kvs.make_mesh(sizes, names),
+                            strategies=tuple(_AXIS_STRATEGY[n] for n in names))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -3,6 +3,8 @@
 Examples:
   python -m kvjax serve --model ./TinyLlama-1.1B-Chat
   python -m kvjax serve --model ./llama --port 8080 --max-seqs 16 --kv-bits 4 --kv-residual 64
+  python -m kvjax serve --model ./llama --kv-bits 4 --page-size 32 --kv-memory 20
+  python -m kvjax serve --model ./llama --mesh data=2,model=4
   python -m kvjax serve --model ./llama --num-pages 2048 --host-pages 16384 --host-rows 32
   python -m kvjax serve --model ./llama --api-key "$KEY" --max-waiting 64 --request-timeout 600
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -16,15 +18,24 @@ SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight finish, then it 
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
 
-from kvjax.generate.cli import _dtype, _positive_int, add_kivi_flags
+from kvjax.generate.cli import (
+    _dtype,
+    _positive_int,
+    add_kivi_flags,
+    add_mesh_flags,
+    sharding_plan,
+)
 
 __all__ = ["add_parser", "run"]
 
 _DEFAULT_MAX_SEQ_LEN = 2048
+_DEFAULT_CHUNK = 64
+_GIB = 2**30
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -61,17 +72,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    f"{_DEFAULT_MAX_SEQ_LEN} and config.json's max_position_embeddings)")
     p.add_argument("--num-pages", type=_positive_int, default=None, metavar="PAGES",
                    help="pages in the KV pool (default: room for --max-seqs requests of "
-                   "--max-seq-len tokens); spare pages hold cached prefixes")
+                   "--max-seq-len tokens, or what --kv-memory holds); spare pages hold "
+                   "cached prefixes")
+    p.add_argument("--kv-memory", type=_positive_float, default=None, metavar="GIB",
+                   help="size the KV pool from a memory budget instead of --num-pages: the "
+                   "whole cache (every device's share together under --mesh) takes at most "
+                   "GIB GiB, i.e. (GIB - the rows' fixed bytes) / bytes per page pages, "
+                   "where a page's bytes are those of its page kind (with --kv-bits: codes, "
+                   "scales and zero points) and each row's fixed bytes its page-table row "
+                   "and, with --kv-bits, its full-precision tail of --kv-residual + "
+                   "--page-size tokens. Low-bit pages thus hold several times the tokens "
+                   "of full-precision ones in one budget. The pages and the sequences of "
+                   "--max-seq-len tokens they admit are printed at start")
     p.add_argument("--page-size", type=_positive_int, default=16, metavar="TOKENS",
                    help="tokens per cache page, a power of two (default 16)")
-    p.add_argument("--chunk-size", type=_positive_int, default=64, metavar="TOKENS",
-                   help="prefill chunk length, a multiple of --page-size (default 64); a "
-                   "prefix-cache hit covers whole chunks (with --kv-bits, hits need "
-                   "--chunk-size >= --kv-residual + --page-size)")
+    p.add_argument("--chunk-size", type=_positive_int, default=None, metavar="TOKENS",
+                   help="prefill chunk length, a multiple of --page-size; a prefix-cache hit "
+                   "covers whole chunks, and with --kv-bits hits need --chunk-size >= "
+                   "--kv-residual + --page-size (default: 64, or --page-size if larger; with "
+                   "--kv-bits at least --kv-residual + --page-size, so that prefix hits "
+                   "work on KIVI pages)")
     p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
                    help="KV cache dtype: float32, bfloat16 or float16 (default: the params "
                    "dtype)")
     add_kivi_flags(p)
+    add_mesh_flags(p)
     p.add_argument("--window-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="sliding-window layers keep only the pages their window plus one "
                    "chunk reaches (a ring per sequence, kvjax.cache.window) instead of the "
@@ -164,22 +189,107 @@ def _eos_ids(path: str, hf: dict, tokenizer) -> list[int]:
     return ids
 
 
+def _default_chunk_size(page_size: int, kv_bits: int | None, kv_residual: int) -> int:
+    """`--chunk-size` when none is given: 64 (or one page if larger); with KIVI pages at
+    least `kv_residual + page_size`, the least chunk under which prefix hits reach quantized
+    pages (`kvjax.serve.engine`); a multiple of `page_size` either way."""
+    chunk = max(_DEFAULT_CHUNK, page_size)
+    if kv_bits is not None:
+        chunk = max(chunk, kv_residual + page_size)
+    return -(-chunk // page_size) * page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class _PoolBudget:
+    """How a `--kv-memory` budget becomes a page count (bytes from the cache's array shapes).
+
+    Attributes:
+      pages: pages in the pool: `(budget - fixed_bytes) // page_bytes`, rounded down to a
+        multiple of the plan's page shards.
+      page_bytes: bytes one more page costs: its pools (codes, scales and zero points on
+        KIVI pages) and its page-table entries.
+      pool_page_bytes: the pools' share of `page_bytes` (K/V or latent pages only).
+      fixed_bytes: bytes that do not grow with the pages: every slot's page-table row and,
+        on KIVI pages, its full-precision tail (and window rings, recurrent state).
+      total_bytes: bytes of the cache with `pages` pages (at most the budget).
+    """
+
+    pages: int
+    page_bytes: int
+    pool_page_bytes: int
+    fixed_bytes: int
+    total_bytes: int
+
+
+def _pool_for_budget(spec, budget: int, shards: int = 1) -> _PoolBudget:
+    """The pool a cache like `spec` (any `num_pages`) gets from `budget` bytes.
+
+    Args:
+      spec: the engine's `CacheSpec` (its slots, page kind, tail and groups); its
+        `num_pages` is ignored.
+      budget: bytes the whole cache may take.
+      shards: the page count is rounded down to a multiple of this (a plan's page shards).
+
+    Raises:
+      ValueError: the budget does not cover the fixed bytes and one page per shard.
+    """
+    import jax
+
+    from kvjax import cache as kv_cache
+
+    def sizes(n):
+        shapes = jax.eval_shape(lambda: kv_cache.init_cache(spec.replace(num_pages=n)))
+        def nbytes(tree):
+            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+        return nbytes(shapes), nbytes(shapes.pages)
+
+    (one, one_pool), (two, two_pool) = sizes(shards), sizes(2 * shards)
+    page, pool_page = (two - one) // shards, (two_pool - one_pool) // shards
+    fixed = one - shards * page
+    pages = max(budget - fixed, 0) // page // shards * shards
+    if pages < shards:
+        raise ValueError(f"--kv-memory {budget / _GIB:.4g} GiB does not cover the cache's fixed "
+                         f"{fixed} bytes (page-table rows, full-precision tails) and "
+                         f"{shards} page(s) of {page} bytes; give more memory, fewer "
+                         f"--max-seqs or a shorter --kv-residual")
+    return _PoolBudget(pages=int(pages), page_bytes=int(page), pool_page_bytes=int(pool_page),
+                      fixed_bytes=int(fixed), total_bytes=int(fixed + pages * page))
+
+
+def _caches_prefixes(spec, plan) -> bool:
+    """Whether `Engine` keeps prefixes on a cache like `spec` under `plan` (asked to): not on
+    a hybrid model's cache, nor on a sequence- or context-sharded table."""
+    sharded = plan is not None and (plan.data_shards > 1 or plan.context_shards > 1)
+    return spec.recurrent is None and not sharded
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs `serve` for parsed `args` until interrupted; returns the exit status.
 
     Errors the user can act on (bad arguments, a missing package, an unreadable
-    checkpoint or tokenizer) print one `error:` line and return non-zero.
+    checkpoint or tokenizer, a mesh larger than the devices) print one `error:` line and
+    return non-zero.
     """
     if args.page_size & (args.page_size - 1):
         print(f"error: --page-size must be a power of two, got {args.page_size}",
               file=sys.stderr)
         return 2
-    if args.chunk_size % args.page_size:
-        print(f"error: --chunk-size ({args.chunk_size}) must be a multiple of --page-size "
+    chunk_size = args.chunk_size
+    if chunk_size is None:
+        chunk_size = _default_chunk_size(args.page_size, args.kv_bits, args.kv_residual)
+    if chunk_size % args.page_size:
+        print(f"error: --chunk-size ({chunk_size}) must be a multiple of --page-size "
               f"({args.page_size})", file=sys.stderr)
         return 2
     if args.host_rows is not None and args.host_pages is None:
         print("error: --host-rows needs --host-pages", file=sys.stderr)
+        return 2
+    if args.kv_memory is not None and args.num_pages is not None:
+        print("error: give --num-pages or --kv-memory, not both", file=sys.stderr)
+        return 2
+    if args.mesh is not None and args.host_pages is not None:
+        print("error: --host-pages does not combine with --mesh (the host tier swaps one "
+              "device's pages)", file=sys.stderr)
         return 2
     if not 0 <= args.port < 65536:
         print(f"error: --port must lie in [0, 65535], got {args.port}", file=sys.stderr)
@@ -192,6 +302,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not os.path.isdir(args.model):
         print(f"error: --model {args.model} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        plan = sharding_plan(args.mesh)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
     import time
@@ -222,14 +337,30 @@ def run(args: argparse.Namespace) -> int:
     if max_seq_len is None:
         max_seq_len = min(_DEFAULT_MAX_SEQ_LEN,
                           hf.get("max_position_embeddings") or _DEFAULT_MAX_SEQ_LEN)
+    budget = None
     try:
         quant = None if args.kv_bits is None else QuantSpec(
             bits=args.kv_bits, group_size=args.kv_group_size, residual=args.kv_residual)
         cache = CacheConfig(dtype=args.kv_dtype or model.config.dtype, quant=quant,
                             page_size=args.page_size, num_pages=args.num_pages,
-                            window_pages=args.window_pages)
+                            window_pages=args.window_pages, plan=plan)
+        if args.kv_memory is not None:
+            spec = cache.spec(model, num_seqs=1, max_tokens=max_seq_len, chunk=chunk_size)
+            # The engine's slots: its rows, and 2 x max_seqs prefix holders if it caches.
+            holders = not args.no_prefix_caching and _caches_prefixes(spec, plan)
+            slots = args.max_seqs * (3 if holders else 1)
+            spec = cache.spec(model, num_seqs=slots, max_tokens=max_seq_len, chunk=chunk_size)
+            budget = _pool_for_budget(spec, int(args.kv_memory * _GIB),
+                                     1 if plan is None else plan.page_shards)
+            cache = dataclasses.replace(cache, num_pages=budget.pages)
+        elif args.num_pages is None and plan is not None:
+            # Room for every row's longest request in its own data shard (the rows are
+            # rounded up to the shards, and a row's pages come from its shard).
+            spec = cache.spec(model, num_seqs=args.max_seqs, max_tokens=max_seq_len,
+                              chunk=chunk_size)
+            cache = dataclasses.replace(cache, num_pages=spec.num_pages)
         engine = Engine(model, params, max_seqs=args.max_seqs, max_seq_len=max_seq_len,
-                        cache=cache, chunk_size=args.chunk_size,
+                        cache=cache, chunk_size=chunk_size,
                         prefix_caching=not args.no_prefix_caching,
                         host_pages=args.host_pages or 0, host_rows=args.host_rows,
                         eos_ids=[t for t in _eos_ids(args.model, hf, tokenizer)
@@ -249,11 +380,25 @@ def run(args: argparse.Namespace) -> int:
           f"http://{args.host}:{args.port}/v1 ({args.max_seqs} sequences of up to "
           f"{max_seq_len} tokens, {spec.num_pages} pages of {spec.page_size} tokens, "
           f"{spec.dtype.name}" + ("" if args.kv_bits is None else f", KIVI int{args.kv_bits}")
+          + f", prefill chunks of {chunk_size} tokens"
           + "".join(f"; layers {g.layers} keep {g.window}-token windows in rings of "
                     f"{g.ring_pages(spec.page_size)} pages" for g in spec.window_groups)
           + ("" if args.host_pages is None else
-             f"; host tier of {args.host_pages} pages, {engine.host_rows} rows") + ")",
+             f"; host tier of {args.host_pages} pages, {engine.host_rows} rows")
+          + ("" if plan is None else
+             f"; on a mesh of {_devices(engine)} {_platform()} devices ("
+             + ", ".join(f"{n}={s}" for n, s in args.mesh) + "; strategies "
+             + ", ".join(plan.strategies) + ")")
+          + ("" if args.no_prefix_caching or _caches_prefixes(spec, plan) else
+             "; prefix caching off: a sequence- or context-sharded table, or a hybrid "
+             "model") + ")",
           file=sys.stderr)
+    if budget is not None:
+        from kvjax.cache.ops import cache_device_bytes
+
+        # What the engine's cache takes (the estimate assumed its slots).
+        budget = dataclasses.replace(budget, total_bytes=cache_device_bytes(spec))
+        print(_budget_line(args, budget, spec, max_seq_len), file=sys.stderr)
     api_key = args.api_key if args.api_key is not None else (
         os.environ.get("KVJAX_API_KEY") or None)
     app = create_app(engine, tokenizer, model_name=name, api_key=api_key,
@@ -271,3 +416,35 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:  # as uvicorn.run: a startup that failed is exit status 3
         return 3
     return 0
+
+
+def _platform() -> str:
+    import jax
+
+    return jax.devices()[0].platform
+
+
+def _devices(engine) -> int:
+    """Devices the engine's params live on."""
+    import jax
+
+    return len({d for x in jax.tree.leaves(engine.params) for d in x.devices()})
+
+
+def _budget_line(args, budget: _PoolBudget, spec, max_seq_len: int) -> str:
+    """The start-up line that says what the --kv-memory budget admits."""
+    ps = spec.page_size
+    if spec.quant is None:
+        per_seq = -(-max_seq_len // ps)
+        kind = f"{spec.dtype.name} pages"
+    else:  # a sequence's last --kv-residual tokens or more stay in its row's tail
+        per_seq = max(max_seq_len - spec.quant.residual, 0) // ps
+        kind = (f"KIVI int{args.kv_bits} pages (codes, scales and zero points; "
+                f"{spec.quant.residual} + {ps}-token {spec.dtype.name} tails per row)")
+    seqs = budget.pages // per_seq if per_seq else "any number of"
+    return (f"KV memory {args.kv_memory:g} GiB: {budget.pages} pages of {ps} tokens "
+            f"({budget.pages * ps} tokens) x {budget.page_bytes} bytes "
+            f"({budget.pool_page_bytes} of them K/V) + {budget.fixed_bytes} bytes for "
+            f"{spec.max_seqs} slots' rows = {budget.total_bytes} bytes of {kind}; room for "
+            f"{seqs} sequences of {max_seq_len} tokens ({per_seq} pages each), "
+            f"{args.max_seqs} decoding at once (--max-seqs)")

@@ -15,10 +15,13 @@ Endpoints:
   * `GET /metrics`: Prometheus text format (`kvjax.serve.metrics`).
 
 Both generation endpoints take `max_tokens`, `temperature`, `top_p`, `top_k` (an
-extension), `seed`, `stop` and `stream` (server-sent events in OpenAI's chunk
+extension), `seed`, `stop`, `stream` (server-sent events in OpenAI's chunk
 format, ending with `data: [DONE]`; `stream_options.include_usage` adds a final
-usage chunk). Responses carry `usage` (with `prompt_tokens_details.cached_tokens`
-from the prefix cache) and `finish_reason` ("stop" or "length"). Bad requests get
+usage chunk) and `cache_salt` (vLLM's extension: a non-empty string; requests
+share cached prefix pages only with requests of the same salt, so tenants with
+different salts never hit each other's prompts). Responses carry `usage` (with
+`prompt_tokens_details.cached_tokens` from the prefix cache) and `finish_reason`
+("stop" or "length"). Bad requests get
 a 4xx answer in OpenAI's error shape, `{"error": {"message", "type", "param",
 "code"}}`; fields this server does not implement (`n` > 1, `logprobs`, `echo`,
 penalties, tools, ...) are refused rather than silently ignored.
@@ -475,6 +478,8 @@ class _Body(pydantic.BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's field: requests share cached prefix pages only with the same salt.
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_Body):
@@ -522,6 +527,7 @@ class _Plan:
     seed: int
     stream: bool
     include_usage: bool
+    salt: str | None = None  # the prefix cache's salt (cache_salt)
     arrival: float = 0.0  # time.monotonic() when the request arrived
     deadline: float | None = None  # time.monotonic() by which it must end (None: never)
 
@@ -670,12 +676,16 @@ class _Server:
             raise _APIError(400, f"seed must be an integer in [0, 2**64), got {body.seed}.",
                             param="seed")
         seed = secrets.randbits(31) if body.seed is None else body.seed
+        if body.cache_salt is not None and not body.cache_salt:
+            raise _APIError(400, "cache_salt must be a non-empty string (or absent).",
+                            param="cache_salt")
         return _Plan(prompt_ids=prompt_ids, max_tokens=max_tokens,
                      sampling=SamplingConfig(temperature=temperature, top_k=body.top_k,
                                              top_p=body.top_p),
                      stop_ids=tuple(sorted(stop_ids)), stops=tuple(stops), seed=seed,
                      stream=bool(body.stream),
-                     include_usage=bool(options.get("include_usage", False)))
+                     include_usage=bool(options.get("include_usage", False)),
+                     salt=body.cache_salt)
 
     def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -721,7 +731,7 @@ class _Server:
             q = await asyncio.wait_for(self.worker.submit(
                 plan.prompt_ids, request_id=rid, capacity=self.capacity,
                 max_tokens=plan.max_tokens, sampling=plan.sampling, stop_ids=plan.stop_ids,
-                seed=plan.seed), _remaining(plan))
+                seed=plan.seed, salt=plan.salt), _remaining(plan))
         except (ValueError, TypeError) as e:
             raise _APIError(400, str(e)) from e
         except QueueFullError as e:

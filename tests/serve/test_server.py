@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -176,37 +175,6 @@ def test_streaming_equals_non_streaming(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
         chat.choices[0].message.content)
     assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
-
-
-def test_concurrent_requests_are_batched_and_match_their_solo_runs(served, client, loaded,
-                                                                   reference, monkeypatch):
-    """Four clients at once: the engine runs their requests in one batch (a step delivers
-    tokens to every one of them: a server that ran them one after another would not), and
-    each gets the text of generate on its prompt alone. The engine does not step until all
-    four have arrived, so the batch does not depend on how fast the clients are."""
-    engine = served[0]
-    tokenizer = loaded[2]
-    real_step, live, deadline = engine.step, [], time.monotonic() + 30
-
-    def step():
-        if (engine.num_running + engine.num_waiting < len(PROMPTS) and not live
-                and time.monotonic() < deadline):
-            time.sleep(0.01)  # the worker takes the next arrivals, then steps again
-            return []
-        outs = real_step()
-        live.append({o.request_id for o in outs if o.token_ids})
-        return outs
-    monkeypatch.setattr(engine, "step", step)
-
-    def ask(prompt):
-        return client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW,
-                                         temperature=0, seed=7)
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(ask, PROMPTS))
-    assert max(map(len, live)) == len(PROMPTS), live  # every request in flight together
-    for prompt, r in zip(PROMPTS, results, strict=True):
-        text, finish = _expected(reference(tokenizer.encode(prompt)))
-        assert (r.choices[0].text, r.choices[0].finish_reason) == (text, finish), prompt
 
 
 def test_sampled_completions_equal_generate_with_their_seed(client, loaded, rng):
@@ -446,17 +414,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serves_health_and_models(checkpoint):
-    # The README's `python -m kvjax serve --model HF_DIR`, on the tiny checkpoint.
+def test_cli_serves_health_and_models_on_8_devices(checkpoint, loaded, reference):
+    """The README's `python -m kvjax serve --model HF_DIR`, on the tiny checkpoint, in a
+    process that sees 8 CPU devices and serves on all of them (`--mesh model=8`: heads,
+    MLP and vocabulary split over them, the 2 KV heads replicated): a greedy completion has
+    generate's tokens on one device; SIGINT ends it with status 0."""
     port = _free_port()
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvjax", "serve", "--model", str(checkpoint), "--port",
          str(port), "--max-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--page-size", "8",
-         "--chunk-size", "16", "--log-level", "warning", "--no-warmup", "--host-pages", "32",
+         "--chunk-size", "16", "--log-level", "warning", "--no-warmup", "--mesh", "model=8",
          "--api-key", "sk-cli", "--max-request-bytes", "4096", "--request-timeout", "30",
          "--max-waiting", "2", "--drain-timeout", "20"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)))
+        env=dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=" ".join(
+            [*flags, "--xla_force_host_platform_device_count=8"])))
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
         while True:
@@ -474,12 +448,18 @@ def test_cli_serves_health_and_models(checkpoint):
         assert [m["id"] for m in models_["data"]] == [checkpoint.name]
         r = httpx.post(url + "/v1/completions", headers=auth, content=b" " * 5000)
         assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", headers=auth, timeout=120, json={
+            "model": checkpoint.name, "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0})
+        assert r.status_code == 200, r.text
+        text, finish = _expected(reference(loaded[2].encode(PROMPTS[0])))
+        assert (r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]) == (
+            text, finish)
         assert "kvjax_kv_pages_total" in httpx.get(url + "/metrics").text
         proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert f"serving it as {checkpoint.name!r}" in err
-        assert "host tier of 32 pages, 4 rows" in err
+        assert "on a mesh of 8 cpu devices (model=8; strategies heads)" in err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -495,8 +475,11 @@ def test_help_lists_every_flag():
                  "--kv-bits", "--kv-group-size", "--kv-residual", "--no-prefix-caching",
                  "--dtype", "--log-level", "--no-warmup", "--host-pages", "--host-rows",
                  "--api-key", "--max-request-bytes", "--request-timeout", "--max-waiting",
-                 "--drain-timeout"):
+                 "--drain-timeout", "--mesh", "--kv-memory", "--window-pages"):
         assert flag in r.stdout, flag
+    # The KIVI chunk default, and what --mesh takes.
+    assert "with --kv-bits at least --kv-residual + --page-size" in " ".join(r.stdout.split())
+    assert "AXIS=N[,AXIS=N...]" in r.stdout and "data=N" in r.stdout
 
 
 @pytest.mark.parametrize("args, message", [
