@@ -80,14 +80,16 @@ state and the host's mirror of its lengths and free pages and runs those program
 `prefixes.PrefixPages` finds and attaches prefix hits and keeps, evicts and parks cached
 prefixes (over the index `prefix.PrefixCache`); `scheduler.Scheduler` admits, plans each
 step, preempts and swaps, and delivers tokens. `Engine` ties them together and is the
-public face.
+public face. `Engine.rebuilt()` makes a fresh engine from the same params and options
+with every unfinished request queued again, recomputed from its prompt and the tokens
+it produced (what a server does after a failed step: `kvjax.serve.server`).
 """
 
 import collections
 import dataclasses
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -260,6 +262,13 @@ class Engine:
                  eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None,
                  decode_steps: int = 8, max_decode_steps: int | None = None,
                  host_pages: int = 0, host_rows: int | None = None):
+        # What `rebuilt` builds a fresh engine from.
+        self._options = dict(
+            max_seqs=max_seqs, max_seq_len=max_seq_len, cache=cache, chunk_size=chunk_size,
+            prefill_rows=prefill_rows, token_budget=token_budget, prefix_caching=prefix_caching,
+            prefix_slots=prefix_slots, eos_ids=eos_ids, impl=impl, policy=policy,
+            decode_steps=decode_steps, max_decode_steps=max_decode_steps,
+            host_pages=host_pages, host_rows=host_rows)
         cfg, policy, prefix_caching = _settle(
             model, cache, max_seqs=max_seqs, max_seq_len=max_seq_len, chunk_size=chunk_size,
             prefill_rows=prefill_rows, decode_steps=decode_steps,
@@ -507,6 +516,48 @@ class Engine:
             for o in self.step():
                 out[o.request_id].extend(o.token_ids)
         return dict(out)
+
+    # ------------------------------------------------------------------ recovery
+
+    def rebuilt(self, delivered: Mapping[str, int] | None = None) -> "Engine":
+        """A fresh engine from this one's model, params and options, with every unfinished
+        request of this one queued again under its id (running ones first, in the order
+        they were admitted, then the waiting ones in line). Each continues by recompute:
+        its prompt and the tokens it produced are prefilled again, and it samples on with
+        its own key from its own count, so its next tokens are those it would have
+        produced (greedy, or sampled: token s draws with fold_in(key, s)); `max_tokens`
+        still counts every token it produced. For a caller whose engine failed (an
+        exception in `step`: the cache it donated is not trusted): nothing of this
+        engine's device state is read, and it is released before the new cache is built.
+
+        Args:
+          delivered: request id -> tokens the caller has handed on of that request; a
+            request's record is cut to them (a step that failed after recording tokens
+            it never returned). Default: every token the engine recorded.
+
+        Returns:
+          The new engine; this one is left without state (do not use it again).
+        """
+        old = self.scheduler
+        order = sorted(old.running.values(), key=lambda r: r.admitted) + list(old.waiting)
+        # The failed engine's arrays may be half donated: drop them before allocating anew.
+        state, self.slots.state = self.slots.state, None
+        for x in jax.tree.leaves(state):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        del state
+        new = Engine(self.model, self.params, **self._options)
+        new._ids = self._ids
+        new.stats.update(self.stats)
+        for r in order:
+            output = r.output if delivered is None else r.output[: delivered.get(r.id, 0)]
+            req = Request(id=r.id, prompt=r.prompt, max_tokens=r.max_tokens,
+                          sampling=r.sampling, stop_ids=r.stop_ids, key_data=r.key_data,
+                          salt=r.salt, output=list(output), cached_tokens=r.cached_tokens,
+                          cancelled=r.cancelled)
+            Scheduler.to_recompute(req)
+            new.scheduler.add(req)
+        return new
 
     # ------------------------------------------------------------------ invariants
 

@@ -12,11 +12,13 @@ snapshot when scraped): `kvjax_requests_running`, `kvjax_requests_waiting`,
 `kvjax_kv_pages_in_use`, `kvjax_kv_pages_total`. The engine's own counters
 (`Engine.stats`, as its thread last saw them): `kvjax_engine_{name}_total` for each name
 of `ENGINE_COUNTERS` (calls, decode steps, prefill tokens, prefix-hit pages, evictions,
-preemptions, swaps, ...). Histograms: `kvjax_time_to_first_token_seconds` (arrival of
-the request to its first token), `kvjax_inter_token_latency_seconds` (between a
-request's tokens: a group of k tokens that arrives together counts k gaps of 1/k of the
-wait since the previous group; the first group k - 1 gaps of 0, its wait being the
-TTFT) and `kvjax_request_duration_seconds` (arrival to the last token).
+preemptions, swaps, ...), and `kvjax_engine_restarts_total`: engines the server's worker
+rebuilt after a failed step (`EngineWorker`). Histograms:
+`kvjax_time_to_first_token_seconds` (arrival of the request to its first token),
+`kvjax_inter_token_latency_seconds` (between a request's tokens: a group of k tokens
+that arrives together counts k gaps of 1/k of the wait since the previous group; the
+first group k - 1 gaps of 0, its wait being the TTFT) and
+`kvjax_request_duration_seconds` (arrival to the last token).
 """
 
 import prometheus_client
@@ -35,6 +37,7 @@ ENGINE_COUNTERS = {
     "preemptions": "Requests preempted for recompute.",
     "swaps": "Requests swapped out to the host tier.",
     "swap_ins": "Requests swapped back in from the host tier.",
+    "restarts": "Engines rebuilt after a failed step (its requests re-queued by recompute).",
 }
 
 # From a few milliseconds (a prefix hit on a short prompt) to minutes (a long queue).

@@ -51,9 +51,13 @@ Request handlers, on the event loop, hand `add_request` / `cancel` commands to t
 thread through a thread-safe queue; the thread runs `engine.step()` while any
 request is unfinished and passes each request's outputs back to its handler's
 `asyncio.Queue` with `loop.call_soon_threadsafe`. A client that disconnects
-cancels its request. An exception inside the engine fails every waiting request
-with a 500, marks the server unhealthy and ends the thread: the engine's state
-(its donated cache) is not trusted after a failed step.
+cancels its request. A step that raises is survived: the engine's state (its donated
+cache) is not trusted after it, so the thread rebuilds the engine from its params and
+options (`Engine.rebuilt`) and re-queues every unfinished request, recomputed from its
+prompt and the tokens its client already has; clients see no error and the same
+tokens, and `kvjax_engine_restarts_total` counts the rebuilds. If the rebuild fails,
+or steps keep failing (`EngineWorker.max_restarts` within `restart_window`), every
+waiting request fails with a 500, the server is marked unhealthy and the thread ends.
 
 Stop strings: a stop string that encodes to exactly one token also becomes a stop
 id of the request (the engine ends it at that token); every stop string is also
@@ -171,12 +175,35 @@ _STOP = object()
 class EngineWorker:
     """Owns an engine in one background thread; event-loop code talks to it by commands.
 
+    A step that raises does not fail the requests: the worker logs it, replaces the engine
+    by `Engine.rebuilt` (a fresh engine from the same params and options, every unfinished
+    request queued again and recomputed from its prompt and the tokens its client already
+    has) and goes on; each client keeps its stream and gets the tokens an unfailed run
+    would have given. Only when the rebuild fails, or more than `max_restarts` steps fail
+    within `restart_window` seconds, does the worker give up: every waiting request fails
+    (a 500) and the server stays unhealthy.
+
     Args:
-      engine: a `kvjax.serve.Engine`. After `start()`, only the worker's thread touches it.
+      engine: a `kvjax.serve.Engine`. After `start()`, only the worker's thread touches it
+        (and the engines that replace it).
+      max_restarts: rebuilds allowed within `restart_window` seconds (>= 0).
+      restart_window: seconds over which failed steps count against `max_restarts`.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, *, max_restarts: int = 3, restart_window: float = 60.0):
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or (
+                max_restarts < 0):
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}.")
+        if not restart_window > 0:
+            raise ValueError(f"restart_window must be a positive number of seconds, got "
+                             f"{restart_window!r}.")
         self.engine = engine
+        self.max_restarts = max_restarts
+        self.restart_window = float(restart_window)
+        self._failures: collections.deque[float] = collections.deque()  # monotonic times
+        self._restarts = 0
+        # Tokens handed to each unfinished request's sink (what its client has).
+        self._delivered: dict[str, int] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Touched by the worker's thread only: commands taken off the queue but not yet
         # handled, and the sinks of unfinished requests.
@@ -201,7 +228,8 @@ class EngineWorker:
         return self._load
 
     def stats(self) -> dict[str, int]:
-        """The engine's counters (`Engine.stats`) after its thread's last step."""
+        """The engine's counters (`Engine.stats`, carried over rebuilds) after its thread's
+        last step, and `restarts`: engines rebuilt after a failed step."""
         return self._stats
 
     def _done(self, n: int = 1) -> None:
@@ -213,7 +241,7 @@ class EngineWorker:
         free = int(np.min(jax.device_get(engine.state.cache.table.num_free)))
         self._load = (engine.num_running, engine.num_waiting, self._num_pages - free,
                       self._num_pages)
-        self._stats = dict(engine.stats)
+        self._stats = dict(engine.stats) | {"restarts": self._restarts}
 
     @property
     def error(self) -> str | None:
@@ -271,9 +299,9 @@ class EngineWorker:
         self._commands.put(("cancel", request_id))
 
     def _run(self) -> None:
-        engine = self.engine
         try:
             while True:
+                engine = self.engine
                 # Block for work when idle; otherwise take what arrived and step.
                 if not (engine.has_unfinished() or self._sinks):
                     self._pending.append(self._commands.get())
@@ -289,23 +317,57 @@ class EngineWorker:
                         return
                     self._handle(command)
                 if engine.has_unfinished():
-                    for out in engine.step():
+                    try:
+                        outs = engine.step()
+                    except Exception as e:
+                        if self._recover(e):
+                            continue
+                        raise  # the step's failure goes to every waiting client
+                    for out in outs:
                         sink = self._sinks.get(out.request_id)
                         if sink is None:
                             continue
                         sink.put(out)
+                        self._delivered[out.request_id] = (
+                            self._delivered.get(out.request_id, 0) + len(out.token_ids))
                         if out.finished:
                             del self._sinks[out.request_id]
+                            self._delivered.pop(out.request_id, None)
                             self._done()
                 elif self._sinks:  # the engine has nothing left for them: never wait forever
                     for rid in list(self._sinks):
                         self._sinks.pop(rid).put(EngineError(
                             f"the engine dropped request {rid} without finishing it"))
+                        self._delivered.pop(rid, None)
                         self._done()
                 self._observe()
         except BaseException as e:  # every failure must reach the waiting clients
             _log.exception("the engine failed; failing every waiting request")
             self._fail(f"the engine failed: {type(e).__name__}: {e}")
+
+    def _recover(self, error: Exception) -> bool:
+        """Replaces the engine after its step raised `error`: a rebuilt engine takes every
+        unfinished request, each cut to the tokens its client has. False (the worker then
+        fails every request) when the failures within `restart_window` exceed
+        `max_restarts`, or when the rebuild fails."""
+        now = time.monotonic()
+        while self._failures and now - self._failures[0] > self.restart_window:
+            self._failures.popleft()
+        self._failures.append(now)
+        if len(self._failures) > self.max_restarts:
+            _log.error("engine step failed %d times in %.0f s; giving up",
+                       len(self._failures), self.restart_window)
+            return False
+        _log.error("engine step failed; rebuilding the engine and re-queuing %d requests",
+                   len(self._sinks), exc_info=error)
+        try:
+            self.engine = self.engine.rebuilt(delivered=dict(self._delivered))
+        except Exception:
+            _log.exception("rebuilding the engine failed; giving up")
+            return False
+        self._restarts += 1
+        self._observe()
+        return True
 
     def _handle(self, command) -> None:
         if command[0] == "add":
@@ -336,6 +398,7 @@ class EngineWorker:
         for sink in self._sinks.values():
             sink.put(error)
         self._sinks.clear()
+        self._delivered.clear()
         while True:  # commands taken but not handled, and those that arrived since
             try:
                 self._pending.append(self._commands.get_nowait())

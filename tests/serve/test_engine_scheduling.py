@@ -281,3 +281,40 @@ def test_random_arrivals_cancels_and_preemptions_keep_invariants_and_tokens(
     assert replay.stats()["evictions"] > 0, replay.stats()  # prefix holders left first
     cfg = gen.CacheConfig(page_size=PAGE)
     replay.check_tokens(lambda p, n: _alone(model, params, p, n, cfg))
+
+
+def test_rebuilt_engine_continues_every_request(tiny, rng):
+    """An engine rebuilt part way (`Engine.rebuilt`, what the server does after a failed
+    step) finishes every request with the tokens of an uninterrupted run: running and
+    waiting ones, greedy and sampled, one of them cut back by `delivered` to fewer tokens
+    than it had produced (they come again, once)."""
+    model, params = tiny
+    prompts, _ = _workload(rng, model.vocab_size, 4, system=CHUNK)
+    kinds = [{}, dict(sampling=gen.SamplingConfig(temperature=1.0), seed=11), {},
+             dict(sampling=gen.SamplingConfig(temperature=0.7, top_p=0.9), seed=2**40 + 3)]
+
+    def add(engine):
+        return [engine.add_request(p, max_tokens=14, **kw)
+                for p, kw in zip(prompts, kinds, strict=True)]
+
+    engine = _small_engine(model, params)
+    ids = add(engine)
+    want = engine.run()
+    engine = _small_engine(model, params)
+    assert add(engine) == ids
+    got = {i: [] for i in ids}
+    while not (engine.num_waiting and all(got[i] for i in ids[:2])):
+        for o in engine.step():
+            got[o.request_id].extend(o.token_ids)
+    cut = ids[1]
+    assert len(got[cut]) >= 2 and engine.num_running and engine.num_waiting
+    got[cut] = got[cut][:1]
+    new = engine.rebuilt(delivered={i: len(t) for i, t in got.items()})
+    assert engine.state is None and new.has_unfinished()
+    assert new.add_request(prompts[0], max_tokens=2) not in ids  # ids go on counting
+    while new.has_unfinished():
+        for o in new.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+        new.check()
+    for i in ids:
+        assert got[i] == want[i], i

@@ -381,17 +381,19 @@ def test_prefix_cache_hits_are_reported(client):
     assert a.choices[0].text == b.choices[0].text
 
 
-def test_engine_failure_is_a_500_not_a_hang(loaded):
+def test_engine_failure_that_persists_is_a_500_not_a_hang(loaded, monkeypatch):
+    # Steps fail on every engine the worker rebuilds: after EngineWorker's 3 rebuilds it
+    # gives up (tests/serve/test_server_recovery.py has the failure it survives).
     model, params, tokenizer = loaded
     engine = Engine(model, params, cache=CACHE, **ENGINE)
-    real_step, steps = engine.step, []
+    real_step, steps = Engine.step, []
 
-    def step():  # two good steps (a prefill and a decode), then a failure
+    def step(self):  # two good steps (a prefill and a decode), then failures
         steps.append(1)
         if len(steps) > 2:
             raise RuntimeError("injected failure")
-        return real_step()
-    engine.step = step
+        return real_step(self)
+    monkeypatch.setattr(Engine, "step", step)
     body = {"model": NAME, "prompt": "w01 w02", "max_tokens": 20, "temperature": 0}
     with TestClient(create_app(engine, tokenizer, model_name=NAME)) as c:
         with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
@@ -402,10 +404,12 @@ def test_engine_failure_is_a_500_not_a_hang(loaded):
         assert events[0]["choices"][0]["text"]  # a token arrived before the failure
         assert "injected failure" in events[-1]["error"]["message"]
         assert events[-1]["error"]["type"] == "server_error"
+        assert len(steps) == 2 + 4  # the failure, then one on each of 3 rebuilt engines
         r = c.post("/v1/completions", json=body)  # the engine is gone: an immediate 500
         assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
         r = c.get("/health")
         assert r.status_code == 503 and "injected failure" in r.json()["message"]
+        assert "kvjax_engine_restarts_total 3.0" in c.get("/metrics").text
 
 
 def _free_port() -> int:
