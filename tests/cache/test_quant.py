@@ -1,5 +1,8 @@
 """Golden tests of the quantizer and the packed bit layout."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +23,17 @@ def _expand(s, grouping, g):
     return np.repeat(s, g, axis=-2 if grouping == "tokens" else -1)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "grouping", "scale_dtype"))
+def _round_trip(x, *, bits, group_size, grouping, scale_dtype=jnp.float16):
+    """quantize, then pack_codes and dequantize of its codes, as one program per case (run
+    op by op they compiled some 70 small programs per case)."""
+    codes, scale, zero = quant.quantize(x, bits=bits, group_size=group_size, grouping=grouping,
+                                        scale_dtype=scale_dtype)
+    x_hat = quant.dequantize(quant.pack_codes(codes, bits), scale, zero, bits=bits,
+                             grouping=grouping)
+    return codes, scale, zero, x_hat
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("grouping", GROUPINGS)
@@ -27,9 +41,8 @@ def _expand(s, grouping, g):
 def test_codes_in_range_and_error_within_half_step(rng, bits, grouping, scale_dtype):
     g = 8
     x = _random_blocks(rng, (3, 2, 32, 16))
-    codes, scale, zero = quant.quantize(
-        jnp.asarray(x), bits=bits, group_size=g, grouping=grouping, scale_dtype=scale_dtype
-    )
+    codes, scale, zero, got = _round_trip(jax.device_put(x), bits=bits, group_size=g,
+                                          grouping=grouping, scale_dtype=scale_dtype)
     assert codes.dtype == jnp.uint8 and scale.dtype == jnp.dtype(scale_dtype)
     want = (3, 2, 4, 16) if grouping == "tokens" else (3, 2, 32, 2)
     assert scale.shape == want and zero.shape == want
@@ -44,8 +57,6 @@ def test_codes_in_range_and_error_within_half_step(rng, bits, grouping, scale_dt
     slack = 4 * np.finfo(np.float32).eps * (np.abs(x) + s * 2**bits)
     assert np.all(np.abs(x_hat - x) <= s / 2 + slack)
     # The library's dequantize agrees with the formula after packing.
-    packed = quant.pack_codes(jnp.asarray(codes), bits)
-    got = quant.dequantize(packed, scale, zero, bits=bits, grouping=grouping)
     np.testing.assert_allclose(np.asarray(got), x_hat, rtol=1e-6, atol=1e-6)
 
 
@@ -76,8 +87,7 @@ def test_constant_groups_exact_no_nan(rng, bits, grouping):
     g = 4
     # bfloat16 values (exactly representable in float16) in every group, some
     # groups constant, including a constant group of zeros.
-    x = rng.standard_normal((8, 8)).astype(np.float32)
-    x = np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    x = rng.standard_normal((8, 8)).astype(jnp.bfloat16).astype(np.float32)
     if grouping == "tokens":
         x[0:4, 1] = x[0, 1]
         x[4:8, 2] = 0.0
@@ -86,9 +96,8 @@ def test_constant_groups_exact_no_nan(rng, bits, grouping):
         x[1, 0:4] = x[1, 0]
         x[2, 4:8] = 0.0
         x[3, 0:4] = 1234.0
-    codes, scale, zero = quant.quantize(jnp.asarray(x), bits=bits, group_size=g, grouping=grouping)
-    got = np.asarray(quant.dequantize(quant.pack_codes(codes, bits), scale, zero, bits=bits,
-                                      grouping=grouping))
+    _, scale, _, got = _round_trip(jax.device_put(x), bits=bits, group_size=g, grouping=grouping)
+    got = np.asarray(got)
     assert np.isfinite(got).all() and np.isfinite(np.asarray(scale, np.float32)).all()
     if grouping == "tokens":
         sel = [(slice(0, 4), 1), (slice(4, 8), 2), (slice(0, 4), 3)]
