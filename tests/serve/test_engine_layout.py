@@ -1,0 +1,69 @@
+"""The serving engine stays in small parts over public names: no class in kvjax/serve over
+400 lines, no private name of kvjax.cache used outside it, and the engine's modules
+import no private name of another package. Parses the source; imports nothing."""
+
+import ast
+from pathlib import Path
+
+KVJAX = Path(__file__).resolve().parents[2] / "kvjax"
+# The engine, its parts and the server over it (kvjax/serve/cli.py is the command line).
+ENGINE_MODULES = ("engine", "steps", "slots", "prefixes", "scheduler", "prefix", "server",
+                  "metrics")
+MAX_CLASS_LINES = 400
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(path: Path, package: str) -> list[str]:
+    """Private names of `package` (or its modules) that `path` imports or reaches as an
+    attribute of a name bound to one of them."""
+    tree = ast.parse(path.read_text())
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if node.module == package or node.module.startswith(package + "."):
+                    if _private(alias.name):
+                        found.append(f"line {node.lineno}: from {node.module} import "
+                                     f"{alias.name}")
+                    bound.add(alias.asname or alias.name)
+                elif full == package or full.startswith(package + "."):
+                    bound.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == package or alias.name.startswith(package + "."):
+                    bound.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute) and not _private(base.attr):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_class_in_kvjax_serve_is_over_400_lines():
+    long = [f"{path.name}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted((KVJAX / "serve").glob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)
+            and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not long, long
+
+
+def test_private_names_stay_in_their_package():
+    outside = {str(path.relative_to(KVJAX)): uses for path in sorted(KVJAX.rglob("*.py"))
+               if "cache" not in path.relative_to(KVJAX).parts[:1]
+               and (uses := _private_uses(path, "kvjax.cache"))}
+    assert not outside, outside
+    engine = {}
+    for name in ENGINE_MODULES:
+        path = KVJAX / "serve" / f"{name}.py"
+        for package in ("kvjax.cache", "kvjax.generate", "kvjax.models", "kvjax.attention"):
+            if uses := _private_uses(path, package):
+                engine[f"{name}.py ({package})"] = uses
+    assert not engine, engine
