@@ -39,15 +39,26 @@ def test_hand_example_keeps_sinks_and_window(rng):
     assert int(out.num_free_pages) == free0 + 1  # 11 tokens on 3 pages -> 5 tokens on 2 pages
 
 
+# The rotations as jitted programs: run op by op they compiled some 50 small programs.
+_apply_rope = jax.jit(apply_rope)
+
+
+@jax.jit
+def _rerotated_and_direct(k, s, j, inv_freq):
+    """(k rotated at s then re-rotated by j - s, k rotated at j, k rotated at s)."""
+    at_s = apply_rope(k, s, inv_freq)
+    return rerotate(at_s, j - s, inv_freq), apply_rope(k, j, inv_freq), at_s
+
+
 def test_rerotated_key_equals_rope_at_new_position(rng):
     inv_freq = rope_inv_freq(16, 10000.0)
-    k = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
-    s = jnp.asarray(rng.integers(1, 1024, 64), jnp.int32)
-    j = jnp.asarray(rng.integers(0, 1024, 64), jnp.int32) % s
-    got = rerotate(apply_rope(k, s, inv_freq), j - s, inv_freq)
-    np.testing.assert_allclose(got, apply_rope(k, j, inv_freq), atol=1e-5, rtol=0)
+    s = rng.integers(1, 1024, 64).astype(np.int32)
+    k, s, j = jax.device_put((rng.standard_normal((64, 16)).astype(np.float32), s,
+                              (rng.integers(0, 1024, 64) % s).astype(np.int32)))
+    got, want, stale = _rerotated_and_direct(k, s, j, inv_freq)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     # And it must actually move: a stale key differs.
-    assert np.abs(np.asarray(apply_rope(k, s, inv_freq) - apply_rope(k, j, inv_freq))).max() > 1e-2
+    assert np.abs(np.asarray(stale) - np.asarray(want)).max() > 1e-2
 
 
 def test_cache_scheme_rerotates_moved_keys(rng):
@@ -55,14 +66,15 @@ def test_cache_scheme_rerotates_moved_keys(rng):
     # The keys as the cache-position scheme caches them: rotated at their slot.
     inv_freq = rope_inv_freq(8)
     k_pre = rng.standard_normal((2, 2, 2, SPEC.max_tokens_per_seq, 8)).astype(np.float32)
-    slots = jnp.arange(SPEC.max_tokens_per_seq)
-    k_rot = np.asarray(apply_rope(jnp.asarray(k_pre), slots, inv_freq))
+    slots = np.arange(SPEC.max_tokens_per_seq, dtype=np.int32)
+    k_rot = np.asarray(_apply_rope(jax.device_put(k_pre), slots, inv_freq))
     cache, _, _ = random_filled_cache(SPEC, [13, 6], rng, k=k_rot)
     out, _, status = jax.jit(policy.after_step)(cache, None, _queries(rng, SPEC))
     status.raise_if_error()
     dk, _ = dense_kv(out)
     kept = np.array([0, 1, 8, 9, 10, 11, 12])
-    want = apply_rope(jnp.asarray(k_pre[:, 0][:, :, kept]), jnp.arange(7), inv_freq)
+    want = _apply_rope(jax.device_put(k_pre[:, 0][:, :, kept]), np.arange(7, dtype=np.int32),
+                       inv_freq)
     np.testing.assert_allclose(dk[:, 0, :, :7], want, atol=1e-5, rtol=0)
     np.testing.assert_allclose(dk[:, 1, :, :6], k_rot[:, 1, :, :6], atol=0, rtol=0)
     # The next token's rotary position is its cache slot, not its text position.
