@@ -23,13 +23,13 @@ from kvjax.specs import AttentionSpec
 from tests.models import hf_tiny
 from tests.serve import tiny_chat
 
-PAGE, RESIDUAL, GROUP = 32, 64, 32
-MAX_SEQ_LEN = 288
+PAGE, RESIDUAL, GROUP = 32, 96, 32
+MAX_SEQ_LEN = 384
 BUDGET_GIB = 0.01
 ATTENTION = AttentionSpec(q_heads=8, kv_heads=2, head_dim=32)
 NEW = 10
 # KIVI int4 pages of PAGE tokens in groups of GROUP, a RESIDUAL-token bf16 tail, and no
-# --chunk-size: the CLI picks RESIDUAL + PAGE = 96 (64 would leave no prefix hit).
+# --chunk-size: the CLI picks RESIDUAL + PAGE = 128 (its plain 64 would leave no prefix hit).
 COMMON = ["--served-model-name", "wide", "--page-size", str(PAGE), "--kv-dtype", "bfloat16",
           "--max-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--no-warmup"]
 KIVI = ["--kv-bits", "4", "--kv-group-size", str(GROUP), "--kv-residual", str(RESIDUAL),
@@ -121,19 +121,19 @@ def test_int4_budget_holds_3x_the_tokens_of_bf16(wide, int4):
             (MAX_SEQ_LEN - (RESIDUAL if b is q else 0)) / PAGE)
     # The int4 rows' tails: 2 rows + 4 prefix holders of RESIDUAL + PAGE bf16 tokens.
     assert q["slots"] == 6 and q["fixed"] >= 6 * (RESIDUAL + PAGE) * 2 * 2 * 2 * 32 * 2
-    assert "prefill chunks of 96 tokens" in int4[1]
+    assert "prefill chunks of 128 tokens" in int4[1]
 
 
 def test_kivi_prefix_hits_with_the_default_chunk(int4, rng):
-    """Two prompts sharing 200 tokens (6 whole pages): the second finds >= 80% of those
+    """Two prompts sharing 260 tokens (8 whole pages): the second finds >= 80% of those
     pages' tokens cached, with no --chunk-size given (the KIVI default), and its text is
     that of the same prompt under another salt (computed without any hit)."""
     c, _ = int4
-    shared = _words(rng, 200)
-    a, b = shared + _words(rng, 60), shared + _words(rng, 62)
+    shared = _words(rng, 260)
+    a, b = shared + _words(rng, 100), shared + _words(rng, 101)
     assert _cached(_complete(c, a)) == 0
     hit = _complete(c, b, max_tokens=NEW)
-    whole = 200 // PAGE * PAGE
+    whole = 260 // PAGE * PAGE
     assert _cached(hit) >= 0.8 * whole, hit["usage"]
     alone = _complete(c, b, salt="alone", max_tokens=NEW)
     assert _cached(alone) == 0
@@ -145,12 +145,12 @@ def test_cache_salt_separates_tenants(int4, rng):
     cached tokens), a finds its own prompt; chat completions too. A salt that is not a
     non-empty string is refused with a 400 in OpenAI's error shape."""
     c, _ = int4
-    prompt = _words(rng, 200)
+    prompt = _words(rng, 300)
     assert _cached(_complete(c, prompt, salt="tenant-a")) == 0
     assert _cached(_complete(c, prompt, salt="tenant-b")) == 0
     assert _cached(_complete(c, prompt)) == 0  # no salt is a tenant of its own
     assert _cached(_complete(c, prompt, salt="tenant-a")) > 0
-    messages = [{"role": "user", "content": tiny_chat.words(_words(rng, 200))}]
+    messages = [{"role": "user", "content": tiny_chat.words(_words(rng, 300))}]
     assert _cached(_complete(c, messages, salt="x", chat=True)) == 0
     assert _cached(_complete(c, messages, salt="y", chat=True)) == 0
     assert _cached(_complete(c, messages, salt="x", chat=True)) > 0

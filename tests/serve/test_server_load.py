@@ -73,7 +73,7 @@ def _jobs(rng) -> list[tuple[str, dict | bytes]]:
 
 def _send(url: str, kind: str, body) -> str | int:
     """The completion's text; a hang-up's or malformed body's HTTP status."""
-    with httpx.Client(base_url=url, timeout=20) as c:
+    with httpx.Client(base_url=url, timeout=120) as c:
         if kind == "malformed":
             return c.post("/v1/completions", content=body,
                           headers={"Content-Type": "application/json"}).status_code
@@ -95,9 +95,9 @@ def _send(url: str, kind: str, body) -> str | int:
 
 def _idle(app) -> None:
     """Waits until no request is unfinished: the worker thread then waits for commands."""
-    worker, deadline = app.state.worker, time.monotonic() + 60
+    worker, deadline = app.state.worker, time.monotonic() + 120
     while worker.unfinished or worker.engine.has_unfinished():
-        assert time.monotonic() < deadline, "requests still unfinished after 60 s"
+        assert time.monotonic() < deadline, "requests still unfinished after 120 s"
         time.sleep(0.02)
 
 
@@ -107,11 +107,13 @@ def test_concurrent_load_leaves_the_engine_whole(served, rng, monkeypatch):
     its request, and every completion is the one its request gets alone."""
     app, url = served
     engine = app.state.worker.engine
-    real_step, rows = engine.step, []
+    real_step, rows, ends = engine.step, [], []
 
     def step():
         rows.append(engine.num_running)
-        return real_step()
+        outs = real_step()
+        ends.extend(o.finish_reason for o in outs if o.finished)
+        return outs
     monkeypatch.setattr(engine, "step", step)
     jobs = _jobs(rng)
     with ThreadPoolExecutor(8) as pool:
@@ -123,10 +125,8 @@ def test_concurrent_load_leaves_the_engine_whole(served, rng, monkeypatch):
     for (kind, _), got in zip(jobs, results, strict=True):
         if kind in ("malformed", "hangup"):
             assert got == (400 if kind == "malformed" else 200), (kind, got)
-    metrics = httpx.get(url + "/metrics").text
-    cancelled = next(float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith('kvjax_requests_total{finish_reason="cancelled"}'))
-    assert cancelled >= 1, "no hang-up cancelled its request"
+    # The engine ended the requests of hang-ups that had not finished as cancelled.
+    assert 1 <= ends.count("cancelled") <= 4 and len(ends) == 20, ends
     # Each completion against the same request alone (its own salt: no prefix shared).
     for i, ((kind, body), got) in enumerate(zip(jobs, results, strict=True)):
         if kind in ("greedy", "sampled"):
