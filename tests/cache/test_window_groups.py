@@ -180,14 +180,21 @@ def grow_and_write(cache, num_new, values):
     return cache, status
 
 
+@functools.partial(jax.jit, static_argnames="layer")
+def _tables_and_keys(cache, layer):
+    """The block tables and first KV head's K pool of `layer`'s view, as one program (the
+    view's slicing run op by op compiled a dozen small programs)."""
+    view = kvx.cache.layer_view(cache, layer)
+    return view.block_tables, view.k[0]
+
+
 def tokens_seen(cache, s, layer):
     """The K values of sequence s that layer `layer`'s attention reads through its block
     table (the ring's virtual table for the windowed layer), by position."""
-    view = kvx.cache.layer_view(cache, layer)
-    n = int(cache.lengths[s])
-    ids = np.asarray(view.block_tables[s, : -(-n // PS)])
-    k = np.asarray(view.k[0])  # [pages, page_size, head_dim]
-    return k[ids].reshape(-1, ATT.head_dim)[:n, 0]
+    tables, k = (np.asarray(x) for x in _tables_and_keys(cache, layer))
+    n = int(np.asarray(cache.lengths)[s])
+    ids = tables[s, : -(-n // PS)]
+    return k[ids].reshape(-1, ATT.head_dim)[:n, 0]  # k: [pages, page_size, head_dim]
 
 
 fuzz_ops = st.lists(
