@@ -70,17 +70,19 @@ def set_drop(x: Array, index, values) -> Array:
     return x.at[index].set(values, mode="drop")
 
 
-def set_rows(pool: Array, layer, i1: Array, i2: Array, x: Array) -> Array:
+def set_rows(pool: Array, layer, i1: Array, i2: Array, x: Array, *,
+             after: tuple[Array, ...] = ()) -> Array:
     """`pool.at[layer, :, i1, i2, :].set(x, mode="drop")`: x [rows, heads, width], i1, i2 [rows].
 
     The token writes of the cache (pages and KIVI tails). For 16-bit float pools on CPU it
     is a custom call that copies the rows in place (`kvjax.backends.cpu.write_rows`):
     XLA:CPU's own scatter or dynamic-update-slice widens or copies the whole pool on every
-    write of a few rows. Elsewhere, or without the CPU kernels, the XLA scatter.
+    write of a few rows. Elsewhere, or without the CPU kernels, the XLA scatter. `after`:
+    values read from `pool` before this write (see `write_rows`; the scatter ignores it).
     """
     cpu = _in_place_kernels(pool)
     if cpu is not None:
-        return cpu.write_rows(pool, layer, i1, i2, x)
+        return cpu.write_rows(pool, layer, i1, i2, x, after=after)
     return set_drop(pool, (layer, slice(None), i1, i2, slice(None)), x)
 
 

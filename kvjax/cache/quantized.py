@@ -464,10 +464,16 @@ def write_layer(
     new_idx = jnp.clip(pos - start[:, None, None], 0, q_len - 1)
     rows = jnp.arange(batch)[:, None, None]
 
-    def assemble(tail_pool, x):
-        old = tail_pool[layer][:, seq_ids[:, None, None], slot]  # [heads, batch, f, ps, w]
+    # The ring rows a flush may take, gathered outside the flush's cond and handed to the
+    # ring's in-place write below as values it must follow: otherwise XLA copies the ring
+    # (every layer's) twice per layer and step to keep the read's value. One page per row.
+    old_rows = {name: t[layer][:, seq_ids[:, None, None], slot]  # [heads, batch, f, ps, w]
+                for name, t in (("a", cache.tail.a), ("b", cache.tail.b), ("c", cache.tail.c))
+                if t is not None and (name != "c" or index_keys is not None)}
+
+    def assemble(name, x):
         new = _to_heads_first(x[rows, new_idx])  # [heads, batch, f, ps, w]
-        return jnp.where(from_tail[None, ..., None], old, new)
+        return jnp.where(from_tail[None, ..., None], old_rows[name], new)
 
     page_col = jnp.clip(pos[:, :, 0] // ps, 0, spec.max_pages_per_seq - 1)
     page_ids = jnp.take_along_axis(cache.block_tables[seq_ids], page_col, axis=1)
@@ -493,14 +499,14 @@ def write_layer(
                                full.reshape(-1, *full.shape[2:]))
 
     def flush_all(pages):
-        full_a = assemble(cache.tail.a, a)
-        full_b = assemble(cache.tail.b, b)
+        full_a = assemble("a", a)
+        full_b = assemble("b", b)
         if spec.is_mla:
             c_kv = list(pages.c_kv)
             c_kv[gi] = flush(c_kv[gi], full_a)
             index_k = pages.index_k
             if index_keys is not None:
-                index_k = put_full(index_k, assemble(cache.tail.c, index_keys))
+                index_k = put_full(index_k, assemble("c", index_keys))
             return QuantizedLatentPages(c_kv=tuple(c_kv), k_rope=put_full(pages.k_rope, full_b),
                                         index_k=index_k)
         k, v = list(pages.k), list(pages.v)
@@ -518,14 +524,18 @@ def write_layer(
     tslot = jnp.where(keep, new_pos % ring, ring)  # ring is out of range: dropped
     sid = seq_ids[:, None]
     rows = (jnp.broadcast_to(sid, tslot.shape).reshape(-1), tslot.reshape(-1))
+    # Each ring's write follows the flush's read of it (`after`): no copy of the ring.
     tail = dataclasses.replace(
         cache.tail,
-        a=paged.set_rows(cache.tail.a, layer, *rows, a.reshape(-1, *a.shape[2:])),
-        b=paged.set_rows(cache.tail.b, layer, *rows, b.reshape(-1, *b.shape[2:])),
+        a=paged.set_rows(cache.tail.a, layer, *rows, a.reshape(-1, *a.shape[2:]),
+                         after=(old_rows["a"],)),
+        b=paged.set_rows(cache.tail.b, layer, *rows, b.reshape(-1, *b.shape[2:]),
+                         after=(old_rows["b"],)),
     )
     if index_keys is not None:
         tail = dataclasses.replace(tail, c=paged.set_rows(
-            cache.tail.c, layer, *rows, index_keys.reshape(-1, *index_keys.shape[2:])))
+            cache.tail.c, layer, *rows, index_keys.reshape(-1, *index_keys.shape[2:]),
+            after=(old_rows["c"],)))
     return dataclasses.replace(cache, pages=pages, tail=tail)
 
 

@@ -443,6 +443,8 @@ def write_rows(
     i1: Int[Array, " rows"],
     i2: Int[Array, " rows"],
     x: Float[Array, "rows heads width"],
+    *,
+    after: tuple[Array, ...] = (),
 ) -> Float[Array, "layers heads n1 n2 width"]:
     """`pool.at[layer, :, i1, i2, :].set(x, mode="drop")` in place, by a custom call.
 
@@ -450,12 +452,17 @@ def write_rows(
     widens or copies the whole pool per write). The pool is aliased to the result:
     inside a jit that donates it, no copy is made. Rows whose indices are out of range
     are skipped (as "drop" does); x must have the pool's dtype.
+
+    `after`: arrays computed from reads of `pool` that must happen before this write.
+    The kernel does not read them; as operands they order the reads first. Without them
+    XLA cannot tell that a read of the pool precedes the in-place write and copies the
+    whole pool (twice, inside a loop) to keep the read's value.
     """
     call = jax.ffi.ffi_call(load().target("write_rows"),
                             jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(pool, jnp.asarray(layer, jnp.int32), i1.astype(jnp.int32), i2.astype(jnp.int32),
-                x.astype(pool.dtype))
+                x.astype(pool.dtype), *after)
 
 
 def copy_pages(

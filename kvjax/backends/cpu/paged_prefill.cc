@@ -390,19 +390,26 @@ template <typename S, typename T>
 void quant_prefill_item(const QuantPrefillArgs& a, int64_t b, int64_t h, int64_t t0) {
   const int64_t G = a.group, D = a.head_dim, Dv = a.v_head_dim, ps = a.page_size;
   const int64_t nt = std::min<int64_t>(a.positions, a.q_len - t0);
-  const int64_t R = nt * G;  // row r: query t0 + r / G, head h * G + r % G
   auto row_index = [&](int64_t r) { return (b * a.q_len + t0 + r / G) * a.q_heads + h * G + r % G; };
   auto pos_of = [&](int64_t r) -> int64_t { return a.q_pos[b * a.q_len + t0 + r / G]; };
   const int64_t len = a.lengths[b], Q = std::max<int32_t>(a.quant_lengths[b], 0);
-  int64_t top = -1, low = std::numeric_limits<int64_t>::max();
+  int64_t top = -1, low = std::numeric_limits<int64_t>::max(), live = 0;
   bool sorted = true;
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t p = pos_of(t * G);
-    if (p < 0) continue;
-    sorted &= p >= top;  // padding rows anywhere see nothing, whatever their place
+    if (p < 0) continue;  // padding, wherever it sits: sees nothing
+    sorted &= p >= top;
     top = std::max(top, p);
     low = std::min(low, p);
+    live = t + 1;
   }
+  // Rows past the last real query (a chunk's padding) are written here, not attended.
+  const int64_t R = live * G;  // row r: query t0 + r / G, head h * G + r % G
+  for (int64_t r = R; r < nt * G; ++r) {
+    std::fill(a.out + row_index(r) * Dv, a.out + (row_index(r) + 1) * Dv, 0.0f);
+    a.lse[row_index(r)] = kNegInf;
+  }
+  if (R == 0) return;
   // Keys < hi: below the row's length and the tail ring's end, at or before a query.
   const int64_t hi = std::min({len, Q + a.ring, top + 1});
   const int64_t lo = a.window > 0 && top >= 0 ? std::max<int64_t>(0, low - a.window + 1) : 0;

@@ -15,7 +15,9 @@ namespace {
 
 ffi::Error WriteRowsImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> page, ffi::Buffer<ffi::S32> off,
-                         ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::AnyBuffer x, ffi::RemainingArgs after,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  (void)after;  // only orders the write after the ops that produce them (write_rows' `after`)
   auto pd = pool.dimensions(), xd = x.dimensions();
   if (pd.size() != 5 || xd.size() != 3 || x.element_type() != pool.element_type() ||
       xd[1] != pd[1] || xd[2] != pd[4] || page.element_count() != static_cast<size_t>(xd[0]) ||
@@ -84,4 +86,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxWriteRows, kvjax::WriteRowsImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page [rows]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offset [rows]
                                   .Arg<xla::ffi::AnyBuffer>()              // x [rows, heads, w]
+                                  .RemainingArgs()                         // after (unread)
                                   .Ret<xla::ffi::AnyBuffer>());            // pool (aliased)
