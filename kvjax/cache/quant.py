@@ -64,14 +64,34 @@ __all__ = [
 ]
 
 
+def _next16(y: Array, up: bool) -> Array:
+    """The neighbour of finite 16-bit floats y towards +inf (up) or -inf, by integer steps
+    on the sign-magnitude bits (zeros of either sign step to the smallest subnormal).
+    `jnp.nextafter`'s general form (inf and NaN cases) is tens of ops, which XLA repeats
+    for every element of a group when it fuses the scale into the codes' computation."""
+    u = jax.lax.bitcast_convert_type(y, jnp.uint16)
+    neg = (u & 0x8000) != 0
+    zero = (u & 0x7FFF) == 0
+    away = neg != up  # the step grows the magnitude
+    step = jnp.where(away, u + jnp.uint16(1), u - jnp.uint16(1))
+    return jax.lax.bitcast_convert_type(
+        jnp.where(zero, jnp.uint16(0x0001 if up else 0x8001), step), y.dtype)
+
+
 def _round_down(x: Float[Array, "..."], dtype) -> Array:
+    """The largest `dtype` value <= finite x (float32)."""
     y = x.astype(dtype)
-    return jnp.where(y.astype(jnp.float32) > x, jnp.nextafter(y, jnp.array(-jnp.inf, dtype)), y)
+    if jnp.dtype(dtype).itemsize != 2:  # float32 scales hold x exactly
+        return y
+    return jnp.where(y.astype(jnp.float32) > x, _next16(y, up=False), y)
 
 
 def _round_up(x: Float[Array, "..."], dtype) -> Array:
+    """The smallest `dtype` value >= finite x (float32)."""
     y = x.astype(dtype)
-    return jnp.where(y.astype(jnp.float32) < x, jnp.nextafter(y, jnp.array(jnp.inf, dtype)), y)
+    if jnp.dtype(dtype).itemsize != 2:  # float32 scales hold x exactly
+        return y
+    return jnp.where(y.astype(jnp.float32) < x, _next16(y, up=True), y)
 
 
 def representable_range(scale_dtype) -> float:
