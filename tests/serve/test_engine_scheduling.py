@@ -286,12 +286,16 @@ def test_random_arrivals_cancels_and_preemptions_keep_invariants_and_tokens(
 def test_rebuilt_engine_continues_every_request(tiny, rng):
     """An engine rebuilt part way (`Engine.rebuilt`, what the server does after a failed
     step) finishes every request with the tokens of an uninterrupted run: running and
-    waiting ones, greedy and sampled, one of them cut back by `delivered` to fewer tokens
-    than it had produced (they come again, once)."""
+    waiting ones, one of them cut back by `delivered` to fewer tokens than it had produced
+    (they come again, once). Sampled requests: a recomputed token's logits may differ from
+    the decode step's in the last bits, which can flip a greedy near-tie of this random
+    model (one seed in four here), not a draw (test_server_recovery runs greedy ones on
+    fixed prompts)."""
     model, params = tiny
     prompts, _ = _workload(rng, model.vocab_size, 4, system=CHUNK)
-    kinds = [{}, dict(sampling=gen.SamplingConfig(temperature=1.0), seed=11), {},
-             dict(sampling=gen.SamplingConfig(temperature=0.7, top_p=0.9), seed=2**40 + 3)]
+    kinds = [dict(sampling=gen.SamplingConfig(temperature=t, top_p=p), seed=s)
+             for t, p, s in ((1.0, 1.0, 11), (0.7, 0.9, 2**40 + 3), (1.3, 1.0, 5),
+                             (0.9, 0.95, 0))]
 
     def add(engine):
         return [engine.add_request(p, max_tokens=14, **kw)
@@ -303,11 +307,16 @@ def test_rebuilt_engine_continues_every_request(tiny, rng):
     engine = _small_engine(model, params)
     assert add(engine) == ids
     got = {i: [] for i in ids}
-    while not (engine.num_waiting and all(got[i] for i in ids[:2])):
+
+    def part_way():  # a request waits, and two have tokens, one of them two or more
+        n = sorted(len(t) for t in got.values())
+        return engine.num_waiting and engine.num_running and n[-2] >= 1 and n[-1] >= 2
+
+    while engine.has_unfinished() and not part_way():
         for o in engine.step():
             got[o.request_id].extend(o.token_ids)
-    cut = ids[1]
-    assert len(got[cut]) >= 2 and engine.num_running and engine.num_waiting
+    assert part_way(), (engine.stats, got)
+    cut = max(ids, key=lambda i: len(got[i]))
     got[cut] = got[cut][:1]
     new = engine.rebuilt(delivered={i: len(t) for i, t in got.items()})
     assert engine.state is None and new.has_unfinished()
