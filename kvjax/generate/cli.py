@@ -13,14 +13,17 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["add_parser", "run"]
+# The flag parsers and groups the serve command shares.
+__all__ = ["add_parser", "run", "positive_int", "parse_dtype", "add_kivi_flags", "add_mesh_flags",
+           "sharding_plan"]
 
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 _ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "f16": "float16",
             "fp16": "float16"}
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -61,7 +64,7 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def _dtype(text: str) -> str:
+def parse_dtype(text: str) -> str:
     name = _ALIASES.get(text.lower(), text.lower())
     if name not in _KV_DTYPES:
         raise argparse.ArgumentTypeError(
@@ -79,7 +82,7 @@ def add_kivi_flags(p: argparse.ArgumentParser) -> None:
     """--kv-bits, --kv-group-size and --kv-residual: a KIVI-quantized cache (also `serve`'s)."""
     p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), default=None, metavar="BITS",
                    help="KIVI-quantize the KV cache to 2, 4 or 8 bits (default: full precision)")
-    p.add_argument("--kv-group-size", type=_positive_int, default=32, metavar="G",
+    p.add_argument("--kv-group-size", type=positive_int, default=32, metavar="G",
                    help="KIVI group size G (default 32; must divide --page-size)")
     p.add_argument("--kv-residual", type=int, default=128, metavar="R",
                    help="KIVI full-precision recent tokens R, a multiple of --page-size "
@@ -168,33 +171,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prompt-ids", action="append", type=_ids, default=[], metavar="IDS",
                    help="prompt as comma-separated token ids (no tokenizer needed); repeat for "
                    "a batch")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens to generate per sequence (default 64)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T",
                    help="sampling temperature; 0 means greedy (default 0)")
     p.add_argument("--top-p", type=_top_p, default=None, metavar="P",
                    help="nucleus sampling: keep the most likely tokens up to probability P")
-    p.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
                    help="keep only the K most likely tokens when sampling")
-    p.add_argument("--n", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--n", type=positive_int, default=1, metavar="N",
                    help="samples per prompt; the prompt's pages are shared by all N (default 1)")
-    p.add_argument("--num-beams", type=_positive_int, default=None, metavar="W",
+    p.add_argument("--num-beams", type=positive_int, default=None, metavar="W",
                    help="beam search with W beams instead of sampling (one prompt)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
     p.add_argument("--eos-id", type=_eos, default=None, metavar="IDS",
                    help="token ids that end a sequence (default: config.json's eos_token_id; "
                    "'none' to disable)")
-    p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
+    p.add_argument("--kv-dtype", type=parse_dtype, default=None, metavar="DTYPE",
                    help=f"KV cache dtype, one of {', '.join(_KV_DTYPES)} (default: the params "
                    "dtype)")
     add_kivi_flags(p)
-    p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
+    p.add_argument("--dtype", type=parse_dtype, default=None, metavar="DTYPE",
                    help="params and activations dtype (default: the checkpoint's)")
-    p.add_argument("--page-size", type=_positive_int, default=16, metavar="TOKENS",
+    p.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
                    help="tokens per cache page, a power of two (default 16)")
-    p.add_argument("--num-pages", type=_positive_int, default=None, metavar="PAGES",
+    p.add_argument("--num-pages", type=positive_int, default=None, metavar="PAGES",
                    help="pages in the pool (default: enough for every sequence's full length)")
-    p.add_argument("--chunk-size", type=_positive_int, default=256, metavar="TOKENS",
+    p.add_argument("--chunk-size", type=positive_int, default=256, metavar="TOKENS",
                    help="prefill chunk length (default 256)")
     p.add_argument("--impl", choices=("auto", "reference", "xla", "pallas"), default="auto",
                    help="attention implementation (default auto)")

@@ -24,10 +24,10 @@ import os
 import sys
 
 from kvjax.generate.cli import (
-    _dtype,
-    _positive_int,
     add_kivi_flags,
     add_mesh_flags,
+    parse_dtype,
+    positive_int,
     sharding_plan,
 )
 
@@ -65,12 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send as 'model' and /v1/models lists "
                    "(default: the basename of DIR)")
-    p.add_argument("--max-seqs", type=_positive_int, default=8, metavar="N",
+    p.add_argument("--max-seqs", type=positive_int, default=8, metavar="N",
                    help="requests decoding at once; more wait in a queue (default 8)")
-    p.add_argument("--max-seq-len", type=_positive_int, default=None, metavar="TOKENS",
+    p.add_argument("--max-seq-len", type=positive_int, default=None, metavar="TOKENS",
                    help="longest request, prompt + max_tokens (default: the smaller of "
                    f"{_DEFAULT_MAX_SEQ_LEN} and config.json's max_position_embeddings)")
-    p.add_argument("--num-pages", type=_positive_int, default=None, metavar="PAGES",
+    p.add_argument("--num-pages", type=positive_int, default=None, metavar="PAGES",
                    help="pages in the KV pool (default: room for --max-seqs requests of "
                    "--max-seq-len tokens, or what --kv-memory holds); spare pages hold "
                    "cached prefixes")
@@ -84,15 +84,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "--page-size tokens. Low-bit pages thus hold several times the tokens "
                    "of full-precision ones in one budget. The pages and the sequences of "
                    "--max-seq-len tokens they admit are printed at start")
-    p.add_argument("--page-size", type=_positive_int, default=16, metavar="TOKENS",
+    p.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
                    help="tokens per cache page, a power of two (default 16)")
-    p.add_argument("--chunk-size", type=_positive_int, default=None, metavar="TOKENS",
+    p.add_argument("--chunk-size", type=positive_int, default=None, metavar="TOKENS",
                    help="prefill chunk length, a multiple of --page-size; a prefix-cache hit "
                    "covers whole chunks, and with --kv-bits hits need --chunk-size >= "
                    "--kv-residual + --page-size (default: 64, or --page-size if larger; with "
                    "--kv-bits at least --kv-residual + --page-size, so that prefix hits "
                    "work on KIVI pages)")
-    p.add_argument("--kv-dtype", type=_dtype, default=None, metavar="DTYPE",
+    p.add_argument("--kv-dtype", type=parse_dtype, default=None, metavar="DTYPE",
                    help="KV cache dtype: float32, bfloat16 or float16 (default: the params "
                    "dtype)")
     add_kivi_flags(p)
@@ -105,12 +105,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "else off; --no-window-pages turns it off")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep prompts' pages for later requests that share a prefix")
-    p.add_argument("--host-pages", type=_positive_int, default=None, metavar="PAGES",
+    p.add_argument("--host-pages", type=positive_int, default=None, metavar="PAGES",
                    help="add a host-memory tier of PAGES pages (pinned host RAM, the KV "
                    "pool's page kind and size): a request preempted for lack of pages is "
                    "swapped there and back instead of recomputed, and evicted cached prefixes "
                    "park there until a later hit brings them back (default: no host tier)")
-    p.add_argument("--host-rows", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--host-rows", type=positive_int, default=None, metavar="N",
                    help="with --host-pages: sequences the host tier holds at once, swapped "
                    "requests and parked prefixes together (default 2 x --max-seqs); when it "
                    "is full, parked prefixes are dropped first and a request that does not "
@@ -118,13 +118,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--no-warmup", action="store_true",
                    help="start serving before the engine's programs are compiled (the first "
                    "requests then wait for the compiles)")
-    p.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
+    p.add_argument("--dtype", type=parse_dtype, default=None, metavar="DTYPE",
                    help="params and activations dtype (default: the checkpoint's)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every path but /health and "
                    "/metrics (401 otherwise); default: no key. KVJAX_API_KEY in the "
                    "environment sets it too, out of the process list")
-    p.add_argument("--max-request-bytes", type=_positive_int, default=8 * 2**20,
+    p.add_argument("--max-request-bytes", type=positive_int, default=8 * 2**20,
                    metavar="BYTES",
                    help="largest request body; a larger one gets a 413 before it is read "
                    "whole or parsed (default 8388608, 8 MiB). Text prompts longer than "
