@@ -288,7 +288,9 @@ class Scheduler:
         finishes (its request is then done and a waiting one can take the row):
 
           * none without a decoding row;
-          * one while a prompt still waits for a chunk or a lane (it starts sooner);
+          * one while a prompt still waits for a chunk or a lane (it starts sooner), and
+            when a prompt takes its last chunk in this call: its first token is streamed
+            at the end of the call, so more steps would delay it (time to first token);
           * while every row is busy (or a request waits for pages), until the first row
             finishes, at most `max_decode_steps`: by length the host knows when, so no step
             runs past it; by EOS the device stops there;
@@ -302,9 +304,10 @@ class Scheduler:
                 not r.decoding and s not in in_lanes for s, r in self.running.items()):
             return 1, False
         if not self.waiting and len(self.running) < self.rows:
-            return self.decode_steps, False
+            return (1 if ending else self.decode_steps), False
+        if ending:  # a first token to stream; the call still ends where a row finishes
+            return 1, True
         left = [self.running[s].max_tokens - len(self.running[s].output) for s in decode]
-        left += [r.max_tokens - len(r.output) - 1 for r in ending]  # after the first token
         return max(1, min(self.max_decode_steps, *left)), True
 
     def _call_plan(self, decode, lanes) -> tuple[int, bool]:

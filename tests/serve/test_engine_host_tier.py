@@ -95,8 +95,8 @@ def _host_engine(model, params):
 
 
 def test_a_host_tier_too_small_falls_back_to_recompute(tiny, rng):
-    """Two requests of 8 + 48 tokens start (one call: 17 tokens each); then a third of
-    48 + 8 joins: its prefill ends with the first two at 20 tokens (3 + 3 + 7 pages of 14).
+    """Two requests of 8 + 48 tokens start (two calls: 18 tokens each); then a third of
+    48 + 8 joins and prefills while the first two decode (7 of the pool's 14 pages for it).
     Once they need a fourth page each, the pool cannot hold all three: the latest admitted,
     the third, holding 49 tokens or more, is preempted; the tier of 4 pages (32 tokens)
     cannot take it, so it is recomputed. Every request gets generate's tokens."""
@@ -106,8 +106,9 @@ def test_a_host_tier_too_small_falls_back_to_recompute(tiny, rng):
     replay = _Replay(engine)
     first = [replay.add(rng.integers(3, model.vocab_size, PAGE).tolist(), 48)
              for _ in range(2)]
-    replay.step()
-    assert all(len(replay.out[i]) == 9 for i in first), replay.out
+    replay.step()  # the prefills and one decode step: each first token streams at once
+    replay.step()  # then 8 steps
+    assert all(len(replay.out[i]) == 10 for i in first), replay.out
     replay.add(rng.integers(3, model.vocab_size, 48).tolist(), 8)
     while engine.has_unfinished():
         replay.step()

@@ -327,3 +327,26 @@ def test_rebuilt_engine_continues_every_request(tiny, rng):
         new.check()
     for i in ids:
         assert got[i] == want[i], i
+
+
+def test_a_first_token_streams_without_waiting_for_decode_steps(tiny, rng):
+    """A lone request on an engine with free rows (which otherwise runs `decode_steps`
+    steps per call): the call that prefills its last chunk runs one decode step, so its
+    first token is returned after one step, not after 8; the rest come 8 per call, and
+    the tokens are generate's."""
+    model, params = tiny
+    prompts, _ = _workload(rng, model.vocab_size, 1, system=0, suffix=(CHUNK + 3, 2 * CHUNK))
+    cfg = gen.CacheConfig(page_size=PAGE)
+    want = _alone(model, params, prompts[0], 20, cfg)
+    engine = Engine(model, params, max_seqs=2, max_seq_len=64, chunk_size=CHUNK, cache=cfg,
+                    decode_steps=8)
+    engine.add_request(prompts[0], max_tokens=20)
+    chunks, steps = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_ids:
+                chunks.append(list(o.token_ids))
+                steps.append(engine.stats["steps"])
+    assert sum(chunks, []) == want
+    assert len(chunks[0]) == 2 and steps[0] == 1, (chunks, steps)  # first token + one step
+    assert max(len(c) for c in chunks[1:]) == 8
