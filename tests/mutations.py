@@ -197,7 +197,7 @@ def _eos_ignored(mp):
     from kvjax.generate import loop
     from kvjax.serve import engine
 
-    mp.setattr(loop, "_is_eos", lambda tok, eos_ids: jnp.zeros(tok.shape, bool))
+    mp.setattr(loop, "is_eos", lambda tok, eos_ids: jnp.zeros(tok.shape, bool))
     init = engine.Engine.__init__
 
     def init_without_eos(self, *args, **kwargs):

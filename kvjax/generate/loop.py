@@ -69,6 +69,9 @@ __all__ = [
     "stream",
     "score",
     "pad_prompts",
+    "ok_status",
+    "first_error",
+    "is_eos",
 ]
 
 
@@ -115,13 +118,14 @@ class DecodeState:
     row_sampling: RowSampling | None = None
 
 
-def _ok_status(cache) -> AllocStatus:
-    # A sharded allocator keeps one free count per shard: report the total.
+def ok_status(cache) -> AllocStatus:
+    """A success status for `cache` (its free count summed over a sharded pool's shards)."""
     return AllocStatus(code=jnp.int32(0), pages_needed=jnp.int32(0),
                        pages_free=jnp.sum(cache.table.num_free, dtype=jnp.int32))
 
 
-def _first_error(old: AllocStatus, new: AllocStatus) -> AllocStatus:
+def first_error(old: AllocStatus, new: AllocStatus) -> AllocStatus:
+    """`old` if it records an error, else `new`: the first failure of a sequence of ops."""
     keep = old.code != 0
     return jax.tree.map(lambda a, b: jnp.where(keep, a, b), old, new)
 
@@ -223,7 +227,7 @@ def prefill(
             positions = policy.rope_positions(
                 cache, pstate, to_slots(cache, seq_ids, positions))[seq_ids]
         cache, st = kv_cache.reserve(cache, _slot_vector(cache, seq_ids, q_lengths))
-        status = _first_error(status, st)
+        status = first_error(status, st)
         q_lengths = jnp.where(st.ok, q_lengths, 0)
         idx = prompt_lengths - 1 - start_tok
         here = (idx >= 0) & (idx < chunk_size) & st.ok
@@ -237,13 +241,13 @@ def prefill(
             cache, pstate, pst = policy.after_prefill(
                 cache, pstate, to_slots(cache, seq_ids, queries, axis=1),
                 _slot_vector(cache, seq_ids, q_lengths))
-            status = _first_error(status, pst)
+            status = first_error(status, pst)
         row = logits[rows, last] if return_logits else logits[:, 0]
         last_logits = jnp.where(here[:, None], row, last_logits)
         ok = ok & st.ok & (status.code == 0)
         return (cache, last_logits, status, ok, pstate), (logits if return_logits else None)
 
-    init = (cache, jnp.zeros((batch, model.vocab_size), jnp.float32), _ok_status(cache),
+    init = (cache, jnp.zeros((batch, model.vocab_size), jnp.float32), ok_status(cache),
             jnp.bool_(True), policy_state)
     (cache, last_logits, status, _, policy_state), all_logits = jax.lax.scan(
         body, init, (jnp.arange(n_chunks, dtype=jnp.int32), chunks))
@@ -252,7 +256,8 @@ def prefill(
     return cache, last_logits, status, all_logits, policy_state
 
 
-def _is_eos(tok, eos_ids: tuple[int, ...]):
+def is_eos(tok, eos_ids: tuple[int, ...]):
+    """Whether each token of `tok` [n] is one of `eos_ids` (static), bool[n]."""
     if not eos_ids:
         return jnp.zeros(tok.shape, bool)
     return jnp.any(tok[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=1)
@@ -326,7 +331,7 @@ def start(
     if forced is not None:
         logprobs = logprobs.at[:, 0].set(lp)
     num = jnp.where(ok, 1, 0).astype(jnp.int32) * jnp.ones((batch,), jnp.int32)
-    finished = ok & ((_is_eos(tok, eos_ids) & ~is_forced) | (num >= max_new))
+    finished = ok & ((is_eos(tok, eos_ids) & ~is_forced) | (num >= max_new))
     if free_finished:
         cache = _free_rows(cache, seq_ids, finished)
     return DecodeState(
@@ -374,7 +379,7 @@ def decode_step(
         cache, pstate, pst = policy.after_step(
             cache, pstate, to_slots(cache, state.seq_ids, queries[:, :, 0], axis=1),
             _slot_vector(cache, state.seq_ids, run))
-        st = _first_error(st, pst)
+        st = first_error(st, pst)
         run = run & pst.ok
     tok, is_forced, lp = _pick(logits[:, 0], state.keys, state.num_generated, sampling,
                                state.forced, state.logprobs, state.row_sampling)
@@ -386,7 +391,7 @@ def decode_step(
     if logprobs is not None:
         logprobs = logprobs.at[rows, col].set(lp, mode="drop")
     num = state.num_generated + run.astype(jnp.int32)
-    finished = run & ((_is_eos(tok, eos_ids) & ~is_forced) | (num >= state.max_new))
+    finished = run & ((is_eos(tok, eos_ids) & ~is_forced) | (num >= state.max_new))
     if free_finished:
         cache = _free_rows(cache, state.seq_ids, finished)
     if isinstance(impl, ShardedAttention):
@@ -397,7 +402,7 @@ def decode_step(
     return dataclasses.replace(
         state, cache=cache, last=jnp.where(run, tok, state.last),
         position=state.position + run.astype(jnp.int32), tokens=tokens, num_generated=num,
-        done=state.done | finished | ~st.ok, status=_first_error(state.status, st),
+        done=state.done | finished | ~st.ok, status=first_error(state.status, st),
         step=state.step + 1, policy_state=pstate, logprobs=logprobs,
     )
 

@@ -28,13 +28,13 @@ from kvjax.generate.loop import (
     GREEDY,
     CacheConfig,
     GenerateResult,
-    _first_error,
-    _ok_status,
     _prefill,
     _request,
     _slot_vector,
     decode_loop,
     decode_params,
+    first_error,
+    ok_status,
     raise_if_error,
     run_model,
     start,
@@ -56,7 +56,7 @@ def fork_samples(cache: kv_cache.PagedKVCache, prompt_slots: Sequence[int], n: i
     """
     src, dst = _fork_pairs(prompt_slots, n)
     if n == 1:
-        return cache, _ok_status(cache)
+        return cache, ok_status(cache)
     return kv_cache.fork(cache, jnp.asarray(src), jnp.asarray(dst))
 
 
@@ -189,7 +189,7 @@ def _beam_loop(model, params, cache, last_logits, prompt_len, pstate, *, beam_wi
         # New beam i shares every page of its parent; dropping the old beams
         # releases the pages of parents nobody chose.
         cache, st = kv_cache.fork(cache, old[parent], new)
-        status = _first_error(status, st)
+        status = first_error(status, st)
         if policy is not None:
             pstate = policy.fork_state(pstate, old[parent], new)
         cache = kv_cache.free(cache, _slot_vector(cache, old, jnp.ones((w,), bool)))
@@ -200,7 +200,7 @@ def _beam_loop(model, params, cache, last_logits, prompt_len, pstate, *, beam_wi
                                               to_slots(cache, new, positions))[new]
         # A shared partly filled last page is copied here (copy-on-write).
         cache, st = kv_cache.reserve(cache, _slot_vector(cache, new, jnp.ones((w,), jnp.int32)))
-        status = _first_error(status, st)
+        status = first_error(status, st)
         ok = jnp.broadcast_to(st.ok, (w,))
         logits, cache, queries = run_model(model, params, cache, tok[:, None], positions,
                                            q_lengths=ok.astype(jnp.int32), seq_ids=new,
@@ -209,13 +209,13 @@ def _beam_loop(model, params, cache, last_logits, prompt_len, pstate, *, beam_wi
             cache, pstate, pst = policy.after_step(
                 cache, pstate, to_slots(cache, new, queries[:, :, 0], axis=1),
                 _slot_vector(cache, new, ok))
-            status = _first_error(status, pst)
+            status = first_error(status, pst)
         return cache, w - base, top, hist, logits[:, 0], status, pstate
 
     scores = jnp.full((w,), -1e9, jnp.float32).at[0].set(0.0)  # all beams start as one
     hist = jnp.full((w, steps), -1, jnp.int32)
     init = (cache, jnp.int32(0), scores, hist, jnp.repeat(last_logits, w, axis=0),
-            _ok_status(cache), pstate)
+            ok_status(cache), pstate)
     cache, base, scores, hist, _, status, _ = jax.lax.fori_loop(0, steps, body, init)
     return cache, base, scores, hist, status
 

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, UInt32
 
 from kvjax import cache as kv_cache
-from kvjax.cache import AllocStatus, PagedKVCache, host, window
+from kvjax.cache import host, window
 from kvjax.cache.policies.base import CachePolicy
-from kvjax.generate.loop import DecodeState, decode_step, prefill
+from kvjax.generate.loop import DecodeState, decode_step, first_error, is_eos, ok_status, prefill
 from kvjax.generate.sampling import RowSampling, SamplingConfig, sample_rows
 from kvjax.models.base import Model
 
@@ -31,25 +31,6 @@ __all__ = ["GREEDY", "Lanes", "RowState", "admit", "first_error", "free", "is_eo
            "ok_status", "put_row", "release", "seed_key", "share", "step", "take_row"]
 
 GREEDY = SamplingConfig()
-
-
-def ok_status(cache: PagedKVCache) -> AllocStatus:
-    """A success status for `cache` (its free count summed over a sharded pool's shards)."""
-    return AllocStatus(code=jnp.int32(0), pages_needed=jnp.int32(0),
-                       pages_free=jnp.sum(cache.table.num_free, dtype=jnp.int32))
-
-
-def first_error(old: AllocStatus, new: AllocStatus) -> AllocStatus:
-    """`old` if it records an error, else `new`: the first failure of a sequence of ops."""
-    keep = old.code != 0
-    return jax.tree.map(lambda a, b: jnp.where(keep, a, b), old, new)
-
-
-def is_eos(tok: Int[Array, " n"], eos_ids: tuple[int, ...]) -> Bool[Array, " n"]:
-    """Whether each token is one of `eos_ids` (static)."""
-    if not eos_ids:
-        return jnp.zeros(tok.shape, bool)
-    return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
 
 
 @jax.tree_util.register_dataclass
