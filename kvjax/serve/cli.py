@@ -20,6 +20,7 @@ SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight finish, then it 
 import argparse
 import dataclasses
 import importlib.util
+import logging
 import os
 import sys
 
@@ -404,8 +405,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, tokenizer, model_name=name, api_key=api_key,
                      max_request_bytes=args.max_request_bytes,
                      request_timeout=args.request_timeout, max_waiting=args.max_waiting)
+    _uvicorn_logging()
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level,
+                                           log_config=None, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.drain_timeout))
     try:
         server.run()
@@ -416,6 +418,44 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:  # as uvicorn.run: a startup that failed is exit status 3
         return 3
     return 0
+
+
+class _CurrentStream(logging.StreamHandler):
+    """A handler writing to whatever `sys.<name>` is when it emits (not the stream of the
+    moment it was made, which a caller may close or replace)."""
+
+    def __init__(self, name: str):
+        self._stream_name = name
+        super().__init__()
+
+    @property
+    def stream(self):
+        return getattr(sys, self._stream_name)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns one: ignored
+        pass
+
+
+def _uvicorn_logging() -> None:
+    """uvicorn's default log lines (server messages on stderr, the access log on stdout),
+    set up without `logging.config.dictConfig`, which is how uvicorn applies its default:
+    that call closes every log handler of the process first, which breaks the logging of a
+    program that runs `serve` in-process (absl's handler closes its stream with it). Loggers
+    that already have handlers (the caller's configuration) are left as they are."""
+    from uvicorn.logging import AccessFormatter, DefaultFormatter
+
+    for name, stream, formatter in (
+            ("uvicorn", "stderr", DefaultFormatter("%(levelprefix)s %(message)s")),
+            ("uvicorn.access", "stdout", AccessFormatter(
+                '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'))):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = _CurrentStream(stream)
+            handler.setFormatter(formatter)
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
 
 
 def _platform() -> str:

@@ -55,7 +55,8 @@ def loaded(checkpoint):
 
 def _serve(app):
     """Runs `app` under uvicorn on a free port in a thread: (server, thread, base url)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -9,6 +9,7 @@ served through `TestClient`. One int4 server serves the salt and the prefix-hit 
 
 import contextlib
 import io
+import logging
 import math
 import re
 
@@ -122,6 +123,35 @@ def test_int4_budget_holds_3x_the_tokens_of_bf16(wide, int4):
     # The int4 rows' tails: 2 rows + 4 prefix holders of RESIDUAL + PAGE bf16 tokens.
     assert q["slots"] == 6 and q["fixed"] >= 6 * (RESIDUAL + PAGE) * 2 * 2 * 2 * 32 * 2
     assert "prefill chunks of 128 tokens" in int4[1]
+
+
+def test_serve_in_process_leaves_the_callers_log_handlers_open(wide, capsys):
+    """Building the server leaves every log handler of the process open (uvicorn's own
+    logging setup is a dictConfig, which closes them all: absl's handler closes its stream
+    with it), and uvicorn's log lines go to the stderr of the moment they are written."""
+    class Recording(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.closed = False
+
+        def emit(self, record):
+            pass
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    callers = Recording()
+    logger = logging.getLogger("a caller of kvjax serve")
+    logger.addHandler(callers)
+    try:
+        _cli_app(["--model", str(wide[0]), *COMMON])
+        assert not callers.closed
+    finally:
+        logger.removeHandler(callers)
+    capsys.readouterr()
+    logging.getLogger("uvicorn.error").warning("a line of uvicorn's")
+    assert "a line of uvicorn's" in capsys.readouterr().err
 
 
 def test_kivi_prefix_hits_with_the_default_chunk(int4, rng):

@@ -88,7 +88,7 @@ def served(tmp_path_factory):
     app = create_app(engine, tokenizer, model_name=NAME, api_key=KEY,
                      max_request_bytes=LIMIT, request_timeout=TIMEOUT, max_waiting=MAX_WAITING)
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                           log_level="warning"))
+                                           log_config=None, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

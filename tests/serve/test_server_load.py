@@ -36,7 +36,8 @@ def served(tmp_path_factory):
     model, params = models.load(str(d))
     app = create_app(Engine(model, params, cache=CACHE, **ENGINE),
                      transformers.AutoTokenizer.from_pretrained(d), model_name=NAME)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

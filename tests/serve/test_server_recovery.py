@@ -52,7 +52,7 @@ class _Served:
 
     def __init__(self, app):
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="critical"))
+                                                    log_config=None, log_level="critical"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
