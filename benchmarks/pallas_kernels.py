@@ -27,6 +27,7 @@ packed codes, scales and zeros as the bytes read.
   python benchmarks/pallas_kernels.py --quick      # < 3 min on a GPU; a minute or two on CPU
   python benchmarks/pallas_kernels.py --targets --plan   # the target sizes and bytes, no GPU
   python benchmarks/pallas_kernels.py --targets --ops gqa   # on a GPU: the GQA target rows
+  python benchmarks/pallas_kernels.py --kivi-targets        # on a GPU: KIVI against bf16
   python benchmarks/pallas_kernels.py --help
 
 Results go to benchmarks/results/kernels-<backend>-<UTC time>.json.
@@ -83,6 +84,25 @@ TARGETS = (
     ("mla", 64, 8192, 128, 1, (512, 64), 64),
     ("mla", 1, 1024, 128, 1, (512, 64), 64),
 )
+# The KIVI rows a GPU is held to (--kivi-targets): the bf16 kernels and KIVI pages (group 32,
+# float16 scales and zeros) on the same tokens, 64-token pages: GQA 32/8 heads x 128 at
+# 8 x 32K in int8 / int4 / int2; MLA (512 + 64 latent) at 16 query heads (one
+# tensor-parallel-8 shard of DeepSeek-V3's 128: memory-bound) and at 128 (compute-bound).
+# (op, batch, context, query heads, KV heads, widths, page size, bits, group)
+KIVI_TARGETS = (
+    ("gqa", 8, 32768, 32, 8, (128, 128), 64, None, None),
+    ("qgqa", 8, 32768, 32, 8, (128, 128), 64, 8, 32),
+    ("qgqa", 8, 32768, 32, 8, (128, 128), 64, 4, 32),
+    ("qgqa", 8, 32768, 32, 8, (128, 128), 64, 2, 32),
+    ("mla", 8, 32768, 16, 1, (512, 64), 64, None, None),
+    ("qmla", 8, 32768, 16, 1, (512, 64), 64, 4, 32),
+    ("mla", 8, 32768, 128, 1, (512, 64), 64, None, None),
+    ("qmla", 8, 32768, 128, 1, (512, 64), 64, 4, 32),
+)
+# What a KIVI kernel's step may take at most, as a fraction of the bf16 kernel's on the same
+# tokens: (op, bits, query heads or None for any) -> bound; None: reported, no bound.
+KIVI_BOUNDS = {("qgqa", 8, None): 0.60, ("qgqa", 4, None): 0.40, ("qgqa", 2, None): 0.28,
+               ("qmla", 4, 16): 0.50, ("qmla", 4, 128): None}
 
 
 @dataclasses.dataclass
@@ -108,6 +128,7 @@ class Row:
     frac_matmul: float | None
     max_abs_err: float
     ok: bool
+    bits: int | None = None  # KIVI code width of the quantized ops' rows
 
 
 def parse_args(argv=None):
@@ -120,6 +141,12 @@ def parse_args(argv=None):
                    help="the decode sizes the GPU kernels are held to (bf16; GQA 32/8 heads x "
                         "128 at 8 x 32K, 64 x 8K, 1 x 128K; MLA 128 heads x (512 + 64) at "
                         "8 x 32K, 64 x 8K, 1 x 1K) instead of the preset; --ops still selects")
+    p.add_argument("--kivi-targets", action="store_true",
+                   help="the KIVI rows a GPU is held to: bf16 kernels and int8/int4/int2 "
+                        "pages (group 32) on the same tokens, GQA 32/8 heads x 128 and MLA at "
+                        "16 and 128 heads, 8 x 32K, 64-token pages; kernels only (no XLA "
+                        "path), with each KIVI step's ratio to the bf16 kernel's against its "
+                        "bound (--batch / --context shrink it, e.g. to try it on CPU)")
     p.add_argument("--plan", action="store_true",
                    help="print the sizes, bytes and FLOPs of the rows and exit (no timing; "
                         "runs anywhere)")
@@ -295,6 +322,8 @@ class Job:
     kv_heads: int
     widths: tuple[int, int]
     page_size: int
+    bits: int | None = None  # the quantized ops' code width and group (None: --bits, --group)
+    group: int | None = None
 
     def kv_bytes(self, itemsize: int) -> int:
         """K/V (or latent + rope) bytes at the true lengths."""
@@ -317,6 +346,10 @@ class Job:
 
 def make_jobs(args, preset, q_heads):
     """The rows to run: the --targets sizes or the preset's product."""
+    if args.kivi_targets:  # --batch / --context (their first values) shrink it
+        jobs = [Job(*t) for t in KIVI_TARGETS if t[0] in args.ops]
+        return [dataclasses.replace(j, batch=(args.batch or [j.batch])[0],
+                                    context=(args.context or [j.context])[0]) for j in jobs]
     if args.targets:
         return [Job(*t) for t in TARGETS if t[0] in args.ops]
     jobs = []
@@ -338,10 +371,63 @@ def print_plan(jobs, dtype):
     print(f"{'op':4} {'B':>3} {'ctx':>7} {'Hq/Hkv':>7} {'widths':>9} {'page':>4} "
           f"{'KV MiB':>9} {'Q+O MiB':>8} {'GFLOP':>8} {'FLOP/B':>7}")
     for j in jobs:
-        kv, qo = j.kv_bytes(dtype.itemsize), j.qo_bytes(dtype.itemsize)
+        kv = (quant_bytes(j) if j.op in ("qgqa", "qmla") and j.bits
+              else j.kv_bytes(dtype.itemsize))
+        qo = j.qo_bytes(dtype.itemsize)
+        kind = f" int{j.bits} g{j.group}" if j.bits else ""
         print(f"{j.op:4} {j.batch:>3} {j.context:>7} {f'{j.q_heads}/{j.kv_heads}':>7} "
               f"{'+'.join(map(str, j.widths)):>9} {j.page_size:>4} {kv / 2**20:>9.1f} "
-              f"{qo / 2**20:>8.2f} {j.flops() / 1e9:>8.1f} {j.flops() / (kv + qo):>7.1f}")
+              f"{qo / 2**20:>8.2f} {j.flops() / 1e9:>8.1f} {j.flops() / (kv + qo):>7.1f}{kind}")
+
+
+def quant_bytes(job: Job) -> int:
+    """What a KIVI row reads of its cache at `job.context` tokens in whole pages (no tail):
+    the packed codes plus a float16 scale and zero per `job.group` elements, of K and V
+    (GQA) or of the latent with its bf16 rope part (MLA)."""
+    k = codes_per_byte(job.bits)
+    tokens = job.batch * job.context // job.page_size * job.page_size
+    codes = lambda w: w // k + 4 * w // job.group  # noqa: E731
+    if job.op == "qmla":
+        return tokens * (codes(job.widths[0]) + 2 * job.widths[1])
+    return job.kv_heads * tokens * (codes(job.widths[0]) + codes(job.widths[1]))
+
+
+def kivi_verdicts(rows: list[Row]) -> list[dict]:
+    """Each KIVI kernel row's median step over the bf16 kernel's at the same op, size and
+    heads ("mosaic" where it ran, else the fastest kernel), against KIVI_BOUNDS; and
+    whether int2 beat int4. A row whose result disagreed with the reference fails."""
+    def kernel(r):
+        return r.impl not in ("xla", "jax-op", "torch")
+
+    base = {}
+    for r in rows:
+        if r.op in ("gqa", "mla") and kernel(r):
+            key = (r.op, r.batch, r.context, r.q_heads)
+            best = base.get(key)
+            if best is None or (r.impl == "mosaic") > (best.impl == "mosaic") or (
+                    (r.impl == "mosaic") == (best.impl == "mosaic")
+                    and r.median_ms < best.median_ms):
+                base[key] = r
+    out, by_bits = [], {}
+    for r in rows:
+        if r.op not in ("qgqa", "qmla") or not kernel(r):
+            continue
+        b = base.get((r.op[1:], r.batch, r.context, r.q_heads))
+        if b is None:
+            continue
+        bound = KIVI_BOUNDS.get((r.op, r.bits, None), KIVI_BOUNDS.get((r.op, r.bits, r.q_heads)))
+        ratio = r.median_ms / b.median_ms
+        name = f"{r.op} int{r.bits} {r.q_heads} heads vs {b.op} {b.impl}"
+        out.append(dict(row=name, ms=r.median_ms, bf16_ms=b.median_ms, ratio=ratio,
+                        bound=bound, met=(bound is None or ratio <= bound) and r.ok and b.ok))
+        if r.op == "qgqa":
+            by_bits[r.bits] = r
+    if 2 in by_bits and 4 in by_bits:
+        a, b = by_bits[2], by_bits[4]
+        out.append(dict(row="qgqa int2 faster than int4", ms=a.median_ms, bf16_ms=b.median_ms,
+                        ratio=a.median_ms / b.median_ms, bound=1.0,
+                        met=a.median_ms < b.median_ms and a.ok and b.ok))
+    return out
 
 
 def peer_fns(backend, job, inputs, scale):
@@ -366,7 +452,8 @@ def main(argv=None):
         if getattr(args, name):
             preset[name] = getattr(args, name)
     dtype_name = args.dtype if args.dtype != "auto" else (
-        "float32" if backend == "cpu" and not args.targets else "bfloat16")
+        "float32" if backend == "cpu" and not (args.targets or args.kivi_targets)
+        else "bfloat16")
     dtype = jnp.dtype(dtype_name)
     q_heads = args.q_heads or (8 if backend == "cpu" else 32)
     repeats = args.repeats or (3 if backend == "cpu" else 20)
@@ -410,15 +497,17 @@ def main(argv=None):
         peers, torch_peer = {}, None
         if op in ("qgqa", "qmla"):
             qs, view, kv_bytes = quant_inputs(rng, b, c, kv_heads, heads, widths, job.page_size,
-                                              dtype, args.bits, args.group, op == "qmla")
+                                              dtype, job.bits or args.bits,
+                                              job.group or args.group, op == "qmla")
             if op == "qgqa":
                 inputs, fn, opts = (qs[0], view), attention.quantized_decode_attention, {}
             else:
                 inputs, fn = (qs[0], qs[1], view), attention.quantized_mla_decode_attention
                 opts = dict(scale=1.0 / np.sqrt(192.0))
             ref = jax.jit(functools.partial(fn, impl="reference", **opts))
-            impls = {impl: jax.jit(functools.partial(fn, impl=impl, **opts))
-                     for impl in (("xla",) if args.no_kernel else ("xla", "pallas"))}
+            names = (("xla",) if args.no_kernel else ("pallas",) if args.kivi_targets
+                     else ("xla", "pallas"))
+            impls = {impl: jax.jit(functools.partial(fn, impl=impl, **opts)) for impl in names}
         else:
             qs, pools, lengths, tables = paged_inputs(rng, b, c, kv_heads, heads, widths,
                                                       job.page_size, dtype)
@@ -426,16 +515,18 @@ def main(argv=None):
             scale = 1.0 / np.sqrt(widths[0])
             inputs = (qs[0], pools[0], pools[1], lengths, tables)
             ref = jax.jit(paged_ref.paged_decode_attention)
-            impls = {"xla": jax.jit(functools.partial(attention.paged_decode_attention,
-                                                      impl="xla"))}
+            impls = {} if args.kivi_targets and kernels else {
+                "xla": jax.jit(functools.partial(attention.paged_decode_attention, impl="xla"))}
             impls.update({name: jax.jit(k[1]) for name, k in kernels.items()})
-            peers, torch_peer = peer_fns(backend, job, inputs, scale)
+            if not args.kivi_targets:
+                peers, torch_peer = peer_fns(backend, job, inputs, scale)
         elif op == "mla":
             scale = 1.0 / np.sqrt(192.0)  # DeepSeek-V2/V3: qk_nope 128 + qk_rope 64
             inputs = (qs[0], qs[1], pools[0][0], pools[1][0], lengths, tables)
             ref = jax.jit(functools.partial(mla_ref.mla_decode_attention, scale=scale))
-            impls = {"xla": jax.jit(functools.partial(attention.mla_decode_attention,
-                                                      scale=scale, impl="xla"))}
+            impls = {} if args.kivi_targets and kernels else {
+                "xla": jax.jit(functools.partial(attention.mla_decode_attention, scale=scale,
+                                                 impl="xla"))}
             impls.update({name: jax.jit(functools.partial(k[2], scale=scale))
                           for name, k in kernels.items()})
         want_out, want_lse = jax.block_until_ready(ref(*inputs))
@@ -453,7 +544,8 @@ def main(argv=None):
                 frac_nominal=gbps / nominal if nominal else None,
                 frac_ceiling=gbps / ceiling["gbps"] if ceiling else None, tflops=tflops,
                 frac_matmul=tflops / matmul if matmul else None, max_abs_err=err,
-                ok=err <= TOL[dtype_name]))
+                ok=err <= TOL[dtype_name], bits=(job.bits or args.bits) if job.op in (
+                    "qgqa", "qmla") else None))
 
         for impl, fn in impls.items():
             ms, (out, lse) = timed(fn, inputs)
@@ -487,6 +579,12 @@ def main(argv=None):
               f"{r.max_abs_err:>8.1e} {'yes' if r.ok else 'NO'}")
     for s in skipped:
         print(f"skipped {s} (over --max-gib {args.max_gib})")
+    verdicts = kivi_verdicts(rows) if args.kivi_targets else []
+    for v in verdicts:
+        verdict = ("reported, no bound" if v["bound"] is None else
+                   f"bound {v['bound']:.2f}: {'met' if v['met'] else 'NOT met'}")
+        print(f"{v['row']:40} {v['ms']:9.4f} / {v['bf16_ms']:9.4f} ms = {v['ratio']:5.2f}x "
+              f"({verdict})")
 
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or RESULTS / f"kernels-{backend}-{stamp}.json"
@@ -496,7 +594,8 @@ def main(argv=None):
         python=platform.python_version(), kernels={k: v[0] for k, v in kernels.items()},
         dtype=dtype_name, copy_gbps=copy_gbps, copy_mib=copy_mib, nominal_gbps=nominal,
         read_ceiling=ceiling, matmul_tflops=matmul, repeats=repeats, warmup=args.warmup,
-        quick=args.quick, targets=args.targets, date=stamp,
+        quick=args.quick, targets=args.targets, kivi_targets=args.kivi_targets, date=stamp,
+        kivi_verdicts=verdicts,
         rows=[dataclasses.asdict(r) for r in rows], skipped=skipped,
     ), indent=1))
     print(f"wrote {out}")

@@ -12,6 +12,9 @@ Parts, in order:
            sizes, the Mosaic GPU and Triton kernels beside jax's op, torch's SDPA and the
            XLA path, against the nominal bandwidth and a read ceiling measured in the run
   mla      the same for absorbed-MLA decode (128 heads), with TFLOP/s against a bf16 matmul
+  kivi     benchmarks/pallas_kernels.py --kivi-targets: the KIVI decode kernels (GQA int8 /
+           int4 / int2, MLA int4 at 16 and 128 heads) against the bf16 kernels on the same
+           8 x 32K tokens, each step's ratio against its bound
   prefill  benchmarks/prefill_kernels.py: 8 x 4K-token prompts in 512-token chunks into bf16
            and int4 pages, and a mixed step (8 chunks + 56 decode rows), kernels against the
            XLA path and torch's causal SDPA, TFLOP/s against a bf16 matmul
@@ -48,6 +51,8 @@ PARTS = {
              "--out", "{out}/gqa_decode.json"], 150),
     "mla": ([sys.executable, "benchmarks/pallas_kernels.py", "--targets", "--ops", "mla",
              "--out", "{out}/mla_decode.json"], 120),
+    "kivi": ([sys.executable, "benchmarks/pallas_kernels.py", "--kivi-targets", "--out",
+              "{out}/kivi_decode.json"], 150),
     "prefill": ([sys.executable, "benchmarks/prefill_kernels.py", "--out",
                  "{out}/prefill.json"], 150),
     "ttft": ([sys.executable, "benchmarks/serving.py", "--compare-xla", "--repeats", "2", "--out",

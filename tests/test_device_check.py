@@ -116,3 +116,58 @@ def test_long_context_plan_matches_hand_arithmetic(capsys):
     assert f"calculator KV {int2 / 2**30:.2f} GiB" in line and line.endswith("fits in 139 GiB")
     bf16 = next(ln for ln in out.splitlines() if ln.strip().startswith("bf16"))
     assert f"{tokens * elements * 2 / 2**30:.2f} GiB" in bf16 and "does not fit" in bf16
+
+
+def test_kivi_target_plan_bytes_match_hand_arithmetic(capsys):
+    """The KIVI rows' sizes as `--kivi-targets --plan` prints them (no GPU needed): per token
+    and KV head, int4 K and V each 64 bytes of codes plus a float16 scale and zero per 32
+    elements (16 bytes); MLA's int4 latent the same per 512 channels plus its bf16 rope."""
+    from benchmarks import pallas_kernels
+
+    assert pallas_kernels.main(["--kivi-targets", "--plan"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
+    tokens = 8 * 32768
+    mib = {(r[0], r[3], r[-2] if r[-1].startswith("g") else "bf16"): float(r[6]) for r in rows}
+    assert mib[("gqa", "32/8", "bf16")] == 8 * tokens * 256 * 2 / 2**20
+    for bits in (8, 4, 2):
+        per_head = 2 * (128 * bits // 8 + 2 * 2 * 128 // 32)
+        assert mib[("qgqa", "32/8", f"int{bits}")] == 8 * tokens * per_head / 2**20
+    latent = 512 // 2 + 2 * 2 * 512 // 32 + 64 * 2
+    for heads in ("16/1", "128/1"):
+        assert mib[("qmla", heads, "int4")] == tokens * latent / 2**20
+        assert mib[("mla", heads, "bf16")] == tokens * 576 * 2 / 2**20
+    assert len(rows) == 8
+
+
+def test_kivi_verdicts_divide_by_the_bf16_kernel_of_the_same_size(rng):
+    """Each KIVI row's step over the bf16 Mosaic kernel's at its op and heads (Mosaic even
+    where Triton was faster), against its bound; MLA at 128 heads reported without one; a
+    row that missed the reference fails its line; int2 must beat int4."""
+    from benchmarks import pallas_kernels as pk
+
+    def row(op, impl, ms, heads=32, bits=None, ok=True):
+        return pk.Row(op=op, impl=impl, mode="native", batch=8, context=32768, q_heads=heads,
+                      kv_heads=8, head_dim=128, page_size=64, dtype="bfloat16", kv_bytes=1,
+                      bytes_moved=1, median_ms=ms, gbps=1.0, frac_copy=1.0, frac_nominal=None,
+                      frac_ceiling=None, tflops=1.0, frac_matmul=None, max_abs_err=0.0, ok=ok,
+                      bits=bits)
+
+    gqa, mla16, mla128 = rng.uniform(0.5, 1.0, 3)
+    i8, i4, i2, m16, m128 = rng.uniform(0.2, 0.4, 5)
+    rows = [row("gqa", "triton", gqa / 2), row("gqa", "mosaic", gqa),
+            row("qgqa", "pallas", i8 * gqa, bits=8), row("qgqa", "pallas", i4 * gqa, bits=4),
+            row("qgqa", "pallas", i2 * gqa, bits=2, ok=False),
+            row("mla", "mosaic", mla16, heads=16), row("mla", "mosaic", mla128, heads=128),
+            row("qmla", "pallas", 1.8 * m16 * mla16, heads=16, bits=4),
+            row("qmla", "pallas", m128 * mla128, heads=128, bits=4)]
+    got = {v["row"]: v for v in pk.kivi_verdicts(rows)}
+    for bits, r, bound in ((8, i8, 0.60), (4, i4, 0.40), (2, i2, 0.28)):
+        v = got[f"qgqa int{bits} 32 heads vs gqa mosaic"]
+        assert abs(v["ratio"] - r) < 1e-9 and v["bound"] == bound
+        assert v["met"] == (r <= bound and bits != 2)
+    v = got["qmla int4 16 heads vs mla mosaic"]
+    assert abs(v["ratio"] - 1.8 * m16) < 1e-9 and v["bound"] == 0.5 and v["met"] == (
+        1.8 * m16 <= 0.5)
+    assert got["qmla int4 128 heads vs mla mosaic"]["bound"] is None
+    assert not got["qgqa int2 faster than int4"]["met"]  # the int2 row failed its check
+    assert len(got) == 6
