@@ -72,7 +72,25 @@ __all__ = [
     "ok_status",
     "first_error",
     "is_eos",
+    "StepLogprobs",
+    "step_logprobs",
 ]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepLogprobs:
+    """Log-probabilities of one step's tokens under the model (`step_logprobs`).
+
+    Attributes:
+      chosen: float32[batch], log p(the token each row took).
+      top_ids: int32[batch, k], the k most likely tokens, most likely first.
+      top: float32[batch, k], their log-probabilities (descending).
+    """
+
+    chosen: Float[Array, " batch"]
+    top_ids: Int[Array, "batch k"]
+    top: Float[Array, "batch k"]
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +117,9 @@ class DecodeState:
         under the model (filled when `forced` is set).
       row_sampling: per-row sampling settings (`RowSampling`), used instead of the step's
         static `sampling` when set (the serving engine's rows each sample their own way).
+      step_logprobs: a `StepLogprobs` or None: when set, each decode step replaces it with
+        the log-probabilities of the tokens it took and the k most likely ones (k: its
+        width), from the step's raw logits (before temperature, top-k or top-p).
     """
 
     cache: kv_cache.PagedKVCache
@@ -116,6 +137,16 @@ class DecodeState:
     forced: Int[Array, "batch max_new"] | None = None
     logprobs: Float[Array, "batch max_new"] | None = None
     row_sampling: RowSampling | None = None
+    step_logprobs: StepLogprobs | None = None
+
+
+def step_logprobs(logits: Float[Array, "batch vocab"], tokens: Int[Array, " batch"],
+                  k: int) -> StepLogprobs:
+    """The log-softmax (in float32) of raw `logits` at `tokens` and its top `k` (static)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, top_ids = jax.lax.top_k(lp, k)
+    chosen = jnp.take_along_axis(lp, tokens[:, None].astype(jnp.int32), axis=1)[:, 0]
+    return StepLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32), top=top)
 
 
 def ok_status(cache) -> AllocStatus:
@@ -390,6 +421,9 @@ def decode_step(
     logprobs = state.logprobs
     if logprobs is not None:
         logprobs = logprobs.at[rows, col].set(lp, mode="drop")
+    taken = state.step_logprobs
+    if taken is not None:
+        taken = step_logprobs(logits[:, 0], tok, taken.top.shape[1])
     num = state.num_generated + run.astype(jnp.int32)
     finished = run & ((is_eos(tok, eos_ids) & ~is_forced) | (num >= state.max_new))
     if free_finished:
@@ -403,7 +437,7 @@ def decode_step(
         state, cache=cache, last=jnp.where(run, tok, state.last),
         position=state.position + run.astype(jnp.int32), tokens=tokens, num_generated=num,
         done=state.done | finished | ~st.ok, status=first_error(state.status, st),
-        step=state.step + 1, policy_state=pstate, logprobs=logprobs,
+        step=state.step + 1, policy_state=pstate, logprobs=logprobs, step_logprobs=taken,
     )
 
 

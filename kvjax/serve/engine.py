@@ -105,10 +105,10 @@ from kvjax.models.base import Model
 from kvjax.serve import steps
 from kvjax.serve.prefix import PrefixCache
 from kvjax.serve.prefixes import PrefixPages
-from kvjax.serve.scheduler import Request, RequestOutput, Scheduler
+from kvjax.serve.scheduler import Request, RequestOutput, Scheduler, TokenLogprobs
 from kvjax.serve.slots import CacheSlots
 
-__all__ = ["Engine", "RequestOutput"]
+__all__ = ["Engine", "RequestOutput", "TokenLogprobs"]
 
 GREEDY = steps.GREEDY
 
@@ -338,7 +338,7 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], *, max_tokens: int,
                     sampling: SamplingConfig = GREEDY, stop_ids: Sequence[int] = (),
                     seed: int = 0, salt: str | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, logprobs: int | None = None) -> str:
         """Queues a request; returns its id. Nothing runs until `step`.
 
         Args:
@@ -349,6 +349,11 @@ class Engine:
           seed: its PRNG seed: token s is drawn with fold_in(key(seed), s).
           salt: requests share cached prefix pages only with the same salt.
           request_id: a unique id (default: a counter).
+          logprobs: if given (0 to `steps.TOP_LOGPROBS`), each output carries every
+            token's log-probability and this many most likely tokens with theirs
+            (`RequestOutput.logprobs`): the log-softmax of the model's raw logits, before
+            temperature, top-k and top-p. Steps run while such a request is running record
+            them (a second compiled step program; the others are unchanged).
 
         Raises:
           ValueError / TypeError: a bad prompt, max_tokens, sampling, stop id, a request
@@ -369,6 +374,11 @@ class Engine:
         if len(prompt) + max_tokens > self.max_seq_len:
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                              f"exceeds the engine's max_seq_len ({self.max_seq_len}).")
+        top = min(steps.TOP_LOGPROBS, self.vocab_size)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(
+                logprobs, int | np.integer) or not 0 <= logprobs <= top):
+            raise ValueError(f"logprobs must be an int in [0, {top}] (or None), got "
+                             f"{logprobs!r}.")
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is in use.")
@@ -376,7 +386,7 @@ class Engine:
             id=rid, prompt=prompt, max_tokens=int(max_tokens), sampling=sampling,
             stop_ids=frozenset(stops),
             key_data=np.asarray(jax.random.key_data(steps.seed_key(int(seed)))), salt=salt,
-            fed=prompt))
+            logprobs=None if logprobs is None else int(logprobs), fed=prompt))
         return rid
 
     def cancel(self, request_id: str) -> None:
@@ -409,11 +419,13 @@ class Engine:
         decode, lanes, k, until_finish = sched.plan()
         if not decode and not lanes:
             return sched.outputs
+        # The step's logprobs variant runs only while a request asks for them.
+        logprobs = any(r.logprobs is not None for r in sched.running.values())
         slots.state, record, ran = steps.step(
             self.model, self.params, self.dparams, slots.state,
             self._lanes(lanes) if lanes else None, np.int32(k), np.bool_(until_finish),
             eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
-            decode=self.max_decode_steps)
+            decode=self.max_decode_steps, logprobs=logprobs)
         st, c = slots.state, slots.state.cache
         record, ran, code, *mirrored = jax.device_get(
             (record, ran, st.status.code, c.lengths, c.table.lengths, c.table.num_free,
@@ -475,8 +487,9 @@ class Engine:
         """Compiles every program a step may run (the step without prefill lanes and with
         each lane count; the bookkeeping of frees, forks and truncations; with a host tier,
         its swaps of every copy width and the decoding rows' save and restore), by running
-        each on no-op arguments, so that no request waits for a compile. Only on an idle
-        engine (every run leaves the state as it was)."""
+        each on no-op arguments, so that no request waits for a compile (but for the step's
+        logprobs variant, which the first request asking for log-probabilities compiles).
+        Only on an idle engine (every run leaves the state as it was)."""
         if self.scheduler.running or self.scheduler.waiting:
             raise RuntimeError("Engine.warmup: only on an idle engine (no request queued or "
                                "running).")
@@ -487,7 +500,7 @@ class Engine:
             slots.state, record, _ = steps.step(
                 self.model, self.params, self.dparams, slots.state, lanes, np.int32(1),
                 np.bool_(False), eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
-                decode=self.max_decode_steps)
+                decode=self.max_decode_steps, logprobs=False)
         jax.block_until_ready(record)
         slots.release([])
         slots.free_slots([])
@@ -553,7 +566,8 @@ class Engine:
             output = r.output if delivered is None else r.output[: delivered.get(r.id, 0)]
             req = Request(id=r.id, prompt=r.prompt, max_tokens=r.max_tokens,
                           sampling=r.sampling, stop_ids=r.stop_ids, key_data=r.key_data,
-                          salt=r.salt, output=list(output), cached_tokens=r.cached_tokens,
+                          salt=r.salt, logprobs=r.logprobs, output=list(output),
+                          cached_tokens=r.cached_tokens,
                           cancelled=r.cancelled)
             Scheduler.to_recompute(req)
             new.scheduler.add(req)

@@ -22,7 +22,23 @@ from kvjax.serve import steps
 from kvjax.serve.prefixes import PrefixPages
 from kvjax.serve.slots import CacheSlots
 
-__all__ = ["Request", "RequestOutput", "Scheduler"]
+__all__ = ["Request", "RequestOutput", "Scheduler", "TokenLogprobs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One produced token's log-probabilities under the model: the log-softmax of the raw
+    logits it was chosen from (before temperature, top-k and top-p).
+
+    Attributes:
+      logprob: log p(the token).
+      top_ids: the request's `logprobs` most likely tokens, most likely first.
+      top_logprobs: their log-probabilities (descending).
+    """
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +54,8 @@ class RequestOutput:
         None while it runs.
       prompt_tokens: tokens of its prompt.
       cached_tokens: prompt tokens served from the prefix cache (0 without a hit).
+      logprobs: one `TokenLogprobs` per token of `token_ids` when the request asked for
+        them (`Engine.add_request(logprobs=k)`), else None.
     """
 
     request_id: str
@@ -46,6 +64,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,6 +78,7 @@ class Request:
     stop_ids: frozenset[int]
     key_data: np.ndarray  # uint32 words of its PRNG key
     salt: str | None
+    logprobs: int | None = None  # top tokens to report with each token's log-prob (None: none)
     output: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     fed: np.ndarray | None = None  # what the slot must hold: prompt (+ output if preempted)
@@ -80,6 +100,14 @@ class Request:
     parked_table: int = 0
     parked_ring_base: np.ndarray | None = None  # per window group: its rings' first page
     row_state: steps.RowState | None = None
+
+
+def _token_logprobs(record, entries, row: int, k: int) -> list[TokenLogprobs]:
+    """Row `row`'s tokens' log-probabilities at the record's `entries`, each with its top
+    k; `record`: a step's (chosen, top ids, top logprobs) entries."""
+    chosen, ids, top = record
+    return [TokenLogprobs(logprob=float(chosen[i, row]), top_ids=tuple(ids[i, row, :k].tolist()),
+                          top_logprobs=tuple(top[i, row, :k].tolist())) for i in entries]
 
 
 class Scheduler:
@@ -123,11 +151,14 @@ class Scheduler:
         self.requests[req.id] = req
         self.waiting.append(req)
 
-    def finish(self, req: Request, reason: str, tokens: Sequence[int] = ()) -> None:
+    def finish(self, req: Request, reason: str, tokens: Sequence[int] = (),
+               logprobs: list[TokenLogprobs] | None = None) -> None:
         self.requests.pop(req.id, None)
+        if logprobs is None and req.logprobs is not None:
+            logprobs = []
         self.outputs.append(RequestOutput(
             request_id=req.id, token_ids=list(tokens), finished=True, finish_reason=reason,
-            prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens))
+            prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens, logprobs=logprobs))
 
     def drop_cancelled(self) -> None:
         """Finishes the cancelled requests, freeing what they hold (their pages serve the
@@ -436,8 +467,9 @@ class Scheduler:
     def deliver(self, record, entries: int, eos_ids: tuple[int, ...]) -> None:
         """Hands each decoding row's new tokens to its request, finishes the requests that
         ended and frees their rows. `record`: (last, count, done) [steps, rows] after each
-        step of the call (the lanes' first tokens included), of which `entries` ran."""
-        last, num, done = (x[:entries] for x in record)
+        step of the call (the lanes' first tokens included), of which `entries` ran, and
+        when the step recorded them, each token's (logprob, top ids, top logprobs)."""
+        last, num, done, *lp = (x[:entries] for x in record)
         release = []
         for slot, r in list(self.running.items()):
             if not r.decoding:
@@ -454,6 +486,8 @@ class Scheduler:
                 reason = "stop"                           # host-side stop id
             elif toks.size and done[at[-1], slot]:
                 reason = "length"
+            logprobs = None if r.logprobs is None else _token_logprobs(
+                lp, at[:len(toks)], slot, r.logprobs)
             toks = toks.tolist()
             # Finished rows keep their pages until now (their prompt pages were registered
             # above, even when the request ended in the call that prefilled it).
@@ -463,11 +497,12 @@ class Scheduler:
             self.stats["decode_tokens"] += len(toks)
             if reason is not None:
                 del self.running[slot]
-                self.finish(r, reason, toks)
+                self.finish(r, reason, toks, logprobs)
             elif toks:
                 self.outputs.append(RequestOutput(
                     request_id=r.id, token_ids=toks, finished=False, finish_reason=None,
-                    prompt_tokens=len(r.prompt), cached_tokens=r.cached_tokens))
+                    prompt_tokens=len(r.prompt), cached_tokens=r.cached_tokens,
+                    logprobs=logprobs))
         if release:
             self.slots.release(release)
             self.slots.sync()

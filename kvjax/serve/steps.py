@@ -6,7 +6,9 @@ decides what to run and calls these by module attribute, so a profiler can wrap 
 
   * `step`: one prefill chunk per lane (rows whose prompt ends take their first token,
     `admit`), then up to `steps` decode steps of `kvjax.generate.decode_step` in a
-    `lax.while_loop`;
+    `lax.while_loop`; its `logprobs=True` variant also records each token's
+    log-probability and the `TOP_LOGPROBS` most likely tokens (compiled apart, run only
+    while a request asks for them);
   * `share`: a slot takes a prefix of another slot's pages (a prefix-cache hit);
   * `free`, `release`: free slots (cached prefixes) or decoding rows;
   * `take_row`, `put_row`: a decoding row's state, saved to the host and restored (a
@@ -23,14 +25,26 @@ from jaxtyping import Array, Bool, Int, UInt32
 from kvjax import cache as kv_cache
 from kvjax.cache import host, window
 from kvjax.cache.policies.base import CachePolicy
-from kvjax.generate.loop import DecodeState, decode_step, first_error, is_eos, ok_status, prefill
+from kvjax.generate.loop import (
+    DecodeState,
+    StepLogprobs,
+    decode_step,
+    first_error,
+    is_eos,
+    ok_status,
+    prefill,
+    step_logprobs,
+)
 from kvjax.generate.sampling import RowSampling, SamplingConfig, sample_rows
 from kvjax.models.base import Model
 
-__all__ = ["GREEDY", "Lanes", "RowState", "admit", "first_error", "free", "is_eos",
+__all__ = ["GREEDY", "TOP_LOGPROBS", "Lanes", "RowState", "admit", "first_error", "free", "is_eos",
            "ok_status", "put_row", "release", "seed_key", "share", "step", "take_row"]
 
 GREEDY = SamplingConfig()
+# Most likely tokens the logprobs variant of `step` records per token (vLLM's bound on a
+# request's top logprobs; OpenAI's is 5 for completions and 20 for chat).
+TOP_LOGPROBS = 20
 
 
 @jax.tree_util.register_dataclass
@@ -91,9 +105,11 @@ def put_row(state: DecodeState, slot: Int[Array, ""], row: RowState) -> DecodeSt
 
 
 def admit(state: DecodeState, lanes: Lanes, last_logits, ok,
-           eos_ids) -> tuple[DecodeState, Bool[Array, ""]]:
+          eos_ids) -> tuple[DecodeState, Bool[Array, ""]]:
     """Rows whose prompt just ended take their first token and start decoding; also
-    returns whether one of them finished with it (EOS, or a request of one token)."""
+    returns whether one of them finished with it (EOS, or a request of one token). When
+    the state carries `step_logprobs`, the admitted rows' entries become their first
+    tokens' (the other rows' are left as they were)."""
     rows = state.seq_ids.shape[0]
     admit = lanes.last & (lanes.lengths > 0) & ok
     lane_keys = jax.random.wrap_key_data(lanes.key_data, impl=jax.random.key_impl(state.keys))
@@ -107,21 +123,28 @@ def admit(state: DecodeState, lanes: Lanes, last_logits, ok,
         return x.at[tgt].set(v, mode="drop")
 
     rs, ls = state.row_sampling, lanes.sampling
+    taken = state.step_logprobs
+    if taken is not None:
+        lane_lp = step_logprobs(last_logits, tok, taken.top.shape[1])
+        taken = jax.tree.map(put, taken, lane_lp)
     state = dataclasses.replace(
         state, last=put(state.last, tok),
         position=put(state.position, lanes.start + lanes.lengths),
         num_generated=put(state.num_generated, num), max_new=put(state.max_new, lanes.max_new),
         done=put(state.done, finished), keys=put(state.keys, lane_keys),
         row_sampling=RowSampling(temperature=put(rs.temperature, ls.temperature),
-                                 top_k=put(rs.top_k, ls.top_k), top_p=put(rs.top_p, ls.top_p)))
+                                 top_k=put(rs.top_k, ls.top_k), top_p=put(rs.top_p, ls.top_p)),
+        step_logprobs=taken)
     return state, jnp.any(finished)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "decode"),
+@functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "decode",
+                                             "logprobs"),
                    donate_argnames="state")
 def step(model: Model, params, dparams, state: DecodeState, lanes: Lanes | None,
-          steps: Int[Array, ""], until_finish: Bool[Array, ""], *,
-          eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: int):
+         steps: Int[Array, ""], until_finish: Bool[Array, ""], *,
+         eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: int,
+         logprobs: bool = False):
     """The engine's step: one prefill chunk per lane (rows whose prompt ends take their
     first token), then up to `steps` (<= `decode`, static) decode steps over the rows, in
     a `lax.while_loop` that stops once every row is done, and, when `until_finish`, as soon
@@ -130,9 +153,25 @@ def step(model: Model, params, dparams, state: DecodeState, lanes: Lanes | None,
     Returns:
       (state, record, ran): record holds (last, count, done) [rows] after the lanes (when
       there are lanes) and after each decode step, [lanes? + decode, rows]; only the
-      first `ran` decode steps' entries are filled.
+      first `ran` decode steps' entries are filled. With `logprobs` (static) it also holds,
+      at the same entries, each row's `StepLogprobs` (chosen [.., rows], top_ids and top
+      [.., rows, min(TOP_LOGPROBS, vocab)]: the raw logits' log-softmax, before temperature
+      and top-p).
     """
     rows = state.seq_ids.shape[0]
+    fields = ("last", "num_generated", "done")
+    if logprobs:
+        k = min(TOP_LOGPROBS, model.vocab_size)
+        state = dataclasses.replace(state, step_logprobs=StepLogprobs(
+            chosen=jnp.zeros((rows,), jnp.float32), top_ids=jnp.zeros((rows, k), jnp.int32),
+            top=jnp.zeros((rows, k), jnp.float32)))
+
+    def entry(s: DecodeState) -> tuple:
+        out = tuple(getattr(s, f) for f in fields)
+        if logprobs:
+            lp = s.step_logprobs
+            out += (lp.chosen, lp.top_ids, lp.top)
+        return out
     head = None
     if lanes is not None:
         cache, last_logits, status, _, pstate = prefill(
@@ -142,13 +181,12 @@ def step(model: Model, params, dparams, state: DecodeState, lanes: Lanes | None,
         state = dataclasses.replace(state, cache=cache, policy_state=pstate,
                                     status=first_error(state.status, status))
         state, finished = admit(state, lanes, last_logits, status.code == 0, eos_ids)
-        head = (state.last[None], state.num_generated[None], state.done[None])
+        head = tuple(x[None] for x in entry(state))
         stop = until_finish & finished  # that row is free already
     else:
         stop = jnp.bool_(False)
     ran = jnp.int32(0)
-    record = (jnp.zeros((decode, rows), jnp.int32), jnp.zeros((decode, rows), jnp.int32),
-              jnp.zeros((decode, rows), bool))
+    record = tuple(jnp.zeros((decode, *x.shape), x.dtype) for x in entry(state))
     if decode:
         def more(c):
             i, s, stop, _ = c
@@ -159,13 +197,14 @@ def step(model: Model, params, dparams, state: DecodeState, lanes: Lanes | None,
             s = decode_step(model, dparams, prev, sampling=GREEDY, eos_ids=eos_ids,
                             free_finished=False, impl=impl, policy=policy)
             finished = jnp.any(s.done & ~prev.done)
-            rec = tuple(r.at[i].set(x) for r, x in zip(rec, (s.last, s.num_generated, s.done),
-                                                       strict=True))
+            rec = tuple(r.at[i].set(x) for r, x in zip(rec, entry(s), strict=True))
             return i + 1, s, until_finish & finished, rec
 
         ran, state, _, record = jax.lax.while_loop(more, one, (ran, state, stop, record))
     if head is not None:
         record = tuple(jnp.concatenate([h, r]) for h, r in zip(head, record, strict=True))
+    if logprobs:  # the state leaves as it came (one pytree structure for every program)
+        state = dataclasses.replace(state, step_logprobs=None)
     return state, record, ran
 
 
