@@ -17,14 +17,21 @@ Endpoints:
 Both generation endpoints take `max_tokens`, `temperature`, `top_p`, `top_k` (an
 extension), `seed`, `stop`, `stream` (server-sent events in OpenAI's chunk
 format, ending with `data: [DONE]`; `stream_options.include_usage` adds a final
-usage chunk) and `cache_salt` (vLLM's extension: a non-empty string; requests
+usage chunk), `cache_salt` (vLLM's extension: a non-empty string; requests
 share cached prefix pages only with requests of the same salt, so tenants with
-different salts never hit each other's prompts). Responses carry `usage` (with
-`prompt_tokens_details.cached_tokens` from the prefix cache) and `finish_reason`
-("stop" or "length"). Bad requests get
+different salts never hit each other's prompts), `n` (1 to 8 choices: n engine
+requests added together, the later ones sharing the first one's prompt pages through
+the prefix cache; choice i samples with seed + i * `_CHOICE_SEED_STRIDE`) and
+log-probabilities (completions: `logprobs` 0 to 20; chat: `logprobs: true` and
+`top_logprobs` 0 to 20): each token's log-softmax of the model's raw logits (before
+temperature, top-k and top-p) and the most likely tokens', in OpenAI's shapes, each
+streamed chunk with its own tokens'. Responses carry `usage` (the prompt once, every
+choice's completion tokens; `prompt_tokens_details.cached_tokens` from the prefix
+cache) and `finish_reason` ("stop" or "length"). Bad requests get
 a 4xx answer in OpenAI's error shape, `{"error": {"message", "type", "param",
-"code"}}`; fields this server does not implement (`n` > 1, `logprobs`, `echo`,
-penalties, tools, ...) are refused rather than silently ignored.
+"code"}}`; fields this server does not implement (`best_of` > 1, `echo`, `suffix`,
+penalties, `logit_bias`, tools, `response_format`) are refused rather than silently
+ignored.
 
 Limits, checked in this order before a handler runs (`_Gate`, a plain ASGI middleware):
 a server that is draining answers 503 (`/health` and `/metrics` stay open); with an API
@@ -38,7 +45,8 @@ template and detokenization run in a thread pool, never on the event loop, so a 
 prompt does not hold other requests. A request still unfinished `request_timeout`
 seconds after it arrived is cancelled and answered 408 (a stream ends with an error
 event). With `max_waiting`, a request that would make more than `max_seqs + max_waiting`
-requests unfinished at once is refused with a 429.
+requests unfinished at once is refused with a 429 (a request with `n` choices counts
+as n).
 
 Draining (`DrainingServer`, what `python -m kvjax serve` runs): SIGTERM or SIGINT stops
 admitting (new connections are refused, requests on open connections get a 503, `/health`
@@ -279,20 +287,44 @@ class EngineWorker:
           QueueFullError: `capacity` requests are unfinished.
           EngineError: the engine has failed or the server is shutting down.
         """
+        return (await self.submit_group(prompt_ids, [(request_id, kwargs)],
+                                        capacity=capacity))[0]
+
+    async def submit_group(self, prompt_ids: list[int],
+                           requests: Sequence[tuple[str, dict[str, Any]]], *,
+                           capacity: int | None = None) -> list[asyncio.Queue]:
+        """Adds requests on one prompt (a request's `n` choices), all or none, in order and
+        in one engine step's admission, so the later ones can share the first one's prompt
+        pages; returns their queues (as `submit`'s).
+
+        Args:
+          prompt_ids: the prompt's token ids.
+          requests: (unique id, `Engine.add_request`'s other arguments) per request.
+          capacity: refuse them all if fewer than `len(requests)` more may be unfinished.
+
+        Raises:
+          as `submit`; when the engine refuses one, none is added.
+        """
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop=loop, queue=asyncio.Queue(), added=loop.create_future())
+        group = [(rid, kwargs, _Sink(loop=loop, queue=asyncio.Queue(),
+                                     added=loop.create_future()))
+                 for rid, kwargs in requests]
         with self._lock:
             if self._error is not None:
                 raise EngineError(self._error)
             if self._thread is None:
                 raise EngineError("the engine worker is not running (EngineWorker.start()).")
-            if capacity is not None and self._unfinished >= capacity:
-                raise QueueFullError(f"{self._unfinished} requests are running or waiting, the "
-                                     f"most this server queues; retry later.")
-            self._unfinished += 1
-            self._commands.put(("add", request_id, prompt_ids, kwargs, sink))
-        await sink.added
-        return sink.queue
+            if capacity is not None and self._unfinished + len(group) > capacity:
+                raise QueueFullError(
+                    f"{self._unfinished} requests are running or waiting and this one adds "
+                    f"{len(group)}; this server queues at most {capacity}. Retry later.")
+            self._unfinished += len(group)
+            self._commands.put(("add", prompt_ids, group))
+        got = await asyncio.gather(*(sink.added for _, _, sink in group), return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+        return [sink.queue for _, _, sink in group]
 
     def cancel(self, request_id: str) -> None:
         """Cancels a request at the engine's next step (no-op once it has finished)."""
@@ -371,21 +403,28 @@ class EngineWorker:
 
     def _handle(self, command) -> None:
         if command[0] == "add":
-            _, rid, prompt_ids, kwargs, sink = command
-            try:
-                self.engine.add_request(prompt_ids, request_id=rid, **kwargs)
-            except (ValueError, TypeError) as e:  # a bad request: the engine is untouched
-                self._done()
-                sink.reject(e)
-                return
-            except Exception as e:  # one request's 500; the engine goes on
-                _log.exception("add_request failed")
-                self._done()
-                sink.reject(EngineError(f"the engine could not add the request: "
-                                        f"{type(e).__name__}: {e}"))
-                return
-            self._sinks[rid] = sink
-            sink.resolve(rid)
+            _, prompt_ids, group = command
+            added = []
+            for rid, kwargs, _ in group:
+                try:
+                    self.engine.add_request(prompt_ids, request_id=rid, **kwargs)
+                except Exception as e:
+                    if isinstance(e, ValueError | TypeError):  # a bad request
+                        error = e
+                    else:  # one request's 500; the engine goes on
+                        _log.exception("add_request failed")
+                        error = EngineError(f"the engine could not add the request: "
+                                            f"{type(e).__name__}: {e}")
+                    for other in added:  # all or none: the ones added end unheard
+                        self.engine.cancel(other)
+                    self._done(len(group))
+                    for _, _, sink in group:
+                        sink.reject(error)
+                    return
+                added.append(rid)
+            for rid, _, sink in group:
+                self._sinks[rid] = sink
+                sink.resolve(rid)
         elif command[0] == "cancel":
             if command[1] in self._sinks:
                 self.engine.cancel(command[1])
@@ -406,7 +445,8 @@ class EngineWorker:
                 break
         for command in self._pending:
             if command is not _STOP and command[0] == "add":
-                command[4].reject(error)
+                for _, _, sink in command[2]:
+                    sink.reject(error)
         self._pending.clear()
 
 
@@ -571,11 +611,40 @@ class ChatCompletionRequest(_Body):
 
 # field -> values that mean "not used"; anything else is refused with a 400.
 _UNSUPPORTED = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {}),
+    "tools": (None, []), "response_format": (None, {"type": "text"}),
 }
+# Most choices per request (`n`) and most top logprobs per token (vLLM's bound; the
+# engine records `kvjax.serve.steps.TOP_LOGPROBS`).
+_MAX_N = 8
+_MAX_TOP_LOGPROBS = 20
+# Choice i > 0 of a request samples with seed + i * this (mod 2**64): distinct per choice,
+# and choice 0 is what the same request with n=1 gives.
+_CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def _check_top(value, param: str) -> int:
+    if isinstance(value, bool) or not 0 <= value <= _MAX_TOP_LOGPROBS:
+        raise _APIError(400, f"{param} must be an integer in [0, {_MAX_TOP_LOGPROBS}], got "
+                        f"{value!r}.", param=param)
+    return value
+
+
+def _completion_logprobs(body: "CompletionRequest") -> int | None:
+    """The top logprobs a completion asks for per token (`logprobs`), None if none."""
+    return None if body.logprobs is None else _check_top(body.logprobs, "logprobs")
+
+
+def _chat_logprobs(body: "ChatCompletionRequest") -> int | None:
+    """The top logprobs a chat completion asks for per token (`top_logprobs`, with
+    `logprobs: true`), None if none."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise _APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true.",
+                        param="top_logprobs")
+    if not body.logprobs:
+        return None
+    return 0 if body.top_logprobs is None else _check_top(body.top_logprobs, "top_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -591,8 +660,21 @@ class _Plan:
     stream: bool
     include_usage: bool
     salt: str | None = None  # the prefix cache's salt (cache_salt)
+    logprobs: int | None = None  # top logprobs per token (None: no logprobs)
+    n: int = 1  # choices
     arrival: float = 0.0  # time.monotonic() when the request arrived
     deadline: float | None = None  # time.monotonic() by which it must end (None: never)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenLogprob:
+    """One token's logprobs as the endpoints show them: its text, log-probability, offset
+    in the choice's text, and the top (text, log-probability) pairs, most likely first."""
+
+    text: str
+    logprob: float
+    offset: int
+    top: list[tuple[str, float]]
 
 
 class _TextStream:
@@ -614,6 +696,11 @@ class _TextStream:
         self._stops = tuple(stops)
         self._hold = max(map(len, self._stops), default=1) - 1
         self.stopped = False  # a stop string was found
+
+    @property
+    def decoded_chars(self) -> int:
+        """Characters of text decoded so far (sent or held back)."""
+        return len(self._text)
 
     def _decode(self, ids) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -654,6 +741,7 @@ class _Server:
         # Tokenizing and detokenizing happen here, off the event loop.
         self.pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="kvjax-tokenizer")
+        self._token_texts: dict[int, str] = {}
 
     async def off_loop(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` in the tokenizer pool; its exceptions propagate."""
@@ -684,7 +772,7 @@ class _Server:
 
     def plan(self, body: _Body, prompt_ids: list[int], *, max_tokens: int | None,
              max_tokens_param: str, default_max_tokens: int | None,
-             prompt_param: str) -> _Plan:
+             prompt_param: str, logprobs: int | None = None) -> _Plan:
         from kvjax.generate import SamplingConfig
 
         for name, unused in _UNSUPPORTED.items():
@@ -692,23 +780,26 @@ class _Server:
             if value not in unused:
                 raise _APIError(400, f"{name}={value!r} is not supported by this server.",
                                 param=name, code="unsupported_parameter")
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= _MAX_N:
+            raise _APIError(400, f"n must be an integer in [1, {_MAX_N}], got {n}.", param="n")
         if not prompt_ids:
             raise _APIError(400, f"The {prompt_param} is empty; give at least one token.",
                             param=prompt_param)
-        limit, n = self.engine.max_seq_len, len(prompt_ids)
+        limit, length = self.engine.max_seq_len, len(prompt_ids)
         if max_tokens is not None and max_tokens < 1:
             raise _APIError(400, f"{max_tokens_param} must be at least 1, got {max_tokens}.",
                             param=max_tokens_param)
-        if n >= limit:
+        if length >= limit:
             raise _APIError(400, f"This server holds at most {limit} tokens per sequence "
-                            f"(prompt + completion); the {prompt_param} alone has {n} tokens. "
+                            f"(prompt + completion); the {prompt_param} alone has {length} tokens. "
                             f"Shorten it.", param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = limit - n if default_max_tokens is None else min(
-                default_max_tokens, limit - n)
-        elif n + max_tokens > limit:
+            max_tokens = limit - length if default_max_tokens is None else min(
+                default_max_tokens, limit - length)
+        elif length + max_tokens > limit:
             raise _APIError(400, f"This server holds at most {limit} tokens per sequence, but "
-                            f"this request asks for {n + max_tokens} ({n} in the "
+                            f"this request asks for {length + max_tokens} ({length} in the "
                             f"{prompt_param} + {max_tokens} to generate). Shorten the "
                             f"{prompt_param} or lower {max_tokens_param}.",
                             param=max_tokens_param, code="context_length_exceeded")
@@ -748,7 +839,7 @@ class _Server:
                      stop_ids=tuple(sorted(stop_ids)), stops=tuple(stops), seed=seed,
                      stream=bool(body.stream),
                      include_usage=bool(options.get("include_usage", False)),
-                     salt=body.cache_salt)
+                     salt=body.cache_salt, logprobs=logprobs, n=n)
 
     def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -788,31 +879,65 @@ class _Server:
 
     # -- generation
 
-    async def submit(self, plan: _Plan) -> tuple[str, asyncio.Queue]:
-        rid = uuid.uuid4().hex
+    async def submit(self, plan: _Plan) -> tuple[list[str], list[asyncio.Queue]]:
+        """Hands the plan's `n` requests (one per choice) to the engine together; returns
+        their ids and output queues."""
+        rids = [uuid.uuid4().hex for _ in range(plan.n)]
+        group = [(rid, dict(max_tokens=plan.max_tokens, sampling=plan.sampling,
+                            stop_ids=plan.stop_ids,
+                            seed=(plan.seed + i * _CHOICE_SEED_STRIDE) % 2**64,
+                            salt=plan.salt, logprobs=plan.logprobs))
+                 for i, rid in enumerate(rids)]
         try:
-            q = await asyncio.wait_for(self.worker.submit(
-                plan.prompt_ids, request_id=rid, capacity=self.capacity,
-                max_tokens=plan.max_tokens, sampling=plan.sampling, stop_ids=plan.stop_ids,
-                seed=plan.seed, salt=plan.salt), _remaining(plan))
+            queues = await asyncio.wait_for(self.worker.submit_group(
+                plan.prompt_ids, group, capacity=self.capacity), _remaining(plan))
         except (ValueError, TypeError) as e:
             raise _APIError(400, str(e)) from e
         except QueueFullError as e:
             self.metrics.rejected.labels(status="429").inc()
             raise _APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
         except TimeoutError as e:
-            self.worker.cancel(rid)
+            for rid in rids:
+                self.worker.cancel(rid)
             self.metrics.requests.labels(finish_reason="timeout").inc()
             raise _APIError(408, _timeout_message(plan), code="request_timeout") from e
         except asyncio.CancelledError:  # the handler is gone before the request started
-            self.worker.cancel(rid)
+            for rid in rids:
+                self.worker.cancel(rid)
             raise
         self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
-        return rid, q
+        return rids, queues
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as logprobs show it (its decode alone; memoized)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _feed(self, text: "_TextStream", ids: list[int], logprobs, *, final: bool,
+              top: int | None) -> tuple[str, list[_TokenLogprob] | None]:
+        """New text for `ids`; with logprobs, also each token's entry (fed one at a time,
+        so each token's offset in the text is known)."""
+        if top is None:
+            return text.feed(ids, final=final), None
+        if not ids:
+            return text.feed([], final=final), []
+        pieces, entries = [], []
+        for j, (t, lp) in enumerate(zip(ids, logprobs, strict=True)):
+            offset = text.decoded_chars
+            pieces.append(text.feed([t], final=final and j == len(ids) - 1))
+            entries.append(_TokenLogprob(
+                text=self.token_text(t), logprob=lp.logprob, offset=offset,
+                top=[(self.token_text(i), v) for i, v in zip(
+                    lp.top_ids[:top], lp.top_logprobs[:top], strict=True)]))
+        return "".join(pieces), entries
 
     async def generate(self, rid: str, q: asyncio.Queue, plan: _Plan,
                        request: fastapi.Request | None = None) -> AsyncIterator[dict]:
-        """Yields `{"text", "finish_reason", "usage"}` pieces until the request ends.
+        """Yields `{"text", "finish_reason", "usage", "logprobs"}` pieces until the request
+        ends (`logprobs`: a `_TokenLogprob` per token of the piece, or None when the plan
+        asks for none; the stop or EOS token has none, as it has no text).
 
         Cancels the engine request if the consumer stops early (client gone, stop string),
         or, when `request` is given, if the client disconnects.
@@ -833,6 +958,7 @@ class _Server:
                     raise out
                 engine_done = out.finished
                 ids = list(out.token_ids)
+                lps = out.logprobs
                 now = time.monotonic()
                 if ids and not completion_tokens:
                     self.metrics.ttft.observe(now - plan.arrival)
@@ -852,7 +978,9 @@ class _Server:
                 finish = out.finish_reason if out.finished else None
                 if finish == "stop" and ids:  # the stop / EOS token is not part of the text
                     ids = ids[:-1]
-                delta = await self.off_loop(text.feed, ids, final=out.finished)
+                    lps = None if lps is None else lps[:-1]
+                delta, entries = await self.off_loop(self._feed, text, ids, lps,
+                                                     final=out.finished, top=plan.logprobs)
                 if text.stopped:
                     finish = "stop"
                 done = finish is not None
@@ -864,7 +992,8 @@ class _Server:
                              "completion_tokens": completion_tokens,
                              "total_tokens": out.prompt_tokens + completion_tokens,
                              "prompt_tokens_details": {"cached_tokens": cached}}
-                yield {"text": delta, "finish_reason": finish, "usage": usage}
+                yield {"text": delta, "finish_reason": finish, "usage": usage,
+                       "logprobs": entries}
                 if done:
                     return
                 if request is not None and await request.is_disconnected():
@@ -874,37 +1003,113 @@ class _Server:
                 self.worker.cancel(rid)
             self.metrics.requests.labels(finish_reason=outcome).inc()
 
-    async def collect(self, rid, q, plan, request) -> tuple[str, str, dict]:
+    async def _collect_one(self, rid, q, plan, request) -> tuple[str, str, dict, list | None]:
         pieces, finish, usage = [], None, None
+        entries = None if plan.logprobs is None else []
+        async with aclosing(self.generate(rid, q, plan, request)) as stream:
+            async for piece in stream:
+                pieces.append(piece["text"])
+                finish, usage = piece["finish_reason"], piece["usage"]
+                if entries is not None:
+                    entries.extend(piece["logprobs"])
+        return "".join(pieces), finish, usage, entries
+
+    async def collect(self, rids, queues, plan, request) -> tuple[list[tuple], dict]:
+        """Every choice's (text, finish reason, logprob entries or None) and the usage of
+        them all (the prompt counted once)."""
+        tasks = [asyncio.ensure_future(self._collect_one(rid, q, plan, request))
+                 for rid, q in zip(rids, queues, strict=True)]
         try:
-            async with aclosing(self.generate(rid, q, plan, request)) as stream:
-                async for piece in stream:
-                    pieces.append(piece["text"])
-                    finish, usage = piece["finish_reason"], piece["usage"]
+            results = await asyncio.gather(*tasks)
         except EngineError as e:
             raise _APIError(500, str(e), type="server_error", code="engine_error") from e
         except _RequestTimeout as e:
             raise _APIError(408, str(e), code="request_timeout") from e
-        return "".join(pieces), finish, usage
+        finally:
+            for t in tasks:
+                t.cancel()
+        choices = [(text, finish, entries) for text, finish, _, entries in results]
+        return choices, _total_usage([usage for _, _, usage, _ in results])
 
-    async def sse(self, rid, q, plan, chunk, final_usage_chunk) -> AsyncIterator[str]:
-        """Server-sent events: `chunk(piece)` per piece, a usage chunk if asked, [DONE]."""
+    async def sse(self, rids, queues, plan, chunk, final_usage_chunk) -> AsyncIterator[str]:
+        """Server-sent events: `chunk(index, piece)` per piece of each choice (as they
+        come), a usage chunk if asked once every choice has ended, [DONE]."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, rid, q):
+            try:
+                async with aclosing(self.generate(rid, q, plan)) as stream:
+                    async for piece in stream:
+                        merged.put_nowait((index, piece))
+            except (EngineError, _RequestTimeout) as e:
+                merged.put_nowait((index, e))
+            finally:
+                merged.put_nowait((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, rid, q))
+                 for i, (rid, q) in enumerate(zip(rids, queues, strict=True))]
+        usages = [None] * len(tasks)
         try:
-            async with aclosing(self.generate(rid, q, plan)) as stream:
-                async for piece in stream:
-                    for c in chunk(piece):
-                        yield f"data: {json.dumps(c)}\n\n"
-                    if piece["usage"] is not None and plan.include_usage:
-                        yield f"data: {json.dumps(final_usage_chunk(piece['usage']))}\n\n"
-        except EngineError as e:
-            error = {"message": str(e), "type": "server_error", "param": None,
-                     "code": "engine_error"}
-            yield f"data: {json.dumps({'error': error})}\n\n"
-        except _RequestTimeout as e:
-            error = {"message": str(e), "type": "invalid_request_error", "param": None,
-                     "code": "request_timeout"}
-            yield f"data: {json.dumps({'error': error})}\n\n"
+            ended = 0
+            while ended < len(tasks):
+                index, item = await merged.get()
+                if item is None:
+                    ended += 1
+                    continue
+                if isinstance(item, Exception):
+                    if isinstance(item, EngineError):
+                        error = {"message": str(item), "type": "server_error", "param": None,
+                                 "code": "engine_error"}
+                    else:
+                        error = {"message": str(item), "type": "invalid_request_error",
+                                 "param": None, "code": "request_timeout"}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    break
+                for c in chunk(index, item):
+                    yield f"data: {json.dumps(c)}\n\n"
+                if item["usage"] is not None:
+                    usages[index] = item["usage"]
+            else:
+                if plan.include_usage:
+                    yield f"data: {json.dumps(final_usage_chunk(_total_usage(usages)))}\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
         yield "data: [DONE]\n\n"
+
+
+def _total_usage(usages: Sequence[dict]) -> dict:
+    """The usage of a request's choices: the prompt once, every choice's completion."""
+    prompt = usages[0]["prompt_tokens"]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max(
+                u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
+
+
+def _completion_logprobs_json(entries: list[_TokenLogprob], top: int) -> dict:
+    """OpenAI's completion `logprobs`: tokens, their logprobs, the top `top` per token (a
+    text -> logprob map, with the chosen token's entry added when it is not among
+    them) and each token's offset in the text."""
+    tops = []
+    for e in entries:
+        d = {}
+        for text, lp in e.top[:top]:
+            d.setdefault(text, lp)
+        d.setdefault(e.text, e.logprob)
+        tops.append(d)
+    return {"tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": [e.offset for e in entries]}
+
+
+def _chat_logprobs_json(entries: list[_TokenLogprob]) -> dict:
+    """OpenAI's chat `logprobs`: per token its text, logprob, UTF-8 bytes and top list."""
+    def item(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [item(e.text, e.logprob) | {
+        "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
 def _remaining(plan: _Plan) -> float | None:
@@ -1111,23 +1316,29 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str | None = None
         plan = await server.prepare(request, lambda: server.plan(
             body, server.completion_prompt(body.prompt), max_tokens=body.max_tokens,
             max_tokens_param="max_tokens", default_max_tokens=_DEFAULT_COMPLETION_TOKENS,
-            prompt_param="prompt"))
-        rid, q = await start(plan)
-        oid, created = f"cmpl-{rid}", int(time.time())
+            prompt_param="prompt", logprobs=_completion_logprobs(body)))
+        rids, queues = await start(plan)
+        oid, created = f"cmpl-{rids[0]}", int(time.time())
+
+        def logprobs_json(entries):
+            return None if entries is None else _completion_logprobs_json(entries, plan.logprobs)
         if plan.stream:
-            def chunk(piece):
-                if not piece["text"] and piece["finish_reason"] is None:
+            def chunk(index, piece):
+                if not (piece["text"] or piece["logprobs"]) and piece["finish_reason"] is None:
                     return []
                 return [{"id": oid, "object": "text_completion", "created": created,
                          "model": model_name, "choices": [{
-                             "index": 0, "text": piece["text"], "logprobs": None,
+                             "index": index, "text": piece["text"],
+                             "logprobs": logprobs_json(piece["logprobs"]),
                              "finish_reason": piece["finish_reason"]}]}]
-            return _streaming(server.sse(rid, q, plan, chunk,
+            return _streaming(server.sse(rids, queues, plan, chunk,
                                          usage_chunk("text_completion", oid, created)))
-        text, finish, usage = await server.collect(rid, q, plan, request)
+        choices, usage = await server.collect(rids, queues, plan, request)
         return {"id": oid, "object": "text_completion", "created": created,
-                "model": model_name, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                  "finish_reason": finish}],
+                "model": model_name, "choices": [
+                    {"index": i, "text": text, "logprobs": logprobs_json(entries),
+                     "finish_reason": finish}
+                    for i, (text, finish, entries) in enumerate(choices)],
                 "usage": usage}
 
     @app.post("/v1/chat/completions")
@@ -1136,37 +1347,42 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str | None = None
         param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
         plan = await server.prepare(request, lambda: server.plan(
             body, server.chat_prompt(body.messages), max_tokens=getattr(body, param),
-            max_tokens_param=param, default_max_tokens=None, prompt_param="messages"))
-        rid, q = await start(plan)
-        oid, created = f"chatcmpl-{rid}", int(time.time())
-        if plan.stream:
-            first = [True]
+            max_tokens_param=param, default_max_tokens=None, prompt_param="messages",
+            logprobs=_chat_logprobs(body)))
+        rids, queues = await start(plan)
+        oid, created = f"chatcmpl-{rids[0]}", int(time.time())
 
-            def chunk(piece):
+        def logprobs_json(entries):
+            return None if entries is None else _chat_logprobs_json(entries)
+        if plan.stream:
+            started = set()
+
+            def chunk(index, piece):
                 chunks = []
                 head = {"id": oid, "object": "chat.completion.chunk", "created": created,
                         "model": model_name}
-                if first[0]:
-                    first[0] = False
+                if index not in started:
+                    started.add(index)
                     chunks.append({**head, "choices": [{
-                        "index": 0, "delta": {"role": "assistant", "content": ""},
+                        "index": index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]})
-                if piece["text"]:
+                if piece["text"] or piece["logprobs"]:
                     chunks.append({**head, "choices": [{
-                        "index": 0, "delta": {"content": piece["text"]}, "logprobs": None,
-                        "finish_reason": None}]})
+                        "index": index, "delta": {"content": piece["text"]},
+                        "logprobs": logprobs_json(piece["logprobs"]), "finish_reason": None}]})
                 if piece["finish_reason"] is not None:
                     chunks.append({**head, "choices": [{
-                        "index": 0, "delta": {}, "logprobs": None,
+                        "index": index, "delta": {}, "logprobs": None,
                         "finish_reason": piece["finish_reason"]}]})
                 return chunks
-            return _streaming(server.sse(rid, q, plan, chunk,
+            return _streaming(server.sse(rids, queues, plan, chunk,
                                          usage_chunk("chat.completion.chunk", oid, created)))
-        text, finish, usage = await server.collect(rid, q, plan, request)
+        choices, usage = await server.collect(rids, queues, plan, request)
         return {"id": oid, "object": "chat.completion", "created": created,
                 "model": model_name, "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish}],
+                    "index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs_json(entries), "finish_reason": finish}
+                    for i, (text, finish, entries) in enumerate(choices)],
                 "usage": usage}
 
     return app

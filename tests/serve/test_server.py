@@ -287,7 +287,7 @@ def _error(e: openai.APIStatusError) -> dict:
     (dict(prompt=list(range(5, 5 + MAX_SEQ_LEN))), 400, "prompt"),
     (dict(prompt=[5] * 60, max_tokens=10), 400, "max_tokens"),
     (dict(prompt=[5, tiny_chat.VOCAB_SIZE]), 400, None),
-    (dict(n=2), 400, "n"),
+    (dict(n=9), 400, "n"),
     (dict(stop=[""]), 400, "stop"),
 ], ids=["unknown-model", "max-tokens-negative", "max-tokens-zero", "temperature", "top-p-0",
         "top-p-above-1", "empty-text", "empty-ids", "prompt-too-long", "prompt-plus-max-tokens",
