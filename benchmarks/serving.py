@@ -38,6 +38,10 @@ and the static run on a first untimed pass over the same batches.
     python benchmarks/serving.py --rate 0       # all requests at once
     python benchmarks/serving.py --quick        # seconds: 8 requests, short prompts
     python benchmarks/serving.py --compare-xla  # GPU/TPU: TTFT with the kernels vs XLA
+
+`--kivi [GIB]` serves a random 56M Llama with `python -m kvjax serve` on bf16, int4 and
+int2 (KIVI) pages at one `--kv-memory` budget and replays the burst against each; see
+`--help`. `--peer-vllm PYTHON` runs vLLM beside `kvjax serve` on the same checkpoint.
 """
 
 import argparse
@@ -298,15 +302,29 @@ def text_ids(text: str) -> list[int]:
     return [int(w[1:]) for w in words]
 
 
-def save_peer_checkpoint(directory: str, seed: int) -> int:
-    """Writes a random-weight Llama (`PEER_MODEL`, float32) in HuggingFace's layout into
-    `directory`: config.json, model.safetensors and a word-level tokenizer without
-    special tokens (so no EOS ends a request early). Returns the parameter count."""
+def peer_hf_config(c: dict) -> dict:
+    """HuggingFace's config.json for a random Llama shaped like `c` (`PEER_MODEL`'s keys)."""
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                num_hidden_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+                intermediate_size=c["intermediate_size"],
+                num_attention_heads=c["num_attention_heads"],
+                num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                vocab_size=c["vocab_size"], max_position_embeddings=c["max_position_embeddings"],
+                rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
+                tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                torch_dtype="float32", bos_token_id=None, eos_token_id=None)
+
+
+def save_peer_checkpoint(directory: str, seed: int, shape: dict | None = None) -> int:
+    """Writes a random-weight Llama (shaped like `shape`, default `PEER_MODEL`; float32) in
+    HuggingFace's layout into `directory`: config.json, model.safetensors and a word-level
+    tokenizer without special tokens (so no EOS ends a request early). Returns the
+    parameter count."""
     import safetensors.numpy
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    c = PEER_MODEL
+    c = PEER_MODEL if shape is None else shape
     h, inter, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"]
     q_dim, kv_dim = c["num_attention_heads"] * c["head_dim"], kv * c["head_dim"]
     rng = np.random.default_rng(seed)
@@ -332,16 +350,8 @@ def save_peer_checkpoint(directory: str, seed: int) -> int:
     os.makedirs(directory, exist_ok=True)
     safetensors.numpy.save_file(w, os.path.join(directory, "model.safetensors"),
                                 metadata={"format": "pt"})
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                  num_hidden_layers=c["num_hidden_layers"], hidden_size=h,
-                  intermediate_size=inter, num_attention_heads=c["num_attention_heads"],
-                  num_key_value_heads=kv, head_dim=c["head_dim"], vocab_size=c["vocab_size"],
-                  max_position_embeddings=c["max_position_embeddings"],
-                  rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
-                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-                  torch_dtype="float32", bos_token_id=None, eos_token_id=None)
     with open(os.path.join(directory, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=1)
+        json.dump(peer_hf_config(c), fh, indent=1)
     vocab = {vocab_word(i): i for i in range(c["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=vocab_word(0)))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -384,6 +394,18 @@ def parse_rates(text: str) -> list[float]:
     if not rates or not all(r > 0 for r in rates):
         raise argparse.ArgumentTypeError(f"expected positive rates, got {text!r}")
     return rates
+
+
+def positive_gib(text: str) -> float:
+    """'0.25' -> 0.25: a positive number of GiB."""
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0 or gib == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB like 0.25, got "
+                                         f"{text!r}")
+    return gib
 
 
 def lognormal_trace(rng, n, *, rate, prompt, new, vocab):
@@ -491,21 +513,28 @@ class PeerServer:
         self._log.close()
 
 
-def stream_completion(port: int, prompt: list[int], max_tokens: int) -> dict:
+def stream_completion(port: int, prompt: list[int], max_tokens: int, *,
+                      usage: bool = False) -> dict:
     """One streamed greedy completion of token ids on `127.0.0.1:port`: the token ids and
     the `time.perf_counter()` of sending and of each chunk that carried tokens, with the
-    tokens it carried. Raises RuntimeError on an HTTP error or a stream that ends early."""
+    tokens it carried. With `usage`, the stream's final usage chunk is asked for
+    (`stream_options.include_usage`) and its prompt tokens served from the prefix cache are
+    returned as `cached_tokens` (None without `usage`). Raises RuntimeError on an HTTP error
+    or a stream that ends early."""
     import http.client
 
-    body = json.dumps(dict(model=PEER_NAME, prompt=prompt, max_tokens=max_tokens,
-                           temperature=0, stream=True, ignore_eos=True))
+    request = dict(model=PEER_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                   stream=True, ignore_eos=True)
+    if usage:
+        request["stream_options"] = {"include_usage": True}
+    body = json.dumps(request)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     sent = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"port {port}: HTTP {resp.status}: {resp.read()[:500]!r}")
-    ids, chunks, done = [], [], False
+    ids, chunks, done, cached = [], [], False, None
     for raw in resp:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -518,6 +547,10 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int) -> dict:
         event = json.loads(data)
         if "error" in event:
             raise RuntimeError(f"port {port}: stream error {event['error']}")
+        if event.get("usage"):
+            cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        if not event.get("choices"):  # the usage chunk carries no choice
+            continue
         got = text_ids(event["choices"][0].get("text") or "")
         if got:
             ids.extend(got)
@@ -526,13 +559,16 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int) -> dict:
     if not done:
         raise RuntimeError(f"port {port}: the stream ended without [DONE] after {len(ids)} "
                            f"tokens")
-    return dict(sent=sent, ids=ids, chunks=chunks)
+    if usage and cached is None:
+        raise RuntimeError(f"port {port}: the stream carried no usage chunk")
+    return dict(sent=sent, ids=ids, chunks=chunks, cached_tokens=cached)
 
 
-def replay_http(port: int, trace) -> tuple[list[dict], float]:
+def replay_http(port: int, trace, *, usage: bool = False) -> tuple[list[dict], float]:
     """Sends every request of `trace` (arrivals, prompts, max_tokens) at its arrival time,
-    each on its own connection and thread; returns the completions in trace order and the
-    start time (`time.perf_counter()`)."""
+    each on its own connection and thread; returns the completions in trace order
+    (`stream_completion`'s records, with `usage` as there) and the start time
+    (`time.perf_counter()`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     arrivals, prompts, max_new = trace
@@ -540,7 +576,7 @@ def replay_http(port: int, trace) -> tuple[list[dict], float]:
 
     def one(i):
         time.sleep(max(t0 + arrivals[i] - time.perf_counter(), 0))
-        return stream_completion(port, prompts[i], max_new[i])
+        return stream_completion(port, prompts[i], max_new[i], usage=usage)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         done = list(pool.map(one, range(len(prompts))))
@@ -749,6 +785,450 @@ def peer_main(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- KIVI pages
+#
+# `--kivi [GIB]` serves one random Llama checkpoint three times with `python -m kvjax serve`
+# at one `--kv-memory` budget (bf16 pages, --kv-bits 4, --kv-bits 2), replays the burst
+# against each in turn and reads each server's /metrics while it runs: how many sequences
+# each admits at once, how fast it serves them and how much of the shared prefix it finds
+# cached, against issue 55's bars.
+
+KIVI_SERVERS = {"bf16": None, "int4": 4, "int2": 2}
+KIVI_BARS = dict(sequences=3.0, tokens_per_s=1.5, prefix_hits=0.8)
+KIVI_MAX_SEQS = 96  # rows enough that the pool, not the rows, bounds the burst
+KIVI_QUICK_MAX_SEQS = 8
+# KIVI groups a page's keys along its tokens, so the group (serve's default 32) must divide
+# the page; serve's default page (16 tokens) does not, so every server gets pages of 32.
+KIVI_PAGE = 32
+KIVI_KV_DTYPE = "bfloat16"  # bf16 pages, and the KIVI servers' full-precision tails
+KIVI_BF16_SEQS = 4  # the automatic budget: bf16 pages for the prefix and this many requests
+KIVI_POLL_S = 0.05  # /metrics poll interval while a trace runs
+KIVI_QUICK_MODEL = dict(PEER_MODEL, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, vocab_size=1000, max_position_embeddings=1024)
+# (requests, shared prefix, own suffix lo-hi, new tokens lo-hi): the burst, and --quick's.
+KIVI_TRACE = (PEER_MAX_SEQS, 512, (32, 256), (16, 256))
+KIVI_QUICK_TRACE = (4, 320, (16, 64), (4, 16))
+_GIB = 2**30
+
+
+def kivi_flag_defaults() -> tuple[int, int]:
+    """`kvjax serve`'s default `--kv-group-size` and `--kv-residual` (read off its parser)."""
+    from kvjax.generate.cli import add_kivi_flags
+
+    parser = argparse.ArgumentParser()
+    add_kivi_flags(parser)
+    args = parser.parse_args([])
+    return args.kv_group_size, args.kv_residual
+
+
+def kivi_model(c: dict):
+    """The kvjax model `kvjax serve` builds for a checkpoint shaped like `c` (no weights)."""
+    from kvjax.models.base import family_for_architecture
+
+    hf = peer_hf_config(c)
+    family = family_for_architecture(hf["architectures"][0])
+    return family.model(family.config_cls.from_hf(hf))
+
+
+def kivi_pool(model, bits: int | None, budget: int, *, page_size: int, max_seqs: int,
+              max_seq_len: int) -> dict:
+    """How `kvjax serve --kv-memory` sizes one server's pool, by the server's own sizing
+    (`kvjax.serve.cli`), with the serve defaults but `page_size` and `--kv-dtype bfloat16`.
+
+    Args:
+      model: the served model (`kivi_model`).
+      bits: `--kv-bits` (4 or 2), or None for bf16 pages.
+      budget: `--kv-memory` in bytes.
+      page_size, max_seqs, max_seq_len: the servers' `--page-size`, `--max-seqs`,
+        `--max-seq-len`.
+
+    Returns:
+      A dict: `chunk` (the default prefill chunk), `residual` (KIVI tail tokens, 0 on bf16),
+      `slots` (rows and prefix holders: 3 x max_seqs), `page_bytes` (what one more page
+      costs), `fixed_bytes` (page-table rows and KIVI's full-precision tails, whatever the
+      pages), `min_pages` (the least pool the engine takes: one request of max_seq_len)
+      and `pages` (what `budget` holds; 0 where it covers no page beyond the fixed bytes).
+    """
+    from kvjax.serve import cli as serve_cli
+    from kvjax.specs import QuantSpec
+
+    group, residual = kivi_flag_defaults()
+    chunk = serve_cli._default_chunk_size(page_size, bits, residual)
+    quant = None if bits is None else QuantSpec(bits=bits, group_size=group, residual=residual)
+    cfg = gen.CacheConfig(dtype=KIVI_KV_DTYPE, quant=quant, page_size=page_size)
+    slots = 3 * max_seqs  # the engine's rows and its 2 x max_seqs prefix holders
+    spec = cfg.spec(model, num_seqs=slots, max_tokens=max_seq_len, chunk=chunk)
+    costs = serve_cli._pool_for_budget(spec, 1 << 50)  # any budget: the per-page costs
+    try:
+        pages = serve_cli._pool_for_budget(spec, budget).pages
+    except ValueError:  # the budget does not cover the fixed bytes and a page
+        pages = 0
+    return dict(bits=bits, chunk=chunk, residual=0 if bits is None else residual, slots=slots,
+                page_bytes=costs.page_bytes, fixed_bytes=costs.fixed_bytes,
+                min_pages=-(-max_seq_len // page_size) + (0 if bits is None else 1),
+                pages=pages)
+
+
+def kivi_trace_pages(prompts, max_new, *, prefix: int, page_size: int, chunk: int,
+                     residual: int) -> dict:
+    """Pool pages the burst's requests hold at their longest (prompt + new tokens): `shared`
+    (the prefix's pages a hit serves: whole chunks of it, held once) and per request its
+    own pages beyond those (`own_mean`, `own_max`). On KIVI pages (`residual` > 0) a request
+    of L tokens holds (L - residual) // page_size pool pages: the slot's full-precision tail
+    holds the rest."""
+    shared = prefix // chunk * chunk // page_size
+    own = []
+    for p, n in zip(prompts, max_new, strict=True):
+        length = len(p) + n
+        held = (max(length - residual, 0) // page_size if residual
+                else -(-length // page_size))
+        own.append(held - min(shared, held))
+    return dict(shared=shared, own_mean=float(np.mean(own)), own_max=int(max(own)))
+
+
+def kivi_sequences(pool: dict, pages: dict, requests: int, max_seqs: int) -> float:
+    """Requests of the burst the pool holds at once at their longest, by bytes: (pages -
+    shared prefix pages) / the mean request's own pages, at most the requests and rows."""
+    room = max(pool["pages"] - pages["shared"], 0) / max(pages["own_mean"], 1e-9)
+    return min(room, requests, max_seqs)
+
+
+def kivi_auto_budget(pools: dict, pages: dict) -> tuple[int, str]:
+    """The budget (bytes) the run uses when none is given, and why: bf16 pages for the
+    shared prefix and `KIVI_BF16_SEQS` mean requests (at least the engine's least pool), so
+    bf16 admits only a few; raised, when it is below that, to the least budget at which
+    every KIVI server starts and holds the prefix and the longest request."""
+    def need(name, pool_pages):
+        pool = pools[name]
+        return pool["fixed_bytes"] + pool["page_bytes"] * max(pool_pages, pool["min_pages"])
+
+    bf16 = need("bf16", pages["bf16"]["shared"] + int(np.ceil(KIVI_BF16_SEQS
+                                                               * pages["bf16"]["own_mean"])))
+    kivi = {k: need(k, pages[k]["shared"] + pages[k]["own_max"]) for k in pools if k != "bf16"}
+    low = max(kivi, key=kivi.get)
+    if kivi[low] <= bf16:
+        return bf16, (f"bf16 pages for the shared prefix and {KIVI_BF16_SEQS} mean requests")
+    return kivi[low], (f"raised from {bf16 / _GIB:.4f} GiB (bf16 pages for the shared prefix "
+                       f"and {KIVI_BF16_SEQS} mean requests) to the least budget {low} starts "
+                       f"at and holds the prefix and the longest request: its fixed bytes "
+                       f"(full-precision tails of {pools[low]['slots']} slots) alone are "
+                       f"{pools[low]['fixed_bytes'] / _GIB:.4f} GiB")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples of a Prometheus text exposition (`GET /metrics`) by name: a labelled sample
+    as `name{label="value",...}` (labels sorted), an unlabelled one as its name (counters
+    carry their `_total` suffix)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = float(s.value)
+    return out
+
+
+def fetch_metrics(port: int) -> dict[str, float]:
+    """`parse_metrics` of the server's GET /metrics on `127.0.0.1:port`."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"port {port}: GET /metrics answered HTTP {resp.status}")
+    finally:
+        conn.close()
+    return parse_metrics(body.decode())
+
+
+class MetricsPoller:
+    """Reads a server's /metrics every `interval` seconds on a thread, within a `with`
+    block; `summary()` gives the peak and the mean (over the polls) of its running
+    requests, the peak of its waiting ones and of its pages in use. The server's gauges are
+    its engine thread's snapshot after its last step: a poll sees every state that lasts a
+    step longer than `interval`."""
+
+    def __init__(self, port: int, interval: float = KIVI_POLL_S):
+        self.port, self.interval = port, interval
+        self.polls: list[dict[str, float]] = []
+        self._stop = None
+        self._thread = None
+
+    def __enter__(self):
+        import threading
+
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.is_set():
+                self.polls.append(fetch_metrics(self.port))
+                self._stop.wait(self.interval)
+
+        self._thread = threading.Thread(target=run, name="metrics-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+    def summary(self) -> dict:
+        def gauge(name):
+            return np.array([p[name] for p in self.polls], float)
+
+        running = gauge("kvjax_requests_running")
+        return dict(peak_running=int(running.max()), mean_running=float(running.mean()),
+                    peak_waiting=int(gauge("kvjax_requests_waiting").max()),
+                    peak_pages_in_use=int(gauge("kvjax_kv_pages_in_use").max()),
+                    polls=len(self.polls))
+
+
+def kivi_prefix_hits(done: list[dict], *, prefix: int, page_size: int) -> tuple[int, int]:
+    """(prefix pages served from the cache, shared-prefix pages a cache could serve): each
+    request's cached prompt tokens (its usage), counted up to the shared prefix, in whole
+    pages; every request but the first could find the prefix's pages cached."""
+    per = prefix // page_size
+    hits = sum(min(d["cached_tokens"], prefix) // page_size for d in done)
+    return hits, (len(done) - 1) * per
+
+
+def kivi_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How two servers' greedy tokens for the same requests agree: requests identical, and
+    the share of tokens before each request's first difference."""
+    firsts = [first_difference(x, y) for x, y in zip(a, b, strict=True)]
+    before = [len(x) if k is None else k for x, k in zip(a, firsts, strict=True)]
+    return dict(identical=sum(k is None for k in firsts), requests=len(a),
+                tokens_before_first_difference=sum(before) / max(sum(map(len, a)), 1))
+
+
+def kivi_main(args) -> int:
+    """`--kivi`: bf16, int4 and int2 pages served at one KV memory budget, the burst
+    replayed against each in turn."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    quick = args.quick
+    c = KIVI_QUICK_MODEL if quick else PEER_MODEL
+    default_n, prefix, suffix, new = KIVI_QUICK_TRACE if quick else KIVI_TRACE
+    n = args.requests or default_n
+    max_seqs = args.kivi_max_seqs or (KIVI_QUICK_MAX_SEQS if quick else KIVI_MAX_SEQS)
+    repeats = args.repeats or (1 if quick else 3)
+    checks = min(n, args.kivi_checks if args.kivi_checks is not None else (1 if quick else 4))
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    page = KIVI_PAGE
+    max_len = -(-(prefix + suffix[1] + new[1]) // page) * page  # the longest request
+    mach = machine()
+    model = kivi_model(c)
+
+    def burst(s):
+        return make_trace(np.random.default_rng(s), n, system=prefix, suffix=suffix, new=new,
+                          rate=0, vocab=c["vocab_size"], dist=args.suffix_dist)
+
+    traces = [burst(seed + 1 + r) for r in range(repeats)]
+
+    def pools_at(budget):
+        return {k: kivi_pool(model, b, budget, page_size=page, max_seqs=max_seqs,
+                             max_seq_len=max_len) for k, b in KIVI_SERVERS.items()}
+
+    costs = pools_at(0)
+    _, prompts0, new0 = traces[0]
+    pages = {k: kivi_trace_pages(prompts0, new0, prefix=prefix, page_size=page,
+                                 chunk=p["chunk"], residual=p["residual"])
+             for k, p in costs.items()}
+    if args.kivi is None:
+        budget, how = kivi_auto_budget(costs, pages)
+        gib = budget / _GIB
+    else:
+        gib, how = args.kivi, "given (--kivi)"
+    budget = int(gib * _GIB)  # as `kvjax serve --kv-memory` reads it
+    pools = pools_at(budget)
+    predicted = {k: kivi_sequences(pools[k], pages[k], n, max_seqs) for k in pools}
+    print(f"{mach['cpu']}, {mach['cpus']} cpus ({', '.join(mach['simd_flags'])}), load average "
+          f"{os.getloadavg()[0]:.1f}; seed {seed}; burst of {n} requests sharing a "
+          f"{prefix}-token prefix, own {suffix[0]}-{suffix[1]} tokens ({args.suffix_dist}), "
+          f"{new[0]}-{new[1]} new; {repeats} repeats; servers: --max-seqs {max_seqs}, "
+          f"--max-seq-len {max_len}, --page-size {page}, --kv-dtype {KIVI_KV_DTYPE}",
+          flush=True)
+    print(f"\nKV memory budget {gib:.4f} GiB ({budget} bytes): {how}.\n")
+    print("| server | bytes a page costs | fixed bytes (tails of slots) | pool pages | prefill "
+          "chunk | prefix pages held once | own pages per request at its end, mean / max | "
+          "requests the pages hold at once |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, p in pools.items():
+        print(f"| {k} | {p['page_bytes']} ({p['page_bytes'] / page:.0f} per token) | "
+              f"{p['fixed_bytes']} ({p['slots']} slots" + (f" x {p['residual'] + page} tail "
+                                                           f"tokens" if p['residual'] else "")
+              + f") | {p['pages']} | {p['chunk']} | {pages[k]['shared']} | "
+              f"{pages[k]['own_mean']:.1f} / {pages[k]['own_max']} | {predicted[k]:.1f} |")
+    for k in pools:
+        if k != "bf16":
+            print(f"by bytes, {k} holds {predicted[k] / max(predicted['bf16'], 1e-9):.2f}x the "
+                  f"requests of bf16 at this budget")
+    short = [k for k, p in pools.items() if p["pages"] < p["min_pages"]]
+    if short:
+        print(f"error: at {gib:.4f} GiB the pool of {', '.join(short)} is below the engine's "
+              f"least (one request of {max_len} tokens); give a larger --kivi", file=sys.stderr)
+        return 2
+
+    work = tempfile.mkdtemp(prefix="kvjax-kivi-")
+    ckpt = os.path.join(work, "llama")
+    params = save_peer_checkpoint(ckpt, seed, c)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit = None
+    base = [sys.executable, "-m", "kvjax", "serve", "--model", ckpt, "--served-model-name",
+            PEER_NAME, "--max-seqs", str(max_seqs), "--max-seq-len", str(max_len),
+            "--kv-memory", repr(gib), "--page-size", str(page), "--kv-dtype", KIVI_KV_DTYPE,
+            "--log-level", "warning"]
+    cmds = {k: base + ([] if b is None else ["--kv-bits", str(b)])
+            for k, b in KIVI_SERVERS.items()}
+    print(f"\n{params / 1e6:.1f}M-parameter random Llama (float32) in {ckpt}; kvjax {commit} "
+          f"(jax {jax.__version__})", flush=True)
+    servers, runs, tokens, checked = {}, {}, {}, {}
+    try:
+        for k, cmd in cmds.items():
+            port = free_port()
+            servers[k] = PeerServer(k, cmd + ["--port", str(port)], dict(os.environ), port,
+                                    os.path.join(work, f"{k}.log"))
+        for s in servers.values():
+            print(f"{s.name} ready in {s.wait_ready(args.peer_timeout):.0f} s (port {s.port})",
+                  flush=True)
+        for k, s in servers.items():
+            got = fetch_metrics(s.port)["kvjax_kv_pages_total"]
+            if got != pools[k]["pages"]:
+                raise RuntimeError(f"{k}: the server's pool has {got:.0f} pages, the budget "
+                                   f"arithmetic says {pools[k]['pages']}: it no longer "
+                                   f"describes `kvjax serve --kv-memory`")
+        # Untimed: a burst of other prompts first (first calls at the burst's sizes; a
+        # native kernel built on its first call builds here).
+        warm = burst(seed + 999)
+        for s in servers.values():
+            replay_http(s.port, warm)
+        for r, trace in enumerate(traces):
+            names = list(servers)
+            order = names[r % len(names):] + names[: r % len(names)]
+            for k in order:
+                s, load = servers[k], os.getloadavg()[0]
+                cpu = {name: v.cpu_s() for name, v in servers.items()}
+                before = fetch_metrics(s.port)
+                with MetricsPoller(s.port) as poller:
+                    done, t0 = replay_http(s.port, trace, usage=True)
+                after = fetch_metrics(s.port)
+                cpu = {name: v.cpu_s() - cpu[name] for name, v in servers.items()}
+                bad = [i for i, (d, m) in enumerate(zip(done, trace[2], strict=True))
+                       if len(d["ids"]) != m]
+                if bad:
+                    raise RuntimeError(f"{k}: requests {bad} returned other token counts "
+                                       f"than asked")
+                hits, shared = kivi_prefix_hits(done, prefix=prefix, page_size=page)
+                delta = {name: int(after[name] - before[name]) for name in (
+                    "kvjax_engine_hit_pages_total", "kvjax_engine_preemptions_total",
+                    "kvjax_engine_evictions_total")}
+                stats = http_latency(done, t0) | poller.summary() | dict(
+                    load_average=load, server_cpu_s=cpu[k],
+                    idle_servers_cpu_s=sum(v for name, v in cpu.items() if name != k),
+                    prefix_hit_pages=hits, shared_prefix_pages=shared,
+                    prefix_hit_rate=hits / max(shared, 1),
+                    engine_hit_pages=delta["kvjax_engine_hit_pages_total"],
+                    preemptions=delta["kvjax_engine_preemptions_total"],
+                    evictions=delta["kvjax_engine_evictions_total"])
+                runs.setdefault(k, []).append(stats)
+                tokens[k] = [d["ids"] for d in done]
+                print(f"repeat {r + 1}/{repeats} {k}: {stats['tokens_per_s']:.0f} tokens/s, "
+                      f"TTFT p50 {stats['ttft_s'][0]:.2f} s, running peak "
+                      f"{stats['peak_running']} (mean {stats['mean_running']:.1f}), prefix "
+                      f"hits {hits}/{shared} pages, {stats['preemptions']} preemptions",
+                      flush=True)
+            agree = {k: kivi_agreement(tokens[k], tokens["bf16"]) for k in servers
+                     if k != "bf16"}
+            for k, a in agree.items():
+                runs[k][-1]["agreement_with_bf16"] = a
+        # Each server's burst tokens against its own one-at-a-time answers (last repeat).
+        _, prompts, max_new = traces[-1]
+        picks = np.random.default_rng(seed).choice(n, checks, replace=False).tolist()
+        for k, s in servers.items():
+            alone = [stream_completion(s.port, prompts[i], max_new[i])["ids"] for i in picks]
+            checked[k] = dict(requests=picks, identical=sum(
+                a == tokens[k][i] for a, i in zip(alone, picks, strict=True)))
+    finally:
+        for s in servers.values():
+            s.stop()
+
+    def med(stats, key):
+        vals = [x[key] for x in stats]
+        if isinstance(vals[0], list):
+            return [float(np.median([v[i] for v in vals])) for i in range(len(vals[0]))]
+        return float(np.median(vals))
+
+    keys = ("tokens_per_s", "ttft_s", "peak_running", "mean_running", "prefix_hit_rate",
+            "preemptions", "server_cpu_s", "makespan_s")
+    table = {k: {key: med(v, key) for key in keys} for k, v in runs.items()}
+    ratios = {k: {key: table[k][key] / table["bf16"][key]
+                  for key in ("peak_running", "mean_running", "tokens_per_s")}
+              for k in table if k != "bf16"}
+    bars = dict(
+        sequences=ratios["int4"]["peak_running"] >= KIVI_BARS["sequences"],
+        tokens_per_s=ratios["int4"]["tokens_per_s"] >= KIVI_BARS["tokens_per_s"],
+        prefix_hits=all(table[k]["prefix_hit_rate"] >= KIVI_BARS["prefix_hits"]
+                        for k in table if k != "bf16"))
+    print(f"\nmedians of {repeats} interleaved repeats ({mach['cpu']}, {mach['cpus']} cpus), "
+          f"{gib:.4f} GiB of KV memory each:\n")
+    print("| server | pool pages | running at once: peak / mean | tokens/s | TTFT p50 / p90 (s) "
+          "| prefix hits / shared-prefix pages | preemptions | server CPU s | tokens alone = "
+          "in the burst | requests identical to bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k, row in table.items():
+        a = runs[k][-1].get("agreement_with_bf16")
+        print(f"| {k} | {pools[k]['pages']} | {row['peak_running']:.0f} / "
+              f"{row['mean_running']:.1f} | {row['tokens_per_s']:.0f} | {row['ttft_s'][0]:.2f} / "
+              f"{row['ttft_s'][1]:.2f} | {row['prefix_hit_rate']:.0%} | {row['preemptions']:.0f} "
+              f"| {row['server_cpu_s']:.1f} | {checked[k]['identical']}/{checks} | "
+              + ("-" if a is None else f"{a['identical']}/{a['requests']} "
+                 f"({a['tokens_before_first_difference']:.0%} of tokens before the first "
+                 f"difference)") + " |")
+    print()
+    for k, q in ratios.items():
+        print(f"{k} / bf16: running at once {q['peak_running']:.2f}x at peak (bar >= "
+              f"{KIVI_BARS['sequences']:g}x for int4), {q['mean_running']:.2f}x on average; "
+              f"tokens/s {q['tokens_per_s']:.2f}x (bar >= {KIVI_BARS['tokens_per_s']:g}x for "
+              f"int4); prefix hits {table[k]['prefix_hit_rate']:.0%} (bar >= "
+              f"{KIVI_BARS['prefix_hits']:.0%})")
+    print("issue 55's bars: " + ", ".join(f"{b} {'met' if ok else 'NOT met'}"
+                                         for b, ok in bars.items()))
+    same = all(x["identical"] == checks for x in checked.values())
+    result = dict(
+        benchmark="serving-kivi", machine=mach, seed=seed, quick=quick, repeats=repeats,
+        model=dict(c, parameters=params), kvjax_commit=commit, jax=jax.__version__,
+        budget_gib=gib, budget_bytes=budget, budget_rule=how, max_seqs=max_seqs,
+        max_seq_len=max_len, page_size=page, kv_dtype=KIVI_KV_DTYPE, commands=cmds,
+        trace=dict(requests=n, prefix=prefix, suffix=list(suffix), new_tokens=list(new),
+                   suffix_dist=args.suffix_dist),
+        arithmetic={k: dict(pools[k], **pages[k], sequences=predicted[k]) for k in pools},
+        medians=table, ratios=ratios, bars=KIVI_BARS, bars_met=bars, runs=runs,
+        alone_vs_burst=checked, ok=same, poll_interval_s=KIVI_POLL_S,
+        load_average_end=os.getloadavg()[0],
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    out = result_path(f"serving-kivi-{'quick-' if quick else ''}", args.out)
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {out}")
+    shutil.rmtree(work, ignore_errors=True)
+    if not same:
+        print("FAILED: a server's tokens for a request alone differ from its tokens for it in "
+              "the burst")
+        return 1
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -793,11 +1273,50 @@ def main(argv=None):
                         help="with --peer-vllm: both servers' params and activations "
                              "(default float32)")
     parser.add_argument("--peer-timeout", type=float, default=900.0, metavar="SECONDS",
-                        help="with --peer-vllm: how long a server may take to start "
+                        help="with --peer-vllm or --kivi: how long a server may take to start "
                              "(default 900)")
+    parser.add_argument("--kivi", nargs="?", type=positive_gib, const=None, default=False,
+                        metavar="GIB",
+                        help="KIVI pages served: `python -m kvjax serve` on one random 56M "
+                             "Llama three times at one --kv-memory budget of GIB GiB (bf16 "
+                             "pages, --kv-bits 4, --kv-bits 2; serve's defaults but "
+                             "--max-seqs 96, --page-size 32, --kv-dtype bfloat16), all up at "
+                             "once; the burst (--requests at once, default 32, sharing a "
+                             "512-token prefix) replayed against each in turn, --repeats "
+                             "times (default 3), while each server's /metrics is read every "
+                             f"{KIVI_POLL_S:g} s; reports per server the requests running at "
+                             "once (peak and mean), tokens/s, TTFT, prefix hits on the shared "
+                             "prefix, and int4 / bf16 and int2 / bf16 against issue 55's bars. "
+                             "Without GIB the budget is bf16 pages for the prefix and "
+                             f"{KIVI_BF16_SEQS} requests (raised where a KIVI server would not "
+                             "start); the budget arithmetic is printed first. --quick: a 2-layer "
+                             "model, 4 short requests, one repeat")
+    parser.add_argument("--kivi-max-seqs", type=int, default=None, metavar="N",
+                        help=f"with --kivi: each server's --max-seqs (default {KIVI_MAX_SEQS}; "
+                             f"--quick {KIVI_QUICK_MAX_SEQS})")
+    parser.add_argument("--kivi-checks", type=int, default=None, metavar="N",
+                        help="with --kivi: requests of the last burst each server then answers "
+                             "alone, one at a time, whose tokens must equal its tokens for them "
+                             "in the burst (default 4; --quick 1)")
     parser.add_argument("--seed", type=int, default=None, help="trace seed (default random)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     args = parser.parse_args(argv)
+    if args.kivi is not False:
+        clash = [f for f, on in (("--peer-vllm", args.peer_vllm is not None),
+                                 ("--compare-xla", args.compare_xla),
+                                 ("--breakdown", args.breakdown)) if on]
+        if clash:
+            parser.error(f"--kivi runs its own servers and trace; drop {', '.join(clash)}")
+        bad = [f"{f} {v}" for f, v, least in (
+            ("--requests", args.requests, 2), ("--repeats", args.repeats, 1),
+            ("--kivi-max-seqs", args.kivi_max_seqs, 1), ("--kivi-checks", args.kivi_checks, 0))
+            if v is not None and v < least]
+        if bad:
+            parser.error(f"--requests must be >= 2, --repeats and --kivi-max-seqs >= 1, "
+                         f"--kivi-checks >= 0; got {', '.join(bad)}")
+        return kivi_main(args)
+    if args.kivi_max_seqs is not None or args.kivi_checks is not None:
+        parser.error("--kivi-max-seqs and --kivi-checks go with --kivi")
     if args.peer_vllm is not None:
         clash = [f for f, on in (("--quick", args.quick), ("--compare-xla", args.compare_xla),
                                  ("--breakdown", args.breakdown)) if on]

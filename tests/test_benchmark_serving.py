@@ -7,6 +7,7 @@ import http.server
 import json
 import sys
 import threading
+import time
 
 import benchmark_cli
 import jax
@@ -97,9 +98,11 @@ class _FakeServer(http.server.BaseHTTPRequestHandler):
     plan: list = []
     bodies: list = []
     finish = True
+    cached = 0  # the usage chunk's cached prompt tokens (with stream_options.include_usage)
 
     def do_POST(self):  # noqa: N802 (http.server's name)
-        type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -107,6 +110,10 @@ class _FakeServer(http.server.BaseHTTPRequestHandler):
         events = [{"choices": [{"text": "".join(" " + f"w{i:05d}" for i in ids)}]}
                   for ids in self.plan]
         events.append({"choices": [{"text": "", "finish_reason": "length"}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                    "prompt_tokens_details": {
+                                                        "cached_tokens": self.cached}}})
         for e in events:
             self._chunk(f"data: {json.dumps(e)}\n\n".encode())
             self.wfile.flush()
@@ -138,6 +145,13 @@ def test_stream_completion_reads_every_chunk_of_a_server(script):
         body = _FakeServer.bodies[0]
         assert (body["prompt"], body["max_tokens"], body["temperature"], body["stream"],
                 body["model"]) == (prompt, 23, 0, True, script.PEER_NAME)
+        assert "stream_options" not in body and got["cached_tokens"] is None
+        # With usage: the final chunk (no choices) gives the prompt tokens found cached.
+        _FakeServer.cached = int(rng.integers(1, 9))
+        with_usage = script.stream_completion(port, prompt, 23, usage=True)
+        assert _FakeServer.bodies[-1]["stream_options"] == {"include_usage": True}
+        assert with_usage["ids"] == got["ids"]
+        assert with_usage["cached_tokens"] == _FakeServer.cached
         _FakeServer.finish = False  # a stream cut short is an error, not a short answer
         with pytest.raises(RuntimeError, match=r"without \[DONE\]"):
             script.stream_completion(port, prompt, 23)
@@ -203,3 +217,145 @@ def test_peer_checkpoint_loads_in_kvjax_and_its_tokenizer_matches_text_ids(
     assert script.text_ids(tok.decode(ids)) == ids
     assert tok.encode(" ".join(script.vocab_word(i) for i in ids)) == ids
     assert tok.eos_token_id is None and tok.bos_token_id is None  # nothing ends a request
+
+
+# --kivi: argument handling, the budget arithmetic, reading the servers' /metrics.
+
+
+def test_kivi_flags_are_listed_and_checked(script, capsys, monkeypatch):
+    def ran(args):
+        raise AssertionError("the --kivi run started despite bad arguments")
+
+    monkeypatch.setattr(script, "kivi_main", ran)
+    for bad in ("0", "-1", "x", "inf"):
+        benchmark_cli.assert_refuses(script.main, capsys, ["--kivi", bad], repr(bad),
+                                     "positive number of GiB")
+    benchmark_cli.assert_refuses(script.main, capsys, ["--kivi", "--peer-vllm", "x"],
+                                 "--kivi", "--peer-vllm")
+    benchmark_cli.assert_refuses(script.main, capsys, ["--kivi", "0.5", "--repeats", "0"],
+                                 "--repeats 0")
+    benchmark_cli.assert_refuses(script.main, capsys, ["--kivi-checks", "2"],
+                                 "--kivi-checks", "go with --kivi")
+    benchmark_cli.assert_help_lists(script.main, capsys, ["--kivi", "--kivi-max-seqs",
+                                                          "--kivi-checks"])
+    # Given: that budget; bare: None, the automatic one.
+    got = []
+    monkeypatch.setattr(script, "kivi_main", lambda args: got.append(args.kivi) or 0)
+    assert script.main(["--kivi", "0.25"]) == 0 and script.main(["--kivi", "--quick"]) == 0
+    assert got == [0.25, None]
+
+
+def test_kivi_pools_fill_the_budget_by_the_caches_own_bytes(script):
+    """The pages each server's budget holds, against the bytes kvjax.cache allocates for a
+    cache of that many pages (and one more) built for the same slots and tails."""
+    import kvjax.generate as gen
+    from kvjax.cache.ops import cache_device_bytes
+    from kvjax.specs import QuantSpec
+
+    rng = np.random.default_rng()
+    model = script.kivi_model(script.KIVI_QUICK_MODEL)
+    group, residual = script.kivi_flag_defaults()
+    page, max_seqs, max_len = 32, int(rng.integers(2, 6)), 416
+
+    def device_bytes(bits, pages, chunk):
+        quant = None if bits is None else QuantSpec(bits=bits, group_size=group,
+                                                    residual=residual)
+        cfg = gen.CacheConfig(dtype="bfloat16", quant=quant, page_size=page, num_pages=pages)
+        return cache_device_bytes(cfg.spec(model, num_seqs=3 * max_seqs, max_tokens=max_len,
+                                           chunk=chunk))
+
+    tails = script.kivi_pool(model, 4, 0, page_size=page, max_seqs=max_seqs,
+                             max_seq_len=max_len)["fixed_bytes"]
+    budget = int(tails + rng.integers(40, 400) * 5000)
+    pools = {bits: script.kivi_pool(model, bits, budget, page_size=page, max_seqs=max_seqs,
+                                    max_seq_len=max_len) for bits in (None, 4)}
+    for bits, pool in pools.items():
+        n = pool["pages"]
+        assert n > 0 and pool["slots"] == 3 * max_seqs
+        assert device_bytes(bits, n, pool["chunk"]) <= budget < device_bytes(
+            bits, n + 1, pool["chunk"]), (bits, pool)
+        assert device_bytes(bits, n, pool["chunk"]) == pool["fixed_bytes"] + n * pool[
+            "page_bytes"]
+    bf16, int4 = pools[None], pools[4]
+    # KIVI chunks reach quantized pages (prefix hits), and an int4 page (4-bit codes, a
+    # 16-bit scale and zero per 32) costs under a third of a bf16 page.
+    assert int4["chunk"] >= residual + page and bf16["chunk"] == 64
+    assert 3 * int4["page_bytes"] < bf16["page_bytes"]
+
+
+def test_kivi_trace_arithmetic_and_automatic_budget_by_hand(script):
+    # Prefix 64 = 2 chunks of 32 = 4 pages of 16; requests of 80 and 114 tokens at their end.
+    prompts, new = [[0] * 74, [0] * 94], [6, 20]
+    bf16 = script.kivi_trace_pages(prompts, new, prefix=64, page_size=16, chunk=32,
+                                   residual=0)
+    assert bf16 == dict(shared=4, own_mean=2.5, own_max=4)  # 5 and 8 pages held
+    # KIVI: (80 - 32) // 16 = 3 and (114 - 32) // 16 = 5 pages; the tails hold the rest.
+    kivi = script.kivi_trace_pages(prompts, new, prefix=64, page_size=16, chunk=32,
+                                   residual=32)
+    assert kivi == dict(shared=4, own_mean=0.5, own_max=1)
+    assert script.kivi_sequences(dict(pages=14), bf16, 8, 8) == 4.0  # (14 - 4) / 2.5
+    assert script.kivi_sequences(dict(pages=14), bf16, 3, 8) == 3  # at most the requests
+    pages = {"bf16": bf16, "int4": kivi}
+    # bf16: 100 + 1000 x (4 + ceil(4 x 2.5)) = 14100; int4: 100 + 300 x max(4 + 1, 6) = 1900.
+    pools = {"bf16": dict(fixed_bytes=100, page_bytes=1000, min_pages=5, slots=3),
+             "int4": dict(fixed_bytes=100, page_bytes=300, min_pages=6, slots=3)}
+    assert script.KIVI_BF16_SEQS == 4
+    budget, why = script.kivi_auto_budget(pools, pages)
+    assert budget == 14100 and "raised" not in why
+    pools["int4"]["fixed_bytes"] = 50_000  # its tails alone exceed bf16's budget
+    budget, why = script.kivi_auto_budget(pools, pages)
+    assert budget == 51_800 and "raised" in why and "int4" in why
+
+
+def test_kivi_hits_and_agreement_by_hand(script):
+    done = [dict(cached_tokens=0), dict(cached_tokens=600), dict(cached_tokens=250)]
+    # Up to the 512-token prefix in whole pages of 32: 0 + 16 + 7; two requests could hit.
+    assert script.kivi_prefix_hits(done, prefix=512, page_size=32) == (23, 32)
+    got = script.kivi_agreement([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [7]])
+    assert got == dict(identical=1, requests=3, tokens_before_first_difference=4 / 6)
+
+
+def test_kivi_reads_the_servers_metrics_registry(script):
+    """`parse_metrics` on what kvjax.serve.metrics renders, and `MetricsPoller` against a
+    server whose load changes at each scrape: peak and mean of what the polls saw."""
+    from kvjax.serve.metrics import ENGINE_COUNTERS, ServerMetrics
+
+    rng = np.random.default_rng()
+    loads = [tuple(int(x) for x in rng.integers(0, 1000, 4)) for _ in range(6)]
+    stats = {name: int(rng.integers(1, 10**6)) for name in ENGINE_COUNTERS}
+    scrapes = [0]
+    metrics = ServerMetrics(lambda: loads[min(scrapes[0], len(loads) - 1)], lambda: stats)
+    done = int(rng.integers(1, 50))
+    metrics.requests.labels(finish_reason="length").inc(done)
+    got = script.parse_metrics(metrics.render().decode())
+    assert got['kvjax_requests_total{finish_reason="length"}'] == done
+    assert [got[k] for k in ("kvjax_requests_running", "kvjax_requests_waiting",
+                             "kvjax_kv_pages_in_use", "kvjax_kv_pages_total")] == list(loads[0])
+    assert all(got[f"kvjax_engine_{k}_total"] == v for k, v in stats.items())
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = metrics.render()
+            scrapes[0] += 1
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        with script.MetricsPoller(server.server_address[1], interval=0.001) as poller:
+            while len(poller.polls) < len(loads) + 2:
+                time.sleep(0.005)
+    finally:
+        server.shutdown()
+        server.server_close()
+    seen = np.array([loads[min(i, len(loads) - 1)] for i in range(len(poller.polls))])
+    assert poller.summary() == dict(
+        peak_running=seen[:, 0].max(), mean_running=seen[:, 0].mean(),
+        peak_waiting=seen[:, 1].max(), peak_pages_in_use=seen[:, 2].max(),
+        polls=len(seen))
