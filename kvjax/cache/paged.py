@@ -86,6 +86,18 @@ def set_rows(pool: Array, layer, i1: Array, i2: Array, x: Array, *,
     return set_drop(pool, (layer, slice(None), i1, i2, slice(None)), x)
 
 
+def get_rows(pool: Array, layer, i1: Array, i2: Array) -> Array:
+    """`pool[layer, :, i1, i2, :]` as [rows, heads, width] for in-range indices (i1, i2
+    [rows]): rows a `set_rows` write may overwrite next, read first (pass them as its
+    `after`). 16-bit float pools on CPU read through a custom call that copies the rows
+    (`kvjax.backends.cpu.read_rows`); elsewhere the XLA gather.
+    """
+    cpu = _in_place_kernels(pool)
+    if cpu is not None:
+        return cpu.read_rows(pool, layer, i1, i2)
+    return jnp.moveaxis(pool[layer][:, i1, i2], 0, 1)
+
+
 def set_pages(pool: Array, layer, page_ids: Int[Array, " n"], x: Array) -> Array:
     """`pool.at[layer, :, page_ids].set(x, mode="drop")`: x [n, heads, n2, width].
 

@@ -605,7 +605,8 @@ def test_quantized_mixed_scale_dtypes_run_the_xla_path(rng):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_write_rows_matches_scatter(rng, dtype):
     """The in-place row write equals `.at[layer, :, i1, i2, :].set(x, mode="drop")`: rows
-    with an out-of-range index (the cache's sink) or an out-of-range layer are dropped."""
+    with an out-of-range index (the cache's sink) or an out-of-range layer are dropped.
+    `read_rows` reads the same rows as [rows, heads, width], zeros out of range."""
     pool = _put(rng.standard_normal((3, 2, 6, 4, 16)), dtype)
     n = 9
     i1 = rng.integers(0, 7, n)  # 6 = out of range
@@ -617,7 +618,14 @@ def test_write_rows_matches_scatter(rng, dtype):
     scatter = jax.jit(lambda pool, layer, i1, i2, x: pool.at[layer, :, i1, i2, :].set(
         x, mode="drop"))
     write = jax.jit(cpu_kernels.write_rows)
+    read = jax.jit(cpu_kernels.read_rows)
+    host, r1, r2 = np.asarray(pool, np.float32), np.asarray(i1), np.asarray(i2)
     for layer in (1, 3):
+        rows = np.zeros((n, 2, 16), np.float32)
+        inside = (r1 < 6) & (r2 < 4) & (layer < 3)
+        if layer < 3:
+            rows[inside] = np.moveaxis(host[layer][:, r1[inside], r2[inside]], 0, 1)
+        np.testing.assert_array_equal(np.asarray(read(pool, layer, i1, i2), np.float32), rows)
         want = scatter(pool, layer, i1, i2, x)
         got = write(pool, layer, i1, i2, x)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -4,7 +4,8 @@ The write reads the ring (the rows a completed page takes) and then writes the n
 tokens into it in place (`kvjax.backends.cpu.write_rows`). Unless the read is ordered
 before the write, XLA keeps the read's value by copying the ring -- every layer's ring,
 twice per layer and step, more bytes than the layer's quantized pages hold at short
-contexts. Checked on the optimised HLO of one decode step's writes over every layer
+contexts. The read is a copy of the rows (`read_rows`), not XLA's gather. Checked on the
+optimised HLO of one decode step's writes over every layer
 (reserve, then `write_layer` in a scan, the cache donated, as a model's step runs them).
 """
 
@@ -47,6 +48,11 @@ def test_the_tail_rings_are_written_in_place_not_copied():
     text, ring = _step_hlo(bits=4)
     shape = "bf16[" + ",".join(map(str, ring)) + "]"
     assert "kvjax_write_rows" in text  # the in-place row writes run here
+    # The rows a flush may take are read by copies, not by XLA's element-by-element gather.
+    assert "kvjax_read_rows" in text
+    gathers = [line.strip()[:160] for line in text.splitlines()
+               if re.search(r"= bf16\[[0-9,]*\]\{[0-9,]*\} gather\(", line)]
+    assert not gathers, gathers
     copies = [line.strip()[:160] for line in text.splitlines()
               if re.search(r"= " + re.escape(shape) + r"\{[0-9,]*\} copy\(", line)]
     assert not copies, copies

@@ -16,8 +16,9 @@ sees), and over KIVI-quantized pages and their tail (key blocks dequantized once
 block of queries). MLA prefill stays on the XLA path. The same library holds the model's
 other CPU pieces: a matmul (`matmul.py`, used by `kvjax.models.layers.linear`; a few
 rows streamed at memory speed, many rows as a packed GEMM) and in-place row writes and
-page copies for 16-bit cache pools (`write_rows`, `copy_pages`; `write_rows.cc`), which
-XLA:CPU would do by widening or copying the whole pool.
+page copies for 16-bit cache pools (`write_rows`, `read_rows`, `copy_pages`;
+`write_rows.cc`), which XLA:CPU would do by widening or copying the whole pool (or, for
+the reads, element by element).
 
 `kvjax.attention` registers them as `impl="cpu"`; `choose(op)` says whether "auto"
 should take the kernel for an op on this CPU and build (measured rules, `policy.py`),
@@ -46,7 +47,7 @@ __all__ = ["available", "unavailable_reason", "library", "Library", "CpuOptions"
            "set_options", "override", "choose", "Choice", "unstack_layers_for",
            "paged_decode_attention", "paged_prefill_attention", "PREFILL_ITEM_ROWS",
            "quantized_attention", "quantized_supported", "mla_decode_attention", "mla_supported",
-           "write_rows", "copy_pages", "shared_runs", "decode_positions_walked"]
+           "write_rows", "read_rows", "copy_pages", "shared_runs", "decode_positions_walked"]
 
 
 def _as_pools(pages, layer):
@@ -463,6 +464,24 @@ def write_rows(
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(pool, jnp.asarray(layer, jnp.int32), i1.astype(jnp.int32), i2.astype(jnp.int32),
                 x.astype(pool.dtype), *after)
+
+
+def read_rows(
+    pool: Float[Array, "layers heads n1 n2 width"],
+    layer: int | Int[Array, ""],
+    i1: Int[Array, " rows"],
+    i2: Int[Array, " rows"],
+) -> Float[Array, "rows heads width"]:
+    """`pool[layer, :, i1, i2, :]` as [rows, heads, width], by a custom call that copies the
+    rows (the rows `write_rows` writes; out-of-range indices read zeros).
+
+    For 16-bit float pools on CPU, where XLA's gather of them runs element by element.
+    Pass the result to the in-place write that follows as its `after`.
+    """
+    call = jax.ffi.ffi_call(load().target("read_rows"),
+                            jax.ShapeDtypeStruct((i1.shape[0], pool.shape[1], pool.shape[4]),
+                                                 pool.dtype), vmap_method="sequential")
+    return call(pool, jnp.asarray(layer, jnp.int32), i1.astype(jnp.int32), i2.astype(jnp.int32))
 
 
 def copy_pages(

@@ -65,6 +65,7 @@ TARGETS = {
     "KvjaxMlaDecode": "mla_decode",
     "KvjaxMatmul": "matmul",
     "KvjaxWriteRows": "write_rows",
+    "KvjaxReadRows": "read_rows",
     "KvjaxCopyPages": "copy_pages",
 }
 _COMMON_FLAGS = ("-ffp-contract=fast", "-fPIC", "-std=c++17")

@@ -1,5 +1,6 @@
 // Writes token rows into a cache pool in place: pool[layer, :, page[i], off[i], :] = x[i];
-// and copies whole pages in place: pool[:, :, dst[i]] = pool[:, :, src[i]].
+// reads them: out[i] = pool[layer, :, page[i], off[i], :]; and copies whole pages in place:
+// pool[:, :, dst[i]] = pool[:, :, src[i]].
 //
 // XLA:CPU has no 16-bit float scatter or in-place dynamic-update-slice: a bf16 pool
 // written with either is widened to float32 (or copied) whole, on every write of a few
@@ -45,6 +46,39 @@ ffi::Error WriteRowsImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+// out[i, h] = pool[layer, h, page[i], off[i]]: the rows write_rows writes, gathered by
+// copies (XLA:CPU's gather of a 16-bit pool moves about 0.5 GB/s); rows out of range, or
+// every row of a layer out of range, read as zeros.
+ffi::Error ReadRowsImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
+                        ffi::Buffer<ffi::S32> page, ffi::Buffer<ffi::S32> off,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions(), od = out->dimensions();
+  if (pd.size() != 5 || od.size() != 3 || out->element_type() != pool.element_type() ||
+      od[1] != pd[1] || od[2] != pd[4] || page.element_count() != static_cast<size_t>(od[0]) ||
+      off.element_count() != static_cast<size_t>(od[0]))
+    return ffi::Error::InvalidArgument(
+        "kvjax read rows: expected pool [layers, heads, pages, page_size, width], out [rows, "
+        "heads, width] of the pool's dtype, page and offset [rows]");
+  const int64_t L = pd[0], H = pd[1], P = pd[2], ps = pd[3];
+  const int64_t row = pd[4] * static_cast<int64_t>(ffi::ByteWidth(pool.element_type()));
+  const int64_t l = layer.typed_data()[0];
+  const char* base = static_cast<const char*>(pool.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* pg = page.typed_data();
+  const int32_t* of = off.typed_data();
+  for (int64_t i = 0; i < od[0]; ++i) {
+    const bool inside = l >= 0 && l < L && pg[i] >= 0 && pg[i] < P && of[i] >= 0 && of[i] < ps;
+    for (int64_t h = 0; h < H; ++h) {
+      char* d = dst + (i * H + h) * row;
+      if (inside)
+        std::memcpy(d, base + (((l * H + h) * P + pg[i]) * ps + of[i]) * row, row);
+      else
+        std::memset(d, 0, row);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // pool[:, :, dst[i]] = pool[:, :, src[i]] for every layer and head, in order of i; pairs
 // with an index out of range (the sink) are skipped.
 ffi::Error CopyPagesImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
@@ -78,6 +112,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxCopyPages, kvjax::CopyPagesImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // src [n]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst [n]
                                   .Ret<xla::ffi::AnyBuffer>());            // pool (aliased)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxReadRows, kvjax::ReadRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()              // pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // page [rows]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offset [rows]
+                                  .Ret<xla::ffi::AnyBuffer>());            // [rows, heads, w]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxWriteRows, kvjax::WriteRowsImpl,
                               xla::ffi::Ffi::Bind()
