@@ -313,6 +313,11 @@ def test_kivi_hits_and_agreement_by_hand(script):
     assert script.kivi_prefix_hits(done, prefix=512, page_size=32) == (23, 32)
     got = script.kivi_agreement([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [7]])
     assert got == dict(identical=1, requests=3, tokens_before_first_difference=4 / 6)
+    # Streams decoding over [1, 3], [2, 4], [2.5, 2.6] and [5, 5]: three at once at 2.5.
+    spans = [(1.0, 3.0), (2.0, 4.0), (2.5, 2.6), (5.0, 5.0)]
+    done = [dict(chunks=[(a, 1)] + ([(b, 2)] if b > a else [])) for a, b in spans]
+    assert script.stream_concurrency(done) == 3
+    assert script.stream_concurrency(done[2:]) == 1
 
 
 def test_kivi_reads_the_servers_metrics_registry(script):
