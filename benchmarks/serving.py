@@ -1081,10 +1081,18 @@ def kivi_main(args) -> int:
                                                            f"tokens" if p['residual'] else "")
               + f") | {p['pages']} | {p['chunk']} | {pages[k]['shared']} | "
               f"{pages[k]['own_mean']:.1f} / {pages[k]['own_max']} | {predicted[k]:.1f} |")
+    # A request's bytes at its longest beyond the shared prefix, with its row's share of
+    # the fixed bytes (its tail, its prefix holders' tails, its page-table rows).
+    per_request = {k: pages[k]["own_mean"] * p["page_bytes"] + p["fixed_bytes"] / max_seqs
+                   for k, p in pools.items()}
     for k in pools:
         if k != "bf16":
             print(f"by bytes, {k} holds {predicted[k] / max(predicted['bf16'], 1e-9):.2f}x the "
-                  f"requests of bf16 at this budget")
+                  f"requests of bf16 at this budget; a mean request with its row's share of "
+                  f"the fixed bytes costs {per_request[k] / 2**20:.2f} MiB on {k} pages and "
+                  f"{per_request['bf16'] / 2**20:.2f} MiB on bf16 pages: per byte, {k} "
+                  f"holds {per_request['bf16'] / per_request[k]:.2f}x bf16's requests (every "
+                  f"row in use)")
     short = [k for k, p in pools.items() if p["pages"] < p["min_pages"]]
     if short:
         print(f"error: at {gib:.4f} GiB the pool of {', '.join(short)} is below the engine's "
@@ -1239,7 +1247,8 @@ def kivi_main(args) -> int:
         max_seq_len=max_len, page_size=page, kv_dtype=KIVI_KV_DTYPE, commands=cmds,
         trace=dict(requests=n, prefix=prefix, suffix=list(suffix), new_tokens=list(new),
                    suffix_dist=args.suffix_dist),
-        arithmetic={k: dict(pools[k], **pages[k], sequences=predicted[k]) for k in pools},
+        arithmetic={k: dict(pools[k], **pages[k], sequences=predicted[k],
+                            request_bytes_with_row_share=per_request[k]) for k in pools},
         medians=table, ratios=ratios, bars=KIVI_BARS, bars_met=bars, runs=runs,
         alone_vs_burst=checked, ok=same, poll_interval_s=KIVI_POLL_S,
         load_average_end=os.getloadavg()[0],
