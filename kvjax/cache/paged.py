@@ -129,14 +129,15 @@ def _in_place_kernels(x: Array):
 def copy_pages(pages, src: Int[Array, " n"], dst: Int[Array, " n"]):
     """pages[:, :, dst] = pages[:, :, src] for every pool; dst == num_pages is skipped.
 
-    Runs in every `reserve` (copy-on-write of shared last pages): 16-bit pools on CPU take
-    the in-place custom call, as `set_rows` does.
+    Runs in every `reserve` (copy-on-write of shared last pages): pools on CPU take the
+    in-place custom call (XLA's copy reads one page per slot of every layer, whether or
+    not it is copied: a few MB per reserve).
     """
     def copy(x):
         if x.size == 0:  # a cache whose every layer lives in window groups
             return x
-        cpu = _in_place_kernels(x)
-        if cpu is not None:
+        if (x.ndim == 5 and jax.default_backend() == "cpu"
+                and cpu.choose("copy_pages", dtype=x.dtype).use_kernel):
             return cpu.copy_pages(x, src, dst)
         return set_drop(x, (slice(None), slice(None), dst), x[:, :, src])
 

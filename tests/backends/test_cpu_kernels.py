@@ -1,6 +1,7 @@
 """The C++ CPU decode kernels (impl="cpu") against the gather references."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from test_xla_quantized import D as qz_D
 from test_xla_quantized import _close as q_close
 from test_xla_quantized import random_cache
 
+import kvjax as kvx
 from kernels_pallas.mla_decode import reference as mla_ref
 from kernels_pallas.paged_attention import reference as paged_ref
 from kernels_pallas.quantized_attention import reference as qref
@@ -305,6 +307,7 @@ def test_choose_decides_each_op():
         cpu_kernels.choose("no_such_op")
     assert cpu_kernels.choose("write_rows", dtype=jnp.bfloat16).use_kernel
     assert cpu_kernels.choose("copy_pages", dtype=jnp.float16).use_kernel
+    assert cpu_kernels.choose("copy_pages", dtype=jnp.float32).use_kernel  # any dtype
     assert not cpu_kernels.choose("write_rows", dtype=jnp.float32).use_kernel
     limit = policy.MATMUL_MAX_ROWS.get(lib.isa_class, 0)
     assert cpu_kernels.choose("matmul", rows=1, devices=1).use_kernel == (limit > 0)
@@ -632,10 +635,12 @@ def test_write_rows_matches_scatter(rng, dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.uint8])
 def test_copy_pages_matches_scatter(rng, dtype):
     """In-place page copies equal `.at[:, :, dst].set(pool[:, :, src], mode="drop")` for
-    fresh destinations; pairs with the sink index (out of range) are skipped."""
+    fresh destinations; pairs with the sink index (out of range) are skipped. Every dtype:
+    `reserve` copies float32 pools and KIVI code pools with it too (a float32 cache's
+    reserve has the custom call, not XLA's gather of a page per slot)."""
     pool = _put(rng.standard_normal((2, 3, 8, 4, 16)), dtype)
     perm = rng.permutation(8)
     src, dst = perm[:3].copy(), perm[3:6].copy()
@@ -645,3 +650,12 @@ def test_copy_pages_matches_scatter(rng, dtype):
         pool, src, dst)
     got = jax.jit(cpu_kernels.copy_pages)(pool, src, dst)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if dtype == jnp.float32:
+        spec = kvx.CacheSpec(attention=kvx.AttentionSpec(q_heads=2, kv_heads=2, head_dim=16),
+                             num_layers=2, page_size=4, num_pages=16, max_seqs=3,
+                             max_pages_per_seq=4, dtype="float32")
+        cache = jax.eval_shape(lambda: kvx.cache.init_cache(spec))
+        text = jax.jit(kvx.cache.reserve, donate_argnums=0).lower(
+            cache, jax.ShapeDtypeStruct((3,), jnp.int32)).compile().as_text()
+        assert "kvjax_copy_pages" in text
+        assert not re.search(r"= f32\[[0-9,]*\]\{[0-9,]*\} gather\(", text)

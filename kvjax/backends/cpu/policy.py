@@ -84,8 +84,10 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         answer the XLA path).
       rows: for "matmul", the activation rows of the call (the product of x's leading
         dims); None: the question is whether the kernel serves decode at all.
-      dtype: the pages' (pool's) dtype. For "write_rows" / "copy_pages" the kernel serves
-        16-bit float pools (XLA:CPU widens or copies those whole on every write).
+      dtype: the pages' (pool's) dtype. For "write_rows" the kernel serves 16-bit float
+        pools (XLA:CPU widens or copies those whole on every write); "copy_pages" serves
+        every dtype (XLA's copy gathers one page per slot, of every layer, at every
+        reserve).
       devices: for "matmul", the devices the computation spans (default: all CPU
         devices); the custom call has no partitioning rule, so with several devices
         "auto" keeps XLA's dot (`CpuOptions.matmul="on"` forces the kernel).
@@ -108,16 +110,19 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         return Choice(False, "XLA: kernels off (CpuOptions.kernels / KVJAX_CPU_KERNEL=0)")
     if op == "matmul" and opts.matmul == "off":
         return Choice(False, "XLA dot: matmul kernel off (CpuOptions.matmul / KVJAX_CPU_MATMUL)")
-    if op in ("write_rows", "copy_pages") and dtype is not None and not _is_16bit_float(dtype):
+    if op == "write_rows" and dtype is not None and not _is_16bit_float(dtype):
         return Choice(False, f"XLA scatter: {jnp.dtype(dtype).name} pools update in place in XLA")
     lib, reason = build._load_for(opts)
     if lib is None:
         return Choice(False, f"XLA: kernels unavailable ({reason.splitlines()[0][:120]})")
     isa = lib.isa_class
     build_name = f"-march={lib.march} build ({isa})"
-    if op in ("write_rows", "copy_pages"):
+    if op == "write_rows":
         return Choice(True, f"kernel: 16-bit pools written in place ({build_name}); XLA "
                             f"copies the whole pool")
+    if op == "copy_pages":
+        return Choice(True, f"kernel: pages copied in place ({build_name}); XLA copies 16-bit "
+                            f"pools whole and gathers a page per slot from others")
     if op == "matmul":
         cap = max(MATMUL_MAX_ROWS.values())
         if opts.matmul == "on":
