@@ -36,6 +36,7 @@ __all__ = ["add_parser", "run"]
 
 _DEFAULT_MAX_SEQ_LEN = 2048
 _DEFAULT_CHUNK = 64
+_DEFAULT_PAGE = 16
 _GIB = 2**30
 
 
@@ -85,8 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "--page-size tokens. Low-bit pages thus hold several times the tokens "
                    "of full-precision ones in one budget. The pages and the sequences of "
                    "--max-seq-len tokens they admit are printed at start")
-    p.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
-                   help="tokens per cache page, a power of two (default 16)")
+    p.add_argument("--page-size", type=positive_int, default=None, metavar="TOKENS",
+                   help="tokens per cache page, a power of two (default 16; with --kv-bits "
+                   "at least --kv-group-size, which must divide it)")
     p.add_argument("--chunk-size", type=positive_int, default=None, metavar="TOKENS",
                    help="prefill chunk length, a multiple of --page-size; a prefix-cache hit "
                    "covers whole chunks, and with --kv-bits hits need --chunk-size >= "
@@ -96,6 +98,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-dtype", type=parse_dtype, default=None, metavar="DTYPE",
                    help="KV cache dtype: float32, bfloat16 or float16 (default: the params "
                    "dtype)")
+    p.add_argument("--decode-steps", type=positive_int, default=1, metavar="N",
+                   help="decode steps per engine call, and so tokens per streamed chunk at "
+                   "most (default 1: each token streams as it is decoded; more spread each "
+                   "call's fixed cost over several tokens, which stream together)")
     add_kivi_flags(p)
     add_mesh_flags(p)
     p.add_argument("--window-pages", action=argparse.BooleanOptionalAction, default=None,
@@ -271,6 +277,9 @@ def run(args: argparse.Namespace) -> int:
     checkpoint or tokenizer, a mesh larger than the devices) print one `error:` line and
     return non-zero.
     """
+    if args.page_size is None:
+        args.page_size = _DEFAULT_PAGE if args.kv_bits is None else max(
+            _DEFAULT_PAGE, args.kv_group_size)
     if args.page_size & (args.page_size - 1):
         print(f"error: --page-size must be a power of two, got {args.page_size}",
               file=sys.stderr)
@@ -362,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
             cache = dataclasses.replace(cache, num_pages=spec.num_pages)
         engine = Engine(model, params, max_seqs=args.max_seqs, max_seq_len=max_seq_len,
                         cache=cache, chunk_size=chunk_size,
+                        decode_steps=args.decode_steps, max_decode_steps=args.decode_steps,
                         prefix_caching=not args.no_prefix_caching,
                         host_pages=args.host_pages or 0, host_rows=args.host_rows,
                         eos_ids=[t for t in _eos_ids(args.model, hf, tokenizer)

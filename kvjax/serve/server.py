@@ -933,10 +933,24 @@ class _Server:
                     lp.top_ids[:top], lp.top_logprobs[:top], strict=True)]))
         return "".join(pieces), entries
 
+    def _feed_each(self, text: "_TextStream", ids: list[int], logprobs, *, final: bool,
+                   top: int | None) -> list[tuple[str, list[_TokenLogprob] | None]]:
+        """`_feed` one token at a time: each token's new text (and entry), so that every
+        token streams in a chunk of its own; stops after a stop string."""
+        if len(ids) <= 1:
+            return [self._feed(text, ids, logprobs, final=final, top=top)]
+        parts = []
+        for j, t in enumerate(ids):
+            parts.append(self._feed(text, [t], None if logprobs is None else logprobs[j:j + 1],
+                                    final=final and j == len(ids) - 1, top=top))
+            if text.stopped:
+                break
+        return parts
+
     async def generate(self, rid: str, q: asyncio.Queue, plan: _Plan,
                        request: fastapi.Request | None = None) -> AsyncIterator[dict]:
         """Yields `{"text", "finish_reason", "usage", "logprobs"}` pieces until the request
-        ends (`logprobs`: a `_TokenLogprob` per token of the piece, or None when the plan
+        ends, one per token (`logprobs`: the token's `_TokenLogprob`, or None when the plan
         asks for none; the stop or EOS token has none, as it has no text).
 
         Cancels the engine request if the consumer stops early (client gone, stop string),
@@ -979,8 +993,8 @@ class _Server:
                 if finish == "stop" and ids:  # the stop / EOS token is not part of the text
                     ids = ids[:-1]
                     lps = None if lps is None else lps[:-1]
-                delta, entries = await self.off_loop(self._feed, text, ids, lps,
-                                                     final=out.finished, top=plan.logprobs)
+                parts = await self.off_loop(self._feed_each, text, ids, lps,
+                                            final=out.finished, top=plan.logprobs)
                 if text.stopped:
                     finish = "stop"
                 done = finish is not None
@@ -992,8 +1006,10 @@ class _Server:
                              "completion_tokens": completion_tokens,
                              "total_tokens": out.prompt_tokens + completion_tokens,
                              "prompt_tokens_details": {"cached_tokens": cached}}
-                yield {"text": delta, "finish_reason": finish, "usage": usage,
-                       "logprobs": entries}
+                for j, (delta, entries) in enumerate(parts):
+                    end = j == len(parts) - 1
+                    yield {"text": delta, "finish_reason": finish if end else None,
+                           "usage": usage if end else None, "logprobs": entries}
                 if done:
                     return
                 if request is not None and await request.is_disconnected():

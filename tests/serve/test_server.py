@@ -480,7 +480,7 @@ def test_help_lists_every_flag():
                  "--kv-bits", "--kv-group-size", "--kv-residual", "--no-prefix-caching",
                  "--dtype", "--log-level", "--no-warmup", "--host-pages", "--host-rows",
                  "--api-key", "--max-request-bytes", "--request-timeout", "--max-waiting",
-                 "--drain-timeout", "--mesh", "--kv-memory", "--window-pages"):
+                 "--drain-timeout", "--mesh", "--kv-memory", "--window-pages", "--decode-steps"):
         assert flag in r.stdout, flag
     # The KIVI chunk default, and what --mesh takes.
     assert "with --kv-bits at least --kv-residual + --page-size" in " ".join(r.stdout.split())

@@ -9,6 +9,7 @@ served through `TestClient`. One int4 server serves the salt and the prefix-hit 
 
 import contextlib
 import io
+import json
 import logging
 import math
 import re
@@ -152,6 +153,32 @@ def test_serve_in_process_leaves_the_callers_log_handlers_open(wide, capsys):
     capsys.readouterr()
     logging.getLogger("uvicorn.error").warning("a line of uvicorn's")
     assert "a line of uvicorn's" in capsys.readouterr().err
+
+
+def test_each_token_streams_in_a_chunk_of_its_own(int4, rng):
+    """By default every engine call decodes one step and every token is its own streamed
+    chunk (the prompt's last call gives two tokens at once: each still its own chunk)."""
+    c, _ = int4
+    engine = c.app.state.worker.engine
+    assert (engine.decode_steps, engine.max_decode_steps) == (1, 1)
+    body = {"model": "wide", "prompt": _words(rng, 40), "max_tokens": NEW, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with c.stream("POST", "/v1/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    texts = [e["choices"][0]["text"] for e in events if e["choices"]]
+    done = _complete(c, body["prompt"], max_tokens=NEW)
+    assert "".join(texts) == done["choices"][0]["text"]
+    shown = done["usage"]["completion_tokens"] - (done["choices"][0]["finish_reason"] == "stop")
+    assert len([t for t in texts if t]) == shown > 1
+
+
+def test_kivi_pages_default_to_the_group_size(wide):
+    """`--kv-bits` without `--page-size` takes pages of the KIVI group (32), not the
+    plain default of 16, which the group would not divide."""
+    _, err = _cli_app(["--model", str(wide[0]), "--served-model-name", "wide", "--kv-bits", "4",
+                       "--max-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--no-warmup"])
+    assert re.search(r"pages of 32 tokens", err), err
 
 
 def test_kivi_prefix_hits_with_the_default_chunk(int4, rng):
