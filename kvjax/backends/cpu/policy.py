@@ -34,8 +34,11 @@ NO_KERNEL = ("mla_prefill_attention", "quantized_mla_attention")
 
 # Rows (the product of the activation's leading dims) up to which the matmul kernel beat
 # XLA's dot in benchmarks/matmul.py, per ISA class; above, XLA's dot (compute-bound
-# there, and blocked for many rows).
-MATMUL_MAX_ROWS = {"avx512": 16, "avx2": 32}
+# there, and blocked for many rows). AVX-512 at 32 rows (AMD EPYC Zen 4): the kernel
+# 1.08-1.45x XLA's dot on the 56M Llama's float32 shapes, and the serving engine's
+# 32-row decode step 41 -> 33-37 ms (float32), 105-121 -> 78-82 ms (bfloat16 weights,
+# whose 32-row shapes alone are mixed: 0.7-1.6x).
+MATMUL_MAX_ROWS = {"avx512": 32, "avx2": 32}
 # Per attention kernel, the ISA classes on which it measured faster than the XLA path
 # (`python benchmarks/attention.py --cpu-choice`), float32 and 16-bit pages alike. The
 # AVX2 kernels' register-blocked loops work in
