@@ -29,6 +29,7 @@ from kvjax.models.base import check_logits_at, gather_positions
 from kvjax.models.layers import (
     RopeConfig,
     apply_rope,
+    embed_rows,
     layer_params,
     linear,
     rms_norm,
@@ -462,7 +463,7 @@ def forward(
     dtype = jnp.dtype(c.dtype)
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
     cos, sin = rope_cos_sin(positions, c.rope, dtype)
-    x = params.embed.astype(dtype)[tokens]
+    x = embed_rows(params.embed, tokens).astype(dtype)
     args = dict(cos=cos, sin=sin, seq_ids=seq_ids, q_lengths=q_lengths, impl=impl, select=select)
 
     windows = c.sliding_windows or (None,) * c.num_layers
@@ -527,7 +528,7 @@ def forward_dense(
     dtype = jnp.dtype(c.dtype)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     cos, sin = rope_cos_sin(positions, c.rope, dtype)
-    x = params.embed.astype(dtype)[tokens]
+    x = embed_rows(params.embed, tokens).astype(dtype)
     group = c.q_heads // c.kv_heads
     distance = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]  # query - key
 

@@ -47,7 +47,8 @@ __all__ = ["available", "unavailable_reason", "library", "Library", "CpuOptions"
            "set_options", "override", "choose", "Choice", "unstack_layers_for",
            "paged_decode_attention", "paged_prefill_attention", "PREFILL_ITEM_ROWS",
            "quantized_attention", "quantized_supported", "mla_decode_attention", "mla_supported",
-           "write_rows", "read_rows", "copy_pages", "shared_runs", "decode_positions_walked"]
+           "write_rows", "read_rows", "take_rows", "copy_pages", "shared_runs",
+           "decode_positions_walked"]
 
 
 def _as_pools(pages, layer):
@@ -482,6 +483,19 @@ def read_rows(
                             jax.ShapeDtypeStruct((i1.shape[0], pool.shape[1], pool.shape[4]),
                                                  pool.dtype), vmap_method="sequential")
     return call(pool, jnp.asarray(layer, jnp.int32), i1.astype(jnp.int32), i2.astype(jnp.int32))
+
+
+def take_rows(table: Float[Array, "rows width"], idx: Int[Array, "..."]
+              ) -> Float[Array, "... width"]:
+    """`table[idx]` by a custom call that copies rows (an embedding lookup): XLA:CPU
+    gathers 16-bit floats in float32, converting the whole table first (and, in a decode
+    loop, hoisting that conversion out as a float32 copy of the table on every call).
+    Indices as jnp's: negative ones count from the end, then they clamp."""
+    flat = jnp.reshape(idx, (-1,)).astype(jnp.int32)
+    call = jax.ffi.ffi_call(load().target("take_rows"),
+                            jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype),
+                            vmap_method="sequential")
+    return call(table, flat).reshape(*jnp.shape(idx), table.shape[1])
 
 
 def copy_pages(

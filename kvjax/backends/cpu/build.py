@@ -66,6 +66,7 @@ TARGETS = {
     "KvjaxMatmul": "matmul",
     "KvjaxWriteRows": "write_rows",
     "KvjaxReadRows": "read_rows",
+    "KvjaxTakeRows": "take_rows",
     "KvjaxCopyPages": "copy_pages",
 }
 _COMMON_FLAGS = ("-ffp-contract=fast", "-fPIC", "-std=c++17")

@@ -1,6 +1,6 @@
 // Writes token rows into a cache pool in place: pool[layer, :, page[i], off[i], :] = x[i];
-// reads them: out[i] = pool[layer, :, page[i], off[i], :]; and copies whole pages in place:
-// pool[:, :, dst[i]] = pool[:, :, src[i]].
+// reads them: out[i] = pool[layer, :, page[i], off[i], :]; copies whole pages in place:
+// pool[:, :, dst[i]] = pool[:, :, src[i]]; and takes rows of a 2-D table (embeddings).
 //
 // XLA:CPU has no 16-bit float scatter or in-place dynamic-update-slice: a bf16 pool
 // written with either is widened to float32 (or copied) whole, on every write of a few
@@ -79,6 +79,30 @@ ffi::Error ReadRowsImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+// out[i] = table[idx[i]] for a [rows, width] table of any dtype: an embedding lookup by
+// row copies (XLA:CPU gathers 16-bit floats in float32, converting the whole table first).
+// Indices follow jnp's: a negative one counts from the end, then they clamp to the table.
+ffi::Error TakeRowsImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> idx,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  auto td = table.dimensions(), od = out->dimensions();
+  if (td.size() != 2 || od.size() != 2 || out->element_type() != table.element_type() ||
+      od[1] != td[1] || idx.element_count() != static_cast<size_t>(od[0]) || td[0] <= 0)
+    return ffi::Error::InvalidArgument(
+        "kvjax take rows: expected table [rows, width], indices [n] and out [n, width] of "
+        "the table's dtype");
+  const int64_t n = td[0];
+  const int64_t row = td[1] * static_cast<int64_t>(ffi::ByteWidth(table.element_type()));
+  const char* base = static_cast<const char*>(table.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* ix = idx.typed_data();
+  for (int64_t i = 0; i < od[0]; ++i) {
+    int64_t r = ix[i] < 0 ? ix[i] + n : ix[i];
+    r = std::min<int64_t>(std::max<int64_t>(r, 0), n - 1);
+    std::memcpy(dst + i * row, base + r * row, row);
+  }
+  return ffi::Error::Success();
+}
+
 // pool[:, :, dst[i]] = pool[:, :, src[i]] for every layer and head, in order of i; pairs
 // with an index out of range (the sink) are skipped.
 ffi::Error CopyPagesImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
@@ -112,6 +136,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxCopyPages, kvjax::CopyPagesImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // src [n]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dst [n]
                                   .Ret<xla::ffi::AnyBuffer>());            // pool (aliased)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxTakeRows, kvjax::TakeRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()              // table
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices [n]
+                                  .Ret<xla::ffi::AnyBuffer>());            // [n, width]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxReadRows, kvjax::ReadRowsImpl,
                               xla::ffi::Ffi::Bind()

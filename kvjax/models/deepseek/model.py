@@ -164,7 +164,7 @@ def run_decoder(
     rows = dict(q_lengths=q_lengths, seq_ids=seq_ids)
     cos, sin = mla.rope_tables(config, positions)
 
-    x = params.embed[tokens]
+    x = layers.embed_rows(params.embed, tokens)
     eps = config.rms_norm_eps
 
     def block(mlp_fn, offset):
@@ -228,7 +228,7 @@ def forward_dense(
     lengths = jnp.full((b,), t, jnp.int32)
     cos, sin = mla.rope_tables(config, positions)
     eps = config.rms_norm_eps
-    x = params.embed[tokens]
+    x = layers.embed_rows(params.embed, tokens)
 
     def block(mlp_fn):
         def body(x, p):

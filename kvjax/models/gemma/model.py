@@ -29,7 +29,14 @@ from kvjax import cache as kv_cache
 from kvjax.models.base import check_logits_at, gather_positions
 from kvjax.models.gemma.config import GLOBAL, LOCAL, GemmaConfig
 from kvjax.models.gemma.params import GemmaLayerParams, GemmaParams
-from kvjax.models.layers import apply_rope, layer_params, linear, rms_norm_1p, rope_cos_sin
+from kvjax.models.layers import (
+    apply_rope,
+    embed_rows,
+    layer_params,
+    linear,
+    rms_norm_1p,
+    rope_cos_sin,
+)
 from kvjax.specs import CacheSpec, canonical_dtype
 
 __all__ = ["cache_spec", "forward", "soft_cap"]
@@ -142,7 +149,7 @@ def forward(
     ropes[GLOBAL] = (ropes[LOCAL] if c.rope_global == c.rope_local  # Gemma 2: one RoPE
                      else rope_cos_sin(positions, c.rope_global, dtype))
     normalizer = jnp.asarray(c.hidden_size ** 0.5, dtype)
-    x = params.embed.astype(dtype)[tokens] * normalizer
+    x = embed_rows(params.embed, tokens).astype(dtype) * normalizer
     queries = []
     for layer in range(c.num_layers):
         lp = (params.layers[layer] if isinstance(params.layers, tuple)

@@ -27,7 +27,7 @@ from kvjax.cache import PagedKVCache
 from kvjax.models import layers
 from kvjax.models.base import check_logits_at, gather_positions
 from kvjax.models.deepseek import moe as ds_moe
-from kvjax.models.layers import rms_norm_1p
+from kvjax.models.layers import embed_rows, rms_norm_1p
 from kvjax.models.qwen3_next import delta_rule
 from kvjax.models.qwen3_next.config import FULL, Qwen3NextConfig
 from kvjax.models.qwen3_next.params import (
@@ -248,7 +248,7 @@ def forward(
     rows = dict(q_lengths=q_lengths, seq_ids=seq_ids)
     dtype = jnp.dtype(c.dtype)
     cos, sin = layers.rope_cos_sin(positions, c.rope, dtype)
-    x = params.embed.astype(dtype)[tokens]
+    x = embed_rows(params.embed, tokens).astype(dtype)
     eps = c.rms_norm_eps
 
     period = _period(c)
