@@ -307,7 +307,10 @@ def test_choose_decides_each_op():
         cpu_kernels.choose("no_such_op")
     assert cpu_kernels.choose("write_rows", dtype=jnp.bfloat16).use_kernel
     assert cpu_kernels.choose("copy_pages", dtype=jnp.float16).use_kernel
-    assert cpu_kernels.choose("copy_pages", dtype=jnp.float32).use_kernel  # any dtype
+    # Any dtype on one device; 16-bit pools on any number.
+    assert cpu_kernels.choose("copy_pages", dtype=jnp.float32, devices=1).use_kernel
+    assert not cpu_kernels.choose("copy_pages", dtype=jnp.float32, devices=8).use_kernel
+    assert cpu_kernels.choose("copy_pages", dtype=jnp.bfloat16, devices=8).use_kernel
     assert not cpu_kernels.choose("write_rows", dtype=jnp.float32).use_kernel
     limit = policy.MATMUL_MAX_ROWS.get(lib.isa_class, 0)
     assert cpu_kernels.choose("matmul", rows=1, devices=1).use_kernel == (limit > 0)
@@ -636,7 +639,7 @@ def test_write_rows_matches_scatter(rng, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.uint8])
-def test_copy_pages_matches_scatter(rng, dtype):
+def test_copy_pages_matches_scatter(rng, dtype, monkeypatch):
     """In-place page copies equal `.at[:, :, dst].set(pool[:, :, src], mode="drop")` for
     fresh destinations; pairs with the sink index (out of range) are skipped. Every dtype:
     `reserve` copies float32 pools and KIVI code pools with it too (a float32 cache's
@@ -650,7 +653,8 @@ def test_copy_pages_matches_scatter(rng, dtype):
         pool, src, dst)
     got = jax.jit(cpu_kernels.copy_pages)(pool, src, dst)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    if dtype == jnp.float32:
+    if dtype == jnp.float32:  # on one device (the tests see 8)
+        monkeypatch.setattr(jax, "device_count", lambda backend=None: 1)
         spec = kvx.CacheSpec(attention=kvx.AttentionSpec(q_heads=2, kv_heads=2, head_dim=16),
                              num_layers=2, page_size=4, num_pages=16, max_seqs=3,
                              max_pages_per_seq=4, dtype="float32")

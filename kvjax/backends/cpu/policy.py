@@ -89,8 +89,9 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         dims); None: the question is whether the kernel serves decode at all.
       dtype: the pages' (pool's) dtype. For "write_rows" the kernel serves 16-bit float
         pools (XLA:CPU widens or copies those whole on every write); "copy_pages" serves
-        every dtype (XLA's copy gathers one page per slot, of every layer, at every
-        reserve).
+        them, and pools of other dtypes on one device (XLA's copy gathers one page per
+        slot, of every layer, at every reserve; over several devices the custom call
+        would gather a sharded pool whole).
       devices: for "matmul", the devices the computation spans (default: all CPU
         devices); the custom call has no partitioning rule, so with several devices
         "auto" keeps XLA's dot (`CpuOptions.matmul="on"` forces the kernel).
@@ -133,6 +134,10 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         return Choice(True, f"kernel: 16-bit table rows copied ({build_name}); XLA gathers "
                             f"them in float32, converting the whole table")
     if op == "copy_pages":
+        n_dev = jax.device_count() if devices is None else devices
+        if n_dev != 1 and dtype is not None and not _is_16bit_float(dtype):
+            return Choice(False, f"XLA copy: {n_dev} devices (the kernel has no partitioning "
+                                 f"rule: a sharded pool would be gathered whole)")
         return Choice(True, f"kernel: pages copied in place ({build_name}); XLA copies 16-bit "
                             f"pools whole and gathers a page per slot from others")
     if op == "matmul":
