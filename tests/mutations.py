@@ -276,12 +276,12 @@ def _api_key_unchecked(mp):
 def _waiting_unbounded(mp):
     from kvjax.serve import server
 
-    submit = server.EngineWorker.submit
+    submit_group = server.EngineWorker.submit_group  # what the endpoints call (and submit)
 
-    async def unbounded(self, prompt_ids, *, request_id, capacity=None, **kwargs):
-        return await submit(self, prompt_ids, request_id=request_id, **kwargs)
+    async def unbounded(self, prompt_ids, requests, *, capacity=None):
+        return await submit_group(self, prompt_ids, requests)
 
-    mp.setattr(server.EngineWorker, "submit", unbounded)
+    mp.setattr(server.EngineWorker, "submit_group", unbounded)
 
 
 @mutation("sigterm_no_drain", "SIGTERM stops the server at once, dropping requests in flight",
