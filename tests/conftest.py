@@ -17,7 +17,6 @@ place the same seed chooses.
 rotation. The header of the run states the seed.
 """
 
-import dataclasses
 import gc
 import os
 import shutil
@@ -224,26 +223,9 @@ _build_thread = None
 
 
 def _build_cpu_kernels():
-    """The native build, then the other builds the suite checks (tests/cpu_builds.py) that
-    this host runs: built here, they are cached before a worker needs one (a worker that
-    finds a build under way waits on its lock, idle, for 15-45 s)."""
     from kvjax.backends import cpu
-    from kvjax.backends.cpu import build as build_mod
 
     cpu.available()
-    for b in cpu_builds.BUILDS[1:]:
-        if cpu_builds.why_not(b):
-            continue
-        try:
-            if b == cpu_builds.PORTABLE:
-                opts = dataclasses.replace(cpu.get_options(), march=b,
-                                           cache_dir=cpu_builds._portable_cache(cpu))
-                cpu_builds._build_portable(build_mod, opts)
-            else:
-                with cpu.override(march=b):
-                    cpu.available()
-        except BaseException:  # a worker that needs it builds it and reports why it failed
-            pass
 
 
 def pytest_runtest_setup(item):
