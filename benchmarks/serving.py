@@ -65,6 +65,16 @@ from kvjax.models.tiny import load_tiny  # noqa: E402
 from kvjax.serve import Engine  # noqa: E402
 
 
+def _median_of(stats: list[dict], key: str):
+    """The median over repeats of `stats[r][key]` (a number, or a list of numbers taken
+    entry by entry); None where any repeat has None."""
+    vals = [x[key] for x in stats]
+    if isinstance(vals[0], list):
+        return [None if any(v[i] is None for v in vals) else float(np.median(
+            [v[i] for v in vals])) for i in range(len(vals[0]))]
+    return None if any(v is None for v in vals) else float(np.median(vals))
+
+
 def machine() -> dict:
     from benchmarks.kv_bits import machine as kv_machine
 
@@ -741,16 +751,9 @@ def peer_main(args) -> int:
         for s in servers.values():
             s.stop()
 
-    def med(stats, key):
-        vals = [s[key] for s in stats]
-        if isinstance(vals[0], list):
-            return [None if any(v[i] is None for v in vals) else float(np.median(
-                [v[i] for v in vals])) for i in range(len(vals[0]))]
-        return None if any(v is None for v in vals) else float(np.median(vals))
-
     keys = ("tokens_per_s", "ttft_s", "itl_ms", "chunk_gap_ms", "tokens_per_chunk",
             "server_cpu_s", "idle_peer_cpu_s", "makespan_s")
-    table = {t: {s: {k: med(v, k) for k in keys} for s, v in by.items()}
+    table = {t: {s: {k: _median_of(v, k) for k in keys} for s, v in by.items()}
              for t, by in runs.items()}
 
     def f(xs, scale=1.0, fmt=".2f"):
@@ -1186,15 +1189,9 @@ def kivi_main(args) -> int:
         for s in servers.values():
             s.stop()
 
-    def med(stats, key):
-        vals = [x[key] for x in stats]
-        if isinstance(vals[0], list):
-            return [float(np.median([v[i] for v in vals])) for i in range(len(vals[0]))]
-        return float(np.median(vals))
-
     keys = ("tokens_per_s", "ttft_s", "peak_running", "mean_running", "peak_decoding",
             "prefix_hit_rate", "preemptions", "server_cpu_s", "makespan_s")
-    table = {k: {key: med(v, key) for key in keys} for k, v in runs.items()}
+    table = {k: {key: _median_of(v, key) for key in keys} for k, v in runs.items()}
     # None where bf16's figure is 0 (a burst over before the first poll saw it running).
     ratios = {k: {key: table[k][key] / table["bf16"][key] if table["bf16"][key] else None
                   for key in ("peak_running", "mean_running", "peak_decoding", "tokens_per_s")}
