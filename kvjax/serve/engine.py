@@ -421,11 +421,14 @@ class Engine:
             return sched.outputs
         # The step's logprobs variant runs only while a request asks for them.
         logprobs = any(r.logprobs is not None for r in sched.running.values())
+        # Rows decoding in this call: those decoding now and those whose prompt ends in it.
+        live = steps.live_bucket(self.rows, len(decode) + sum(
+            r.done_tokens + n == len(r.fed) for r, n in lanes))
         slots.state, record, ran = steps.step(
             self.model, self.params, self.dparams, slots.state,
             self._lanes(lanes) if lanes else None, np.int32(k), np.bool_(until_finish),
             eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
-            decode=self.max_decode_steps, logprobs=logprobs)
+            decode=self.max_decode_steps, logprobs=logprobs, live=live)
         st, c = slots.state, slots.state.cache
         record, ran, code, *mirrored = jax.device_get(
             (record, ran, st.status.code, c.lengths, c.table.lengths, c.table.num_free,
@@ -494,13 +497,16 @@ class Engine:
             raise RuntimeError("Engine.warmup: only on an idle engine (no request queued or "
                                "running).")
         slots = self.slots
-        # One program per lane width (and one without lanes): the decode steps a call
-        # runs are an argument. Idle lanes and rows that are all done change nothing.
+        # One program per lane width (and one without lanes) and decoding-row bucket: the
+        # decode steps a call runs are an argument. Idle lanes and rows that are all done
+        # change nothing.
         for lanes in [None] + [self._lanes([], w) for w in self._lane_buckets()]:
-            slots.state, record, _ = steps.step(
-                self.model, self.params, self.dparams, slots.state, lanes, np.int32(1),
-                np.bool_(False), eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
-                decode=self.max_decode_steps, logprobs=False)
+            for live in steps.live_buckets(self.rows):
+                slots.state, record, _ = steps.step(
+                    self.model, self.params, self.dparams, slots.state, lanes, np.int32(1),
+                    np.bool_(False), eos_ids=self.eos_ids, impl=self.impl,
+                    policy=self.policy, decode=self.max_decode_steps, logprobs=False,
+                    live=live)
         jax.block_until_ready(record)
         slots.release([])
         slots.free_slots([])

@@ -167,26 +167,35 @@ def test_salt_separates_tenants(tiny, rng):
     engine.check()
 
 
-def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng):
+def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng, monkeypatch):
+    """With 16 rows, so that the decode steps run on buckets of the live rows (see
+    test_engine_live_rows.py): a policy reads and writes its state by the rows' slots, a
+    plan shards the rows and the pools, and a bucket's gathered rows keep both."""
+    from kvjax.serve import steps
+
     model, params = tiny
+    buckets, step = [], steps.step
+    monkeypatch.setattr(steps, "step", lambda *a, live=None, **kw: (
+        buckets.append(live), step(*a, live=live, **kw))[1])
     # Prompts of 35 to 48 tokens (past the policy's window; one reference program, the
     # other tests').
     prompts, max_new = _workload(rng, model.vocab_size, 2, system=32)
     policy = StreamingLLM(n_sink=4, window=24)
     cfg = gen.CacheConfig(page_size=PAGE)
-    engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
+    engine = Engine(model, params, max_seqs=16, max_seq_len=96, chunk_size=CHUNK, cache=cfg,
                     policy=policy, prefill_rows=1)
     got, _ = _drive(engine, prompts, max_new)
     for p, m, g in zip(prompts, max_new, got, strict=True):
         assert g == _alone(model, params, p, m, cfg, policy=policy)
     plan = make_plan((2, 2), ("data", "model"), ("sequences", "heads"))
     sharded = gen.CacheConfig(page_size=PAGE, plan=plan)
-    engine = Engine(model, params, max_seqs=2, max_seq_len=96, chunk_size=CHUNK, cache=sharded,
-                    prefill_rows=1)
+    engine = Engine(model, params, max_seqs=16, max_seq_len=96, chunk_size=CHUNK,
+                    cache=sharded, prefill_rows=1)
     assert engine.prefix is None  # a slot's pages come from its own shard
     got, _ = _drive(engine, prompts, max_new)
     for p, m, g in zip(prompts, max_new, got, strict=True):
         assert g == _alone(model, params, p, m, cfg)
+    assert set(buckets) == {1, 4}, buckets
 
 
 def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
