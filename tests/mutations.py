@@ -433,3 +433,21 @@ def _window_rings_not_parked(mp):
 
     mp.setattr(host, "_park_rings", lambda cache, tier, s, r, ok: (tier.rings,
                                                                    tier.ring_held))
+
+
+@mutation("live_rows_keep_stale_tokens", "a call that decodes a bucket of the live rows does "
+          "not put their last tokens back (the next call feeds each row its old token)",
+          ("tests/serve/test_engine_live_rows.py",
+           "tests/serve/test_engine_scheduling.py::"
+           "test_policy_and_sharding_plan_run_through_the_engine"))
+def _live_rows_keep_stale_tokens(mp):
+    import dataclasses
+
+    from kvjax.serve import steps
+
+    put = steps._put_rows
+
+    def stale(state, sub, sel):
+        return dataclasses.replace(put(state, sub, sel), last=state.last)
+
+    mp.setattr(steps, "_put_rows", stale)
