@@ -226,10 +226,11 @@ def step(model: Model, params, dparams, state: DecodeState, lanes: Lanes | None,
     return state, record, ran
 
 
-# DecodeState's per-row fields (the others: the cache, status, step and policy state,
-# which the rows' slots index).
-_ROW_FIELDS = ("seq_ids", "last", "position", "tokens", "num_generated", "max_new", "done",
-               "keys", "forced", "logprobs", "row_sampling", "step_logprobs")
+# DecodeState's per-row fields: all but those every row shares (the cache and the policy
+# state, which the rows' slots index; the status and the step counter).
+_SHARED_FIELDS = ("cache", "status", "step", "policy_state")
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeState)
+                    if f.name not in _SHARED_FIELDS)
 
 
 def _take_rows(state: DecodeState, sel: Int[Array, " live"]) -> DecodeState:

@@ -78,4 +78,3 @@ def test_sampled_rows_in_a_bucket_equal_generate_with_the_same_key(tiny, rng, bu
     for i, p, m, c, s in zip(ids, prompts, max_new, configs, seeds, strict=True):
         key = jax.random.key(s)[None]
         assert out[i] == _alone(model, params, p, m, cfg, key=key, sampling=c)
-
