@@ -195,7 +195,8 @@ def test_policy_and_sharding_plan_run_through_the_engine(tiny, rng, monkeypatch)
     got, _ = _drive(engine, prompts, max_new)
     for p, m, g in zip(prompts, max_new, got, strict=True):
         assert g == _alone(model, params, p, m, cfg)
-    assert set(buckets) == {1, 4}, buckets
+    # Buckets below the 16 rows ran (the bucket of 4 only where the two requests overlap).
+    assert 1 in buckets and set(buckets) <= {1, 4}, buckets
 
 
 def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
