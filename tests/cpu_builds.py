@@ -116,10 +116,14 @@ def selected(build: str):
                 pytest.skip(f"-march=native build unavailable: {cpu.unavailable_reason()}")
             raise AssertionError(f"-march={build}: {cpu.unavailable_reason()}")
         lib = cpu.library()
+        if build == NATIVE and platform.machine() in ("x86_64", "AMD64"):
+            # The matmul's vdpbf16ps tiles are compiled where this CPU has AVX512_BF16.
+            assert ("avx512bf16" in lib.isa) == ("avx512_bf16" in cpu_flags()), lib.isa
         if build == V3:
             assert lib.isa_class == "avx2" and "avx512f" not in lib.isa, lib.isa
         if build == V4:
-            assert lib.isa_class == "avx512" and "avx512fp16" not in lib.isa, lib.isa
+            assert lib.isa_class == "avx512" and not {"avx512fp16", "avx512bf16"} & lib.isa, \
+                lib.isa
         if build == PORTABLE:
             assert lib.isa_class == "portable" and not lib.isa, lib.isa
         yield lib

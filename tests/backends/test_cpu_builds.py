@@ -117,19 +117,27 @@ def test_paged_prefill(rng, cpu_build, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.float32, jnp.float32),
+                                             (jnp.float32, jnp.bfloat16),
+                                             (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 100])
-def test_matmul(rng, cpu_build, w_dtype, rows):
+def test_matmul(rng, cpu_build, x_dtype, w_dtype, rows):
     """Every register-block height of both builds (rows 1-8 one block, 13 and 32 several;
     100 rows the packed many-row path, row panels with a remainder), columns with a scalar
-    tail; against float64 (float32 sums of K products)."""
-    k, n = 200, 1000 + 13
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    tail, an odd K (a last weight row without a partner in the bf16 pair tiles); against
+    float64 (float32 sums of K products; a bf16 result adds half a bf16 ulp)."""
+    k, n = 201, 1000 + 13
+    x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
     w = jnp.asarray(rng.standard_normal((k, n)), w_dtype)
-    got = np.asarray(cpu_matmul.matmul(x, w), np.float64)
-    xf, wf = np.asarray(x, np.float64), np.asarray(w.astype(jnp.float32), np.float64)
-    tol = 1e-5 * (np.abs(xf) @ np.abs(wf))
-    assert np.all(np.abs(got - xf @ wf) <= tol)
+    got = cpu_matmul.matmul(x, w)
+    assert got.dtype == x.dtype
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    wf = np.asarray(w.astype(jnp.float32), np.float64)
+    want = xf @ wf
+    tol = 1e-5 * (np.abs(xf) @ np.abs(wf)) + (2.0**-8 * np.abs(want) if x_dtype == jnp.bfloat16
+                                              else 0.0)
+    assert np.all(np.abs(got - want) <= tol)
 
 
 def test_choices_follow_the_build(cpu_build):

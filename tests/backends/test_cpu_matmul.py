@@ -32,7 +32,8 @@ def _check(got, x, w):
 
 @pytest.mark.slow
 @needs_kernel
-@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, F32),
+                                             (BF16, BF16)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 @pytest.mark.parametrize("k,n", [(64, 48), (100, 77), (37, 1000), (24, 5)])
 def test_matmul_matches_float64(rng, rows, k, n, x_dtype, w_dtype):

@@ -73,7 +73,8 @@ _COMMON_FLAGS = ("-ffp-contract=fast", "-fPIC", "-std=c++17")
 _ARM_MACHINES = ("aarch64", "arm64")
 _HERE = Path(__file__).parent
 _ISA_BITS = {0: "avx2", 1: "fma", 2: "f16c", 3: "avx512f", 4: "avx512bw", 5: "avx512vl",
-             6: "avx512vnni", 7: "avx512vbmi", 8: "avx512fp16", 16: "neon", 17: "fp16"}
+             6: "avx512vnni", 7: "avx512vbmi", 8: "avx512fp16",
+             9: "avx512bf16", 16: "neon", 17: "fp16"}
 _POOL_CODES = {"own": 0, "xla": 1, "std": 2}
 
 

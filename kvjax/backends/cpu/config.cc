@@ -20,7 +20,7 @@ void KvjaxConfigure(int64_t threads, int64_t pool, int64_t spin_us) {
 }
 
 // Bits: 0 AVX2, 1 FMA, 2 F16C, 3 AVX512F, 4 AVX512BW, 5 AVX512VL, 6 AVX512VNNI,
-// 7 AVX512VBMI, 8 AVX512FP16, 16 aarch64 NEON, 17 aarch64 FP16 arithmetic.
+// 7 AVX512VBMI, 8 AVX512FP16, 9 AVX512BF16, 16 aarch64 NEON, 17 aarch64 FP16 arithmetic.
 int64_t KvjaxIsa() {
   int64_t bits = 0;
 #ifdef __AVX2__
@@ -49,6 +49,9 @@ int64_t KvjaxIsa() {
 #endif
 #ifdef __AVX512FP16__
   bits |= 1 << 8;
+#endif
+#ifdef __AVX512BF16__
+  bits |= 1 << 9;
 #endif
 #if defined(__ARM_NEON) || defined(__ARM_NEON__)
   bits |= 1 << 16;

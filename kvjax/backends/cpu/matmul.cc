@@ -21,9 +21,15 @@
 // Weights are float32 or bfloat16 ([K, N], row-major, as kvjax stores them). bfloat16
 // is widened in registers: a vector load holds 2 kNat columns; shifting each 32-bit lane
 // left by 16 gives the even columns as float32, masking the low half the odd ones; the
-// two accumulators are interleaved back at the store. x and y are float32 (the Python
-// wrapper casts). Columns past the last whole vector (float32) or two (bf16) run a
-// scalar loop. Stacked weights work the same in the packed GEMM.
+// two accumulators are interleaved back at the store. y is float32; x is float32 or
+// bfloat16 (widened into a float32 copy, a few rows, for every path but the next).
+// bfloat16 x with bfloat16 weights on a build with AVX512_BF16 (Zen 4, Cooper Lake and
+// later Xeons) runs the tiles on vdpbf16ps instead (tile_dp): each instruction takes two
+// k's per lane, a pair of weight rows interleaved by one unpack each, so the few-row walk
+// does half the multiply-add instructions; the products of two bf16 values are exact in
+// float32 either way, only the order of the float32 sums differs. Columns past the last
+// whole vector (float32) or two (bf16) run a scalar loop. Stacked weights work the same
+// in the packed GEMM.
 
 #include "native.h"
 
@@ -55,6 +61,7 @@ constexpr int64_t kMinParallelBytes = 256 << 10;  // smaller weights: caller thr
 
 struct MatmulArgs {
   const float* x;  // [M, K]
+  const uint16_t* xh;  // [M, K] the bfloat16 x that x widens, where tile_dp may read it
   const void* w;   // [K, N] float32 or bfloat16
   float* y;        // [M, N]
   int64_t M, K, N;
@@ -182,6 +189,106 @@ void tile_bf16(const MatmulArgs& a, const float* x, const uint16_t* w, float* y,
   }
 }
 
+#if defined(__AVX512BF16__) && KVJAX_NAT == 16
+#define KVJAX_MATMUL_DPBF16 1
+// bfloat16 x and w on vdpbf16ps: a tile of 32 columns (one 64-byte row of w). Rows k and
+// k + 1 of the tile, interleaved by unpacklo / unpackhi_epi16, are 16 (w[k][c], w[k+1][c])
+// pairs each: within every 128-bit lane j, columns 8j..8j+3 (`lo`) and 8j+4..8j+7 (`hi`);
+// x[m][k], x[m][k+1] are one 32-bit broadcast. A last odd row pairs with zeros.
+inline vn dp_to_y0(vn lo, vn hi) {
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+}
+inline vn dp_to_y1(vn lo, vn hi) {
+  return __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                 30, 31);
+}
+inline vn dp_lo(vn y0, vn y1) {
+  return __builtin_shufflevector(y0, y1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+}
+inline vn dp_hi(vn y0, vn y1) {
+  return __builtin_shufflevector(y0, y1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                 31);
+}
+
+// x[k] and x[k + 1] (or x[k] and 0: `one`) in every 32-bit lane; the pair is one 4-byte
+// load, which the compiler folds into vdpbf16ps as a broadcast operand.
+inline __m512bh x_pair(const uint16_t* p, bool one) {
+  uint32_t v;
+  if (one) {
+    v = p[0];
+  } else {
+    std::memcpy(&v, p, 4);
+  }
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(v)));
+}
+
+template <int MR>
+void tile_dp(const MatmulArgs& a, const uint16_t* x, const uint16_t* w, float* y, int64_t k0,
+             int64_t k1, bool first, int64_t ahead) {
+  const int64_t K = a.K, N = a.N;
+  __m512 lo[MR], hi[MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    if (first) {
+      lo[m] = hi[m] = _mm512_setzero_ps();
+    } else {
+      const vn y0 = loadn(y + m * N), y1 = loadn(y + m * N + kNat);
+      lo[m] = reinterpret_cast<__m512>(dp_lo(y0, y1));
+      hi[m] = reinterpret_cast<__m512>(dp_hi(y0, y1));
+    }
+  }
+  const int64_t split = ahead > 0 ? std::min(k1, K - ahead) : k0;
+  int64_t k = k0;
+  for (; k + 1 < k1; k += 2) {
+    if (k < split) {
+      prefetch_piece(reinterpret_cast<const char*>(w + (k + ahead) * N), 1);
+      if (k + 1 < split) prefetch_piece(reinterpret_cast<const char*>(w + (k + 1 + ahead) * N), 1);
+    }
+    const __m512i r0 = _mm512_loadu_si512(w + k * N), r1 = _mm512_loadu_si512(w + (k + 1) * N);
+    const __m512bh wl = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
+    const __m512bh wh = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = x_pair(x + m * K + k, false);
+      lo[m] = _mm512_dpbf16_ps(lo[m], xb, wl);
+      hi[m] = _mm512_dpbf16_ps(hi[m], xb, wh);
+    }
+  }
+  if (k < k1) {
+    const __m512i r0 = _mm512_loadu_si512(w + k * N), r1 = _mm512_setzero_si512();
+    const __m512bh wl = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
+    const __m512bh wh = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = x_pair(x + m * K + k, true);
+      lo[m] = _mm512_dpbf16_ps(lo[m], xb, wl);
+      hi[m] = _mm512_dpbf16_ps(hi[m], xb, wh);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    // Casts by value: a reference into the accumulator arrays would keep them in memory.
+    const vn l = (vn)lo[m], h = (vn)hi[m];
+    storen(y + m * N, dp_to_y0(l, h));
+    storen(y + m * N + kNat, dp_to_y1(l, h));
+  }
+}
+
+void tile_dp_any(const MatmulArgs& a, int mr, const uint16_t* x, const uint16_t* w, float* y,
+                 int64_t k0, int64_t k1, bool first, int64_t ahead) {
+  switch (mr) {
+    case 1: return tile_dp<1>(a, x, w, y, k0, k1, first, ahead);
+    case 2: return tile_dp<2>(a, x, w, y, k0, k1, first, ahead);
+    case 3: return tile_dp<3>(a, x, w, y, k0, k1, first, ahead);
+    case 4: return tile_dp<4>(a, x, w, y, k0, k1, first, ahead);
+    case 5: return tile_dp<5>(a, x, w, y, k0, k1, first, ahead);
+    case 6: return tile_dp<6>(a, x, w, y, k0, k1, first, ahead);
+    case 7: return tile_dp<7>(a, x, w, y, k0, k1, first, ahead);
+    default: return tile_dp<8>(a, x, w, y, k0, k1, first, ahead);
+  }
+}
+#endif
+
 template <int MR>
 void tile_f32_nv(const MatmulArgs& a, int nv, const float* x, const float* w, float* y,
                  int64_t k0, int64_t k1, bool first, int64_t ahead) {
@@ -242,8 +349,14 @@ void column_block(const MatmulArgs& a, int64_t c0, int64_t c1, int64_t width, in
           tile_f32_any(a, mr, static_cast<int>(cols / kNat), x, w + c, y, k0, k1, k0 == 0,
                        ahead);
         } else {
-          tile_bf16_any(a, mr, x, reinterpret_cast<const uint16_t*>(w + c), y, k0, k1, k0 == 0,
-                        ahead);
+          const uint16_t* wc = reinterpret_cast<const uint16_t*>(w + c);
+#ifdef KVJAX_MATMUL_DPBF16
+          if (a.xh != nullptr) {
+            tile_dp_any(a, mr, a.xh + m0 * a.K, wc, y, k0, k1, k0 == 0, ahead);
+            continue;
+          }
+#endif
+          tile_bf16_any(a, mr, x, wc, y, k0, k1, k0 == 0, ahead);
         }
       }
     }
@@ -515,7 +628,7 @@ void run_packed(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
   });
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> layer, int64_t tile_vectors, int64_t block,
                       int64_t panel, int64_t ahead, int64_t sweep, int64_t packed,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -530,9 +643,24 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::InvalidArgument("kvjax matmul: stacked weights with no layers");
   if (tile_vectors < 0 || tile_vectors > 3)
     return ffi::Error::InvalidArgument("kvjax matmul: tile_vectors must be 0 (the build's), 1, 2 or 3");
-  const auto dt = w.element_type();
+  const auto dt = w.element_type(), xt = x.element_type();
+  if (xt != ffi::F32 && xt != ffi::BF16)
+    return ffi::Error::InvalidArgument("kvjax matmul: x must be float32 or bfloat16");
   MatmulArgs a;
-  a.x = x.typed_data();
+  a.xh = nullptr;
+  if (xt == ffi::F32) {
+    a.x = static_cast<const float*>(x.untyped_data());
+  } else {
+    // A few rows: widened once per call for the float32 paths (the tail columns at least).
+    const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
+    thread_local Scratch xbuf;
+    float* xf = xbuf.get(xd[0] * xd[1]);
+    widen_bf16(xh, xf, xd[0] * xd[1]);
+    a.x = xf;
+#ifdef KVJAX_MATMUL_DPBF16
+    if (dt == ffi::BF16) a.xh = xh;
+#endif
+  }
   a.y = y->typed_data();
   a.M = xd[0];
   a.K = xd[1];
@@ -574,7 +702,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmul, kvjax::MatmulImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x [M, K]
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [M, K]
                                   .Arg<xla::ffi::AnyBuffer>()              // w [(L,) K, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
                                   .Attr<int64_t>("tile_vectors")

@@ -4,7 +4,9 @@ Decode multiplies batch x new-token rows (a handful) by every weight matrix once
 per step: the work is reading the weights. XLA:CPU's dot streams them at about a
 third of the read bandwidth for 8 rows; the kernel reads each
 weight byte once, on all cores, with float32 accumulation, and widens bfloat16
-weights in registers (no converted copy of the weights). For more than `MAX_ROWS`
+weights in registers (no converted copy of the weights); bfloat16 activations with
+bfloat16 weights run on vdpbf16ps where the build has AVX512_BF16 (two k's per
+multiply-add instruction). For more than `MAX_ROWS`
 rows (prefill, training) the same call runs a packed, cache-blocked GEMM instead
 (`packed`: w widened into column panels once per call, x in row panels, a register
 block of the build's width), compute-bound like XLA's dot there.
@@ -74,7 +76,7 @@ def _kernel(x2, w, layer, target, tuning):
         jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
         vmap_method="sequential",
     )
-    return call(x2.astype(jnp.float32), w, layer, tile_vectors=np.int64(tile_vectors),
+    return call(x2, w, layer, tile_vectors=np.int64(tile_vectors),
                 block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead),
                 sweep=np.int64(sweep), packed=np.int64(packed))
 
@@ -121,7 +123,7 @@ def matmul(
     """`x @ w` with the CPU kernel, float32 accumulation, result in x's dtype.
 
     Args:
-      x: [..., d_in] float32 or bfloat16 (cast to float32 for the kernel; a few rows).
+      x: [..., d_in] float32 or bfloat16 (read as is; a few rows, or many with `packed`).
       w: [d_in, d_out] float32 or bfloat16, read in place (bf16 widened in registers);
         with `layer`, stacked weights [layers, d_in, d_out] of which layer `layer` is
         used, read in place (no slice of the stack is formed).
