@@ -315,6 +315,13 @@ def test_choose_decides_each_op():
     limit = policy.MATMUL_MAX_ROWS.get(lib.isa_class, 0)
     assert cpu_kernels.choose("matmul", rows=1, devices=1).use_kernel == (limit > 0)
     assert not cpu_kernels.choose("matmul", rows=limit + 1, devices=1).use_kernel
+    # bfloat16 x and w take the kernel at any row count where the build has vdpbf16ps.
+    dp = "avx512bf16" in lib.isa
+    for rows in (limit + 1, 4096):
+        assert cpu_kernels.choose("matmul", rows=rows, devices=1,
+                                  dtype=jnp.bfloat16).use_kernel == (dp and limit > 0)
+        assert not cpu_kernels.choose("matmul", rows=rows, devices=1,
+                                      dtype=jnp.float32).use_kernel
     assert not cpu_kernels.choose("matmul", rows=1, devices=2).use_kernel
     with cpu_kernels.override(matmul="on"):
         assert cpu_kernels.choose("matmul", rows=1, devices=2).use_kernel

@@ -71,6 +71,18 @@ def test_matmul_one_row_sweep(rng, w_dtype, k, n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)])
+@pytest.mark.parametrize("rows,k,n,packed", [(70, 301, 77, 64), (200, 96, 1000, 256),
+                                             (97, 33, 64, 7)])
+def test_matmul_packed_many_rows(rng, rows, k, n, packed, x_dtype, w_dtype):
+    """The many-row GEMM: row blocks with a remainder, blocks of k (odd ones: a last
+    pair with a zero partner in the bf16 pair path), column panels with a remainder."""
+    x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)), w_dtype)
+    _check(cpu_matmul.matmul(x, w, packed=packed), x, w)
+
+
+@needs_kernel
 def test_matmul_leading_dims_and_vmap(rng):
     x = jnp.asarray(rng.standard_normal((2, 3, 40)), F32)
     w = jnp.asarray(rng.standard_normal((40, 70)), F32)
@@ -130,6 +142,8 @@ def test_linear_dispatch(rng, cpu_options):
     assert "kvjax_matmul" in _hlo(small, w, b)
     assert "kvjax_matmul" in _hlo(small.astype(BF16), w.astype(BF16), b)
     assert "kvjax_matmul" not in _hlo(large, w, b)
+    dp = "avx512bf16" in cpu_kernels.library().isa
+    assert ("kvjax_matmul" in _hlo(large.astype(BF16), w.astype(BF16), b)) == dp
     cpu_options(matmul="off")
     jax.clear_caches()  # the switch is read at trace time; earlier traces are cached
     assert "kvjax_matmul" not in _hlo(small, w, b)

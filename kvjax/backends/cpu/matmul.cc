@@ -628,6 +628,140 @@ void run_packed(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
   });
 }
 
+#ifdef KVJAX_MATMUL_DPBF16
+// The many-row GEMM on vdpbf16ps (bfloat16 x and w): as run_packed, but w is packed as
+// pairs of its rows, (w[k][c], w[k+1][c]) in one 32-bit lane ([K / kc][N / kPackCols]
+// [kc / 2][kPackCols] lanes, nothing widened), x as pairs (x[r][k], x[r][k+1]) in row
+// panels ([kc / 2][kPackRows] lanes), so a register block does two k's per instruction.
+// An odd last k pairs with zeros.
+inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+}
+
+template <int MR>
+inline void packed_block_dp(int64_t kp, const uint32_t* __restrict a, const uint32_t* __restrict b,
+                            float* y, int64_t ldy, bool first, int rows, int cols) {
+  __m512 acc[MR][kPackVecs];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kPackVecs; ++v) acc[m][v] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < kp; ++k) {
+    __m512bh bv[kPackVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kPackVecs; ++v)
+      bv[v] = (__m512bh)_mm512_loadu_si512(b + k * kPackCols + v * kNat);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[k * MR + m]));
+#pragma GCC unroll 4
+      for (int v = 0; v < kPackVecs; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, bv[v]);
+    }
+  }
+  if (rows == MR && cols == kPackCols) {
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int v = 0; v < kPackVecs; ++v) {
+        float* p = y + m * ldy + v * kNat;
+        const vn r = (vn)acc[m][v];
+        storen(p, first ? r : r + loadn(p));
+      }
+    return;
+  }
+  alignas(64) float tile[MR * kPackCols];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kPackVecs; ++v) storen(tile + m * kPackCols + v * kNat, (vn)acc[m][v]);
+  for (int m = 0; m < rows; ++m)
+    for (int j = 0; j < cols; ++j)
+      y[m * ldy + j] = first ? tile[m * kPackCols + j] : y[m * ldy + j] + tile[m * kPackCols + j];
+}
+
+void run_packed_dp(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
+  const int64_t M = a.M, K = a.K, N = a.N;
+  const int64_t kc_step = std::max<int64_t>(2, (kc_max + 1) / 2 * 2);  // even: whole pairs
+  const int64_t kp_step = kc_step / 2;
+  const int64_t panels = (N + kPackCols - 1) / kPackCols;
+  const int64_t kblocks = (K + kc_step - 1) / kc_step;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  // Packed w: for k block kb, panel p at ((kb * panels + p) * kp_step) * kPackCols lanes.
+  thread_local Scratch wbuf;
+  uint32_t* wp = reinterpret_cast<uint32_t*>(wbuf.get(kblocks * panels * kp_step * kPackCols));
+  parallel_for(pool, kblocks * panels, [&](int64_t i, int) {
+    const int64_t kb = i / panels, p = i % panels;
+    const int64_t k0 = kb * kc_step, kc = std::min(kc_step, K - k0);
+    const int64_t c0 = p * kPackCols, cols = std::min<int64_t>(kPackCols, N - c0);
+    uint32_t* dst = wp + (kb * panels + p) * kp_step * kPackCols;
+    for (int64_t q = 0; q < (kc + 1) / 2; ++q) {
+      const uint16_t* r0 = w + (k0 + 2 * q) * N + c0;
+      const uint16_t* r1 = 2 * q + 1 < kc ? r0 + N : nullptr;
+      uint32_t* out = dst + q * kPackCols;
+      if (cols == kPackCols && r1 != nullptr) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kPackCols / 32; ++v) {
+          const __m512i x0 = _mm512_loadu_si512(r0 + 32 * v), x1 = _mm512_loadu_si512(r1 + 32 * v);
+          // unpack pairs columns within 128-bit lanes; permute the lanes back to order.
+          const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
+          const __m512i i0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+          const __m512i i1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+          _mm512_storeu_si512(out + 32 * v, _mm512_permutex2var_epi64(lo, i0, hi));
+          _mm512_storeu_si512(out + 32 * v + 16, _mm512_permutex2var_epi64(lo, i1, hi));
+        }
+      } else {
+        for (int64_t j = 0; j < kPackCols; ++j)
+          out[j] = j < cols ? bf16_pair(r0[j], r1 != nullptr ? r1[j] : 0) : 0;
+      }
+    }
+  });
+  // Work items: a block of rows x a range of column panels, at least 4 per worker where
+  // the shape allows (a prefill chunk of 64 rows is one row block).
+  const int64_t row_items = (M + kPackRowBlock - 1) / kPackRowBlock;
+  const int64_t workers = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t col_items =
+      std::min(panels, std::max<int64_t>(1, (4 * workers + row_items - 1) / row_items));
+  const int64_t per = (panels + col_items - 1) / col_items;
+  parallel_for(pool, row_items * col_items, [&](int64_t item, int) {
+    thread_local Scratch xbuf;
+    const int64_t ri = item / col_items, p0 = item % col_items * per;
+    const int64_t p1 = std::min(panels, p0 + per);
+    if (p0 >= p1) return;
+    const int64_t r0 = ri * kPackRowBlock, nrows = std::min(kPackRowBlock, M - r0);
+    const int64_t groups = (nrows + kPackRows - 1) / kPackRows;
+    uint32_t* xp = reinterpret_cast<uint32_t*>(xbuf.get(groups * kp_step * kPackRows));
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      const int64_t k0 = kb * kc_step, kc = std::min(kc_step, K - k0), kp = (kc + 1) / 2;
+      // x rows [r0, r0 + nrows), pairs of columns [k0, k0 + kc) as [groups][kp][kPackRows].
+      for (int64_t g = 0; g < groups; ++g) {
+        uint32_t* dst = xp + g * kp * kPackRows;
+        for (int m = 0; m < kPackRows; ++m) {
+          const int64_t r = r0 + g * kPackRows + m;
+          if (r < r0 + nrows) {
+            const uint16_t* src = a.xh + r * K + k0;
+            for (int64_t q = 0; q < kp; ++q)
+              dst[q * kPackRows + m] = bf16_pair(src[2 * q], 2 * q + 1 < kc ? src[2 * q + 1] : 0);
+          } else {
+            for (int64_t q = 0; q < kp; ++q) dst[q * kPackRows + m] = 0;
+          }
+        }
+      }
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint32_t* b = wp + (kb * panels + p) * kp_step * kPackCols;
+        const int cols = static_cast<int>(std::min<int64_t>(kPackCols, N - p * kPackCols));
+        for (int64_t g = 0; g < groups; ++g) {
+          const int rows = static_cast<int>(std::min<int64_t>(kPackRows, nrows - g * kPackRows));
+          packed_block_dp<kPackRows>(kp, xp + g * kp * kPackRows, b,
+                                     a.y + (r0 + g * kPackRows) * N + p * kPackCols, N, kb == 0,
+                                     rows, cols);
+        }
+      }
+    }
+  });
+}
+#endif
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> layer, int64_t tile_vectors, int64_t block,
                       int64_t panel, int64_t ahead, int64_t sweep, int64_t packed,
@@ -677,6 +811,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (dt != ffi::F32 && dt != ffi::BF16)
     return ffi::Error::InvalidArgument("kvjax matmul: w must be float32 or bfloat16");
   if (packed > 0) {
+#ifdef KVJAX_MATMUL_DPBF16
+    if (a.xh != nullptr) {
+      run_packed_dp(&pool, a, packed);
+      return ffi::Error::Success();
+    }
+#endif
     if (dt == ffi::F32) {
       run_packed<float>(&pool, a, packed);
     } else {

@@ -2,22 +2,24 @@
 
 Decode multiplies batch x new-token rows (a handful) by every weight matrix once
 per step: the work is reading the weights. XLA:CPU's dot streams them at about a
-third of the read bandwidth for 8 rows; the kernel reads each
-weight byte once, on all cores, with float32 accumulation, and widens bfloat16
-weights in registers (no converted copy of the weights); bfloat16 activations with
-bfloat16 weights run on vdpbf16ps where the build has AVX512_BF16 (two k's per
-multiply-add instruction). For more than `MAX_ROWS`
-rows (prefill, training) the same call runs a packed, cache-blocked GEMM instead
-(`packed`: w widened into column panels once per call, x in row panels, a register
-block of the build's width), compute-bound like XLA's dot there.
+third of the read bandwidth for 8 rows; the kernel reads each weight byte once, on all
+cores, with float32 accumulation, and widens bfloat16 weights in registers (no
+converted copy of the weights). For more than `MAX_ROWS` rows (prefill, training) the
+same call runs a packed, cache-blocked GEMM instead (`packed`: w packed into column
+panels once per call, x in row panels, a register block of the build's width),
+compute-bound there. bfloat16 activations with bfloat16 weights run both on vdpbf16ps
+where the build has AVX512_BF16 (two k's per instruction; the products are exact in
+float32 either way).
 
 `use_kernel(x, w_shape, w_dtype)` says whether `kvjax.backends.linear.linear` takes
-the kernel: `choose("matmul", rows=...)` on the CPU backend (the options, the build's
-instruction sets, the row count: the product of x's leading dims, static under jit;
-with several devices only when `CpuOptions.matmul` is "on", since the call has no
-partitioning rule and GSPMD would gather sharded weights around it) and 2-D float32 /
-bfloat16 weights with float32 / bfloat16 activations. Larger row counts (prefill,
-training) run XLA's dot, which is compute-bound there and faster.
+the kernel: `choose("matmul", rows=..., dtype=...)` on the CPU backend (the options,
+the build's instruction sets, the row count: the product of x's leading dims, static
+under jit; with several devices only when `CpuOptions.matmul` is "on", since the call
+has no partitioning rule and GSPMD would gather sharded weights around it) and 2-D
+float32 / bfloat16 weights with float32 / bfloat16 activations. Larger row counts run
+XLA's dot, which is compute-bound there and as fast, except bfloat16 x and w on a
+build with AVX512_BF16, where the packed vdpbf16ps GEMM is faster (XLA widens the
+weights to float32 on every call).
 
 `matmul` is differentiable (`jax.custom_vjp`; the backward pass is the einsum's
 gradients) and `jax.vmap` runs the kernel once per mapped element.
@@ -66,7 +68,9 @@ def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype,
         return False
     if jax.default_backend() != "cpu":
         return False
-    return choose("matmul", rows=math.prod(x.shape[:-1]), options=options).use_kernel
+    shared = jnp.dtype(x.dtype) if jnp.dtype(x.dtype) == jnp.dtype(w_dtype) else None
+    return choose("matmul", rows=math.prod(x.shape[:-1]), dtype=shared,
+                  options=options).use_kernel
 
 
 def _kernel(x2, w, layer, target, tuning):

@@ -39,6 +39,11 @@ NO_KERNEL = ("mla_prefill_attention", "quantized_mla_attention")
 # 32-row decode step 41 -> 33-37 ms (float32), 105-121 -> 78-82 ms (bfloat16 weights,
 # whose 32-row shapes alone are mixed: 0.7-1.6x).
 MATMUL_MAX_ROWS = {"avx512": 32, "avx2": 32}
+# bfloat16 activations with bfloat16 weights on a build with AVX512_BF16 run on vdpbf16ps
+# (two k's per instruction) at any row count: above MATMUL_MAX_ROWS the packed GEMM, which
+# measured 1.1-1.5x XLA's dot (which widens the weights to float32 first) on the 56M
+# Llama's shapes at 64 and 256 rows (AMD EPYC Zen 4, 2 cores).
+MATMUL_DPBF16_ISA = "avx512bf16"
 # Per attention kernel, the ISA classes on which it measured faster than the XLA path
 # (`python benchmarks/attention.py --cpu-choice`), float32 and 16-bit pages alike. The
 # AVX2 kernels' register-blocked loops work in
@@ -87,7 +92,9 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         answer the XLA path).
       rows: for "matmul", the activation rows of the call (the product of x's leading
         dims); None: the question is whether the kernel serves decode at all.
-      dtype: the pages' (pool's) dtype. For "write_rows" the kernel serves 16-bit float
+      dtype: for "matmul", the dtype x and w share, if they do (bfloat16 on a build with
+        AVX512_BF16: the kernel at any row count); otherwise the pages' (pool's) dtype. For
+        "write_rows" the kernel serves 16-bit float
         pools (XLA:CPU widens or copies those whole on every write); "copy_pages" serves
         them, and pools of other dtypes on one device (XLA's copy gathers one page per
         slot, of every layer, at every reserve; over several devices the custom call
@@ -142,8 +149,10 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
                             f"pools whole and gathers a page per slot from others")
     if op == "matmul":
         cap = max(MATMUL_MAX_ROWS.values())
+        dp = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+              and MATMUL_DPBF16_ISA in lib.isa)
         if opts.matmul == "on":
-            if rows is not None and rows > cap:
+            if rows is not None and rows > cap and not dp:
                 return Choice(False, f"XLA dot: {rows} rows > {cap}, the most the kernel "
                                      f"serves")
             return Choice(True, f"kernel: forced by CpuOptions.matmul='on' ({build_name})")
@@ -151,6 +160,9 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         if n_dev != 1:
             return Choice(False, f"XLA dot: {n_dev} devices (the kernel has no partitioning "
                                  f"rule; matmul='on' forces it)")
+        if dp and rows is not None and rows > cap:
+            return Choice(True, f"kernel: {rows} rows of bfloat16 x and w, the packed GEMM on "
+                                f"vdpbf16ps ({build_name}; measured faster than XLA's dot)")
         limit = MATMUL_MAX_ROWS.get(isa)
         if limit is None:
             return Choice(False, f"XLA dot: the kernel is not measured on {build_name}")
