@@ -66,9 +66,16 @@ def linear(
     x: Float[Array, "*batch d_in"],
     w: Float[Array, "d_in d_out"] | LayerSlice,
     b: Float[Array, " d_out"] | None = None,
+    *,
+    widen: bool = False,
 ) -> Float[Array, "*batch d_out"]:
     """x @ w (+ b) in x's dtype, float32 accumulation; w stored [d_in, d_out] or a
     `LayerSlice` of a stack.
+
+    With `widen`, the same values returned as float32 (`linear(x, w, b).astype(float32)`):
+    the CPU kernel then rounds its sums to x's dtype in place instead of storing a
+    bfloat16 result that is widened again (an LM head's logits, 32 x 32000 of them per
+    decode step, make those two conversions a tenth of a bf16 step there).
 
     Raises:
       ValueError: w is not [d_in, d_out] with d_in = x.shape[-1].
@@ -77,11 +84,14 @@ def linear(
         raise ValueError(f"linear: expected x [..., d_in] and w [d_in, d_out], got {x.shape} "
                          f"and {tuple(w.shape)}.")
     if uses_kernel(x, w.shape, w.dtype):
+        # A bias is added to the result in x's dtype, so the rounding waits for it.
+        kw = dict(widen=widen and b is None)
         if isinstance(w, LayerSlice):
-            y = cpu_matmul.matmul(x, w.stack, layer=w.index)
+            y = cpu_matmul.matmul(x, w.stack, layer=w.index, **kw)
         else:
-            y = cpu_matmul.matmul(x, w)
+            y = cpu_matmul.matmul(x, w, **kw)
     else:
         w = w.get() if isinstance(w, LayerSlice) else w
         y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
-    return y if b is None else y + b.astype(y.dtype)
+    y = y if b is None else y + b.astype(y.dtype)
+    return y.astype(jnp.float32) if widen else y

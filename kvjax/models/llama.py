@@ -396,14 +396,15 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, seq_ids, q_l
 
 def _lm_head(params: LlamaParams, x: Float[Array, "batch seq hidden"], dtype
              ) -> Float[Array, "batch seq vocab"]:
-    """Logits in `dtype`: x @ lm_head through `linear` (the CPU small-M kernel in decode).
+    """Logits rounded to `dtype`, as float32: x @ lm_head through `linear` (the CPU
+    small-M kernel in decode, which rounds in place: no bf16 array widened again).
 
     Tied embeddings contract with the [vocab, hidden] table as stored: routing `embed.T`
     through the kernel would make XLA copy the transposed table every call.
     """
     if params.lm_head is None:
-        return jnp.einsum("bth,vh->btv", x, params.embed.astype(dtype))
-    return linear(x.astype(dtype), params.lm_head, None)
+        return jnp.einsum("bth,vh->btv", x, params.embed.astype(dtype)).astype(jnp.float32)
+    return linear(x.astype(dtype), params.lm_head, None, widen=True)
 
 
 def forward(
@@ -496,7 +497,7 @@ def forward(
     if logits_at is not None:
         x = gather_positions(x, logits_at)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    logits = _lm_head(params, x, dtype).astype(jnp.float32)
+    logits = _lm_head(params, x, dtype)
     if observe:
         return logits, cache, queries
     return logits, cache
@@ -565,4 +566,4 @@ def forward_dense(
             lp = jax.tree.map(lambda p, i=layer: p[i], params.layers)
             x = layer_fn(x, lp, windows[layer])
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    return _lm_head(params, x, dtype).astype(jnp.float32)
+    return _lm_head(params, x, dtype)

@@ -83,6 +83,34 @@ def test_matmul_packed_many_rows(rng, rows, k, n, packed, x_dtype, w_dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("x_dtype", [F32, BF16])
+def test_matmul_widen_equals_the_rounded_result(rng, rows, x_dtype):
+    """`widen` returns float32 holding exactly the result in x's dtype: the kernel's own
+    bfloat16 rounding against XLA's convert of the same sums. Small integers make many
+    sums ties between two bfloat16 values (ties to even); an infinity meets zeros (NaN)."""
+    k, n = 64, 300
+    x = rng.integers(-8, 9, (rows, k)).astype(np.float32)
+    w = rng.integers(-8, 9, (k, n)).astype(np.float32)
+    w[0, :7] = 0.0
+    if rows > 1:
+        x[-1, 0] = np.inf
+    x, w = jnp.asarray(x, x_dtype), jnp.asarray(w, BF16)
+    got = cpu_matmul.matmul(x, w, widen=True)
+    want = cpu_matmul.matmul(x, w).astype(F32)
+    assert got.dtype == F32
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.isnan(want[-1, :7]).all() == (rows > 1)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+    if x_dtype == BF16:  # the rounding was exercised: some exact sums are not bfloat16
+        sums = np.asarray(x.astype(F32), np.float64) @ np.asarray(w.astype(F32), np.float64)
+        fin = np.isfinite(sums)
+        assert np.any(sums[fin] != got[fin]), "no sum needed rounding"
+
+
+@needs_kernel
 def test_matmul_leading_dims_and_vmap(rng):
     x = jnp.asarray(rng.standard_normal((2, 3, 40)), F32)
     w = jnp.asarray(rng.standard_normal((40, 70)), F32)

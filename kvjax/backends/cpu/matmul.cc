@@ -762,10 +762,32 @@ void run_packed_dp(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
 }
 #endif
 
+// y[0, n) rounded to bfloat16 (to nearest, ties to even) and kept as float32: the values
+// a bfloat16 result widened back holds, without that round trip through a bfloat16
+// array (the `widen` of matmul.py: bf16 logits wanted as float32). Used for bfloat16 x
+// and w only, whose NaNs (and the sums they make) have no payload in the low 16 bits,
+// so adding the rounding bias keeps them NaN; infinities stay infinite.
+void round_to_bf16(float* y, int64_t n) {
+  typedef uint32_t vu __attribute__((vector_size(4 * kNat)));  // unsigned: adds wrap
+  int64_t i = 0;
+  for (; i + kNat <= n; i += kNat) {
+    vu b;
+    std::memcpy(&b, y + i, sizeof b);
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(y + i, &b, sizeof b);
+  }
+  for (; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, y + i, 4);
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(y + i, &b, 4);
+  }
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> layer, int64_t tile_vectors, int64_t block,
                       int64_t panel, int64_t ahead, int64_t sweep, int64_t packed,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      int64_t round_bf16, ffi::ResultBuffer<ffi::F32> y) {
   // w is [K, N], or stacked layers [L, K, N] of which `layer` (clamped) is used in place.
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const size_t wr = wd.size();
@@ -814,8 +836,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 #ifdef KVJAX_MATMUL_DPBF16
     if (a.xh != nullptr) {
       run_packed_dp(&pool, a, packed);
-      return ffi::Error::Success();
-    }
+    } else
 #endif
     if (dt == ffi::F32) {
       run_packed<float>(&pool, a, packed);
@@ -833,6 +854,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   } else {
     run<Bf16>(&pool, a, tile_vectors, block, panel);
   }
+  if (round_bf16 != 0) round_to_bf16(a.y, a.M * a.N);
   return ffi::Error::Success();
 }
 
@@ -851,4 +873,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmul, kvjax::MatmulImpl,
                                   .Attr<int64_t>("ahead")
                                   .Attr<int64_t>("sweep")
                                   .Attr<int64_t>("packed")
+                                  .Attr<int64_t>("round_bf16")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y [M, N]

@@ -74,7 +74,7 @@ def use_kernel(x: jax.Array, w_shape: tuple[int, ...], w_dtype,
 
 
 def _kernel(x2, w, layer, target, tuning):
-    tile_vectors, block, panel, ahead, sweep, packed = tuning
+    tile_vectors, block, panel, ahead, sweep, packed, round_bf16 = tuning
     call = jax.ffi.ffi_call(
         target,
         jax.ShapeDtypeStruct((x2.shape[0], w.shape[-1]), jnp.float32),
@@ -82,14 +82,15 @@ def _kernel(x2, w, layer, target, tuning):
     )
     return call(x2, w, layer, tile_vectors=np.int64(tile_vectors),
                 block=np.int64(block), panel=np.int64(panel), ahead=np.int64(ahead),
-                sweep=np.int64(sweep), packed=np.int64(packed))
+                sweep=np.int64(sweep), packed=np.int64(packed), round_bf16=np.int64(round_bf16))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _matmul(x, w, layer, target, tuning):
     lead = x.shape[:-1]
     y = _kernel(x.reshape(-1, x.shape[-1]), w, layer, target, tuning)
-    return y.reshape(*lead, w.shape[-1]).astype(x.dtype)
+    # round_bf16: the kernel rounded y to x's bfloat16 and widened it back (`widen`).
+    return y.reshape(*lead, w.shape[-1]).astype(jnp.float32 if tuning[-1] else x.dtype)
 
 
 def _fwd(x, w, layer, target, tuning):
@@ -102,6 +103,7 @@ def _bwd(target, tuning, res, g):
     del target, tuning
     x, w, layer = res
     w_l = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    g = g.astype(x.dtype)  # a widened result's cotangent, in the dtype x's result has
     dx = jnp.einsum("...o,io->...i", g, w_l.astype(g.dtype))
     dw = jnp.einsum("...i,...o->io", x.astype(g.dtype), g).astype(w.dtype)
     if w.ndim == 3:
@@ -123,8 +125,10 @@ def matmul(
     ahead: int | None = None,
     sweep: bool | None = None,
     packed: int | None = None,
+    widen: bool = False,
 ) -> Float[Array, "*batch d_out"]:
-    """`x @ w` with the CPU kernel, float32 accumulation, result in x's dtype.
+    """`x @ w` with the CPU kernel, float32 accumulation, result in x's dtype (or, with
+    `widen`, that result as float32).
 
     Args:
       x: [..., d_in] float32 or bfloat16 (read as is; a few rows, or many with `packed`).
@@ -142,9 +146,12 @@ def matmul(
         of w instead of the tile walk.
       packed: rows of w per block of the many-row GEMM, or 0 for the few-row kernel
         (default: `PACK_K` when x has more than `MAX_ROWS` rows, else 0).
+      widen: return float32, holding exactly `matmul(x, w).astype(float32)`: for
+        bfloat16 x the kernel rounds its float32 sums to bfloat16 in place, so the
+        bfloat16 result is never stored and widened again (bf16 logits wanted as float32).
 
     Returns:
-      [..., d_out] in x's dtype.
+      [..., d_out] in x's dtype, or float32 with `widen`.
 
     Raises:
       ValueError / TypeError: shapes or dtypes the kernel does not take.
@@ -177,5 +184,9 @@ def matmul(
         raise ValueError(f"matmul: packed must be >= 0, got {packed}.")
     target = load().target("matmul")
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    return _matmul(x, w, layer, target,
-                   (tile_vectors, block, panel, ahead, sweep, packed))
+    # The kernel rounds where x and w are bfloat16 (matmul.cc: round_to_bf16); otherwise
+    # the result is converted to x's dtype and back.
+    round_bf16 = bool(widen) and jnp.dtype(x.dtype) == jnp.dtype(w.dtype) == jnp.bfloat16
+    y = _matmul(x, w, layer, target,
+                (tile_vectors, block, panel, ahead, sweep, packed, round_bf16))
+    return y.astype(jnp.float32) if widen else y
