@@ -312,6 +312,9 @@ def test_choose_decides_each_op():
     assert not cpu_kernels.choose("copy_pages", dtype=jnp.float32, devices=8).use_kernel
     assert cpu_kernels.choose("copy_pages", dtype=jnp.bfloat16, devices=8).use_kernel
     assert not cpu_kernels.choose("write_rows", dtype=jnp.float32).use_kernel
+    # Greedy's argmax: on one device (no partitioning rule), on every build.
+    assert cpu_kernels.choose("argmax_rows", devices=1).use_kernel
+    assert not cpu_kernels.choose("argmax_rows", devices=8).use_kernel
     limit = policy.MATMUL_MAX_ROWS.get(lib.isa_class, 0)
     assert cpu_kernels.choose("matmul", rows=1, devices=1).use_kernel == (limit > 0)
     assert not cpu_kernels.choose("matmul", rows=limit + 1, devices=1).use_kernel

@@ -4,13 +4,16 @@ index, NaN counted largest (as `jnp.argmax`), rows of -inf."""
 
 import jax
 import numpy as np
+import pytest
 
+from kvjax.backends import cpu
 from kvjax.generate import sampling
 
 
-def test_greedy_is_argmax_with_its_ties_nans_and_infinities():
-    rng = np.random.default_rng()
-    vocab = 1000
+def _hard_rows(rng, vocab):
+    """Rows with ties, an infinity, -inf everywhere, NaNs after the largest number, a
+    constant row, and the maximum or a NaN in the last columns (past the last whole
+    vector of any width when vocab is not a multiple of 16)."""
     logits = rng.standard_normal((12, vocab)).astype(np.float32)
     top = logits.max(axis=1)
     for r in (1, 2):  # ties: the first of two (or three) equal maxima wins
@@ -25,6 +28,26 @@ def test_greedy_is_argmax_with_its_ties_nans_and_infinities():
         logits[r, big] = 10.0
         logits[r, nans] = np.nan
     logits[7, :] = np.float32(rng.standard_normal())  # a constant row: index 0
+    logits[8, -1] = top[8] + 1
+    logits[9, -3] = np.nan
+    return logits
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.parametrize("vocab", [1000, 32, 5])
+def test_cpu_argmax_rows_kernel(rng, vocab):
+    """The CPU kernel greedy takes on one device: NumPy's argmax on the hard rows, with
+    leading batch dims and a vocabulary with and without a partial last vector."""
+    logits = _hard_rows(rng, vocab)
+    got = cpu.argmax_rows(jax.numpy.asarray(logits.reshape(2, 6, vocab)))
+    assert got.dtype == np.int32 and got.shape == (2, 6)
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1), np.argmax(logits, axis=1))
+
+
+def test_greedy_is_argmax_with_its_ties_nans_and_infinities():
+    rng = np.random.default_rng()
+    vocab = 1000
+    logits = _hard_rows(rng, vocab)
     # bfloat16 too (the sampled dtype of a bf16 model's logits), and the serving engine's
     # per-row sampling (all rows greedy; every other row greedy), in the same program.
     halves = logits.astype(jax.numpy.bfloat16)

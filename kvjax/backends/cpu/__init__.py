@@ -47,7 +47,7 @@ __all__ = ["available", "unavailable_reason", "library", "Library", "CpuOptions"
            "set_options", "override", "choose", "Choice", "unstack_layers_for",
            "paged_decode_attention", "paged_prefill_attention", "PREFILL_ITEM_ROWS",
            "quantized_attention", "quantized_supported", "mla_decode_attention", "mla_supported",
-           "write_rows", "read_rows", "take_rows", "copy_pages", "shared_runs",
+           "write_rows", "read_rows", "take_rows", "copy_pages", "shared_runs", "argmax_rows",
            "decode_positions_walked"]
 
 
@@ -496,6 +496,20 @@ def take_rows(table: Float[Array, "rows width"], idx: Int[Array, "..."]
                             jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype),
                             vmap_method="sequential")
     return call(table, flat).reshape(*jnp.shape(idx), table.shape[1])
+
+
+def argmax_rows(x: Float[Array, "*batch n"]) -> Int[Array, "*batch"]:
+    """`jnp.argmax(x, axis=-1)` of float32 rows by a custom call (the first index of each
+    row's largest value, a NaN counting as the largest): one vectorized pass per row,
+    where XLA:CPU runs several unvectorized reductions (greedy decoding's logits)."""
+    if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"argmax_rows: expected float32 [..., n] with n > 0, got {x.dtype}"
+                         f"{list(x.shape)}.")
+    flat = jnp.reshape(x, (-1, x.shape[-1]))
+    call = jax.ffi.ffi_call(load().target("argmax_rows"),
+                            jax.ShapeDtypeStruct((flat.shape[0],), jnp.int32),
+                            vmap_method="sequential")
+    return call(flat).reshape(x.shape[:-1])
 
 
 def copy_pages(

@@ -54,7 +54,7 @@ __all__ = ["Library", "available", "unavailable_reason", "load", "library", "lib
 SOURCES = ("quantized_decode_f32.cc", "quantized_decode_bf16.cc", "quantized_decode_f16.cc",
            "paged_decode.cc", "paged_prefill.cc", "mla_decode.cc", "matmul.cc",
            "quantized_decode.cc",
-           "write_rows.cc", "config.cc")
+           "write_rows.cc", "argmax.cc", "config.cc")
 _HEADERS = ("common.h", "native.h", "attend.h", "quantized_decode.h", "quantized_kernel.h")
 # FFI symbol in the library -> the op's name (its target is "kvjax_<name>_<library hash>").
 TARGETS = {
@@ -68,6 +68,7 @@ TARGETS = {
     "KvjaxReadRows": "read_rows",
     "KvjaxTakeRows": "take_rows",
     "KvjaxCopyPages": "copy_pages",
+    "KvjaxArgmaxRows": "argmax_rows",
 }
 _COMMON_FLAGS = ("-ffp-contract=fast", "-fPIC", "-std=c++17")
 _ARM_MACHINES = ("aarch64", "arm64")

@@ -26,7 +26,7 @@ from kvjax.backends.cpu import options as options_mod
 __all__ = ["Choice", "OPS", "choose", "unstack_layers_for", "MATMUL_MAX_ROWS"]
 
 OPS = ("paged_decode", "paged_prefill", "quantized_decode", "mla_decode", "matmul", "write_rows",
-       "copy_pages", "take_rows")
+       "copy_pages", "take_rows", "argmax_rows")
 # The attention registry's op names: those with a kernel, and those the XLA path serves.
 ALIASES = {"paged_decode_attention": "paged_decode", "paged_prefill_attention": "paged_prefill",
            "quantized_attention": "quantized_decode", "mla_decode_attention": "mla_decode"}
@@ -140,6 +140,13 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
                                  f"partitioning rule)")
         return Choice(True, f"kernel: 16-bit table rows copied ({build_name}); XLA gathers "
                             f"them in float32, converting the whole table")
+    if op == "argmax_rows":
+        n_dev = jax.device_count() if devices is None else devices
+        if n_dev != 1:
+            return Choice(False, f"XLA argmax: {n_dev} devices (the kernel has no "
+                                 f"partitioning rule)")
+        return Choice(True, f"kernel: one vectorized pass per row ({build_name}); XLA runs "
+                            f"several unvectorized reductions")
     if op == "copy_pages":
         n_dev = jax.device_count() if devices is None else devices
         if n_dev != 1 and dtype is not None and not _is_16bit_float(dtype):
