@@ -147,7 +147,7 @@ def matmul(
       packed: rows of w per block of the many-row GEMM, or 0 for the few-row kernel
         (default: `PACK_K` when x has more than `MAX_ROWS` rows, else 0).
       widen: return float32, holding exactly `matmul(x, w).astype(float32)`: for
-        bfloat16 x the kernel rounds its float32 sums to bfloat16 in place, so the
+        bfloat16 x and w the kernel rounds its float32 sums to bfloat16 in place, so the
         bfloat16 result is never stored and widened again (bf16 logits wanted as float32).
 
     Returns:
