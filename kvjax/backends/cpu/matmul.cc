@@ -77,6 +77,22 @@ inline void prefetch_piece(const char* p, int lines) {
   prefetch_l2(p + 64 * lines - 1);
 }
 
+// f(std::integral_constant<int, MR>{}) for a register block of mr rows (1-8; more: 8):
+// the row count a tile's template takes, picked at run time.
+template <typename F>
+void with_rows(int mr, F&& f) {
+  switch (mr) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 // Rows [k0, k1) of one tile of NV x kNat float32 columns for MR rows of x, added to the
 // partial sums in y (first: y starts at 0).
 template <int MR, int NV>
@@ -222,6 +238,22 @@ inline __m512bh x_pair(const uint16_t* p, bool one) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(v)));
 }
 
+// Weight rows r0, r1 (r1 zero and x's second k not read: `one`) into MR rows' sums.
+// Always inlined, so the accumulators it takes by reference stay in registers.
+template <int MR>
+__attribute__((always_inline)) inline void dp_rows(__m512 (&lo)[MR], __m512 (&hi)[MR],
+                                                   const uint16_t* x, int64_t K, __m512i r0,
+                                                   __m512i r1, bool one) {
+  const __m512bh wl = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
+  const __m512bh wh = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    const __m512bh xb = x_pair(x + m * K, one);
+    lo[m] = _mm512_dpbf16_ps(lo[m], xb, wl);
+    hi[m] = _mm512_dpbf16_ps(hi[m], xb, wh);
+  }
+}
+
 template <int MR>
 void tile_dp(const MatmulArgs& a, const uint16_t* x, const uint16_t* w, float* y, int64_t k0,
              int64_t k1, bool first, int64_t ahead) {
@@ -244,27 +276,11 @@ void tile_dp(const MatmulArgs& a, const uint16_t* x, const uint16_t* w, float* y
       prefetch_piece(reinterpret_cast<const char*>(w + (k + ahead) * N), 1);
       if (k + 1 < split) prefetch_piece(reinterpret_cast<const char*>(w + (k + 1 + ahead) * N), 1);
     }
-    const __m512i r0 = _mm512_loadu_si512(w + k * N), r1 = _mm512_loadu_si512(w + (k + 1) * N);
-    const __m512bh wl = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
-    const __m512bh wh = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = x_pair(x + m * K + k, false);
-      lo[m] = _mm512_dpbf16_ps(lo[m], xb, wl);
-      hi[m] = _mm512_dpbf16_ps(hi[m], xb, wh);
-    }
+    dp_rows<MR>(lo, hi, x + k, K, _mm512_loadu_si512(w + k * N),
+                _mm512_loadu_si512(w + (k + 1) * N), false);
   }
-  if (k < k1) {
-    const __m512i r0 = _mm512_loadu_si512(w + k * N), r1 = _mm512_setzero_si512();
-    const __m512bh wl = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
-    const __m512bh wh = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = x_pair(x + m * K + k, true);
-      lo[m] = _mm512_dpbf16_ps(lo[m], xb, wl);
-      hi[m] = _mm512_dpbf16_ps(hi[m], xb, wh);
-    }
-  }
+  if (k < k1)
+    dp_rows<MR>(lo, hi, x + k, K, _mm512_loadu_si512(w + k * N), _mm512_setzero_si512(), true);
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
     // Casts by value: a reference into the accumulator arrays would keep them in memory.
@@ -274,19 +290,6 @@ void tile_dp(const MatmulArgs& a, const uint16_t* x, const uint16_t* w, float* y
   }
 }
 
-void tile_dp_any(const MatmulArgs& a, int mr, const uint16_t* x, const uint16_t* w, float* y,
-                 int64_t k0, int64_t k1, bool first, int64_t ahead) {
-  switch (mr) {
-    case 1: return tile_dp<1>(a, x, w, y, k0, k1, first, ahead);
-    case 2: return tile_dp<2>(a, x, w, y, k0, k1, first, ahead);
-    case 3: return tile_dp<3>(a, x, w, y, k0, k1, first, ahead);
-    case 4: return tile_dp<4>(a, x, w, y, k0, k1, first, ahead);
-    case 5: return tile_dp<5>(a, x, w, y, k0, k1, first, ahead);
-    case 6: return tile_dp<6>(a, x, w, y, k0, k1, first, ahead);
-    case 7: return tile_dp<7>(a, x, w, y, k0, k1, first, ahead);
-    default: return tile_dp<8>(a, x, w, y, k0, k1, first, ahead);
-  }
-}
 #endif
 
 template <int MR>
@@ -296,34 +299,6 @@ void tile_f32_nv(const MatmulArgs& a, int nv, const float* x, const float* w, fl
     case 1: return tile_f32<MR, 1>(a, x, w, y, k0, k1, first, ahead);
     case 2: return tile_f32<MR, 2>(a, x, w, y, k0, k1, first, ahead);
     default: return tile_f32<MR, 3>(a, x, w, y, k0, k1, first, ahead);
-  }
-}
-
-void tile_f32_any(const MatmulArgs& a, int mr, int nv, const float* x, const float* w, float* y,
-                  int64_t k0, int64_t k1, bool first, int64_t ahead) {
-  switch (mr) {
-    case 1: return tile_f32_nv<1>(a, nv, x, w, y, k0, k1, first, ahead);
-    case 2: return tile_f32_nv<2>(a, nv, x, w, y, k0, k1, first, ahead);
-    case 3: return tile_f32_nv<3>(a, nv, x, w, y, k0, k1, first, ahead);
-    case 4: return tile_f32_nv<4>(a, nv, x, w, y, k0, k1, first, ahead);
-    case 5: return tile_f32_nv<5>(a, nv, x, w, y, k0, k1, first, ahead);
-    case 6: return tile_f32_nv<6>(a, nv, x, w, y, k0, k1, first, ahead);
-    case 7: return tile_f32_nv<7>(a, nv, x, w, y, k0, k1, first, ahead);
-    default: return tile_f32_nv<8>(a, nv, x, w, y, k0, k1, first, ahead);
-  }
-}
-
-void tile_bf16_any(const MatmulArgs& a, int mr, const float* x, const uint16_t* w, float* y,
-                   int64_t k0, int64_t k1, bool first, int64_t ahead) {
-  switch (mr) {
-    case 1: return tile_bf16<1>(a, x, w, y, k0, k1, first, ahead);
-    case 2: return tile_bf16<2>(a, x, w, y, k0, k1, first, ahead);
-    case 3: return tile_bf16<3>(a, x, w, y, k0, k1, first, ahead);
-    case 4: return tile_bf16<4>(a, x, w, y, k0, k1, first, ahead);
-    case 5: return tile_bf16<5>(a, x, w, y, k0, k1, first, ahead);
-    case 6: return tile_bf16<6>(a, x, w, y, k0, k1, first, ahead);
-    case 7: return tile_bf16<7>(a, x, w, y, k0, k1, first, ahead);
-    default: return tile_bf16<8>(a, x, w, y, k0, k1, first, ahead);
   }
 }
 
@@ -345,19 +320,20 @@ void column_block(const MatmulArgs& a, int64_t c0, int64_t c1, int64_t width, in
         const int64_t ahead = m0 == 0 ? a.ahead : 0;
         float* y = a.y + m0 * a.N + c;
         const float* x = a.x + m0 * a.K;
-        if constexpr (std::is_same_v<T, float>) {
-          tile_f32_any(a, mr, static_cast<int>(cols / kNat), x, w + c, y, k0, k1, k0 == 0,
-                       ahead);
-        } else {
-          const uint16_t* wc = reinterpret_cast<const uint16_t*>(w + c);
+        with_rows(mr, [&](auto rows) {
+          constexpr int MR = decltype(rows)::value;
+          if constexpr (std::is_same_v<T, float>) {
+            tile_f32_nv<MR>(a, static_cast<int>(cols / kNat), x, w + c, y, k0, k1, k0 == 0,
+                            ahead);
+          } else {
+            const uint16_t* wc = reinterpret_cast<const uint16_t*>(w + c);
 #ifdef KVJAX_MATMUL_DPBF16
-          if (a.xh != nullptr) {
-            tile_dp_any(a, mr, a.xh + m0 * a.K, wc, y, k0, k1, k0 == 0, ahead);
-            continue;
-          }
+            if (a.xh != nullptr)
+              return tile_dp<MR>(a, a.xh + m0 * a.K, wc, y, k0, k1, k0 == 0, ahead);
 #endif
-          tile_bf16_any(a, mr, x, wc, y, k0, k1, k0 == 0, ahead);
-        }
+            tile_bf16<MR>(a, x, wc, y, k0, k1, k0 == 0, ahead);
+          }
+        });
       }
     }
   }

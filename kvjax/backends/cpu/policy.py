@@ -128,28 +128,30 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
         return Choice(False, f"XLA: kernels unavailable ({reason.splitlines()[0][:120]})")
     isa = lib.isa_class
     build_name = f"-march={lib.march} build ({isa})"
+    # The custom calls have no partitioning rule: over several devices GSPMD would gather
+    # sharded operands whole around them. Asked only by the ops that care (it starts the
+    # backend when devices is None).
+    def n_devices() -> int:
+        return jax.device_count() if devices is None else devices
     if op == "write_rows":
         return Choice(True, f"kernel: 16-bit pools written in place ({build_name}); XLA "
                             f"copies the whole pool")
     if op == "take_rows":
         if dtype is not None and not _is_16bit_float(dtype):
             return Choice(False, f"XLA gather: {jnp.dtype(dtype).name} tables gather in place")
-        n_dev = jax.device_count() if devices is None else devices
-        if n_dev != 1:
+        if (n_dev := n_devices()) != 1:
             return Choice(False, f"XLA gather: {n_dev} devices (the kernel has no "
                                  f"partitioning rule)")
         return Choice(True, f"kernel: 16-bit table rows copied ({build_name}); XLA gathers "
                             f"them in float32, converting the whole table")
     if op == "argmax_rows":
-        n_dev = jax.device_count() if devices is None else devices
-        if n_dev != 1:
+        if (n_dev := n_devices()) != 1:
             return Choice(False, f"XLA argmax: {n_dev} devices (the kernel has no "
                                  f"partitioning rule)")
         return Choice(True, f"kernel: one vectorized pass per row ({build_name}); XLA runs "
                             f"several unvectorized reductions")
     if op == "copy_pages":
-        n_dev = jax.device_count() if devices is None else devices
-        if n_dev != 1 and dtype is not None and not _is_16bit_float(dtype):
+        if (n_dev := n_devices()) != 1 and dtype is not None and not _is_16bit_float(dtype):
             return Choice(False, f"XLA copy: {n_dev} devices (the kernel has no partitioning "
                                  f"rule: a sharded pool would be gathered whole)")
         return Choice(True, f"kernel: pages copied in place ({build_name}); XLA copies 16-bit "
@@ -163,8 +165,7 @@ def choose(op: str, *, rows: int | None = None, dtype=None, devices: int | None 
                 return Choice(False, f"XLA dot: {rows} rows > {cap}, the most the kernel "
                                      f"serves")
             return Choice(True, f"kernel: forced by CpuOptions.matmul='on' ({build_name})")
-        n_dev = jax.device_count() if devices is None else devices
-        if n_dev != 1:
+        if (n_dev := n_devices()) != 1:
             return Choice(False, f"XLA dot: {n_dev} devices (the kernel has no partitioning "
                                  f"rule; matmul='on' forces it)")
         if dp and rows is not None and rows > cap:
