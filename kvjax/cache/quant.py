@@ -86,12 +86,18 @@ def _round_down(x: Float[Array, "..."], dtype) -> Array:
     return jnp.where(y.astype(jnp.float32) > x, _next16(y, up=False), y)
 
 
-def _round_up(x: Float[Array, "..."], dtype) -> Array:
-    """The smallest `dtype` value >= finite x (float32)."""
-    y = x.astype(dtype)
-    if jnp.dtype(dtype).itemsize != 2:  # float32 scales hold x exactly
-        return y
-    return jnp.where(y.astype(jnp.float32) < x, _next16(y, up=True), y)
+def _scale_up(span: Float[Array, "..."], levels, dtype) -> Array:
+    """The least `dtype` value s with s * levels >= span (finite span >= 0, float32): span /
+    levels rounded up to `dtype`, decided on the product instead of the quotient. XLA
+    rounds span / levels differently in different programs (jax 0.12.1 on CPU: a
+    quotient one float32 ulp apart between a jitted and an eager quantize), and one on
+    the wrong side of a 16-bit value took the next scale up; s * levels is exact in
+    float32 (at most 11 significant bits times 8)."""
+    q = span / levels
+    if jnp.dtype(dtype).itemsize != 2:  # float32 scales hold the quotient as is
+        return q.astype(dtype)
+    s = q.astype(dtype)  # to nearest: the answer or the value just below it
+    return jnp.where(s.astype(jnp.float32) * levels < span, _next16(s, up=True), s)
 
 
 def representable_range(scale_dtype) -> float:
@@ -228,7 +234,7 @@ def quantize(
     hi = jnp.clip(hi, -lim, lim)
     zero = _round_down(lo, scale_dtype)
     levels = jnp.float32((1 << bits) - 1)
-    scale = _round_up((hi - zero.astype(jnp.float32)) / levels, scale_dtype)
+    scale = _scale_up(hi - zero.astype(jnp.float32), levels, scale_dtype)
     s32 = scale.astype(jnp.float32)
     safe = jnp.where(s32 > 0, s32, 1.0)
     q = jnp.round((xg - zero.astype(jnp.float32)) / safe)

@@ -176,3 +176,30 @@ def test_scale_rounding_steps_equal_nextafter_on_every_finite_value(scale_dtype)
         want = np.asarray(jnp.nextafter(y, jnp.asarray(target, scale_dtype)), np.float32)
         got = np.asarray(quant._next16(y, up=up), np.float32)
         np.testing.assert_array_equal(got[finite], want[finite])
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_scale_is_the_least_16bit_value_whose_levels_cover_the_group(rng, bits, scale_dtype):
+    """Groups spanning [0, hi]: the scale is the least positive 16-bit s with
+    s * levels >= hi (every finite pattern, in float64), eagerly and jitted alike. Half
+    the spans are levels times a 16-bit value, whose quotient is exactly a scale: the
+    case where a quotient one float32 ulp high took the next scale up."""
+    levels = (1 << bits) - 1
+    dt = jnp.dtype(scale_dtype)
+    rows, width = 4 * G, 16
+    exact = np.asarray(jnp.asarray(rng.uniform(0.01, 4, (rows // G, width)), dt), np.float64)
+    hi = np.where(rng.random(exact.shape) < 0.5, exact * levels,
+                  rng.uniform(0.01, 4 * levels, exact.shape)).astype(np.float32)
+    x = rng.uniform(0, 1, (rows, width)).astype(np.float32) * np.repeat(hi, G, axis=0)
+    x[::G] = 0.0
+    x[1::G] = hi
+    top = 0x7C00 if dt == jnp.float16 else 0x7F80  # +inf's pattern
+    values = np.asarray(jax.lax.bitcast_convert_type(jnp.arange(top, dtype=jnp.uint16), dt),
+                        np.float64)  # increasing
+    want = values[np.searchsorted(values * levels, hi.astype(np.float64), side="left")]
+    kw = dict(bits=bits, group_size=G, grouping="tokens", scale_dtype=dt)
+    eager = quant.quantize(jnp.asarray(x), **kw)[1]
+    jitted = jax.jit(lambda v: quant.quantize(v, **kw)[1])(x)
+    np.testing.assert_array_equal(np.asarray(eager, np.float64), want)
+    np.testing.assert_array_equal(np.asarray(jitted, np.float64), want)
