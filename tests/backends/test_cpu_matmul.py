@@ -71,12 +71,14 @@ def test_matmul_one_row_sweep(rng, w_dtype, k, n):
 
 
 @needs_kernel
-@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F32, BF16), (BF16, F32), (BF16, BF16)])
 @pytest.mark.parametrize("rows,k,n,packed", [(70, 301, 77, 64), (200, 96, 1000, 256),
-                                             (97, 33, 64, 7)])
+                                             (97, 33, 64, 7), (150, 130, 70, 32)])
 def test_matmul_packed_many_rows(rng, rows, k, n, packed, x_dtype, w_dtype):
     """The many-row GEMM: row blocks with a remainder, blocks of k (odd ones: a last
-    pair with a zero partner in the bf16 pair path), column panels with a remainder."""
+    pair with a zero partner in the bf16 pair path; with k even the bf16 pair path reads
+    whole groups of rows in place at each block's offset, and stages the last, shorter
+    group), column panels with a remainder."""
     x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
     w = jnp.asarray(rng.standard_normal((k, n)), w_dtype)
     _check(cpu_matmul.matmul(x, w, packed=packed), x, w)

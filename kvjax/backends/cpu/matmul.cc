@@ -615,8 +615,9 @@ inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) {
 }
 
 template <int MR>
-inline void packed_block_dp(int64_t kp, const uint32_t* __restrict a, const uint32_t* __restrict b,
-                            float* y, int64_t ldy, bool first, int rows, int cols) {
+inline void packed_block_dp(int64_t kp, const uint32_t* __restrict x, int64_t ldx,
+                            const uint32_t* __restrict b, float* y, int64_t ldy, bool first,
+                            int rows, int cols) {
   __m512 acc[MR][kPackVecs];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -630,7 +631,7 @@ inline void packed_block_dp(int64_t kp, const uint32_t* __restrict a, const uint
       bv[v] = (__m512bh)_mm512_loadu_si512(b + k * kPackCols + v * kNat);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[k * MR + m]));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + k]));
 #pragma GCC unroll 4
       for (int v = 0; v < kPackVecs; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, bv[v]);
     }
@@ -693,12 +694,19 @@ void run_packed_dp(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
     }
   });
   // Work items: a block of rows x a range of column panels, at least 4 per worker where
-  // the shape allows (a prefill chunk of 64 rows is one row block).
+  // the shape allows (a prefill chunk of 64 rows is one row block), and a multiple of the
+  // workers where the panels allow (9 items on 2 workers left one idle a ninth of the call).
   const int64_t row_items = (M + kPackRowBlock - 1) / kPackRowBlock;
   const int64_t workers = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t col_items =
+  int64_t col_items =
       std::min(panels, std::max<int64_t>(1, (4 * workers + row_items - 1) / row_items));
+  while (col_items < panels && row_items * col_items % workers != 0) ++col_items;
   const int64_t per = (panels + col_items - 1) / col_items;
+  // With K even, x's rows are read in place: the pair (x[r][k], x[r][k + 1]) of an even k
+  // is the 32-bit word at x[r] + k. A group of fewer than kPackRows rows (the last of
+  // x), or any group with K odd, is staged as [kPackRows][kp] words, zero-padded.
+  const bool in_place = K % 2 == 0;
+  constexpr int64_t kGroups = kPackRowBlock / kPackRows;
   parallel_for(pool, row_items * col_items, [&](int64_t item, int) {
     thread_local Scratch xbuf;
     const int64_t ri = item / col_items, p0 = item % col_items * per;
@@ -706,32 +714,41 @@ void run_packed_dp(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
     if (p0 >= p1) return;
     const int64_t r0 = ri * kPackRowBlock, nrows = std::min(kPackRowBlock, M - r0);
     const int64_t groups = (nrows + kPackRows - 1) / kPackRows;
-    uint32_t* xp = reinterpret_cast<uint32_t*>(xbuf.get(groups * kp_step * kPackRows));
+    uint32_t* xs = reinterpret_cast<uint32_t*>(xbuf.get(groups * kPackRows * kp_step));
+    const uint32_t* gx[kGroups];
+    int64_t gld[kGroups];
+    int grows[kGroups];
     for (int64_t kb = 0; kb < kblocks; ++kb) {
       const int64_t k0 = kb * kc_step, kc = std::min(kc_step, K - k0), kp = (kc + 1) / 2;
-      // x rows [r0, r0 + nrows), pairs of columns [k0, k0 + kc) as [groups][kp][kPackRows].
       for (int64_t g = 0; g < groups; ++g) {
-        uint32_t* dst = xp + g * kp * kPackRows;
-        for (int m = 0; m < kPackRows; ++m) {
-          const int64_t r = r0 + g * kPackRows + m;
-          if (r < r0 + nrows) {
-            const uint16_t* src = a.xh + r * K + k0;
-            for (int64_t q = 0; q < kp; ++q)
-              dst[q * kPackRows + m] = bf16_pair(src[2 * q], 2 * q + 1 < kc ? src[2 * q + 1] : 0);
-          } else {
-            for (int64_t q = 0; q < kp; ++q) dst[q * kPackRows + m] = 0;
-          }
+        const int64_t r = r0 + g * kPackRows;
+        grows[g] = static_cast<int>(std::min<int64_t>(kPackRows, nrows - g * kPackRows));
+        if (in_place && grows[g] == kPackRows) {
+          gx[g] = reinterpret_cast<const uint32_t*>(a.xh + r * K + k0);
+          gld[g] = K / 2;
+          continue;
         }
+        uint32_t* dst = xs + g * kPackRows * kp_step;
+        for (int m = 0; m < kPackRows; ++m) {
+          uint32_t* d = dst + m * kp_step;
+          if (m >= grows[g]) {
+            std::fill(d, d + kp, 0u);
+            continue;
+          }
+          const uint16_t* src = a.xh + (r + m) * K + k0;
+          for (int64_t q = 0; q < kp; ++q)
+            d[q] = bf16_pair(src[2 * q], 2 * q + 1 < kc ? src[2 * q + 1] : 0);
+        }
+        gx[g] = dst;
+        gld[g] = kp_step;
       }
       for (int64_t p = p0; p < p1; ++p) {
         const uint32_t* b = wp + (kb * panels + p) * kp_step * kPackCols;
         const int cols = static_cast<int>(std::min<int64_t>(kPackCols, N - p * kPackCols));
-        for (int64_t g = 0; g < groups; ++g) {
-          const int rows = static_cast<int>(std::min<int64_t>(kPackRows, nrows - g * kPackRows));
-          packed_block_dp<kPackRows>(kp, xp + g * kp * kPackRows, b,
+        for (int64_t g = 0; g < groups; ++g)
+          packed_block_dp<kPackRows>(kp, gx[g], gld[g], b,
                                      a.y + (r0 + g * kPackRows) * N + p * kPackCols, N, kb == 0,
-                                     rows, cols);
-        }
+                                     grows[g], cols);
       }
     }
   });
@@ -783,15 +800,21 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (xt == ffi::F32) {
     a.x = static_cast<const float*>(x.untyped_data());
   } else {
-    // A few rows: widened once per call for the float32 paths (the tail columns at least).
     const uint16_t* xh = static_cast<const uint16_t*>(x.untyped_data());
-    thread_local Scratch xbuf;
-    float* xf = xbuf.get(xd[0] * xd[1]);
-    widen_bf16(xh, xf, xd[0] * xd[1]);
-    a.x = xf;
+    bool widen = true;
 #ifdef KVJAX_MATMUL_DPBF16
     if (dt == ffi::BF16) a.xh = xh;
+    widen = !(dt == ffi::BF16 && packed > 0);  // the packed vdpbf16ps GEMM reads only xh
 #endif
+    // Widened once per call for the float32 paths (with bf16 w, the tail columns and the
+    // one-row sweep of the few-row kernel).
+    a.x = nullptr;
+    if (widen) {
+      thread_local Scratch xbuf;
+      float* xf = xbuf.get(xd[0] * xd[1]);
+      widen_bf16(xh, xf, xd[0] * xd[1]);
+      a.x = xf;
+    }
   }
   a.y = y->typed_data();
   a.M = xd[0];
