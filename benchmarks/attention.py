@@ -18,8 +18,8 @@ Measures, in one process so that the ratios share the machine's state:
 4. quantized pages (`kvjax/attention/xla_quantized.py`, KIVI int8/int4/int2 codes
    with float16 scales and zeros, a bf16 tail of R tokens) against paged bf16 and
    float32 pages on the same geometry, all through the XLA path: ms per decode
-   step and the ratio to bf16 (issue 11: int4/int2 must not be slower per token
-   than bf16); rows "cpu_*" do the same with the C++ CPU kernels (ratios to "cpu_bfloat16";
+   step and the ratio to bf16 (int4/int2 should not be slower per token than
+   bf16); rows "cpu_*" do the same with the C++ CPU kernels (ratios to "cpu_bfloat16";
    the bf16 and intN kernels are timed in turn, one call of each per round, so that
    their ratios see the same memory speed, which on a shared VM drifts by minutes).
    Bytes counted: codes + scales + zeros of the used pages + the tail.
@@ -658,7 +658,7 @@ QUICK = [
     dict(name="mla_b4_s512", kind="mla", batch=4, q_heads=8, d_c=128, d_rope=32, seq=512,
          page_size=16),
 ]
-# Quantized pages vs bf16/f32 pages (issue 11's main geometry; page size 32 so that KIVI's
+# Quantized pages vs bf16/f32 pages (the main 4K geometry; page size 32 so that KIVI's
 # group of 32 tokens fits a page, the same page size for every row).
 QUANT_FULL = dict(name="quant_b8_s4k", batch=8, q_heads=32, kv_heads=8, head_dim=128, seq=4096,
                   page_size=32, group=32, residual=128, bits=(8, 4, 2))

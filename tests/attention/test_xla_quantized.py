@@ -349,7 +349,7 @@ def _float_sizes(jaxpr):
 
 @pytest.mark.parametrize("mla", [False, True])
 def test_decode_jaxpr_has_no_dequantized_copy(rng, mla):
-    """Issue 5: the jaxpr of a decode step holds no float array as large as the
+    """The jaxpr of a decode step holds no float array as large as the
     dequantized live cache (smaller than the pool), only blocks of pages."""
     batch = 4
     cache = random_cache(rng, bits=2, mla=mla, batch=batch, layers=2,

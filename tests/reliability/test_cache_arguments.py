@@ -1,8 +1,8 @@
 """The generic cache operations refuse arguments no call can accept and never touch another
 sequence's pages.
 
-Issue 24, items 4 (a layer index past the cache's layers), 9 (a negative count in a
-quantized `reserve` under jit), 10 (a position no page was reserved for, slots outside
+A layer index past the cache's layers, a negative count in a quantized `reserve`
+under jit, a position no page was reserved for, slots outside
 the table: a scatter index of -1 would wrap to the pool's last page), the KIVI write of
 values quantization cannot represent, and integers that do not fit int32 (converting
 would wrap them). Each case: a clear ValueError / TypeError and the cache unchanged, or

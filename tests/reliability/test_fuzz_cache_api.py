@@ -1,7 +1,7 @@
 """Fuzz the public cache API: after every call, a clear error and the cache unchanged, or a
 consistent cache.
 
-Issue 24 ("corrupted allocator state", found with `check_invariants` after each call).
+Found a corrupted allocator state (`check_invariants` after each call) before.
 Hypothesis drives `kvjax.cache.reserve`, `fork`, `free` and `write` — eagerly (the host
 checks run) and under a caller's jit (the values are traced: statuses and masking
 instead of errors) — on a full-precision and a KIVI cache, with valid and invalid

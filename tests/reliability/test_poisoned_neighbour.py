@@ -1,6 +1,6 @@
 """End to end: NaN or inf in pages a sequence cannot see leaves its tokens bit-identical.
 
-Issue 24, item 5, through `generate`: slot 0 holds a finished request; then every
+Through `generate`: slot 0 holds a finished request; then every
 floating-point element of the cache is overwritten with NaN (or +inf) — slot 0's pages,
 the free pages slot 1 will be given (so the rows of its last page it never writes stay
 poisoned), and on a KIVI cache every scale, zero-point and tail ring — and slot 1

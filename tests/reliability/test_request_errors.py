@@ -1,9 +1,9 @@
 """Bad requests to the decode drivers fail before any work and keep the caller's cache.
 
-Issue 24, items 2 (token ids outside the vocabulary, float ids), 3 (repeated slots),
-11 (a cache lost on error) and 14 (chunk_size 0, max_new_tokens of the wrong length,
-a policy given as a string). Every bad request below goes to `generate`, `stream`,
-`score`, `sample_n` or `beam_search` with a cache that holds another sequence; each
+Token ids outside the vocabulary and float ids, repeated slots, a cache lost on error,
+chunk_size 0, max_new_tokens of the wrong length, a policy given as a string: every bad
+request below goes to `generate`, `stream`, `score`, `sample_n` or `beam_search` with a
+cache that holds another sequence; each
 must raise a ValueError / TypeError naming what was wrong, and afterwards the cache
 must still exist, hold exactly what it held, and decode that sequence further exactly
 as an untouched copy does. Running out of pages is the one error raised after the

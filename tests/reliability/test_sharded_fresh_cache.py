@@ -1,6 +1,6 @@
 """`generate` with a sharded attention impl and a cache that is not laid out for its plan.
 
-Issue 24, item 1: `ShardedAttention(plan)` with the default, unsharded cache used to
+`ShardedAttention(plan)` with the default, unsharded cache used to
 decode wrong tokens (Llama and DeepSeek, under the "sequences" and "context"
 strategies). Now an empty cache is rebuilt laid out for the plan (a config without a
 plan is built for the impl's plan) and the greedy tokens equal the unsharded run's; a
