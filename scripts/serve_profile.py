@@ -75,11 +75,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--decode-steps", type=int, default=None,
-                        help="Engine decode_steps (default the server's, 8): decode steps per "
-                             "call while a row is free, the tokens per streamed chunk")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="Engine decode_steps (default 1, as `kvjax serve`'s --decode-steps): "
+                             "decode steps per call while a row is free, the tokens per streamed "
+                             "chunk")
     parser.add_argument("--max-decode-steps", type=int, default=None,
-                        help="Engine max_decode_steps (default 8 x decode steps)")
+                        help="Engine max_decode_steps (default --decode-steps, as the server "
+                             "sets it)")
     parser.add_argument("--prefill-rows", type=int, default=None,
                         help="Engine prefill_rows (default the server's, 4)")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (default 64)")
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
         engine_args = dict(max_seqs=serving.PEER_MAX_SEQS, max_seq_len=serving.PEER_MAX_LEN,
                            cache=CacheConfig(dtype=args.dtype, page_size=16),
                            chunk_size=args.chunk, prefix_caching=True, eos_ids=[])
+        if args.max_decode_steps is None:
+            args.max_decode_steps = args.decode_steps
         for k in ("decode_steps", "max_decode_steps", "prefill_rows"):
             if getattr(args, k) is not None:
                 engine_args[k] = getattr(args, k)
