@@ -73,3 +73,21 @@ def test_greedy_is_argmax_with_its_ties_nans_and_infinities():
     np.testing.assert_array_equal(np.asarray(rows_all), want)
     np.testing.assert_array_equal(np.asarray(rows_mixed)[temps == 0], want[temps == 0])
     assert got.dtype == rows_all.dtype == np.int32
+
+
+@pytest.mark.cpu_kernels
+def test_greedy_takes_the_kernel_on_one_cpu_device_and_the_reductions_without(rng, monkeypatch):
+    """float32 greedy on one CPU device lowers to the argmax custom call; with the kernel
+    declined it lowers to XLA's reductions, and both give NumPy's argmax on the hard rows.
+    (The suite runs with several CPU devices, where `choose` declines: the choice is
+    asked for one device here.)"""
+    logits = _hard_rows(rng, 1000)
+    want = np.argmax(logits, axis=1)
+    target = cpu.load().target("argmax_rows")
+    choose = cpu.choose
+    for use in (True, False):
+        monkeypatch.setattr(cpu, "choose", lambda op, use=use, **k: (
+            choose(op, **{**k, "devices": 1}) if use else cpu.Choice(False, "declined")))
+        fn = jax.jit(lambda x: sampling.greedy(x))  # a new function: traced afresh
+        assert (target in fn.lower(logits).as_text()) == use
+        np.testing.assert_array_equal(np.asarray(fn(logits)), want)
