@@ -607,9 +607,9 @@ void run_packed(ffi::ThreadPool* pool, const MatmulArgs& a, int64_t kc_max) {
 #ifdef KVJAX_MATMUL_DPBF16
 // The many-row GEMM on vdpbf16ps (bfloat16 x and w): as run_packed, but w is packed as
 // pairs of its rows, (w[k][c], w[k+1][c]) in one 32-bit lane ([K / kc][N / kPackCols]
-// [kc / 2][kPackCols] lanes, nothing widened), x as pairs (x[r][k], x[r][k+1]) in row
-// panels ([kc / 2][kPackRows] lanes), so a register block does two k's per instruction.
-// An odd last k pairs with zeros.
+// [kc / 2][kPackCols] lanes, nothing widened), and x is read as pairs (x[r][k], x[r][k+1]),
+// one 32-bit word per row and pair (row m of a register block at x + m * ldx words), so a
+// register block does two k's per instruction. An odd last k pairs with zeros.
 inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
 }
