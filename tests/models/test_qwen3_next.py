@@ -209,7 +209,9 @@ def test_chunked_prefill_equals_token_by_token(root, rng):
     seq_ids = np.array([3, 1], np.int32)
     ref_cache, ref_logits = _prefill(params, c, _empty_cache(model), prompts, seq_ids, 1)
     ref = jax.tree.map(lambda x: np.asarray(x)[:, seq_ids], ref_cache.recurrent)
-    assert np.abs(ref.ssm).max() > 0.1 and np.abs(ref.conv).max() > 0.1
+    # Non-trivial states: far above the 1e-5 the comparison below allows (some seeds give
+    # conv states below 0.1).
+    assert np.abs(ref.ssm).max() > 0.01 and np.abs(ref.conv).max() > 0.01
     for chunk in (4, 8, 24):
         cache, logits = _prefill(params, c, _empty_cache(model), prompts, seq_ids, chunk)
         got = jax.tree.map(lambda x: np.asarray(x)[:, seq_ids], cache.recurrent)
