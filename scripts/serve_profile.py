@@ -3,7 +3,7 @@
 Builds the engine exactly as the server does for `benchmarks/serving.py --peer-vllm`
 (the random 56M Llama, `--max-seqs 32 --max-seq-len 2048`, chunks of 64, pages of 16,
 prefix caching, no EOS) and replays the burst (32 requests at once sharing a 512-token
-prefix plus 32-256 own tokens, 16-256 new) without HTTP:
+prefix plus 32-256 own tokens, 16-256 new) (or, with --rate, the Poisson trace) without HTTP:
 
   1. plain: tokens/s and time to first token of the engine alone (the server's HTTP,
      detokenization and event loop are what the peer run adds to this);
@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-rows", type=int, default=None,
                         help="Engine prefill_rows (default the server's, 4)")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (default 64)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="replay the peer run's Poisson trace at this many requests per "
+                             "second (log-normal prompts and outputs) instead of the burst")
     parser.add_argument("--no-timed", action="store_true", help="skip the timed replay")
     parser.add_argument("--ops", action="store_true",
                         help="also profile one replay op by op (XLA:CPU thunk events)")
@@ -123,10 +126,12 @@ def main(argv=None) -> int:
             return e
 
         class TraceArgs:
-            requests, suffix_dist, peer_rates = args.requests, "loguniform", []
+            requests, suffix_dist = args.requests, "loguniform"
+            peer_rates = [] if args.rate is None else [args.rate]
 
         def burst(seed):
-            return serving.peer_traces(seed, TraceArgs)["burst"]
+            traces = serving.peer_traces(seed, TraceArgs)
+            return traces["burst" if args.rate is None else f"poisson {args.rate:g}/s"]
 
         t = time.perf_counter()
         engine = fresh()

@@ -12,8 +12,10 @@ Requests arrive at any time. The engine keeps one cache of `max_seqs` decoding r
 each `step()` is one jitted program that
 
   * prefills one chunk (`chunk_size` tokens) of up to `prefill_rows` waiting prompts
-    through `kvjax.generate.prefill`, and for each prompt whose last chunk this was
-    samples its first token and makes its row a decoding row, then
+    through `kvjax.generate.prefill` (fewer prompts take wider lanes, several chunks
+    each, within the same `prefill_rows * chunk_size` tokens), and for each prompt
+    whose last chunk this was samples its first token and makes its row a decoding
+    row, then
   * runs `kvjax.generate.decode_step` on every decoding row (the same step function
     `generate` loops over: every page kind, policy and sharding plan) in a
     `lax.while_loop`: one step while a prompt still waits for a chunk (it starts
@@ -218,8 +220,10 @@ class Engine:
         size, sharding plan); `num_pages` defaults to room for `max_seqs` sequences of
         `max_seq_len` tokens. Cached prefixes use pages nobody else needs.
       chunk_size: prefill chunk length; a multiple of the page size.
-      prefill_rows: prompts prefilled per step at most (one chunk each; a step runs as
-        many lanes as prompts wait, rounded up to a power of two).
+      prefill_rows: prompts prefilled per step at most (a step runs as many lanes as
+        prompts wait, rounded up to a power of two; one chunk each, or with fewer lanes
+        than `prefill_rows` up to `prefill_rows / lanes` chunks each, but on KIVI pages,
+        window-only rings and with a cache policy).
       token_budget: tokens per step, decode rows first; default max_seqs + prefill_rows *
         chunk_size (every lane may run every step).
       prefix_caching: keep prompts' full pages for later requests (not with a policy,
@@ -243,7 +247,7 @@ class Engine:
 
     Attributes:
       stats: counters (`collections.Counter`): steps (decode steps), calls (programs run),
-        prefill_tokens, prefill_chunks (lanes run, each `chunk_size` wide), decode_tokens,
+        prefill_tokens, prefill_chunks (lanes run, one or more chunks wide), decode_tokens,
         hit_pages, evictions (prefix holders leaving the device),
         preemptions (requests whose computed tokens were dropped, to be recomputed),
         requeues (requests sent back before they held anything); with a host tier also
@@ -322,10 +326,14 @@ class Engine:
                                 blank=max_seqs + n_holders if blank else None)
         self.prefixes = PrefixPages(self.slots, self.prefix, chunk=chunk_size, stats=self.stats,
                                     reserved_rows=lambda: set(self.scheduler.swapped))
+        wide = cfg.quant is None and policy is None and not kv.spec.window_groups
         self.scheduler = Scheduler(
             self.slots, self.prefixes, chunk=chunk_size, prefill_rows=self.prefill_rows,
             token_budget=self.token_budget, decode_steps=decode_steps,
-            max_decode_steps=self.max_decode_steps, stats=self.stats)
+            max_decode_steps=self.max_decode_steps, stats=self.stats,
+            lane_shapes=steps.lane_shapes(self.prefill_rows, chunk_size, most=min(
+                self.prefill_rows * chunk_size, self.token_budget,
+                -(-max_seq_len // chunk_size) * chunk_size) if wide else 0))
         self._ids = itertools.count()
 
     @property
@@ -416,7 +424,7 @@ class Engine:
         sched.drop_cancelled()
         sched.admit_waiting()
         sched.look_up_prefixes()
-        decode, lanes, k, until_finish = sched.plan()
+        decode, lanes, shape, k, until_finish = sched.plan()
         if not decode and not lanes:
             return sched.outputs
         # The step's logprobs variant runs only while a request asks for them.
@@ -426,7 +434,7 @@ class Engine:
             r.done_tokens + n == len(r.fed) for r, n in lanes))
         slots.state, record, ran = steps.step(
             self.model, self.params, self.dparams, slots.state,
-            self._lanes(lanes) if lanes else None, np.int32(k), np.bool_(until_finish),
+            self._lanes(lanes, shape) if lanes else None, np.int32(k), np.bool_(until_finish),
             eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
             decode=self.max_decode_steps, logprobs=logprobs, live=live)
         st, c = slots.state, slots.state.cache
@@ -448,18 +456,12 @@ class Engine:
         sched.deliver(record, (1 if lanes else 0) + int(ran), self.eos_ids)
         return sched.outputs
 
-    def _lane_buckets(self) -> list[int]:
-        """Lane counts a step is compiled for: powers of two up to `prefill_rows` (and it):
-        idle lanes still cost their compute, so a step runs the smallest that fits."""
-        out = [1]
-        while out[-1] * 2 < self.prefill_rows:
-            out.append(out[-1] * 2)
-        return sorted(set(out + [self.prefill_rows]))
-
-    def _lanes(self, lanes: list[tuple[Request, int]], width: int | None = None) -> steps.Lanes:
-        """The step's prefill lanes as arrays, padded with idle lanes to a compiled width."""
-        P = width or next(b for b in self._lane_buckets() if b >= len(lanes))
-        C = self.chunk
+    def _lanes(self, lanes: list[tuple[Request, int]],
+               shape: tuple[int, int] | None = None) -> steps.Lanes:
+        """The step's prefill lanes as arrays, padded with idle lanes to `shape` (lanes,
+        width; default the fewest lanes of one chunk that hold them)."""
+        P, C = shape or min(s for s in self.scheduler.lane_shapes
+                            if s[0] >= len(lanes) and s[1] == self.chunk)
         tokens = np.zeros((P, C), np.int32)
         lengths = np.zeros((P,), np.int32)
         used = {r.slot for r, _ in lanes}
@@ -500,7 +502,7 @@ class Engine:
         # One program per lane width (and one without lanes) and decoding-row bucket: the
         # decode steps a call runs are an argument. Idle lanes and rows that are all done
         # change nothing.
-        for lanes in [None] + [self._lanes([], w) for w in self._lane_buckets()]:
+        for lanes in [None] + [self._lanes([], s) for s in self.scheduler.lane_shapes]:
             for live in steps.live_buckets(self.rows):
                 slots.state, record, _ = steps.step(
                     self.model, self.params, self.dparams, slots.state, lanes, np.int32(1),
@@ -575,7 +577,7 @@ class Engine:
                           salt=r.salt, logprobs=r.logprobs, output=list(output),
                           cached_tokens=r.cached_tokens,
                           cancelled=r.cancelled)
-            Scheduler.to_recompute(req)
+            req.to_recompute()
             new.scheduler.add(req)
         return new
 

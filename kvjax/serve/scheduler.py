@@ -101,6 +101,13 @@ class Request:
     parked_ring_base: np.ndarray | None = None  # per window group: its rings' first page
     row_state: steps.RowState | None = None
 
+    def to_recompute(self) -> None:
+        """Without pages, the request will be recomputed: its prompt and the tokens it
+        produced so far."""
+        self.fed = np.concatenate([self.prompt, np.asarray(self.output, np.int32)])
+        self.hashes = None
+        self.decoding, self.done_tokens = False, 0
+
 
 def _token_logprobs(record, entries, row: int, k: int) -> list[TokenLogprobs]:
     """Row `row`'s tokens' log-probabilities at the record's `entries`, each with its top
@@ -110,6 +117,14 @@ def _token_logprobs(record, entries, row: int, k: int) -> list[TokenLogprobs]:
                           top_logprobs=tuple(top[i, row, :k].tolist())) for i in entries]
 
 
+def _lane_shape(shapes, rest: list[int], chunk: int, room: int) -> tuple[int, int]:
+    """Of the compiled (lanes, width) `shapes` with a lane for each of the prompts that
+    have `rest` tokens left, one chunk wide or within `room` tokens: the one that
+    prefills the most of them, the cheapest of those."""
+    fits = [(p, w) for p, w in shapes if p >= len(rest) and (w == chunk or p * w <= room)]
+    return max(fits, key=lambda s: (sum(min(s[1], n) for n in rest), -s[0] * s[1], -s[0]))
+
+
 class Scheduler:
     """Admission, planning, preemption and delivery over the engine's rows.
 
@@ -117,6 +132,7 @@ class Scheduler:
       slots: the engine's `CacheSlots`.
       prefixes: the engine's `PrefixPages`.
       chunk, prefill_rows, token_budget, decode_steps, max_decode_steps: as `Engine`.
+      lane_shapes: the (lanes, width) shapes of a step's prefill (`steps.lane_shapes`).
       stats: the engine's counters (preemptions, requeues, swaps, swap_ins,
         decode_tokens).
 
@@ -130,12 +146,14 @@ class Scheduler:
 
     def __init__(self, slots: CacheSlots, prefixes: PrefixPages, *, chunk: int,
                  prefill_rows: int, token_budget: int, decode_steps: int,
-                 max_decode_steps: int, stats: collections.Counter):
+                 max_decode_steps: int, stats: collections.Counter,
+                 lane_shapes: Sequence[tuple[int, int]] | None = None):
         self.slots = slots
         self.prefixes = prefixes
         self.rows = slots.rows
         self.chunk = chunk
         self.prefill_rows = prefill_rows
+        self.lane_shapes = lane_shapes or steps.lane_shapes(prefill_rows, chunk)
         self.token_budget = token_budget
         self.decode_steps = decode_steps
         self.max_decode_steps = max_decode_steps
@@ -280,12 +298,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step's plan
 
-    def plan(self) -> tuple[list[int], list[tuple[Request, int]], int, bool]:
-        """The step: its decoding rows, its prefill lanes (request, tokens), the decode
-        steps it runs at most and whether it ends as soon as a row finishes. Before it
-        returns, the pool can supply every page such a step allocates: cached prefixes
-        are evicted and the latest requests preempted until it can."""
-        decode, lanes = self._rows_and_lanes()
+    def plan(self) -> tuple[list[int], list[tuple[Request, int]], tuple[int, int] | None,
+                            int, bool]:
+        """The step: its decoding rows, its prefill lanes (request, tokens) and their
+        compiled shape (lanes, width; None without lanes), the decode steps it runs at
+        most and whether it ends as soon as a row finishes. Before it returns, the pool
+        can supply every page such a step allocates: cached prefixes are evicted and the
+        latest requests preempted until it can."""
+        decode, lanes, shape = self._rows_and_lanes()
         k, until_finish = self._call_plan(decode, lanes)
         while self._pages_needed(decode, lanes, k) > self.slots.free_pages:
             if not self.prefixes.evict():
@@ -294,25 +314,31 @@ class Scheduler:
                         f"the pool ({self.slots.spec.num_pages} pages) cannot hold the next "
                         f"step of the only running request; give the Engine more pages.")
                 self._preempt()
-            decode, lanes = self._rows_and_lanes()
+            decode, lanes, shape = self._rows_and_lanes()
             k, until_finish = self._call_plan(decode, lanes)
-        return decode, lanes, k, until_finish
+        return decode, lanes, shape, k, until_finish
 
-    def _rows_and_lanes(self) -> tuple[list[int], list[tuple[Request, int]]]:
-        """This step's decoding rows and prefill lanes (request, tokens) within the budget."""
+    def _rows_and_lanes(self) -> tuple[list[int], list[tuple[Request, int]],
+                                       tuple[int, int] | None]:
+        """This step's decoding rows, prefill lanes (request, tokens; a chunk of the
+        budget each, up to `prefill_rows`) and their shape (`_lane_shape`)."""
         decode = [s for s, r in self.running.items() if r.decoding]
         room = self.token_budget - len(decode)
-        lanes = []
+        left = room
+        chosen = []
         for req in sorted((r for r in self.running.values() if not r.decoding),
                           key=lambda r: r.admitted):
             if not req.looked_up:  # waits for an earlier prompt's pages, or for a lane
                 continue
-            if len(lanes) == self.prefill_rows or (room < self.chunk and (lanes or decode)):
+            if len(chosen) == self.prefill_rows or (left < self.chunk and (chosen or decode)):
                 break
-            n = min(self.chunk, len(req.fed) - req.done_tokens)
-            lanes.append((req, n))
-            room -= self.chunk
-        return decode, lanes
+            chosen.append(req)
+            left -= self.chunk
+        if not chosen:
+            return decode, [], None
+        rest = [len(r.fed) - r.done_tokens for r in chosen]
+        p, w = _lane_shape(self.lane_shapes, rest, self.chunk, room)
+        return decode, [(r, min(w, n)) for r, n in zip(chosen, rest, strict=True)], (p, w)
 
     def _decode_steps(self, decode, lanes) -> tuple[int, bool]:
         """Decode steps this call runs at most, and whether it ends as soon as a row
@@ -392,19 +418,11 @@ class Scheduler:
         del self.running[req.slot]
         self.slots.release([req.slot])
         req.slot = None
-        self.to_recompute(req)
+        req.to_recompute()
         # A request admitted this step may hold nothing yet: it loses no work.
         self.stats["preemptions" if held else "requeues"] += 1
         self.waiting.appendleft(req)
         self.slots.sync()
-
-    @staticmethod
-    def to_recompute(req: Request) -> None:
-        """A request without pages will be recomputed: its prompt and the tokens it
-        produced so far."""
-        req.fed = np.concatenate([req.prompt, np.asarray(req.output, np.int32)])
-        req.hashes = None
-        req.decoding, req.done_tokens = False, 0
 
     def _swap_out(self, req: Request) -> bool:
         """Preempts a running request by swapping its sequence (and decoding row) to the
@@ -459,7 +477,7 @@ class Scheduler:
         del self.swapped[req.parked]
         self.slots.sync()
         req.parked, req.row_state = None, None
-        self.to_recompute(req)
+        req.to_recompute()
         self.stats["preemptions"] += 1
 
     # ------------------------------------------------------------------ delivery

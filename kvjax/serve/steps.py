@@ -278,6 +278,25 @@ def release(state: DecodeState, rows: Bool[Array, " rows"]) -> DecodeState:
     return dataclasses.replace(state, cache=cache, done=state.done | rows)
 
 
+def lane_shapes(prefill_rows: int, chunk: int, *, most: int = 0) -> list[tuple[int, int]]:
+    """The (lanes, width) shapes an engine compiles its step's prefill for. Lane counts:
+    powers of two up to `prefill_rows` (and it): idle lanes still cost their compute, so a
+    step runs the smallest that fits. Widths: one chunk, and with `most` (tokens) as many
+    whole chunks as fit `most` / lanes, so that fewer prompts than `prefill_rows` take
+    wider lanes: one long prompt prefills in a few wide calls, with no decode step between
+    its chunks. On the 56M-parameter peer model of benchmarks/serving.py one 64-token lane
+    prefills ~2000 tokens/s, one 256-token lane ~3000 (float32, 2-core Zen 4). A wide lane
+    gives the same logits as its chunks one by one on float pages (attention reads every
+    key from the pages); not so on KIVI pages, window-only rings or under a cache policy,
+    whose quantization, rings and prompt scoring follow the chunks (`most` = 0 there)."""
+    counts = [1]
+    while counts[-1] * 2 < prefill_rows:
+        counts.append(counts[-1] * 2)
+    counts = sorted(set(counts + [prefill_rows]))
+    return sorted({(p, chunk) for p in counts}
+                  | {(p, most // p // chunk * chunk) for p in counts if most // p >= chunk})
+
+
 def live_buckets(rows: int) -> list[int | None]:
     """The decoding-row counts (`step`'s `live`) an engine of `rows` rows compiles its step
     for: every row (None) and, from 16 rows up, the powers of four below them. A call

@@ -3,6 +3,8 @@ plans, warm-up, bad requests, the prefix cache's bookkeeping, and random arrival
 cancels around a preemption that must keep every invariant, lose no request and give each
 request generate's tokens."""
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +13,8 @@ from hypothesis import strategies as hst
 import kvjax.generate as gen
 from kvjax.cache.policies import StreamingLLM
 from kvjax.serve import Engine, PrefixCache, page_hashes
+from kvjax.serve.scheduler import _lane_shape
+from kvjax.specs import QuantSpec
 from tests.serve.engine_helpers import (
     _EVENTS,
     CHUNK,
@@ -360,3 +364,40 @@ def test_a_first_token_streams_without_waiting_for_decode_steps(tiny, rng):
     assert sum(chunks, []) == want
     assert len(chunks[0]) == 2 and steps[0] == 1, (chunks, steps)  # first token + one step
     assert max(len(c) for c in chunks[1:]) == 8
+
+
+def test_fewer_prompts_take_wider_lanes(tiny, rng):
+    """With fewer prompts than `prefill_rows` the lanes are wider (whole chunks, within
+    prefill_rows chunks in all): one prompt alone prefills 4 chunks a call, two prompts 2
+    each, and each gets generate's tokens (chunk by chunk). The shape a step takes is the
+    one that prefills most, the cheapest of those. KIVI pages keep one chunk per lane."""
+    model, params = tiny
+    cfg = gen.CacheConfig(page_size=PAGE)
+    engine = Engine(model, params, max_seqs=4, max_seq_len=160, chunk_size=CHUNK,
+                    prefill_rows=4, cache=cfg)
+    C = CHUNK
+    assert engine.scheduler.lane_shapes == [(1, C), (1, 4 * C), (2, C), (2, 2 * C), (4, C)]
+    pick = functools.partial(_lane_shape, engine.scheduler.lane_shapes, chunk=C)
+    assert pick([C - 3], room=8 * C) == (1, C)  # a wider lane would prefill no more
+    assert pick([3 * C + 1], room=8 * C) == (1, 4 * C)
+    assert pick([3 * C + 1], room=3 * C) == (1, C)  # the budget left after decode rows
+    assert pick([2 * C, 3], room=8 * C) == (2, 2 * C)
+    assert pick([5 * C, 5 * C, 1], room=8 * C) == (4, C)
+
+    # a alone: 4 chunks, then its rest; b and c together: 2 chunks each, then their rests.
+    lengths = [int(rng.integers(4 * C + 1, 5 * C)), *rng.integers(2 * C + 1, 3 * C, 2)]
+    prompts = [rng.integers(3, model.vocab_size, int(n)).tolist() for n in lengths]
+    new = [int(k) for k in rng.integers(4, 12, 3)]
+    for batch, lanes in [([0], 2), ([1, 2], 4)]:
+        before = engine.stats["prefill_chunks"], engine.stats["prefill_tokens"]
+        tokens, _ = _drive(engine, [prompts[i] for i in batch], [new[i] for i in batch],
+                           first=len(batch))
+        assert engine.stats["prefill_chunks"] - before[0] == lanes, batch
+        assert engine.stats["prefill_tokens"] - before[1] == sum(lengths[i] for i in batch)
+        for i, got in zip(batch, tokens, strict=True):
+            assert got == _alone(model, params, prompts[i], new[i], cfg), i
+
+    kivi = Engine(model, params, max_seqs=4, max_seq_len=160, chunk_size=CHUNK, prefill_rows=4,
+                  cache=gen.CacheConfig(page_size=PAGE, quant=QuantSpec(
+                      bits=4, group_size=PAGE, residual=PAGE)))
+    assert kivi.scheduler.lane_shapes == [(1, C), (2, C), (4, C)]
