@@ -300,28 +300,29 @@ class Scheduler:
 
     def plan(self) -> tuple[list[int], list[tuple[Request, int]], tuple[int, int] | None,
                             int, bool]:
-        """The step: its decoding rows, its prefill lanes (request, tokens) and their
-        compiled shape (lanes, width; None without lanes), the decode steps it runs at
-        most and whether it ends as soon as a row finishes. Before it returns, the pool
-        can supply every page such a step allocates: cached prefixes are evicted and the
-        latest requests preempted until it can."""
+        """The step: its decoding rows, prefill lanes (request, tokens) and their shape
+        (lanes, width; None without lanes), the decode steps it runs at most and whether
+        it ends as soon as a row finishes. Then the pool can supply every page such a
+        step allocates: lanes narrowed to a chunk, prefixes evicted, requests preempted."""
         decode, lanes, shape = self._rows_and_lanes()
-        k, until_finish = self._call_plan(decode, lanes)
+        k, until_finish, narrow = *self._call_plan(decode, lanes), False
         while self._pages_needed(decode, lanes, k) > self.slots.free_pages:
-            if not self.prefixes.evict():
+            if not narrow and shape is not None and shape[1] > self.chunk:
+                narrow = True
+            elif not self.prefixes.evict():
                 if len(self.running) <= 1:
                     raise RuntimeError(
                         f"the pool ({self.slots.spec.num_pages} pages) cannot hold the next "
                         f"step of the only running request; give the Engine more pages.")
                 self._preempt()
-            decode, lanes, shape = self._rows_and_lanes()
+            decode, lanes, shape = self._rows_and_lanes(narrow)
             k, until_finish = self._call_plan(decode, lanes)
         return decode, lanes, shape, k, until_finish
 
-    def _rows_and_lanes(self) -> tuple[list[int], list[tuple[Request, int]],
-                                       tuple[int, int] | None]:
+    def _rows_and_lanes(self, narrow: bool = False) -> tuple[
+            list[int], list[tuple[Request, int]], tuple[int, int] | None]:
         """This step's decoding rows, prefill lanes (request, tokens; a chunk of the
-        budget each, up to `prefill_rows`) and their shape (`_lane_shape`)."""
+        budget each, up to `prefill_rows`) and their shape (`narrow`: one chunk wide)."""
         decode = [s for s, r in self.running.items() if r.decoding]
         room = self.token_budget - len(decode)
         left = room
@@ -337,7 +338,7 @@ class Scheduler:
         if not chosen:
             return decode, [], None
         rest = [len(r.fed) - r.done_tokens for r in chosen]
-        p, w = _lane_shape(self.lane_shapes, rest, self.chunk, room)
+        p, w = _lane_shape(self.lane_shapes, rest, self.chunk, 0 if narrow else room)
         return decode, [(r, min(w, n)) for r, n in zip(chosen, rest, strict=True)], (p, w)
 
     def _decode_steps(self, decode, lanes) -> tuple[int, bool]:

@@ -401,3 +401,21 @@ def test_fewer_prompts_take_wider_lanes(tiny, rng):
                   cache=gen.CacheConfig(page_size=PAGE, quant=QuantSpec(
                       bits=4, group_size=PAGE, residual=PAGE)))
     assert kivi.scheduler.lane_shapes == [(1, C), (2, C), (4, C)]
+
+
+def test_a_wide_lane_narrows_before_anything_is_evicted_or_preempted(tiny, rng):
+    """When the free pages cannot take a wide lane, the step's lanes are one chunk wide
+    before cached prefixes are evicted or requests preempted (here the only one)."""
+    model, params = tiny
+    engine = Engine(model, params, max_seqs=4, max_seq_len=160, chunk_size=CHUNK,
+                    prefill_rows=4, cache=gen.CacheConfig(page_size=PAGE))
+    engine.add_request(rng.integers(3, model.vocab_size, 3 * CHUNK + 5).tolist(), max_tokens=4)
+    sched = engine.scheduler
+    sched.admit_waiting()
+    sched.look_up_prefixes()
+    _, lanes, shape, _, _ = sched.plan()
+    assert shape == (1, 4 * CHUNK) and lanes[0][1] == 3 * CHUNK + 5
+    engine.slots.free_pages = CHUNK // PAGE  # one chunk's pages
+    _, lanes, shape, _, _ = sched.plan()
+    assert shape == (1, CHUNK) and lanes[0][1] == CHUNK
+    assert engine.stats["preemptions"] == engine.stats["requeues"] == 0
