@@ -122,10 +122,11 @@ def _has_recurrent_state(model: Model) -> bool:
 
 
 def _settle(model: Model, cache, *, max_seqs, max_seq_len, chunk_size, prefill_rows,
-            decode_steps, max_decode_steps, prefix_caching, policy, host_pages, host_rows
-            ) -> tuple[setup.CacheConfig, CachePolicy | None, bool]:
+            decode_steps, max_decode_steps, prefix_caching, policy, host_pages, host_rows,
+            prefill_run=0, **unchecked) -> tuple[setup.CacheConfig, CachePolicy | None, bool]:
     """Checks `Engine`'s arguments; returns the cache config, the policy and whether prefix
-    caching is on, as the engine will run them (see `Engine` for what combines)."""
+    caching is on, as the engine will run them (see `Engine` for what combines). The
+    `unchecked` ones are checked where they are used."""
     cfg = cache if cache is not None else setup.CacheConfig()
     if not isinstance(cfg, setup.CacheConfig):
         raise TypeError(f"cache must be a kvjax.generate.CacheConfig, got "
@@ -144,7 +145,8 @@ def _settle(model: Model, cache, *, max_seqs, max_seq_len, chunk_size, prefill_r
         raise ValueError(f"Engine: chunk_size ({chunk_size}) must be a multiple of the page "
                          f"size ({ps}), so prefix hits end on chunk boundaries.")
     setup.check_policy(policy)
-    for name, v, lo in (("host_pages", host_pages, 0), ("host_rows", host_rows, 1)):
+    for name, v, lo in (("host_pages", host_pages, 0), ("host_rows", host_rows, 1),
+                        ("prefill_run", prefill_run, 0)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer)
                               or v < lo):
             raise ValueError(f"Engine: {name} must be an int >= {lo}, got {v!r}.")
@@ -244,6 +246,9 @@ class Engine:
         cache policy (its per-slot state is not swapped) nor a sharding plan.
       host_rows: parked rows of the host tier: swapped requests and cached prefixes it
         holds at once (default 2 * max_seqs; only with `host_pages`).
+      prefill_run: calls with prefill lanes in a row with no decode step while prompts
+        wait (0: one in every such call); default 8, ~2048 prompt tokens at the defaults:
+        first tokens come sooner, and decoding rows wait that long (docs/serving.md).
 
     Attributes:
       stats: counters (`collections.Counter`): steps (decode steps), calls (programs run),
@@ -265,19 +270,15 @@ class Engine:
                  prefix_caching: bool = True, prefix_slots: int | None = None,
                  eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None,
                  decode_steps: int = 8, max_decode_steps: int | None = None,
-                 host_pages: int = 0, host_rows: int | None = None):
+                 host_pages: int = 0, host_rows: int | None = None, prefill_run: int = 8):
         # What `rebuilt` builds a fresh engine from.
         self._options = dict(
             max_seqs=max_seqs, max_seq_len=max_seq_len, cache=cache, chunk_size=chunk_size,
             prefill_rows=prefill_rows, token_budget=token_budget, prefix_caching=prefix_caching,
             prefix_slots=prefix_slots, eos_ids=eos_ids, impl=impl, policy=policy,
             decode_steps=decode_steps, max_decode_steps=max_decode_steps,
-            host_pages=host_pages, host_rows=host_rows)
-        cfg, policy, prefix_caching = _settle(
-            model, cache, max_seqs=max_seqs, max_seq_len=max_seq_len, chunk_size=chunk_size,
-            prefill_rows=prefill_rows, decode_steps=decode_steps,
-            max_decode_steps=max_decode_steps, prefix_caching=prefix_caching, policy=policy,
-            host_pages=host_pages, host_rows=host_rows)
+            host_pages=host_pages, host_rows=host_rows, prefill_run=prefill_run)
+        cfg, policy, prefix_caching = _settle(model, **self._options)
         ps = cfg.page_size
         self.model = model
         self.vocab_size = model.vocab_size
@@ -333,7 +334,8 @@ class Engine:
             max_decode_steps=self.max_decode_steps, stats=self.stats,
             lane_shapes=steps.lane_shapes(self.prefill_rows, chunk_size, most=min(
                 self.prefill_rows * chunk_size, self.token_budget,
-                -(-max_seq_len // chunk_size) * chunk_size) if wide else 0))
+                -(-max_seq_len // chunk_size) * chunk_size) if wide else 0),
+            prefill_run=prefill_run)
         self._ids = itertools.count()
 
     @property

@@ -133,6 +133,7 @@ class Scheduler:
       prefixes: the engine's `PrefixPages`.
       chunk, prefill_rows, token_budget, decode_steps, max_decode_steps: as `Engine`.
       lane_shapes: the (lanes, width) shapes of a step's prefill (`steps.lane_shapes`).
+      prefill_run: calls with lanes in a row without a decode step while prompts wait.
       stats: the engine's counters (preemptions, requeues, swaps, swap_ins,
         decode_tokens).
 
@@ -147,7 +148,7 @@ class Scheduler:
     def __init__(self, slots: CacheSlots, prefixes: PrefixPages, *, chunk: int,
                  prefill_rows: int, token_budget: int, decode_steps: int,
                  max_decode_steps: int, stats: collections.Counter,
-                 lane_shapes: Sequence[tuple[int, int]] | None = None):
+                 lane_shapes: Sequence[tuple[int, int]] | None = None, prefill_run: int = 0):
         self.slots = slots
         self.prefixes = prefixes
         self.rows = slots.rows
@@ -164,6 +165,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.outputs: list[RequestOutput] = []
         self._admissions = itertools.count(1)
+        self.prefill_run, self._run = prefill_run, 0  # calls with lanes and no decode step
 
     def add(self, req: Request) -> None:
         self.requests[req.id] = req
@@ -317,6 +319,7 @@ class Scheduler:
                 self._preempt()
             decode, lanes, shape = self._rows_and_lanes(narrow)
             k, until_finish = self._call_plan(decode, lanes)
+        self._run = self._run + 1 if lanes and decode and not k else 0
         return decode, lanes, shape, k, until_finish
 
     def _rows_and_lanes(self, narrow: bool = False) -> tuple[
@@ -346,9 +349,11 @@ class Scheduler:
         finishes (its request is then done and a waiting one can take the row):
 
           * none without a decoding row;
-          * one while a prompt still waits for a chunk or a lane (it starts sooner), and
-            when a prompt takes its last chunk in this call: its first token is streamed
-            at the end of the call, so more steps would delay it (time to first token);
+          * while a prompt still waits for a chunk or a lane, none for up to `prefill_run`
+            calls in a row, then one (the prompts start sooner);
+          * one when a prompt takes its last chunk in this call: its first token is
+            streamed at the end of the call, so more steps would delay it (time to first
+            token);
           * while every row is busy (or a request waits for pages), until the first row
             finishes, at most `max_decode_steps`: by length the host knows when, so no step
             runs past it; by EOS the device stops there;
@@ -360,7 +365,7 @@ class Scheduler:
         in_lanes = {r.slot for r, _ in lanes}
         if len(ending) < len(lanes) or any(
                 not r.decoding and s not in in_lanes for s, r in self.running.items()):
-            return 1, False
+            return int(self._run >= self.prefill_run), False
         if not self.waiting and len(self.running) < self.rows:
             return (1 if ending else self.decode_steps), False
         if ending:  # a first token to stream; the call still ends where a row finishes
@@ -372,31 +377,10 @@ class Scheduler:
         """`_decode_steps`, with fewer steps when the free pages cannot cover them all (the
         page check then evicts or preempts only if one step does not fit)."""
         k, until_finish = self._decode_steps(decode, lanes)
-        k = min(k, self._ring_steps(lanes))
+        k = min(k, _ring_steps(self, lanes))
         while k > 1 and self._pages_needed(decode, lanes, k) > self.slots.free_pages:
             k //= 2
         return k, until_finish
-
-    def _ring_steps(self, lanes) -> int:
-        """Decode steps a call may run after a prompt that ends in it while its rings still
-        serve a later hit on its pages, which ends at its last whole chunk c: a window
-        group's ring must still hold the page of position c - window + 1, which k more
-        tokens push out once ceil((len + k) / page_size) - R passes it (unbounded without
-        window groups or prefix caching). At least 1: R * page_size >= window + chunk_size
-        + page_size - 2 (`kvjax.specs.ring_pages`)."""
-        k, slots = self.max_decode_steps, self.slots
-        if not self.prefixes.enabled or not slots.windows.size:
-            return k
-        ps = slots.spec.page_size
-        for r, n in lanes:
-            total = len(r.fed)
-            if r.done_tokens + n != total or total < self.chunk:
-                continue
-            first = np.maximum((total // self.chunk) * self.chunk - slots.windows + 1, 0) // ps
-            if np.any(first < slots.ring_base[r.slot]):
-                continue  # a hit's ring that cannot register this prompt anyway
-            k = min(k, int(np.min((first + slots.rings) * ps)) - total)
-        return max(k, 1)
 
     def _pages_needed(self, decode, lanes, k: int) -> int:
         """Pages the call allocates at most: k decode steps of each decoding row, and each
@@ -525,3 +509,25 @@ class Scheduler:
         if release:
             self.slots.release(release)
             self.slots.sync()
+
+
+def _ring_steps(sched: "Scheduler", lanes) -> int:
+    """Decode steps a call may run after a prompt that ends in it while its rings still
+    serve a later hit on its pages, which ends at its last whole chunk c: a window
+    group's ring must still hold the page of position c - window + 1, which k more
+    tokens push out once ceil((len + k) / page_size) - R passes it (unbounded without
+    window groups or prefix caching). At least 1: R * page_size >= window + chunk_size
+    + page_size - 2 (`kvjax.specs.ring_pages`)."""
+    k, slots = sched.max_decode_steps, sched.slots
+    if not sched.prefixes.enabled or not slots.windows.size:
+        return k
+    ps = slots.spec.page_size
+    for r, n in lanes:
+        total = len(r.fed)
+        if r.done_tokens + n != total or total < sched.chunk:
+            continue
+        first = np.maximum((total // sched.chunk) * sched.chunk - slots.windows + 1, 0) // ps
+        if np.any(first < slots.ring_base[r.slot]):
+            continue  # a hit's ring that cannot register this prompt anyway
+        k = min(k, int(np.min((first + slots.rings) * ps)) - total)
+    return max(k, 1)

@@ -84,25 +84,26 @@ def test_swaps_and_host_prefix_hits_keep_the_tokens(tiny, rng, kind):
     assert kinds == {host.HOST_MEMORY}, kinds
 
 
-def _host_engine(model, params):
+def _host_engine(model, params, **kw):
     """Like test_engine_scheduling's small engine (14 pages, rows of up to 56 tokens) with a
     host tier of 4 pages and 2 rows: a request of up to 32 tokens swaps, a longer one (or
     one that finds the tier taken by another) is recomputed, and parked prefixes are
     dropped for room. The tests below share its programs (a fresh engine each)."""
     return Engine(model, params, max_seqs=3, max_seq_len=56, chunk_size=CHUNK, prefill_rows=2,
                   cache=gen.CacheConfig(page_size=PAGE, num_pages=14), prefix_slots=3,
-                  host_pages=4, host_rows=2)
+                  host_pages=4, host_rows=2, **kw)
 
 
 def test_a_host_tier_too_small_falls_back_to_recompute(tiny, rng):
     """Two requests of 8 + 48 tokens start (two calls: 18 tokens each); then a third of
-    48 + 8 joins and prefills while the first two decode (7 of the pool's 14 pages for it).
+    48 + 8 joins and prefills while the first two decode, a step in each of its calls
+    (`prefill_run=0`; 7 of the pool's 14 pages for it).
     Once they need a fourth page each, the pool cannot hold all three: the latest admitted,
     the third, holding 49 tokens or more, is preempted; the tier of 4 pages (32 tokens)
     cannot take it, so it is recomputed. Every request gets generate's tokens."""
     model, params = tiny
     cfg = gen.CacheConfig(page_size=PAGE)
-    engine = _host_engine(model, params)
+    engine = _host_engine(model, params, prefill_run=0)
     replay = _Replay(engine)
     first = [replay.add(rng.integers(3, model.vocab_size, PAGE).tolist(), 48)
              for _ in range(2)]

@@ -419,3 +419,31 @@ def test_a_wide_lane_narrows_before_anything_is_evicted_or_preempted(tiny, rng):
     _, lanes, shape, _, _ = sched.plan()
     assert shape == (1, CHUNK) and lanes[0][1] == CHUNK
     assert engine.stats["preemptions"] == engine.stats["requeues"] == 0
+
+
+@pytest.mark.parametrize("run", [0, 2])
+def test_prefill_run_holds_decode_steps_while_a_prompt_waits(tiny, rng, run):
+    """While a 5-chunk prompt prefills beside a decoding row, calls run no decode step for
+    up to `prefill_run` calls in a row, then one; the call with its last chunk decodes
+    once. Both requests get generate's tokens."""
+    model, params = tiny
+    cfg = gen.CacheConfig(page_size=PAGE)
+    engine = Engine(model, params, max_seqs=2, max_seq_len=160, chunk_size=CHUNK,
+                    prefill_rows=1, cache=cfg, decode_steps=1, prefill_run=run)
+    a, b = (rng.integers(3, model.vocab_size, n).tolist() for n in (CHUNK - 3, 5 * CHUNK - 2))
+    ra = engine.add_request(a, max_tokens=20)
+    out = {ra: [o.token_ids for o in engine.step()][0]}  # a's lane and first token
+    rb = engine.add_request(b, max_tokens=6)
+    per_call = []
+    for _ in range(5):  # b's five chunks
+        got = {o.request_id: o.token_ids for o in engine.step()}
+        per_call.append(len(got.get(ra, [])))
+        for rid, toks in got.items():
+            out.setdefault(rid, []).extend(toks)
+    assert per_call == ([1] * 5 if run == 0 else [0, 0, 1, 0, 1]), per_call
+    assert len(out[rb]) == 2  # its last chunk's call: the first token and one decode step
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    assert out[ra] == _alone(model, params, a, 20, cfg)
+    assert out[rb] == _alone(model, params, b, 6, cfg)
