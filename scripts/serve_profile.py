@@ -3,7 +3,7 @@
 Builds the engine exactly as the server does for `benchmarks/serving.py --peer-vllm`
 (the random 56M Llama, `--max-seqs 32 --max-seq-len 2048`, chunks of 64, pages of 16,
 prefix caching, no EOS) and replays the burst (32 requests at once sharing a 512-token
-prefix plus 32-256 own tokens, 16-256 new) (or, with --rate, the Poisson trace) without HTTP:
+prefix plus 32-256 own tokens, 16-256 new), or with --rate the Poisson trace, without HTTP:
 
   1. plain: tokens/s and time to first token of the engine alone (the server's HTTP,
      detokenization and event loop are what the peer run adds to this);
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
             requests, suffix_dist = args.requests, "loguniform"
             peer_rates = [] if args.rate is None else [args.rate]
 
-        def burst(seed):
+        def trace_for(seed):
             traces = serving.peer_traces(seed, TraceArgs)
             return traces["burst" if args.rate is None else f"poisson {args.rate:g}/s"]
 
@@ -137,12 +137,12 @@ def main(argv=None) -> int:
         engine = fresh()
         print(f"{args.dtype}: engine built and compiled in {time.perf_counter() - t:.1f} s; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-        serving.run_engine(engine, *burst(args.seed + 100))  # first calls, untimed
+        serving.run_engine(engine, *trace_for(args.seed + 100))  # first calls, untimed
         result = dict(dtype=args.dtype, machine=serving.machine(), jax=jax.__version__,
                       engine={k: v for k, v in engine_args.items() if k != "cache"})
 
         engine = fresh()
-        trace = burst(args.seed)
+        trace = trace_for(args.seed)
         t0 = time.perf_counter()
         tokens, times, split = serving.run_engine(engine, *trace)
         wall = time.perf_counter() - t0

@@ -53,8 +53,9 @@ left.
 
 Tokens of a request equal those of `kvjax.generate` run on that request alone with
 the same `chunk_size` (greedy, or sampled with the same key: row i's step s samples
-with `fold_in(key, s)`): chunks start at the same positions, and a prefix hit covers
-whole chunks only. On a KIVI cache a hit also covers only pages that the request would
+with `fold_in(key, s)`): chunks start at the same positions (a wide lane of several
+chunks gives their logits, `steps.lane_shapes`), and a prefix hit covers whole chunks
+only. On a KIVI cache a hit also covers only pages that the request would
 have quantized itself by the end of its first chunk after the hit, so quantization
 happens at the same tokens with and without the hit (with a residual R, hits need
 `chunk_size >= R + page_size`).
@@ -458,12 +459,10 @@ class Engine:
         sched.deliver(record, (1 if lanes else 0) + int(ran), self.eos_ids)
         return sched.outputs
 
-    def _lanes(self, lanes: list[tuple[Request, int]],
-               shape: tuple[int, int] | None = None) -> steps.Lanes:
+    def _lanes(self, lanes: list[tuple[Request, int]], shape: tuple[int, int]) -> steps.Lanes:
         """The step's prefill lanes as arrays, padded with idle lanes to `shape` (lanes,
-        width; default the fewest lanes of one chunk that hold them)."""
-        P, C = shape or min(s for s in self.scheduler.lane_shapes
-                            if s[0] >= len(lanes) and s[1] == self.chunk)
+        width)."""
+        P, C = shape
         tokens = np.zeros((P, C), np.int32)
         lengths = np.zeros((P,), np.int32)
         used = {r.slot for r, _ in lanes}

@@ -285,9 +285,11 @@ def lane_shapes(prefill_rows: int, chunk: int, *, most: int = 0) -> list[tuple[i
     whole chunks as fit `most` / lanes, so that fewer prompts than `prefill_rows` take
     wider lanes: one long prompt prefills in a few wide calls, with no decode step between
     its chunks. On the 56M-parameter peer model of benchmarks/serving.py one 64-token lane
-    prefills ~2000 tokens/s, one 256-token lane ~3000 (float32, 2-core Zen 4). A wide lane
-    gives the same logits as its chunks one by one on float pages (attention reads every
-    key from the pages); not so on KIVI pages, window-only rings or under a cache policy,
+    prefills ~2000 tokens/s, one 256-token lane ~3000 (float32, 2-core Zen 4). On float
+    pages a wide lane gave bit-for-bit the logits of its chunks one by one (attention reads
+    every key from the pages; checked on CPU, XLA path and kernels, float32 and bf16; a
+    backend whose matmuls block by row count may differ in the last bits); not so on KIVI
+    pages, window-only rings or under a cache policy,
     whose quantization, rings and prompt scoring follow the chunks (`most` = 0 there)."""
     counts = [1]
     while counts[-1] * 2 < prefill_rows:
