@@ -34,6 +34,17 @@ from kvjax.generate.cli import (
 
 __all__ = ["add_parser", "run"]
 
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
 _DEFAULT_MAX_SEQ_LEN = 2048
 _DEFAULT_CHUNK = 64
 _DEFAULT_PAGE = 16
@@ -102,6 +113,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="decode steps per engine call, and so tokens per streamed chunk at "
                    "most (default 1: each token streams as it is decoded; more spread each "
                    "call's fixed cost over several tokens, which stream together)")
+    p.add_argument("--prefill-lanes", type=positive_int, default=16, metavar="N",
+                   help="prompts prefilled per engine call at most, one per lane (default 16)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=512, metavar="TOKENS",
+                   help="prompt tokens per engine call at most (default 512): each call "
+                   "takes the lane shape that prefills the most tokens per cost within "
+                   "them, several prompts in narrow lanes or one in a wide lane (on "
+                   "float pages; one chunk per lane on KIVI pages and window-only rings)")
+    p.add_argument("--prefill-run", type=_non_negative_int, default=8, metavar="N",
+                   help="engine calls with prefill lanes in a row that run no decode step "
+                   "while prompts wait (default 8; 0: the decoding rows step in every "
+                   "call: a lower inter-token p99, later first tokens)")
     add_kivi_flags(p)
     add_mesh_flags(p)
     p.add_argument("--window-pages", action=argparse.BooleanOptionalAction, default=None,
@@ -372,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(model, params, max_seqs=args.max_seqs, max_seq_len=max_seq_len,
                         cache=cache, chunk_size=chunk_size,
                         decode_steps=args.decode_steps, max_decode_steps=args.decode_steps,
+                        prefill_rows=args.prefill_lanes, prefill_run=args.prefill_run,
+                        token_budget=args.max_seqs + args.prefill_tokens,
                         prefix_caching=not args.no_prefix_caching,
                         host_pages=args.host_pages or 0, host_rows=args.host_rows,
                         eos_ids=[t for t in _eos_ids(args.model, hf, tokenizer)

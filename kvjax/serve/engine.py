@@ -9,14 +9,15 @@
 
 Requests arrive at any time. The engine keeps one cache of `max_seqs` decoding rows
 (plus spare slots that hold cached prefixes) and one `DecodeState` over the rows;
-each `step()` is one jitted program that
+each `step()` runs two jitted programs back to back:
 
-  * prefills one chunk (`chunk_size` tokens) of up to `prefill_rows` waiting prompts
-    through `kvjax.generate.prefill` (fewer prompts take wider lanes, several chunks
-    each, within the same `prefill_rows * chunk_size` tokens), and for each prompt
-    whose last chunk this was samples its first token and makes its row a decoding
-    row, then
-  * runs `kvjax.generate.decode_step` on every decoding row (the same step function
+  * one prefills a chunk of up to `prefill_rows` waiting prompts through
+    `kvjax.generate.prefill`, one per lane, in the lane shape that prefills the most
+    tokens per cost within the token budget (on float pages: many prompts in narrow
+    lanes, fewer in wider lanes of several chunks; `steps.lane_shapes`), and for each
+    prompt whose last chunk this was samples its first token and makes its row a
+    decoding row;
+  * the other runs `kvjax.generate.decode_step` on every decoding row (the same step function
     `generate` loops over: every page kind, policy and sharding plan) in a
     `lax.while_loop`: one step while a prompt still waits for a chunk (it starts
     sooner); while every row is busy, until the first row finishes (the host knows
@@ -212,6 +213,16 @@ def _initial_state(kv, max_seqs: int, policy_state) -> DecodeState:
     return state
 
 
+def _warmup_calls(shapes, buckets) -> list[tuple[tuple[int, int] | None, int | None]]:
+    """(lane shape or None, live bucket) of the calls that compile every program a step
+    runs: a prefill program per lane shape and a decode program per decoding-row bucket
+    (the decode steps a call runs are an argument), each bucket with and without lanes
+    before it."""
+    return [(None, b) for b in buckets] + [
+        (shapes[i % len(shapes)], buckets[i % len(buckets)])
+        for i in range(max(len(shapes), len(buckets)))]
+
+
 class Engine:
     """Serves requests that arrive at any time on one paged cache (see the module doc).
 
@@ -223,10 +234,10 @@ class Engine:
         size, sharding plan); `num_pages` defaults to room for `max_seqs` sequences of
         `max_seq_len` tokens. Cached prefixes use pages nobody else needs.
       chunk_size: prefill chunk length; a multiple of the page size.
-      prefill_rows: prompts prefilled per step at most (a step runs as many lanes as
-        prompts wait, rounded up to a power of two; one chunk each, or with fewer lanes
-        than `prefill_rows` up to `prefill_rows / lanes` chunks each, but on KIVI pages,
-        window-only rings and with a cache policy).
+      prefill_rows: prompts prefilled per step at most, one per lane (lane counts:
+        powers of two; widths: one chunk, and on float pages without a policy or
+        window-only rings also narrower or wider lanes within the budget,
+        `steps.lane_shapes`).
       token_budget: tokens per step, decode rows first; default max_seqs + prefill_rows *
         chunk_size (every lane may run every step).
       prefix_caching: keep prompts' full pages for later requests (not with a policy,
@@ -333,9 +344,10 @@ class Engine:
             self.slots, self.prefixes, chunk=chunk_size, prefill_rows=self.prefill_rows,
             token_budget=self.token_budget, decode_steps=decode_steps,
             max_decode_steps=self.max_decode_steps, stats=self.stats,
-            lane_shapes=steps.lane_shapes(self.prefill_rows, chunk_size, most=min(
-                self.prefill_rows * chunk_size, self.token_budget,
-                -(-max_seq_len // chunk_size) * chunk_size) if wide else 0),
+            lane_shapes=steps.lane_shapes(
+                self.prefill_rows, chunk_size, most=min(self.prefill_rows * chunk_size,
+                                                        self.token_budget),
+                wide=wide, least=max(ps, 32), longest=-(-max_seq_len // chunk_size) * chunk_size),
             prefill_run=prefill_run)
         self._ids = itertools.count()
 
@@ -435,16 +447,19 @@ class Engine:
         # Rows decoding in this call: those decoding now and those whose prompt ends in it.
         live = steps.live_bucket(self.rows, len(decode) + sum(
             r.done_tokens + n == len(r.fed) for r, n in lanes))
-        slots.state, record, ran = steps.step(
+        slots.state, head, record, ran = steps.step(
             self.model, self.params, self.dparams, slots.state,
             self._lanes(lanes, shape) if lanes else None, np.int32(k), np.bool_(until_finish),
             eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
             decode=self.max_decode_steps, logprobs=logprobs, live=live)
         st, c = slots.state, slots.state.cache
-        record, ran, code, *mirrored = jax.device_get(
-            (record, ran, st.status.code, c.lengths, c.table.lengths, c.table.num_free,
+        head, record, ran, code, *mirrored = jax.device_get(
+            (head, record, ran, st.status.code, c.lengths, c.table.lengths, c.table.num_free,
              slots.host_free_array()))
         slots.mirror(mirrored)
+        if head is not None:  # the lanes' entry first, then the decode steps'
+            record = head if record is None else tuple(
+                np.concatenate(x) for x in zip(head, record, strict=True))
         if int(code) != 0:
             # The page check above makes this unreachable; say so loudly if it is not.
             err = jax.device_get(st.status)
@@ -456,7 +471,8 @@ class Engine:
         self.stats["prefill_tokens"] += sum(n for _, n in lanes)
         self.stats["prefill_chunks"] += len(lanes)
         sched.after_prefill(lanes)
-        sched.deliver(record, (1 if lanes else 0) + int(ran), self.eos_ids)
+        if record is not None:
+            sched.deliver(record, (1 if lanes else 0) + int(ran), self.eos_ids)
         return sched.outputs
 
     def _lanes(self, lanes: list[tuple[Request, int]], shape: tuple[int, int]) -> steps.Lanes:
@@ -500,17 +516,15 @@ class Engine:
             raise RuntimeError("Engine.warmup: only on an idle engine (no request queued or "
                                "running).")
         slots = self.slots
-        # One program per lane width (and one without lanes) and decoding-row bucket: the
-        # decode steps a call runs are an argument. Idle lanes and rows that are all done
-        # change nothing.
-        for lanes in [None] + [self._lanes([], s) for s in self.scheduler.lane_shapes]:
-            for live in steps.live_buckets(self.rows):
-                slots.state, record, _ = steps.step(
-                    self.model, self.params, self.dparams, slots.state, lanes, np.int32(1),
-                    np.bool_(False), eos_ids=self.eos_ids, impl=self.impl,
-                    policy=self.policy, decode=self.max_decode_steps, logprobs=False,
-                    live=live)
-        jax.block_until_ready(record)
+        # Idle lanes and rows that are all done change nothing.
+        for shape, live in _warmup_calls(self.scheduler.lane_shapes,
+                                         steps.live_buckets(self.rows)):
+            slots.state, *out = steps.step(
+                self.model, self.params, self.dparams, slots.state,
+                None if shape is None else self._lanes([], shape), np.int32(1),
+                np.bool_(False), eos_ids=self.eos_ids, impl=self.impl, policy=self.policy,
+                decode=self.max_decode_steps, logprobs=False, live=live)
+        jax.block_until_ready(out)
         slots.release([])
         slots.free_slots([])
         empty = np.nonzero(np.asarray(jax.device_get(slots.state.cache.lengths)) == 0)[0]

@@ -117,12 +117,27 @@ def _token_logprobs(record, entries, row: int, k: int) -> list[TokenLogprobs]:
                           top_logprobs=tuple(top[i, row, :k].tolist())) for i in entries]
 
 
-def _lane_shape(shapes, rest: list[int], chunk: int, room: int) -> tuple[int, int]:
-    """Of the compiled (lanes, width) `shapes` with a lane for each of the prompts that
-    have `rest` tokens left, one chunk wide or within `room` tokens: the one that
-    prefills the most of them, the cheapest of those."""
-    fits = [(p, w) for p, w in shapes if p >= len(rest) and (w == chunk or p * w <= room)]
-    return max(fits, key=lambda s: (sum(min(s[1], n) for n in rest), -s[0] * s[1], -s[0]))
+# A prefill call's fixed cost in prompt tokens: on the 56M-parameter peer model of
+# benchmarks/serving.py a call of 64, 256 and 512 tokens took ~40, ~85 and ~145 ms (float32,
+# 2-core Zen 4, lanes of any shape), about (100 + tokens) * 0.24 ms.
+LANE_COST = 100
+
+
+def _lane_shape(shapes, rest: list[int], chunk: int, room: int, *,
+                narrow: bool = False) -> tuple[int, int] | None:
+    """Of the compiled (lanes, width) `shapes` within `room` tokens (`narrow`: at most one
+    chunk wide), for the prompts that have `rest` tokens left, first in line first (one
+    per lane): the one that prefills the most of them among those within 10% of the most
+    tokens per cost (`LANE_COST` + lanes * width), the cheapest of those; None when no
+    shape fits."""
+    def useful(s):
+        return sum(min(s[1], n) for n in rest[:s[0]])
+    fits = [s for s in shapes if s[0] * s[1] <= room and (not narrow or s[1] <= chunk)]
+    if not fits:
+        return None
+    best = max(useful(s) / (LANE_COST + s[0] * s[1]) for s in fits)
+    good = [s for s in fits if useful(s) / (LANE_COST + s[0] * s[1]) >= 0.9 * best]
+    return max(good, key=lambda s: (useful(s), -s[0] * s[1], -s[0]))
 
 
 class Scheduler:
@@ -324,25 +339,24 @@ class Scheduler:
 
     def _rows_and_lanes(self, narrow: bool = False) -> tuple[
             list[int], list[tuple[Request, int]], tuple[int, int] | None]:
-        """This step's decoding rows, prefill lanes (request, tokens; a chunk of the
-        budget each, up to `prefill_rows`) and their shape (`narrow`: one chunk wide)."""
+        """This step's decoding rows, prefill lanes (request, tokens: the first in line
+        that have a lane, up to `prefill_rows`, within the budget the decoding rows leave)
+        and their shape (`_lane_shape`; `narrow`: at most one chunk wide)."""
         decode = [s for s, r in self.running.items() if r.decoding]
-        room = self.token_budget - len(decode)
-        left = room
-        chosen = []
-        for req in sorted((r for r in self.running.values() if not r.decoding),
-                          key=lambda r: r.admitted):
-            if not req.looked_up:  # waits for an earlier prompt's pages, or for a lane
-                continue
-            if len(chosen) == self.prefill_rows or (left < self.chunk and (chosen or decode)):
-                break
-            chosen.append(req)
-            left -= self.chunk
+        # Those not looked up wait for an earlier prompt's pages, or for a lane.
+        chosen = sorted((r for r in self.running.values() if not r.decoding and r.looked_up),
+                        key=lambda r: r.admitted)[:self.prefill_rows]
         if not chosen:
             return decode, [], None
         rest = [len(r.fed) - r.done_tokens for r in chosen]
-        p, w = _lane_shape(self.lane_shapes, rest, self.chunk, 0 if narrow else room)
-        return decode, [(r, min(w, n)) for r, n in zip(chosen, rest, strict=True)], (p, w)
+        shape = _lane_shape(self.lane_shapes, rest, self.chunk,
+                            self.token_budget - len(decode), narrow=narrow)
+        if shape is None:
+            if decode:
+                return decode, [], None
+            shape = min(self.lane_shapes)  # a budget below one lane: one lane still runs
+        p, w = shape
+        return decode, [(r, min(w, n)) for r, n in zip(chosen[:p], rest, strict=False)], shape
 
     def _decode_steps(self, decode, lanes) -> tuple[int, bool]:
         """Decode steps this call runs at most, and whether it ends as soon as a row

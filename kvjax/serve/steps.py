@@ -4,11 +4,12 @@ Every function here is pure over the engine's `DecodeState` (or its cache) and d
 it; the engine's host side (`kvjax.serve.engine`, `scheduler`, `prefixes`, `slots`)
 decides what to run and calls these by module attribute, so a profiler can wrap them.
 
-  * `step`: one prefill chunk per lane (rows whose prompt ends take their first token,
-    `admit`), then up to `steps` decode steps of `kvjax.generate.decode_step` in a
-    `lax.while_loop`; its `logprobs=True` variant also records each token's
-    log-probability and the `TOP_LOGPROBS` most likely tokens (compiled apart, run only
-    while a request asks for them);
+  * `step`: `prefill_lanes` (one prefill chunk per lane; rows whose prompt ends take
+    their first token, `admit`), then `decode_rows` (up to `steps` decode steps of
+    `kvjax.generate.decode_step` in a `lax.while_loop`), two programs: one per lane
+    shape and one per row bucket; their `logprobs=True` variants also record each
+    token's log-probability and the `TOP_LOGPROBS` most likely tokens (compiled apart,
+    run only while a request asks for them);
   * `live_buckets`, `live_bucket`: the row counts `step` decodes (only the live rows);
   * `share`: a slot takes a prefix of another slot's pages (a prefix-cache hit);
   * `free`, `release`: free slots (cached prefixes) or decoding rows;
@@ -21,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int, UInt32
 
 from kvjax import cache as kv_cache
@@ -40,8 +42,8 @@ from kvjax.generate.sampling import RowSampling, SamplingConfig, sample_rows
 from kvjax.models.base import Model
 
 __all__ = ["GREEDY", "TOP_LOGPROBS", "Lanes", "RowState", "admit", "first_error", "free", "is_eos",
-           "live_bucket", "live_buckets", "ok_status", "put_row", "release", "seed_key",
-           "share", "step", "take_row"]
+           "decode_rows", "live_bucket", "live_buckets", "ok_status", "prefill_lanes", "put_row",
+           "release", "seed_key", "share", "step", "take_row"]
 
 GREEDY = SamplingConfig()
 # Most likely tokens the logprobs variant of `step` records per token (vLLM's bound on a
@@ -140,90 +142,128 @@ def admit(state: DecodeState, lanes: Lanes, last_logits, ok,
     return state, jnp.any(finished)
 
 
+_FIELDS = ("last", "num_generated", "done")
+
+
+def _entry(s: DecodeState, logprobs: bool) -> tuple:
+    """What the host reads of each row after a prefill or decode step: (last, count, done),
+    and with `logprobs` each row's `StepLogprobs` (chosen, top_ids, top)."""
+    out = tuple(getattr(s, f) for f in _FIELDS)
+    if logprobs:
+        lp = s.step_logprobs
+        out += (lp.chosen, lp.top_ids, lp.top)
+    return out
+
+
+def _with_logprobs(model: Model, state: DecodeState) -> DecodeState:
+    rows, k = state.seq_ids.shape[0], min(TOP_LOGPROBS, model.vocab_size)
+    return dataclasses.replace(state, step_logprobs=StepLogprobs(
+        chosen=jnp.zeros((rows,), jnp.float32), top_ids=jnp.zeros((rows, k), jnp.int32),
+        top=jnp.zeros((rows, k), jnp.float32)))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "logprobs"),
+                   donate_argnames="state")
+def prefill_lanes(model: Model, params, state: DecodeState, lanes: Lanes,
+                  until_finish: Bool[Array, ""], *, eos_ids: tuple[int, ...], impl,
+                  policy: CachePolicy | None, logprobs: bool = False):
+    """One prefill chunk per lane; rows whose prompt ends take their first token (`admit`).
+
+    Returns:
+      (state, head, stop): head holds `step`'s record entry after the lanes, [1, rows];
+      stop: `until_finish` and a row finished with its first token (its row is free).
+    """
+    if logprobs:
+        state = _with_logprobs(model, state)
+    cache, last_logits, status, _, pstate = prefill(
+        model, params, state.cache, lanes.tokens, lanes.lengths, lanes.slots,
+        chunk_size=lanes.tokens.shape[1], impl=impl, policy=policy,
+        policy_state=state.policy_state, start_positions=lanes.start)
+    state = dataclasses.replace(state, cache=cache, policy_state=pstate,
+                                status=first_error(state.status, status))
+    state, finished = admit(state, lanes, last_logits, status.code == 0, eos_ids)
+    head = tuple(x[None] for x in _entry(state, logprobs))
+    return dataclasses.replace(state, step_logprobs=None), head, until_finish & finished
+
+
 @functools.partial(jax.jit, static_argnames=("model", "eos_ids", "impl", "policy", "decode",
                                              "logprobs", "live"),
                    donate_argnames="state")
+def decode_rows(model: Model, dparams, state: DecodeState, steps: Int[Array, ""],
+                until_finish: Bool[Array, ""], stop: Bool[Array, ""], *,
+                eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: int,
+                logprobs: bool = False, live: int | None = None):
+    """Up to `steps` (<= `decode`, static) decode steps over the rows, in a
+    `lax.while_loop` that stops once every row is done, and, when `until_finish`, as soon
+    as a row has finished (a waiting request can take its row at once); none when `stop`.
+    With `live` (static, fewer than the rows), the steps run on `live` rows only: the rows
+    not done, which the caller guarantees are at most `live` (a step's matmuls and
+    attention then cost what its live rows need, not what every row does).
+
+    Returns:
+      (state, record, ran): record holds `step`'s entries after each decode step,
+      [decode, rows]; only the first `ran` are filled.
+    """
+    rows = state.seq_ids.shape[0]
+    if logprobs:
+        state = _with_logprobs(model, state)
+    record = tuple(jnp.zeros((decode, *x.shape), x.dtype) for x in _entry(state, logprobs))
+    full, sel = state, None
+    if live is not None and live < rows:
+        # Not-done rows first (a stable sort), padded with done rows: distinct rows.
+        sel = jnp.argsort(state.done, stable=True)[:live]
+        state = _take_rows(state, sel)
+        record = tuple(r[:, :live] for r in record)
+
+    def more(c):
+        i, s, stop, _ = c
+        return (i < steps) & ~stop & jnp.any(~s.done)  # no step once every row is done
+
+    def one(c):
+        i, prev, _, rec = c
+        s = decode_step(model, dparams, prev, sampling=GREEDY, eos_ids=eos_ids,
+                        free_finished=False, impl=impl, policy=policy)
+        finished = jnp.any(s.done & ~prev.done)
+        rec = tuple(r.at[i].set(x) for r, x in zip(rec, _entry(s, logprobs), strict=True))
+        return i + 1, s, until_finish & finished, rec
+
+    ran, state, _, record = jax.lax.while_loop(more, one, (jnp.int32(0), state, stop, record))
+    if sel is not None:
+        # Rows that did not run keep their entries (done rows: nothing to deliver).
+        base = _entry(full, logprobs)
+        record = tuple(jnp.broadcast_to(b[None], (decode, *b.shape)).at[:, sel].set(r)
+                       for b, r in zip(base, record, strict=True))
+        state = _put_rows(full, state, sel)
+    # The state leaves as it came (one pytree structure for every program).
+    return dataclasses.replace(state, step_logprobs=None), record, ran
+
+
 def step(model: Model, params, dparams, state: DecodeState, lanes: Lanes | None,
          steps: Int[Array, ""], until_finish: Bool[Array, ""], *,
          eos_ids: tuple[int, ...], impl, policy: CachePolicy | None, decode: int,
          logprobs: bool = False, live: int | None = None):
-    """The engine's step: one prefill chunk per lane (rows whose prompt ends take their
-    first token), then up to `steps` (<= `decode`, static) decode steps over the rows, in
-    a `lax.while_loop` that stops once every row is done, and, when `until_finish`, as soon
-    as a row has finished (a waiting request can take its row at once). With `live`
-    (static, fewer than the rows), the decode steps run on `live` rows only: the rows not
-    done after the lanes, which the caller guarantees are at most `live` (a step's
-    matmuls and attention then cost what its live rows need, not what every row does).
+    """The engine's call: `prefill_lanes` (when there are lanes), then `decode_rows` (when
+    `steps` > 0), two programs dispatched back to back: one per lane shape and one per
+    `live` bucket, not one per pair of them.
 
     Returns:
-      (state, record, ran): record holds (last, count, done) [rows] after the lanes (when
-      there are lanes) and after each decode step, [lanes? + decode, rows]; only the
-      first `ran` decode steps' entries are filled. With `logprobs` (static) it also holds,
-      at the same entries, each row's `StepLogprobs` (chosen [.., rows], top_ids and top
-      [.., rows, min(TOP_LOGPROBS, vocab)]: the raw logits' log-softmax, before temperature
-      and top-p).
+      (state, head, record, ran): head is `prefill_lanes`' entry ([1, rows]; None without
+      lanes), record `decode_rows`' (None when no decode step was asked for; `ran` is then
+      0). An entry is (last, count, done) [rows], and with `logprobs` (static) each row's
+      `StepLogprobs` (chosen [rows], top_ids and top [rows, min(TOP_LOGPROBS, vocab)]: the
+      raw logits' log-softmax, before temperature and top-p).
     """
-    rows = state.seq_ids.shape[0]
-    fields = ("last", "num_generated", "done")
-    if logprobs:
-        k = min(TOP_LOGPROBS, model.vocab_size)
-        state = dataclasses.replace(state, step_logprobs=StepLogprobs(
-            chosen=jnp.zeros((rows,), jnp.float32), top_ids=jnp.zeros((rows, k), jnp.int32),
-            top=jnp.zeros((rows, k), jnp.float32)))
-
-    def entry(s: DecodeState) -> tuple:
-        out = tuple(getattr(s, f) for f in fields)
-        if logprobs:
-            lp = s.step_logprobs
-            out += (lp.chosen, lp.top_ids, lp.top)
-        return out
-    head = None
+    head, stop = None, np.bool_(False)
     if lanes is not None:
-        cache, last_logits, status, _, pstate = prefill(
-            model, params, state.cache, lanes.tokens, lanes.lengths, lanes.slots,
-            chunk_size=lanes.tokens.shape[1], impl=impl, policy=policy,
-            policy_state=state.policy_state, start_positions=lanes.start)
-        state = dataclasses.replace(state, cache=cache, policy_state=pstate,
-                                    status=first_error(state.status, status))
-        state, finished = admit(state, lanes, last_logits, status.code == 0, eos_ids)
-        head = tuple(x[None] for x in entry(state))
-        stop = until_finish & finished  # that row is free already
-    else:
-        stop = jnp.bool_(False)
-    ran = jnp.int32(0)
-    record = tuple(jnp.zeros((decode, *x.shape), x.dtype) for x in entry(state))
-    if decode:
-        full, sel = state, None
-        if live is not None and live < rows:
-            # Not-done rows first (a stable sort), padded with done rows: distinct rows.
-            sel = jnp.argsort(state.done, stable=True)[:live]
-            state = _take_rows(state, sel)
-            record = tuple(r[:, :live] for r in record)
-
-        def more(c):
-            i, s, stop, _ = c
-            return (i < steps) & ~stop & jnp.any(~s.done)  # no step once every row is done
-
-        def one(c):
-            i, prev, _, rec = c
-            s = decode_step(model, dparams, prev, sampling=GREEDY, eos_ids=eos_ids,
-                            free_finished=False, impl=impl, policy=policy)
-            finished = jnp.any(s.done & ~prev.done)
-            rec = tuple(r.at[i].set(x) for r, x in zip(rec, entry(s), strict=True))
-            return i + 1, s, until_finish & finished, rec
-
-        ran, state, _, record = jax.lax.while_loop(more, one, (ran, state, stop, record))
-        if sel is not None:
-            # Rows that did not run keep their entries (done rows: nothing to deliver).
-            base = entry(full)
-            record = tuple(jnp.broadcast_to(b[None], (decode, *b.shape)).at[:, sel].set(r)
-                           for b, r in zip(base, record, strict=True))
-            state = _put_rows(full, state, sel)
-    if head is not None:
-        record = tuple(jnp.concatenate([h, r]) for h, r in zip(head, record, strict=True))
-    if logprobs:  # the state leaves as it came (one pytree structure for every program)
-        state = dataclasses.replace(state, step_logprobs=None)
-    return state, record, ran
+        state, head, stop = prefill_lanes(model, params, state, lanes, until_finish,
+                                          eos_ids=eos_ids, impl=impl, policy=policy,
+                                          logprobs=logprobs)
+    if not decode or not int(steps):
+        return state, head, None, np.int32(0)
+    state, record, ran = decode_rows(model, dparams, state, steps, until_finish, stop,
+                                     eos_ids=eos_ids, impl=impl, policy=policy,
+                                     decode=decode, logprobs=logprobs, live=live)
+    return state, head, record, ran
 
 
 # DecodeState's per-row fields: all but those every row shares (the cache and the policy
@@ -278,25 +318,38 @@ def release(state: DecodeState, rows: Bool[Array, " rows"]) -> DecodeState:
     return dataclasses.replace(state, cache=cache, done=state.done | rows)
 
 
-def lane_shapes(prefill_rows: int, chunk: int, *, most: int = 0) -> list[tuple[int, int]]:
-    """The (lanes, width) shapes an engine compiles its step's prefill for. Lane counts:
-    powers of two up to `prefill_rows` (and it): idle lanes still cost their compute, so a
-    step runs the smallest that fits. Widths: one chunk, and with `most` (tokens) as many
-    whole chunks as fit `most` / lanes, so that fewer prompts than `prefill_rows` take
-    wider lanes: one long prompt prefills in a few wide calls, with no decode step between
-    its chunks. On the 56M-parameter peer model of benchmarks/serving.py one 64-token lane
-    prefills ~2000 tokens/s, one 256-token lane ~3000 (float32, 2-core Zen 4). On float
-    pages a wide lane gave bit-for-bit the logits of its chunks one by one (attention reads
-    every key from the pages; checked on CPU, XLA path and kernels, float32 and bf16; a
-    backend whose matmuls block by row count may differ in the last bits); not so on KIVI
-    pages, window-only rings or under a cache policy,
-    whose quantization, rings and prompt scoring follow the chunks (`most` = 0 there)."""
+def lane_shapes(prefill_rows: int, chunk: int, *, most: int = 0, wide: bool = True,
+                least: int = 32, longest: int | None = None) -> list[tuple[int, int]]:
+    """The (lanes, width) shapes an engine compiles its prefill for. Lane counts: powers of
+    two up to `prefill_rows` (and it): idle lanes still cost their compute, so a call runs
+    the smallest that fits `most` tokens (default `prefill_rows` chunks). Widths: one
+    chunk, and when `wide` (float pages only) for each lane count the widest that fits
+    `most` (whole chunks, or below a chunk a power of two of at least `least` tokens),
+    plus single lanes of 2, 4, ... chunks, none wider than `longest` (a prompt's longest):
+    many prompts then share a call in narrow lanes, each prompt's last lane wastes little,
+    and one long prompt prefills in a few wide calls. On float pages a lane of 32 tokens
+    or more gave bit-for-bit the logits of its chunks one by one (attention reads every
+    key from the pages; checked on CPU, XLA path and kernels, float32 and bf16, widths 32
+    to 512 against 64; 16-token lanes differed in the last bits, hence `least`; a
+    backend whose matmuls block by row count may differ too); not so on KIVI pages,
+    window-only rings or under a cache policy, whose quantization, rings and prompt
+    scoring follow the chunks (not `wide` there)."""
     counts = [1]
     while counts[-1] * 2 < prefill_rows:
         counts.append(counts[-1] * 2)
     counts = sorted(set(counts + [prefill_rows]))
-    return sorted({(p, chunk) for p in counts}
-                  | {(p, most // p // chunk * chunk) for p in counts if most // p >= chunk})
+    most = most or prefill_rows * chunk
+    shapes = {(p, chunk) for p in counts if p * chunk <= max(most, chunk)}
+    for p in counts if wide else []:
+        fit = min(most // p, longest or most)
+        w = fit // chunk * chunk if fit >= chunk else 1 << (fit.bit_length() - 1)
+        if w >= least:
+            shapes.add((p, w))
+    w = 2 * chunk
+    while wide and w <= min(most, longest or most):
+        shapes.add((1, w))
+        w *= 2
+    return sorted(shapes)
 
 
 def live_buckets(rows: int) -> list[int | None]:

@@ -64,8 +64,8 @@ def test_swaps_and_host_prefix_hits_keep_the_tokens(tiny, rng, kind):
     per_seq = -(-MAX_LEN // PAGE) + 1
     engine = _engine(model, params, pool, host_pages=n * per_seq, host_rows=n + 2)
     engine.warmup()
-    programs = (steps.step, steps.release, steps.share, steps.take_row, steps.put_row,
-                host._swap_out, host._swap_in, host._drop_parked)
+    programs = (steps.prefill_lanes, steps.decode_rows, steps.release, steps.share,
+                steps.take_row, steps.put_row, host._swap_out, host._swap_in, host._drop_parked)
     compiled = [f._cache_size() for f in programs]
     got, reasons = _drive(engine, prompts, max_new)
     assert [f._cache_size() for f in programs] == compiled  # warmup compiled every one

@@ -5,6 +5,7 @@ request generate's tokens."""
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -211,7 +212,7 @@ def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
                     cache=gen.CacheConfig(page_size=PAGE, num_pages=12), decode_steps=4,
                     prefix_slots=1, prefill_rows=1)
     engine.warmup()
-    programs = (steps.step, steps.release, steps.share)
+    programs = (steps.prefill_lanes, steps.decode_rows, steps.release, steps.share)
     compiled = [f._cache_size() for f in programs]
     # Prompts of 35 to 48 tokens: the references' programs are the other tests'.
     prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, new=(2, 12))
@@ -369,20 +370,27 @@ def test_a_first_token_streams_without_waiting_for_decode_steps(tiny, rng):
 def test_fewer_prompts_take_wider_lanes(tiny, rng):
     """With fewer prompts than `prefill_rows` the lanes are wider (whole chunks, within
     prefill_rows chunks in all): one prompt alone prefills 4 chunks a call, two prompts 2
-    each, and each gets generate's tokens (chunk by chunk). The shape a step takes is the
-    one that prefills most, the cheapest of those. KIVI pages keep one chunk per lane."""
+    each, and each gets generate's tokens (chunk by chunk). The shape a step takes
+    prefills the most tokens among those near the best tokens per cost, the cheapest of
+    those. KIVI pages keep one chunk per lane."""
     model, params = tiny
     cfg = gen.CacheConfig(page_size=PAGE)
     engine = Engine(model, params, max_seqs=4, max_seq_len=160, chunk_size=CHUNK,
                     prefill_rows=4, cache=cfg)
     C = CHUNK
-    assert engine.scheduler.lane_shapes == [(1, C), (1, 4 * C), (2, C), (2, 2 * C), (4, C)]
+    assert engine.scheduler.lane_shapes == [(1, C), (1, 2 * C), (1, 4 * C), (2, C),
+                                            (2, 2 * C), (4, C)]
     pick = functools.partial(_lane_shape, engine.scheduler.lane_shapes, chunk=C)
     assert pick([C - 3], room=8 * C) == (1, C)  # a wider lane would prefill no more
     assert pick([3 * C + 1], room=8 * C) == (1, 4 * C)
-    assert pick([3 * C + 1], room=3 * C) == (1, C)  # the budget left after decode rows
-    assert pick([2 * C, 3], room=8 * C) == (2, 2 * C)
-    assert pick([5 * C, 5 * C, 1], room=8 * C) == (4, C)
+    assert pick([3 * C + 1], room=3 * C) == (1, 2 * C)  # the budget left after decode rows
+    assert pick([3 * C + 1], room=8 * C, narrow=True) == (1, C)
+    assert pick([2 * C, 2 * C], room=8 * C) == (2, 2 * C)
+    assert pick([5 * C, 5 * C, 1], room=8 * C) == (1, 4 * C)  # as much, fewer lanes
+    # (4, C) prefills more than (2, C), within 10% of its tokens per cost.
+    assert pick([C, C, 3, 1], room=8 * C) == (4, C)
+    assert pick([C, C, 1, 1], room=8 * C) == (2, C)
+    assert pick([C, 2], room=C - 1) is None
 
     # a alone: 4 chunks, then its rest; b and c together: 2 chunks each, then their rests.
     lengths = [int(rng.integers(4 * C + 1, 5 * C)), *rng.integers(2 * C + 1, 3 * C, 2)]
@@ -401,6 +409,42 @@ def test_fewer_prompts_take_wider_lanes(tiny, rng):
                   cache=gen.CacheConfig(page_size=PAGE, quant=QuantSpec(
                       bits=4, group_size=PAGE, residual=PAGE)))
     assert kivi.scheduler.lane_shapes == [(1, C), (2, C), (4, C)]
+
+
+def test_many_prompts_share_a_call_in_narrow_lanes(tiny, rng, monkeypatch):
+    """With more prompts than a call's tokens hold in whole chunks (a token budget below
+    `prefill_rows` chunks), lanes narrower than a chunk take a prompt each: 4 prompts of a
+    chunk and up to half another prefill in 2 one-chunk lanes, then 4 half-chunk lanes
+    (the first two prompts' rests and the next two's first halves), padding less than
+    one-chunk lanes would; each gets generate's tokens with the engine's chunk_size."""
+    from kvjax.serve import steps
+
+    model, params = tiny
+    cfg, chunk = gen.CacheConfig(page_size=PAGE), 64
+    engine = Engine(model, params, max_seqs=4, max_seq_len=128, chunk_size=chunk, cache=cfg,
+                    prefill_rows=4, token_budget=4 + 2 * chunk)
+    assert engine.scheduler.lane_shapes == [(1, chunk), (1, 2 * chunk), (2, chunk),
+                                            (4, chunk // 2)]
+    shapes, step = [], steps.step
+
+    def spy(model, params, dparams, state, lanes, *args, **kwargs):
+        if lanes is not None:
+            shapes.append(lanes.tokens.shape)
+        return step(model, params, dparams, state, lanes, *args, **kwargs)
+
+    monkeypatch.setattr(steps, "step", spy)
+    lengths = [int(n) for n in rng.integers(chunk + 1, chunk * 3 // 2 + 1, 4)]
+    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in lengths]
+    new = [int(k) for k in rng.integers(2, 10, 4)]
+    tokens, _ = _drive(engine, prompts, new, first=4)
+    assert shapes[:2] == [(2, chunk), (4, chunk // 2)], shapes
+    assert engine.stats["prefill_tokens"] == sum(lengths)
+    assert sum(p * w for p, w in shapes) < 8 * chunk, shapes  # one-chunk lanes: 8 chunks
+    for p, m, got in zip(prompts, new, tokens, strict=True):
+        alone = gen.generate(model, params, [p], key=jax.random.key(0)[None],
+                             max_new_tokens=10, chunk_size=chunk,
+                             cache=cfg.build(model, num_seqs=1, max_tokens=128))
+        assert got == alone.sequences()[0][:m]
 
 
 def test_a_wide_lane_narrows_before_anything_is_evicted_or_preempted(tiny, rng):
