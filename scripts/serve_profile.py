@@ -82,8 +82,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-decode-steps", type=int, default=None,
                         help="Engine max_decode_steps (default --decode-steps, as the server "
                              "sets it)")
-    parser.add_argument("--prefill-rows", type=int, default=None,
-                        help="Engine prefill_rows (default the server's, 4)")
+    parser.add_argument("--prefill-rows", type=int, default=16,
+                        help="Engine prefill_rows (default the server's --prefill-lanes, 16)")
+    parser.add_argument("--prefill-tokens", type=int, default=512,
+                        help="prompt tokens per call: Engine token_budget is the rows plus "
+                        "these (default the server's --prefill-tokens, 512)")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (default 64)")
     parser.add_argument("--rate", type=float, default=None,
                         help="replay the peer run's Poisson trace at this many requests per "
@@ -113,7 +116,8 @@ def main(argv=None) -> int:
         model, params = models.load(ckpt, dtype=args.dtype)
         engine_args = dict(max_seqs=serving.PEER_MAX_SEQS, max_seq_len=serving.PEER_MAX_LEN,
                            cache=CacheConfig(dtype=args.dtype, page_size=16),
-                           chunk_size=args.chunk, prefix_caching=True, eos_ids=[])
+                           chunk_size=args.chunk, prefix_caching=True, eos_ids=[],
+                           token_budget=serving.PEER_MAX_SEQS + args.prefill_tokens)
         if args.max_decode_steps is None:
             args.max_decode_steps = args.decode_steps
         for k in ("decode_steps", "max_decode_steps", "prefill_rows"):
