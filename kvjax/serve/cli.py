@@ -34,17 +34,6 @@ from kvjax.generate.cli import (
 
 __all__ = ["add_parser", "run"]
 
-
-def _non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
 _DEFAULT_MAX_SEQ_LEN = 2048
 _DEFAULT_CHUNK = 64
 _DEFAULT_PAGE = 16

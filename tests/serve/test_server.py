@@ -480,7 +480,8 @@ def test_help_lists_every_flag():
                  "--kv-bits", "--kv-group-size", "--kv-residual", "--no-prefix-caching",
                  "--dtype", "--log-level", "--no-warmup", "--host-pages", "--host-rows",
                  "--api-key", "--max-request-bytes", "--request-timeout", "--max-waiting",
-                 "--drain-timeout", "--mesh", "--kv-memory", "--window-pages", "--decode-steps"):
+                 "--drain-timeout", "--mesh", "--kv-memory", "--window-pages", "--decode-steps",
+                 "--prefill-lanes", "--prefill-tokens", "--prefill-run"):
         assert flag in r.stdout, flag
     # The KIVI chunk default, and what --mesh takes.
     assert "with --kv-bits at least --kv-residual + --page-size" in " ".join(r.stdout.split())
@@ -496,6 +497,31 @@ def test_help_lists_every_flag():
 def test_cli_flag_errors(checkpoint, capsys, args, message):
     assert main(["serve", "--model", str(checkpoint), *args]) == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_cli_prefill_flags_reach_the_engine(checkpoint, monkeypatch):
+    """--prefill-lanes, --prefill-tokens and --prefill-run set the engine's lanes, its
+    token budget (the rows' decode tokens plus the prompt tokens) and its prefill run."""
+    from kvjax.serve import server
+
+    built = {}
+    create_app = server.create_app
+
+    def capture(engine, *args, **kwargs):
+        built["engine"] = engine
+        return create_app(engine, *args, **kwargs)
+
+    def run(self):  # no socket: the test only reads the engine the CLI built
+        self.started = True
+
+    monkeypatch.setattr(server, "create_app", capture)
+    monkeypatch.setattr(server.DrainingServer, "run", run)
+    assert main(["serve", "--model", str(checkpoint), "--no-warmup", "--max-seqs", "3",
+                 "--max-seq-len", str(MAX_SEQ_LEN), "--page-size", "8", "--chunk-size", "16",
+                 "--prefill-lanes", "2", "--prefill-tokens", "32", "--prefill-run", "0"]) == 0
+    engine = built["engine"]
+    assert (engine.prefill_rows, engine.token_budget, engine.scheduler.prefill_run) == (2, 35, 0)
+    assert max(p * w for p, w in engine.scheduler.lane_shapes) == 32
 
 
 def test_cli_missing_model_dir(tmp_path, capsys):
