@@ -105,10 +105,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefill-lanes", type=positive_int, default=16, metavar="N",
                    help="prompts prefilled per engine call at most, one per lane (default 16)")
     p.add_argument("--prefill-tokens", type=positive_int, default=512, metavar="TOKENS",
-                   help="prompt tokens per engine call at most (default 512): each call "
-                   "takes the lane shape that prefills the most tokens per cost within "
-                   "them, several prompts in narrow lanes or one in a wide lane (on "
-                   "float pages; one chunk per lane on KIVI pages and window-only rings)")
+                   help="prompt tokens per engine call at most, and at least one chunk "
+                   "(default 512): each call takes the lane shape that prefills the most "
+                   "tokens per cost within them, several prompts in narrow lanes or one in "
+                   "a wide lane (on float pages; one chunk per lane on KIVI pages and "
+                   "window-only rings)")
     p.add_argument("--prefill-run", type=_non_negative_int, default=8, metavar="N",
                    help="engine calls with prefill lanes in a row that run no decode step "
                    "while prompts wait (default 8; 0: the decoding rows step in every "
@@ -384,7 +385,9 @@ def run(args: argparse.Namespace) -> int:
                         cache=cache, chunk_size=chunk_size,
                         decode_steps=args.decode_steps, max_decode_steps=args.decode_steps,
                         prefill_rows=args.prefill_lanes, prefill_run=args.prefill_run,
-                        token_budget=args.max_seqs + args.prefill_tokens,
+                        # At least a chunk: a budget below one lane would hold every
+                        # prompt back while any row decodes.
+                        token_budget=args.max_seqs + max(args.prefill_tokens, chunk_size),
                         prefix_caching=not args.no_prefix_caching,
                         host_pages=args.host_pages or 0, host_rows=args.host_rows,
                         eos_ids=[t for t in _eos_ids(args.model, hf, tokenizer)

@@ -499,9 +499,12 @@ def test_cli_flag_errors(checkpoint, capsys, args, message):
     assert f"error: {message}" in capsys.readouterr().err
 
 
-def test_cli_prefill_flags_reach_the_engine(checkpoint, monkeypatch):
+@pytest.mark.parametrize("tokens, budget, widest", [(32, 35, 32), (8, 19, 16)])
+def test_cli_prefill_flags_reach_the_engine(checkpoint, monkeypatch, tokens, budget, widest):
     """--prefill-lanes, --prefill-tokens and --prefill-run set the engine's lanes, its
-    token budget (the rows' decode tokens plus the prompt tokens) and its prefill run."""
+    token budget (the rows' decode tokens plus the prompt tokens, at least one chunk of
+    16: fewer would keep every prompt from a lane while a row decodes) and its prefill
+    run."""
     from kvjax.serve import server
 
     built = {}
@@ -518,10 +521,12 @@ def test_cli_prefill_flags_reach_the_engine(checkpoint, monkeypatch):
     monkeypatch.setattr(server.DrainingServer, "run", run)
     assert main(["serve", "--model", str(checkpoint), "--no-warmup", "--max-seqs", "3",
                  "--max-seq-len", str(MAX_SEQ_LEN), "--page-size", "8", "--chunk-size", "16",
-                 "--prefill-lanes", "2", "--prefill-tokens", "32", "--prefill-run", "0"]) == 0
+                 "--prefill-lanes", "2", "--prefill-tokens", str(tokens),
+                 "--prefill-run", "0"]) == 0
     engine = built["engine"]
-    assert (engine.prefill_rows, engine.token_budget, engine.scheduler.prefill_run) == (2, 35, 0)
-    assert max(p * w for p, w in engine.scheduler.lane_shapes) == 32
+    assert (engine.prefill_rows, engine.token_budget, engine.scheduler.prefill_run) == (
+        2, budget, 0)
+    assert max(p * w for p, w in engine.scheduler.lane_shapes) == widest
 
 
 def test_cli_missing_model_dir(tmp_path, capsys):
