@@ -294,10 +294,12 @@ def test_low_precision_caches(kind, root, rng):
               "kivi4": gen.CacheConfig(quant=QuantSpec(bits=4, group_size=8, residual=8),
                                        page_size=PAGE)}[kind]
     # |log-prob error| bounds. bf16: rounding, every token. KIVI int4: the codes' error is
-    # heavy-tailed over a sequence (measured over 12 seeds: median 0.007-0.011, p90
-    # 0.018-0.031, max 0.03-0.10), so the bulk is bounded by the median and p90 and every
-    # token only against a gross error (a wrong page or scale moves a log-prob by ~1).
-    tol = {"bf16": 0.02, "kivi4": 0.1}[kind]  # per-token logit slack of the argmax check
+    # heavy-tailed over a sequence (measured over 76 seeds: median 0.005-0.019, p90
+    # 0.015-0.049, max 0.03-0.11; a chosen token up to 0.32 below the float32 best), so the
+    # bulk is bounded by the median and p90 (codes rounded down instead of to nearest: median
+    # 0.035-0.056) and every token only against a gross error (a KIVI tail never flushed
+    # into its pages picks tokens 0.5-2.3 below the best).
+    tol = {"bf16": 0.02, "kivi4": 0.2}[kind]  # per-token logit slack of the argmax check
     prompts = _prompts(rng)
     res = gen.generate(model, params, prompts, key=jax.random.key(0), max_new_tokens=NEW,
                        cache=config, chunk_size=16, free_finished=False)
