@@ -49,7 +49,7 @@ from kvjax.cache.policies.base import CachePolicy, to_slots
 from kvjax.generate import setup
 from kvjax.generate.sampling import RowSampling, SamplingConfig, as_keys, sample, sample_rows
 from kvjax.generate.setup import CacheConfig
-from kvjax.models.base import Model
+from kvjax.models.base import Model, Packing
 from kvjax.sharding import ShardedAttention, cache_shardings
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "ScoreResult",
     "StreamEvent",
     "prefill",
+    "prefill_packed",
     "start",
     "decode_step",
     "decode_params",
@@ -285,6 +286,53 @@ def prefill(
     if return_logits:
         all_logits = all_logits.transpose(1, 0, 2, 3).reshape(batch, prompt_len, -1)
     return cache, last_logits, status, all_logits, policy_state
+
+
+@functools.partial(jax.jit, static_argnames=("model", "impl"), donate_argnames="cache")
+def prefill_packed(
+    model: Model,
+    params,
+    cache: kv_cache.PagedKVCache,
+    tokens: Int[Array, "1 tokens"],
+    packing: Packing,
+    lengths: Int[Array, " sequences"],
+    seq_ids: Int[Array, " sequences"],
+    start_positions: Int[Array, " sequences"],
+    *,
+    impl="auto",
+):
+    """Appends the next tokens of several sequences, packed end to end in one row, in one
+    forward: the matmuls run on the row's tokens (no lane padded to a common width), the
+    cache's writes and attention on one row per sequence (`Packing`). For a model whose
+    forward packs (`Model.packs`), without a cache policy.
+
+    Args:
+      model, params: the model (static) and its params.
+      cache: the paged cache (donated).
+      tokens: int32[1, tokens]: sequence i's tokens at the packing's offsets.
+      packing: where each sequence's tokens lie in the row (`Packing.of`).
+      lengths: int32[sequences], the tokens of each (0: an idle sequence, writes nothing).
+      seq_ids: int32[sequences], distinct cache slots.
+      start_positions: int32[sequences], the position of each one's first token (the
+        tokens its slot holds).
+
+    Returns:
+      (cache, last_logits float32[sequences, vocab], status): `last_logits[i]` predicts
+      the token after sequence i's last token here; on an allocation failure nothing is
+      written and `status` says why.
+    """
+    n, w = packing.gather.shape
+    lengths = jnp.asarray(lengths, jnp.int32)
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    cache, status = kv_cache.reserve(cache, _slot_vector(cache, seq_ids, lengths))
+    lengths = jnp.where(status.ok, lengths, 0)
+    row, t = packing.scatter // w, packing.scatter % w
+    positions = (jnp.asarray(start_positions, jnp.int32)[row] + t)[None]
+    last = packing.gather[jnp.arange(n), jnp.maximum(lengths - 1, 0)]
+    logits, cache = model.apply(params, tokens, positions, cache, q_lengths=lengths,
+                                seq_ids=seq_ids, impl=impl, logits_at=last[None],
+                                packing=packing)
+    return cache, logits[0], status
 
 
 def is_eos(tok, eos_ids: tuple[int, ...]):

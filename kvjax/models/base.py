@@ -21,12 +21,19 @@ those tokens only, [batch, k, vocab]: the final norm and the LM head run on k ro
 instead of q_len (`gather_positions`; a prefill chunk needs one row per sequence, and
 the LM head of a 32K vocabulary costs as much as several layers).
 
+A family whose layers are per token but for `write` and `attend` (no recurrence across
+tokens) may also take `packing` (a `Packing`): several sequences' new tokens end to end in
+one row, tokens and positions [1, tokens], `q_lengths` and `seq_ids` per sequence. Its
+matmuls then run on the real tokens only; `write` and `attend` see the sequences as rows
+(`Packing.lanes`, and back with `Packing.packed`). `Model.packs` says whether it does.
+
 The registry maps HuggingFace `architectures` names to those modules; modules
 are imported lazily, on first use.
 """
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +44,8 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.specs import CacheSpec
 
-__all__ = ["Model", "Family", "register_family", "get_family", "family_for_architecture",
-           "supported_architectures", "check_logits_at", "gather_positions"]
+__all__ = ["Model", "Packing", "Family", "register_family", "get_family", "family_for_architecture",
+           "supported_architectures", "check_logits_at", "check_packing", "gather_positions"]
 
 
 def check_logits_at(logits_at, tokens_shape: tuple[int, ...]) -> None:
@@ -64,6 +71,27 @@ def check_logits_at(logits_at, tokens_shape: tuple[int, ...]) -> None:
                              f"they must lie in [0, q_len={q_len}).")
 
 
+def check_packing(packing: "Packing", tokens_shape: tuple[int, ...], q_lengths, seq_ids,
+                  observe: bool) -> None:
+    """Checks a forward's `packing` against its tokens' shape and per-sequence rows.
+
+    Raises:
+      ValueError: tokens not one row, a packing of another token count, `q_lengths` not
+        one per sequence, no `seq_ids`, or `observe` (a policy's hooks take rows).
+    """
+    n, _ = packing.gather.shape
+    if tokens_shape[0] != 1 or packing.scatter.shape != (tokens_shape[1],):
+        raise ValueError(f"forward: packed tokens must be one row [1, {packing.scatter.shape[0]}]"
+                         f" (the packing's tokens), got {tokens_shape}.")
+    if jnp.shape(q_lengths) != (n,) or seq_ids is None or jnp.shape(seq_ids) != (n,):
+        raise ValueError(f"forward: with packing, q_lengths and seq_ids are one per sequence "
+                         f"[{n}], got {jnp.shape(q_lengths)} and "
+                         f"{None if seq_ids is None else jnp.shape(seq_ids)}.")
+    if observe:
+        raise ValueError("forward: observe (a cache policy's hooks) takes one sequence per "
+                         "row, not packing.")
+
+
 def gather_positions(x: Float[Array, "batch q_len hidden"], idx: Int[Array, "batch k"]
                      ) -> Float[Array, "batch k hidden"]:
     """`x[b, idx[b, j]]`: the hidden states of the tokens a forward's `logits_at` names.
@@ -75,6 +103,57 @@ def gather_positions(x: Float[Array, "batch q_len hidden"], idx: Int[Array, "bat
     inside = (idx >= 0) & (idx < x.shape[1])  # take_along_axis would wrap negative indices
     rows = jnp.take_along_axis(x, jnp.where(inside, idx, 0)[:, :, None], axis=1)
     return jnp.where(inside[:, :, None], rows, jnp.nan)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Sequences packed end to end in one row of a forward: sequence i's tokens are the
+    row's `offsets[i]`, ... (`lengths[i]` of them, as `q_lengths`), and `write` and
+    `attend` see them as rows of up to `width` tokens.
+
+    Attributes:
+      gather: int32[sequences, width]: the packed index of each row position (positions
+        past a sequence's length repeat a valid index; they are padding there).
+      scatter: int32[tokens]: for each packed token, its flat row index
+        (sequence * width + t); tokens past the sequences' end take any valid one.
+    """
+
+    gather: Int[Array, "sequences width"]
+    scatter: Int[Array, " tokens"]
+
+    @staticmethod
+    def of(lengths, tokens: int, width: int) -> "Packing":
+        """The packing of sequences of `lengths` (NumPy, each <= `width`, summing to at
+        most `tokens`) end to end from index 0; built on the host.
+
+        Raises:
+          ValueError: a length outside [0, width], or more than `tokens` in all.
+        """
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.ndim != 1 or (lengths < 0).any() or (lengths > width).any():
+            raise ValueError(f"Packing.of: lengths must be a vector in [0, width={width}], "
+                             f"got {lengths.tolist()}.")
+        if lengths.sum() > tokens:
+            raise ValueError(f"Packing.of: {int(lengths.sum())} tokens do not fit a row of "
+                             f"{tokens}.")
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        t = np.arange(width)
+        gather = np.minimum(offsets[:, None] + np.minimum(t, np.maximum(lengths - 1, 0)[:, None]),
+                            tokens - 1)
+        scatter = np.zeros(tokens, np.int64)
+        for i, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+            scatter[o:o + n] = i * width + t[:n]
+        return Packing(gather=gather.astype(np.int32), scatter=scatter.astype(np.int32))
+
+    def lanes(self, x: Float[Array, "1 tokens ..."]) -> Float[Array, "sequences width ..."]:
+        """A packed row's per-token values as one row per sequence."""
+        return x[0][self.gather]
+
+    def packed(self, y: Float[Array, "sequences width ..."]) -> Float[Array, "1 tokens ..."]:
+        """Rows per sequence back into the packed row."""
+        n, w = self.gather.shape
+        return y.reshape(n * w, *y.shape[2:])[self.scatter][None]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,10 +202,17 @@ class Model:
     unstack_layers: Callable | None = None
 
     def apply(self, params, tokens, positions, cache, *, q_lengths, seq_ids=None,
-              impl="auto", select=None, observe: bool = False, logits_at=None):
+              impl="auto", select=None, observe: bool = False, logits_at=None,
+              packing: Packing | None = None):
         """`forward` with this model's config bound (see the module docstring)."""
         # A family registered before `logits_at` existed is still called without it.
         extra = {} if logits_at is None else dict(logits_at=logits_at)
+        if packing is not None:
+            if not self.packs:
+                raise ValueError(f"Model.apply: the {self.family!r} family's forward takes no "
+                                 f"packing (its layers are not per token); give one sequence "
+                                 f"per row.")
+            extra["packing"] = packing
         return self.forward(params, self.config, tokens, positions, cache, q_lengths=q_lengths,
                             seq_ids=seq_ids, impl=impl, select=select, observe=observe,
                             **extra)
@@ -141,6 +227,11 @@ class Model:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def packs(self) -> bool:
+        """Whether the family's forward takes `packing` (sequences end to end in a row)."""
+        return "packing" in inspect.signature(self.forward).parameters
 
 
 # HF `architectures` entry -> (family name, module path). Modules load on first use.

@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kv_cache
-from kvjax.models.base import check_logits_at, gather_positions
+from kvjax.models.base import Packing, check_logits_at, check_packing, gather_positions
 from kvjax.models.layers import (
     RopeConfig,
     apply_rope,
@@ -369,8 +369,9 @@ def cache_spec(config: LlamaConfig, *, page_size: int, num_pages: int, max_seqs:
 
 
 def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, seq_ids, q_lengths, window,
-           impl, select=None):
-    """One decoder layer: attention over the paged cache, then the MLP. Returns (x, cache, q)."""
+           impl, select=None, packing=None):
+    """One decoder layer: attention over the paged cache, then the MLP. Returns (x, cache, q).
+    With `packing`, x holds sequences end to end in one row; the cache sees them as rows."""
     c = config
     batch, q_len, _ = x.shape
     h = rms_norm(x, lp.attn_norm, c.rms_norm_eps)
@@ -383,11 +384,15 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, seq_ids, q_l
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     rows = dict(q_lengths=q_lengths, seq_ids=seq_ids)
+    if packing is not None:
+        q, k, v = packing.lanes(q), packing.lanes(k), packing.lanes(v)
     cache = kv_cache.write(cache, layer, k, v, **rows)
     # A policy's page selection (Quest, PyramidKV's layer budgets) applies to decode.
     selection = select(cache, layer, q[:, 0]) if select is not None and q_len == 1 else None
     out, _ = kv_cache.attend(cache, layer, q, selection=selection, scale=c.head_dim ** -0.5,
                              sliding_window=window, impl=impl, **rows)
+    if packing is not None:
+        out = packing.packed(out)
     x = x + linear(out.astype(x.dtype).reshape(batch, q_len, -1), lp.wo, lp.bo)
     h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
     x = x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down, lp.b_gate, lp.b_up, lp.b_down)
@@ -420,6 +425,7 @@ def forward(
     select: Callable | None = None,
     observe: bool = False,
     logits_at: Int[Array, "batch k"] | None = None,
+    packing: Packing | None = None,
 ):
     """Runs the model on new tokens whose cache slots are already reserved.
 
@@ -448,6 +454,10 @@ def forward(
       (float32 logits [batch, q_len, vocab] (or [batch, k, vocab] with `logits_at`), the
       cache with the new K/V written), plus, with `observe`, the queries of every layer
       [layers, batch, q_len, q_heads, head_dim].
+
+    With `packing` (`kvjax.models.base.Packing`), tokens and positions are one row [1,
+    tokens] holding several sequences end to end, and `q_lengths` and `seq_ids` (required)
+    are per sequence; `logits_at` indexes the row (`[1, k]`). Not with `observe`.
     """
     c = config
     if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -463,9 +473,12 @@ def forward(
     check_logits_at(logits_at, tokens.shape)
     dtype = jnp.dtype(c.dtype)
     q_lengths = jnp.asarray(q_lengths, jnp.int32)
+    if packing is not None:
+        check_packing(packing, tokens.shape, q_lengths, seq_ids, observe)
     cos, sin = rope_cos_sin(positions, c.rope, dtype)
     x = embed_rows(params.embed, tokens).astype(dtype)
-    args = dict(cos=cos, sin=sin, seq_ids=seq_ids, q_lengths=q_lengths, impl=impl, select=select)
+    args = dict(cos=cos, sin=sin, seq_ids=seq_ids, q_lengths=q_lengths, impl=impl, select=select,
+                packing=packing)
 
     windows = c.sliding_windows or (None,) * c.num_layers
     if isinstance(params.layers, tuple):

@@ -105,7 +105,7 @@ from kvjax.cache.policies.base import CachePolicy
 from kvjax.generate import setup
 from kvjax.generate.loop import DecodeState, decode_params
 from kvjax.generate.sampling import RowSampling, SamplingConfig
-from kvjax.models.base import Model
+from kvjax.models.base import Model, Packing
 from kvjax.serve import steps
 from kvjax.serve.prefix import PrefixCache
 from kvjax.serve.prefixes import PrefixPages
@@ -213,6 +213,56 @@ def _initial_state(kv, max_seqs: int, policy_state) -> DecodeState:
     return state
 
 
+def _packed(model: Model, packed_prefill: bool | None, wide: bool) -> bool:
+    """Whether the engine packs its prefill lanes (`Engine`'s `packed_prefill`)."""
+    can = model.packs and wide
+    if packed_prefill and not can:
+        raise ValueError(
+            f"Engine: packed_prefill needs a model whose forward packs (the {model.family!r} "
+            f"family's " + ("does" if model.packs else "does not") + ") on float pages without "
+            "a cache policy or window-only rings.")
+    return can if packed_prefill is None else bool(packed_prefill)
+
+
+def _lane_arrays(lanes: list[tuple[Request, int]], shape: tuple[int, ...], rows: int,
+                 key_words: int) -> steps.Lanes:
+    """A step's prefill lanes as arrays, padded with idle lanes (of distinct idle rows) to
+    `shape`: (lanes, width), or (lanes, width, tokens) with the lanes packed end to end in
+    one row of that many tokens."""
+    P, C = shape[:2]
+    tokens = np.zeros((P, C), np.int32)
+    lengths = np.zeros((P,), np.int32)
+    used = {r.slot for r, _ in lanes}
+    idle = [s for s in range(rows) if s not in used]
+    slots = np.array([r.slot for r, _ in lanes] + idle[: P - len(lanes)], np.int32)
+    start = np.zeros((P,), np.int32)
+    last = np.zeros((P,), bool)
+    count = np.zeros((P,), np.int32)
+    max_new = np.ones((P,), np.int32)
+    key_data = np.zeros((P, key_words), np.uint32)
+    configs = [GREEDY] * P
+    for i, (r, n) in enumerate(lanes):
+        tokens[i, :n] = r.fed[r.done_tokens: r.done_tokens + n]
+        lengths[i] = n
+        start[i] = r.done_tokens
+        last[i] = r.done_tokens + n == len(r.fed)
+        count[i] = len(r.output)
+        max_new[i] = r.max_tokens
+        key_data[i] = r.key_data
+        configs[i] = r.sampling
+    packing = None
+    if len(shape) == 3:
+        packing = Packing.of(lengths, shape[2], C)
+        row = np.zeros((1, shape[2]), np.int32)
+        row[0, :lengths.sum()] = np.concatenate([tokens[i, :n] for i, n in enumerate(lengths)])
+        tokens = row
+    # NumPy leaves: the jitted step moves them in its own dispatch (about 40 us for the
+    # lot on a 2-core EPYC, where a jax.device_put of the tree took 0.5 ms).
+    return steps.Lanes(tokens=tokens, lengths=lengths, slots=slots, start=start, last=last,
+                       key_data=key_data, count=count, max_new=max_new,
+                       sampling=RowSampling.of(configs), packing=packing)
+
+
 def _warmup_calls(shapes, buckets) -> list[tuple[tuple[int, int] | None, int | None]]:
     """(lane shape or None, live bucket) of the calls that compile every program a step
     runs: a prefill program per lane shape and a decode program per decoding-row bucket
@@ -282,14 +332,16 @@ class Engine:
                  prefix_caching: bool = True, prefix_slots: int | None = None,
                  eos_ids: Sequence[int] = (), impl="auto", policy: CachePolicy | None = None,
                  decode_steps: int = 8, max_decode_steps: int | None = None,
-                 host_pages: int = 0, host_rows: int | None = None, prefill_run: int = 8):
+                 host_pages: int = 0, host_rows: int | None = None, prefill_run: int = 8,
+                 packed_prefill: bool | None = None):
         # What `rebuilt` builds a fresh engine from.
         self._options = dict(
             max_seqs=max_seqs, max_seq_len=max_seq_len, cache=cache, chunk_size=chunk_size,
             prefill_rows=prefill_rows, token_budget=token_budget, prefix_caching=prefix_caching,
             prefix_slots=prefix_slots, eos_ids=eos_ids, impl=impl, policy=policy,
             decode_steps=decode_steps, max_decode_steps=max_decode_steps,
-            host_pages=host_pages, host_rows=host_rows, prefill_run=prefill_run)
+            host_pages=host_pages, host_rows=host_rows, prefill_run=prefill_run,
+            packed_prefill=packed_prefill)
         cfg, policy, prefix_caching = _settle(model, **self._options)
         ps = cfg.page_size
         self.model = model
@@ -340,14 +392,17 @@ class Engine:
         self.prefixes = PrefixPages(self.slots, self.prefix, chunk=chunk_size, stats=self.stats,
                                     reserved_rows=lambda: set(self.scheduler.swapped))
         wide = cfg.quant is None and policy is None and not kv.spec.window_groups
+        most = min(self.prefill_rows * chunk_size, self.token_budget)
+        self.packed = _packed(model, packed_prefill, wide)
         self.scheduler = Scheduler(
             self.slots, self.prefixes, chunk=chunk_size, prefill_rows=self.prefill_rows,
             token_budget=self.token_budget, decode_steps=decode_steps,
             max_decode_steps=self.max_decode_steps, stats=self.stats,
-            lane_shapes=steps.lane_shapes(
-                self.prefill_rows, chunk_size, most=min(self.prefill_rows * chunk_size,
-                                                        self.token_budget),
-                wide=wide, least=max(ps, 32), longest=-(-max_seq_len // chunk_size) * chunk_size),
+            lane_shapes=steps.packed_shapes(self.prefill_rows, most, chunk_size,
+                                          least=max(ps, 32))
+            if self.packed else steps.lane_shapes(
+                self.prefill_rows, chunk_size, most=most, wide=wide, least=max(ps, 32),
+                longest=-(-max_seq_len // chunk_size) * chunk_size),
             prefill_run=prefill_run)
         self._ids = itertools.count()
 
@@ -475,35 +530,8 @@ class Engine:
             sched.deliver(record, (1 if lanes else 0) + int(ran), self.eos_ids)
         return sched.outputs
 
-    def _lanes(self, lanes: list[tuple[Request, int]], shape: tuple[int, int]) -> steps.Lanes:
-        """The step's prefill lanes as arrays, padded with idle lanes to `shape` (lanes,
-        width)."""
-        P, C = shape
-        tokens = np.zeros((P, C), np.int32)
-        lengths = np.zeros((P,), np.int32)
-        used = {r.slot for r, _ in lanes}
-        idle = [s for s in range(self.rows) if s not in used]
-        slots = np.array([r.slot for r, _ in lanes] + idle[: P - len(lanes)], np.int32)
-        start = np.zeros((P,), np.int32)
-        last = np.zeros((P,), bool)
-        count = np.zeros((P,), np.int32)
-        max_new = np.ones((P,), np.int32)
-        key_data = np.zeros((P, self._key_words), np.uint32)
-        configs = [GREEDY] * P
-        for i, (r, n) in enumerate(lanes):
-            tokens[i, :n] = r.fed[r.done_tokens: r.done_tokens + n]
-            lengths[i] = n
-            start[i] = r.done_tokens
-            last[i] = r.done_tokens + n == len(r.fed)
-            count[i] = len(r.output)
-            max_new[i] = r.max_tokens
-            key_data[i] = r.key_data
-            configs[i] = r.sampling
-        # NumPy leaves: the jitted step moves them in its own dispatch (about 40 us for the
-        # lot on a 2-core EPYC, where a jax.device_put of the tree took 0.5 ms).
-        return steps.Lanes(tokens=tokens, lengths=lengths, slots=slots, start=start, last=last,
-                           key_data=key_data, count=count, max_new=max_new,
-                           sampling=RowSampling.of(configs))
+    def _lanes(self, lanes: list[tuple[Request, int]], shape: tuple[int, ...]) -> steps.Lanes:
+        return _lane_arrays(lanes, shape, self.rows, self._key_words)
 
     def warmup(self) -> None:
         """Compiles every program a step may run (the step without prefill lanes and with

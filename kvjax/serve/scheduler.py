@@ -123,21 +123,39 @@ def _token_logprobs(record, entries, row: int, k: int) -> list[TokenLogprobs]:
 LANE_COST = 100
 
 
+def _row_tokens(shape) -> int:
+    """The tokens a prefill call of `shape` computes: lanes x width, or a packed row's."""
+    return shape[2] if len(shape) == 3 else shape[0] * shape[1]
+
+
+def fill_lanes(shape, rest: list[int]) -> list[int]:
+    """The tokens each of the prompts with `rest` tokens left (first in line first, one per
+    lane) prefills in a call of `shape`: up to its width, within a packed row's tokens."""
+    left, out = _row_tokens(shape), []
+    for n in rest[:shape[0]]:
+        k = min(shape[1], n, left)
+        if k <= 0:
+            break
+        out.append(k)
+        left -= k
+    return out
+
+
 def _lane_shape(shapes, rest: list[int], chunk: int, room: int, *,
-                narrow: bool = False) -> tuple[int, int] | None:
-    """Of the compiled (lanes, width) `shapes` within `room` tokens (`narrow`: at most one
-    chunk wide), for the prompts that have `rest` tokens left, first in line first (one
-    per lane): the one that prefills the most of them among those within 10% of the most
-    tokens per cost (`LANE_COST` + lanes * width), the cheapest of those; None when no
-    shape fits."""
+                narrow: bool = False) -> tuple[int, ...] | None:
+    """Of the compiled `shapes` ((lanes, width), or (lanes, width, tokens) packed) within
+    `room` tokens (`narrow`: lanes at most one chunk wide), for the prompts that have
+    `rest` tokens left, first in line first (one per lane): the one that prefills the most
+    of them among those within 10% of the most tokens per cost (`LANE_COST` + the tokens
+    it computes), the cheapest of those; None when no shape fits."""
     def useful(s):
-        return sum(min(s[1], n) for n in rest[:s[0]])
-    fits = [s for s in shapes if s[0] * s[1] <= room and (not narrow or s[1] <= chunk)]
+        return sum(fill_lanes(s, rest))
+    fits = [s for s in shapes if _row_tokens(s) <= room and (not narrow or s[1] <= chunk)]
     if not fits:
         return None
-    best = max(useful(s) / (LANE_COST + s[0] * s[1]) for s in fits)
-    good = [s for s in fits if useful(s) / (LANE_COST + s[0] * s[1]) >= 0.9 * best]
-    return max(good, key=lambda s: (useful(s), -s[0] * s[1], -s[0]))
+    best = max(useful(s) / (LANE_COST + _row_tokens(s)) for s in fits)
+    good = [s for s in fits if useful(s) / (LANE_COST + _row_tokens(s)) >= 0.9 * best]
+    return max(good, key=lambda s: (useful(s), -_row_tokens(s), -s[0]))
 
 
 class Scheduler:
@@ -147,7 +165,8 @@ class Scheduler:
       slots: the engine's `CacheSlots`.
       prefixes: the engine's `PrefixPages`.
       chunk, prefill_rows, token_budget, decode_steps, max_decode_steps: as `Engine`.
-      lane_shapes: the (lanes, width) shapes of a step's prefill (`steps.lane_shapes`).
+      lane_shapes: the (lanes, width) shapes of a step's prefill (`steps.lane_shapes`), or
+        its (lanes, width, tokens) packed ones (`steps.packed_shapes`).
       prefill_run: calls with lanes in a row without a decode step while prompts wait.
       stats: the engine's counters (preemptions, requeues, swaps, swap_ins,
         decode_tokens).
@@ -163,7 +182,7 @@ class Scheduler:
     def __init__(self, slots: CacheSlots, prefixes: PrefixPages, *, chunk: int,
                  prefill_rows: int, token_budget: int, decode_steps: int,
                  max_decode_steps: int, stats: collections.Counter,
-                 lane_shapes: Sequence[tuple[int, int]] | None = None, prefill_run: int = 0):
+                 lane_shapes: Sequence[tuple[int, ...]] | None = None, prefill_run: int = 0):
         self.slots = slots
         self.prefixes = prefixes
         self.rows = slots.rows
@@ -315,10 +334,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step's plan
 
-    def plan(self) -> tuple[list[int], list[tuple[Request, int]], tuple[int, int] | None,
+    def plan(self) -> tuple[list[int], list[tuple[Request, int]], tuple[int, ...] | None,
                             int, bool]:
         """The step: its decoding rows, prefill lanes (request, tokens) and their shape
-        (lanes, width; None without lanes), the decode steps it runs at most and whether
+        (lanes, width[, tokens]; None without lanes), the decode steps it runs at most and whether
         it ends as soon as a row finishes. Then the pool can supply every page such a
         step allocates: lanes narrowed to a chunk, prefixes evicted, requests preempted."""
         decode, lanes, shape = self._rows_and_lanes()
@@ -338,7 +357,7 @@ class Scheduler:
         return decode, lanes, shape, k, until_finish
 
     def _rows_and_lanes(self, narrow: bool = False) -> tuple[
-            list[int], list[tuple[Request, int]], tuple[int, int] | None]:
+            list[int], list[tuple[Request, int]], tuple[int, ...] | None]:
         """This step's decoding rows, prefill lanes (request, tokens: the first in line
         that have a lane, up to `prefill_rows`, within the budget the decoding rows leave)
         and their shape (`_lane_shape`; `narrow`: at most one chunk wide)."""
@@ -355,8 +374,7 @@ class Scheduler:
             if decode:
                 return decode, [], None
             shape = min(self.lane_shapes)  # a budget below one lane: one lane still runs
-        p, w = shape
-        return decode, [(r, min(w, n)) for r, n in zip(chosen[:p], rest, strict=False)], shape
+        return decode, list(zip(chosen, fill_lanes(shape, rest), strict=False)), shape
 
     def _decode_steps(self, decode, lanes) -> tuple[int, bool]:
         """Decode steps this call runs at most, and whether it ends as soon as a row

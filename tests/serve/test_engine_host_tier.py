@@ -100,10 +100,11 @@ def test_a_host_tier_too_small_falls_back_to_recompute(tiny, rng):
     (`prefill_run=0`; 7 of the pool's 14 pages for it).
     Once they need a fourth page each, the pool cannot hold all three: the latest admitted,
     the third, holding 49 tokens or more, is preempted; the tier of 4 pages (32 tokens)
-    cannot take it, so it is recomputed. Every request gets generate's tokens."""
+    cannot take it, so it is recomputed. Every request gets generate's tokens. (Lanes
+    unpacked: the calls counted here are those of two one-chunk lanes.)"""
     model, params = tiny
     cfg = gen.CacheConfig(page_size=PAGE)
-    engine = _host_engine(model, params, prefill_run=0)
+    engine = _host_engine(model, params, prefill_run=0, packed_prefill=False)
     replay = _Replay(engine)
     first = [replay.add(rng.integers(3, model.vocab_size, PAGE).tolist(), 48)
              for _ in range(2)]

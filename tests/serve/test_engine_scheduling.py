@@ -372,11 +372,12 @@ def test_fewer_prompts_take_wider_lanes(tiny, rng):
     prefill_rows chunks in all): one prompt alone prefills 4 chunks a call, two prompts 2
     each, and each gets generate's tokens (chunk by chunk). The shape a step takes
     prefills the most tokens among those near the best tokens per cost, the cheapest of
-    those. KIVI pages keep one chunk per lane."""
+    those. KIVI pages keep one chunk per lane. (Lanes unpacked: as for a model whose
+    forward does not pack.)"""
     model, params = tiny
     cfg = gen.CacheConfig(page_size=PAGE)
     engine = Engine(model, params, max_seqs=4, max_seq_len=160, chunk_size=CHUNK,
-                    prefill_rows=4, cache=cfg)
+                    prefill_rows=4, cache=cfg, packed_prefill=False)
     C = CHUNK
     assert engine.scheduler.lane_shapes == [(1, C), (1, 2 * C), (1, 4 * C), (2, C),
                                             (2, 2 * C), (4, C)]
@@ -416,13 +417,14 @@ def test_many_prompts_share_a_call_in_narrow_lanes(tiny, rng, monkeypatch):
     `prefill_rows` chunks), lanes narrower than a chunk take a prompt each: 4 prompts of a
     chunk and up to half another prefill in 2 one-chunk lanes, then 4 half-chunk lanes
     (the first two prompts' rests and the next two's first halves), padding less than
-    one-chunk lanes would; each gets generate's tokens with the engine's chunk_size."""
+    one-chunk lanes would; each gets generate's tokens with the engine's chunk_size.
+    (Lanes unpacked.)"""
     from kvjax.serve import steps
 
     model, params = tiny
     cfg, chunk = gen.CacheConfig(page_size=PAGE), 64
     engine = Engine(model, params, max_seqs=4, max_seq_len=128, chunk_size=chunk, cache=cfg,
-                    prefill_rows=4, token_budget=4 + 2 * chunk)
+                    prefill_rows=4, token_budget=4 + 2 * chunk, packed_prefill=False)
     assert engine.scheduler.lane_shapes == [(1, chunk), (1, 2 * chunk), (2, chunk),
                                             (4, chunk // 2)]
     shapes, step = [], steps.step
@@ -447,22 +449,74 @@ def test_many_prompts_share_a_call_in_narrow_lanes(tiny, rng, monkeypatch):
         assert got == alone.sequences()[0][:m]
 
 
+def test_packed_prefill_fills_each_row_end_to_end(tiny, rng, monkeypatch):
+    """A model whose forward packs (Llama) prefills prompts end to end in one row: every
+    call but the last computes only real tokens (its lanes end anywhere in a prompt), in
+    fewer row tokens than one-chunk lanes would, and each request gets generate's tokens
+    with the engine's chunk_size. KIVI pages, a family that does not pack (Qwen3-Next's
+    recurrence) or `packed_prefill=False` keep unpacked lanes."""
+    from kvjax.serve import steps
+
+    model, params = tiny
+    assert model.packs
+    cfg, chunk = gen.CacheConfig(page_size=PAGE), 64
+    engine = Engine(model, params, max_seqs=4, max_seq_len=128, chunk_size=chunk, cache=cfg,
+                    prefill_rows=4, token_budget=4 + 2 * chunk)
+    assert engine.packed
+    assert engine.scheduler.lane_shapes == [(1, chunk, chunk), (1, 2 * chunk, 2 * chunk),
+                                            (2, chunk, chunk), (4, chunk, 2 * chunk)]
+    for p, w, row in steps.packed_shapes(16, 544, 64):  # the server's: lanes of 32k tokens
+        assert w % 32 == 0 and p * w >= row and (p <= 2) == (w == row), (p, w, row)
+    calls, step = [], steps.step
+
+    def spy(model, params, dparams, state, lanes, *args, **kwargs):
+        if lanes is not None:
+            assert lanes.packing is not None and lanes.tokens.shape[0] == 1
+            calls.append((lanes.tokens.shape[1], int(lanes.lengths.sum())))
+        return step(model, params, dparams, state, lanes, *args, **kwargs)
+
+    monkeypatch.setattr(steps, "step", spy)
+    lengths = [int(n) for n in rng.integers(chunk + 1, chunk * 3 // 2 + 1, 4)]
+    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in lengths]
+    new = [int(k) for k in rng.integers(2, 10, 4)]
+    tokens, _ = _drive(engine, prompts, new, first=4)
+    assert sum(real for _, real in calls) == sum(lengths) == engine.stats["prefill_tokens"]
+    assert all(row == real for row, real in calls[:-1]), calls
+    assert sum(row for row, _ in calls) < 8 * chunk, calls  # one-chunk lanes: 8 chunks
+    for p, m, got in zip(prompts, new, tokens, strict=True):
+        alone = gen.generate(model, params, [p], key=jax.random.key(0)[None],
+                             max_new_tokens=10, chunk_size=chunk,
+                             cache=cfg.build(model, num_seqs=1, max_tokens=128))
+        assert got == alone.sequences()[0][:m]
+
+    kivi = gen.CacheConfig(page_size=PAGE, quant=QuantSpec(bits=4, group_size=PAGE,
+                                                           residual=PAGE))
+    assert not Engine(model, params, max_seqs=2, max_seq_len=64, cache=kivi).packed
+    with pytest.raises(ValueError, match="packed_prefill needs"):
+        Engine(model, params, max_seqs=2, max_seq_len=64, cache=kivi, packed_prefill=True)
+
+
 def test_a_wide_lane_narrows_before_anything_is_evicted_or_preempted(tiny, rng):
     """When the free pages cannot take a wide lane, the step's lanes are one chunk wide
-    before cached prefixes are evicted or requests preempted (here the only one)."""
+    before cached prefixes are evicted or requests preempted (here the only one); so is a
+    packed row."""
     model, params = tiny
-    engine = Engine(model, params, max_seqs=4, max_seq_len=160, chunk_size=CHUNK,
-                    prefill_rows=4, cache=gen.CacheConfig(page_size=PAGE))
-    engine.add_request(rng.integers(3, model.vocab_size, 3 * CHUNK + 5).tolist(), max_tokens=4)
-    sched = engine.scheduler
-    sched.admit_waiting()
-    sched.look_up_prefixes()
-    _, lanes, shape, _, _ = sched.plan()
-    assert shape == (1, 4 * CHUNK) and lanes[0][1] == 3 * CHUNK + 5
-    engine.slots.free_pages = CHUNK // PAGE  # one chunk's pages
-    _, lanes, shape, _, _ = sched.plan()
-    assert shape == (1, CHUNK) and lanes[0][1] == CHUNK
-    assert engine.stats["preemptions"] == engine.stats["requeues"] == 0
+    for packed, wide, narrow in [(False, (1, 4 * CHUNK), (1, CHUNK)),
+                                 (True, (1, 4 * CHUNK, 4 * CHUNK), (1, CHUNK, CHUNK))]:
+        engine = Engine(model, params, max_seqs=4, max_seq_len=160, chunk_size=CHUNK,
+                        prefill_rows=4, cache=gen.CacheConfig(page_size=PAGE),
+                        packed_prefill=packed)
+        engine.add_request(rng.integers(3, model.vocab_size, 3 * CHUNK + 5).tolist(),
+                           max_tokens=4)
+        sched = engine.scheduler
+        sched.admit_waiting()
+        sched.look_up_prefixes()
+        _, lanes, shape, _, _ = sched.plan()
+        assert shape == wide and lanes[0][1] == 3 * CHUNK + 5
+        engine.slots.free_pages = CHUNK // PAGE  # one chunk's pages
+        _, lanes, shape, _, _ = sched.plan()
+        assert shape == narrow and lanes[0][1] == CHUNK
+        assert engine.stats["preemptions"] == engine.stats["requeues"] == 0
 
 
 @pytest.mark.parametrize("run", [0, 2])

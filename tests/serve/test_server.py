@@ -526,7 +526,8 @@ def test_cli_prefill_flags_reach_the_engine(checkpoint, monkeypatch, tokens, bud
     engine = built["engine"]
     assert (engine.prefill_rows, engine.token_budget, engine.scheduler.prefill_run) == (
         2, budget, 0)
-    assert max(p * w for p, w in engine.scheduler.lane_shapes) == widest
+    assert max(s[2] if len(s) == 3 else s[0] * s[1] for s in engine.scheduler.lane_shapes) == (
+        widest)
 
 
 def test_cli_missing_model_dir(tmp_path, capsys):
