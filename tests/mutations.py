@@ -451,3 +451,16 @@ def _live_rows_keep_stale_tokens(mp):
         return dataclasses.replace(put(state, sub, sel), last=state.last)
 
     mp.setattr(steps, "_put_rows", stale)
+
+
+@mutation("packed_lanes_one_early", "a packed prefill row's lanes start one token early "
+                                    "(Packing.lanes reads each lane's tokens shifted by one)",
+          ("tests/models/test_packing.py::test_packed_calls_equal_each_prompt_alone",
+           "tests/serve/test_engine_scheduling.py::"
+           "test_packed_prefill_fills_each_row_end_to_end"))
+def _packed_lanes_one_early(mp):
+    import jax.numpy as jnp
+
+    from kvjax.models.base import Packing
+
+    mp.setattr(Packing, "lanes", lambda self, x: x[0][jnp.maximum(self.gather - 1, 0)])
