@@ -377,13 +377,21 @@ def _rows(pool, slot_pages, offsets, layer, head):
     return np.asarray(pool, np.float64)[layer, head, slot_pages, offsets]
 
 
-def _close(got, want, exact: bool, msg: str):
-    """Cached values against the reference's: float32 pages to rounding (1e-4); bf16 and
-    KIVI caches to 1e-2 of the array's largest value (a bf16 rounding or a KIVI code that
-    a float32 engine and a float64 reference put one step apart moves later layers' keys
-    by up to ~1e-3). Another token's key or another page's scales differ by O(1)."""
+# KIVI caches' pages and tail: a code that a float32 engine and a float64 reference put one
+# step apart (a rounding tie) moves later layers' keys and values, and so their pages' zero
+# points, by up to 2.2% of the array's largest value (the qwen2 int4 SnapKV cell: 2 of 25
+# seeds beyond 1%: a zero point at 1.5% and 2.2%, a tail value at 1.2%; one element each,
+# in layer 1).
+KIVI_TOL = 3e-2
+
+
+def _close(got, want, exact: bool, msg: str, tol: float | None = None):
+    """Cached values against the reference's: float32 pages to rounding (1e-4); bf16 caches
+    to 1e-2 of the array's largest value (a bf16 rounding that the engine and the float64
+    reference put one step apart moves later layers' keys by up to ~1e-3), or `tol` of it
+    (KIVI_TOL). Another token's key or another page's scales differ by O(1)."""
     want = np.asarray(want, np.float64)
-    tol = 1e-4 if exact else 1e-2
+    tol = tol if tol is not None else 1e-4 if exact else 1e-2
     scale = float(np.max(np.abs(want))) if want.size else 0.0
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=msg)
 
@@ -442,23 +450,28 @@ def _check_held(cache, slot, sim, err):
                 pool = cache.pages.c_kv[0]
                 for name, got in (("c_scale", pool.scale), ("c_zero", pool.zero)):
                     _close(np.asarray(got, np.float64)[layer, 0, pid], meta[name][:, 0], False,
-                           f"{what}: page {j} {name}")
+                           f"{what}: page {j} {name}", KIVI_TOL)
                 _close(np.asarray(cache.pages.k_rope, np.float64)[layer, 0, pid],
-                       sim.K[layer, page["pos"], 0, latent:], False, f"{what}: page {j} k_rope")
+                       sim.K[layer, page["pos"], 0, latent:], False, f"{what}: page {j} k_rope",
+                       KIVI_TOL)
             else:
                 for name, pool in (("k", cache.pages.k[0]), ("v", cache.pages.v[0])):
                     for part, got in (("scale", pool.scale), ("zero", pool.zero)):
                         got = np.moveaxis(np.asarray(got, np.float64)[layer, :, pid], 0, 1)
                         _close(got, meta[f"{name}_{part}"], False,
-                               f"{what}: page {j} {name} {part}")
+                               f"{what}: page {j} {name} {part}", KIVI_TOL)
         a = np.asarray(cache.tail.a, np.float64)[layer][:, slot][:, tail % ring]  # [heads, T, w]
         b = np.asarray(cache.tail.b, np.float64)[layer][:, slot][:, tail % ring]
         if latent:
-            _close(a[0], sim.K[layer, pos[nq:], 0, :latent], False, f"{what}: tail latents")
-            _close(b[0], sim.K[layer, pos[nq:], 0, latent:], False, f"{what}: tail k_rope")
+            _close(a[0], sim.K[layer, pos[nq:], 0, :latent], False, f"{what}: tail latents",
+                   KIVI_TOL)
+            _close(b[0], sim.K[layer, pos[nq:], 0, latent:], False, f"{what}: tail k_rope",
+                   KIVI_TOL)
         else:
-            _close(np.moveaxis(a, 0, 1), sim.K[layer, pos[nq:]], False, f"{what}: tail keys")
-            _close(np.moveaxis(b, 0, 1), sim.V[layer, pos[nq:]], False, f"{what}: tail values")
+            _close(np.moveaxis(a, 0, 1), sim.K[layer, pos[nq:]], False, f"{what}: tail keys",
+                   KIVI_TOL)
+            _close(np.moveaxis(b, 0, 1), sim.V[layer, pos[nq:]], False, f"{what}: tail values",
+                   KIVI_TOL)
 
 
 def _check_rings(cache, slots, err):
