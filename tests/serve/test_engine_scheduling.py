@@ -412,6 +412,22 @@ def test_fewer_prompts_take_wider_lanes(tiny, rng):
     assert kivi.scheduler.lane_shapes == [(1, C), (2, C), (4, C)]
 
 
+def _four_prompts_equal_generate(engine, rng, cfg, chunk) -> list[int]:
+    """Drives 4 prompts of a chunk and up to half another, all at once, through `engine`;
+    each must get generate's tokens with chunk `chunk`. Returns the prompts' lengths."""
+    model, params = engine.model, engine.params
+    lengths = [int(n) for n in rng.integers(chunk + 1, chunk * 3 // 2 + 1, 4)]
+    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in lengths]
+    new = [int(k) for k in rng.integers(2, 10, 4)]
+    tokens, _ = _drive(engine, prompts, new, first=4)
+    for p, m, got in zip(prompts, new, tokens, strict=True):
+        alone = gen.generate(model, params, [p], key=jax.random.key(0)[None],
+                             max_new_tokens=10, chunk_size=chunk,
+                             cache=cfg.build(model, num_seqs=1, max_tokens=128))
+        assert got == alone.sequences()[0][:m]
+    return lengths
+
+
 def test_many_prompts_share_a_call_in_narrow_lanes(tiny, rng, monkeypatch):
     """With more prompts than a call's tokens hold in whole chunks (a token budget below
     `prefill_rows` chunks), lanes narrower than a chunk take a prompt each: 4 prompts of a
@@ -435,18 +451,10 @@ def test_many_prompts_share_a_call_in_narrow_lanes(tiny, rng, monkeypatch):
         return step(model, params, dparams, state, lanes, *args, **kwargs)
 
     monkeypatch.setattr(steps, "step", spy)
-    lengths = [int(n) for n in rng.integers(chunk + 1, chunk * 3 // 2 + 1, 4)]
-    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in lengths]
-    new = [int(k) for k in rng.integers(2, 10, 4)]
-    tokens, _ = _drive(engine, prompts, new, first=4)
+    lengths = _four_prompts_equal_generate(engine, rng, cfg, chunk)
     assert shapes[:2] == [(2, chunk), (4, chunk // 2)], shapes
     assert engine.stats["prefill_tokens"] == sum(lengths)
     assert sum(p * w for p, w in shapes) < 8 * chunk, shapes  # one-chunk lanes: 8 chunks
-    for p, m, got in zip(prompts, new, tokens, strict=True):
-        alone = gen.generate(model, params, [p], key=jax.random.key(0)[None],
-                             max_new_tokens=10, chunk_size=chunk,
-                             cache=cfg.build(model, num_seqs=1, max_tokens=128))
-        assert got == alone.sequences()[0][:m]
 
 
 def test_packed_prefill_fills_each_row_end_to_end(tiny, rng, monkeypatch):
@@ -476,18 +484,10 @@ def test_packed_prefill_fills_each_row_end_to_end(tiny, rng, monkeypatch):
         return step(model, params, dparams, state, lanes, *args, **kwargs)
 
     monkeypatch.setattr(steps, "step", spy)
-    lengths = [int(n) for n in rng.integers(chunk + 1, chunk * 3 // 2 + 1, 4)]
-    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in lengths]
-    new = [int(k) for k in rng.integers(2, 10, 4)]
-    tokens, _ = _drive(engine, prompts, new, first=4)
+    lengths = _four_prompts_equal_generate(engine, rng, cfg, chunk)
     assert sum(real for _, real in calls) == sum(lengths) == engine.stats["prefill_tokens"]
     assert all(row == real for row, real in calls[:-1]), calls
     assert sum(row for row, _ in calls) < 8 * chunk, calls  # one-chunk lanes: 8 chunks
-    for p, m, got in zip(prompts, new, tokens, strict=True):
-        alone = gen.generate(model, params, [p], key=jax.random.key(0)[None],
-                             max_new_tokens=10, chunk_size=chunk,
-                             cache=cfg.build(model, num_seqs=1, max_tokens=128))
-        assert got == alone.sequences()[0][:m]
 
     kivi = gen.CacheConfig(page_size=PAGE, quant=QuantSpec(bits=4, group_size=PAGE,
                                                            residual=PAGE))
