@@ -180,7 +180,7 @@ def engine_breakdown(engine, trace) -> dict:
             dt = time.perf_counter() - t
             spent[name] += dt
             if name == "step":
-                calls.append((args[4], out[2], dt))
+                calls.append((args[4], out[3], dt))
             return out
         return run
 
