@@ -213,14 +213,14 @@ def _initial_state(kv, max_seqs: int, policy_state) -> DecodeState:
     return state
 
 
-def _packed(model: Model, packed_prefill: bool | None, wide: bool) -> bool:
+def _packed(model: Model, packed_prefill: bool | None, floats: bool) -> bool:
     """Whether the engine packs its prefill lanes (`Engine`'s `packed_prefill`)."""
-    can = model.packs and wide
+    can = model.packs and floats
     if packed_prefill and not can:
         raise ValueError(
             f"Engine: packed_prefill needs a model whose forward packs (the {model.family!r} "
             f"family's " + ("does" if model.packs else "does not") + ") on float pages without "
-            "a cache policy or window-only rings.")
+            "a cache policy.")
     return can if packed_prefill is None else bool(packed_prefill)
 
 
@@ -287,7 +287,8 @@ class Engine:
       prefill_rows: prompts prefilled per step at most, one per lane (lane counts:
         powers of two; widths: one chunk, and on float pages without a policy or
         window-only rings also narrower or wider lanes within the budget,
-        `steps.lane_shapes`).
+        `steps.lane_shapes`; a model that packs on float pages without a policy puts
+        the lanes end to end in one row, `steps.packed_shapes`).
       token_budget: tokens per step, decode rows first; default max_seqs + prefill_rows *
         chunk_size (every lane may run every step).
       prefix_caching: keep prompts' full pages for later requests (not with a policy,
@@ -391,15 +392,17 @@ class Engine:
                                 blank=max_seqs + n_holders if blank else None)
         self.prefixes = PrefixPages(self.slots, self.prefix, chunk=chunk_size, stats=self.stats,
                                     reserved_rows=lambda: set(self.scheduler.swapped))
-        wide = cfg.quant is None and policy is None and not kv.spec.window_groups
+        floats = cfg.quant is None and policy is None
+        wide = floats and not kv.spec.window_groups
         most = min(self.prefill_rows * chunk_size, self.token_budget)
-        self.packed = _packed(model, packed_prefill, wide)
+        self.packed = _packed(model, packed_prefill, floats)
         self.scheduler = Scheduler(
             self.slots, self.prefixes, chunk=chunk_size, prefill_rows=self.prefill_rows,
             token_budget=self.token_budget, decode_steps=decode_steps,
             max_decode_steps=self.max_decode_steps, stats=self.stats,
             lane_shapes=steps.packed_shapes(self.prefill_rows, most, chunk_size,
-                                          least=max(ps, 32))
+                                          least=max(ps, 32),
+                                          widest=chunk_size if kv.spec.window_groups else None)
             if self.packed else steps.lane_shapes(
                 self.prefill_rows, chunk_size, most=most, wide=wide, least=max(ps, 32),
                 longest=-(-max_seq_len // chunk_size) * chunk_size),

@@ -362,8 +362,8 @@ def lane_shapes(prefill_rows: int, chunk: int, *, most: int = 0, wide: bool = Tr
     return sorted(shapes)
 
 
-def packed_shapes(prefill_rows: int, tokens: int, chunk: int, *, least: int = 32
-                  ) -> list[tuple[int, int, int]]:
+def packed_shapes(prefill_rows: int, tokens: int, chunk: int, *, least: int = 32,
+                  widest: int | None = None) -> list[tuple[int, int, int]]:
     """The (lanes, width, tokens) shapes an engine whose model packs (`Model.packs`)
     compiles its prefill for: rows of `tokens` (down to a multiple of `least`, or else to
     one `chunk`), of one `chunk` (for a call that must allocate little), and of the powers
@@ -376,18 +376,23 @@ def packed_shapes(prefill_rows: int, tokens: int, chunk: int, *, least: int = 32
     size; idle lanes cost little there, but 16 lanes of 68 tokens took 1.6x the time of
     16 of 64 in float32 on a 2-core Zen 4 for the same 544-token row). No
     lane is padded in the matmuls, which are most of a call's work. A call's lanes may end
-    anywhere in a prompt."""
+    anywhere in a prompt. `widest` caps the lanes' width (window-only rings take one
+    chunk's new tokens per call: `widest` = `chunk` there); rows are then multiples of the
+    smaller of `least` and `widest`, and a row takes as many lanes as it needs."""
     counts = [1]
     while counts[-1] * 2 < prefill_rows:
         counts.append(counts[-1] * 2)
     counts = sorted(set(counts + [prefill_rows]))
-    top = tokens // least * least or min(chunk, tokens)
+    unit = least if widest is None else min(least, widest)  # rows are multiples of it
+    top = tokens // unit * unit or min(chunk, tokens)
     rows = {top, min(chunk, top)} | {
         r for k in range(top.bit_length())
-        for r in (1 << k, 3 << k) if 2 * least <= r <= top and (r == 1 << k or r >= 4 * least)}
-    return sorted({(p, row if p <= 2 else max(2 * row // p // least * least, least), row)
-                   for row in rows
-                   for p in {1, max(q for q in counts if q == 1 or q * least <= row)}})
+        for r in (1 << k, 3 << k) if 2 * unit <= r <= top and (r == 1 << k or r >= 4 * unit)}
+    widest = widest or top
+    shapes = {(p, min(row if p <= 2 else max(2 * row // p // least * least, least), widest), row)
+              for row in rows
+              for p in {1, max(q for q in counts if q == 1 or q * unit <= row)}}
+    return sorted(s for s in shapes if s[0] * s[1] >= s[2])  # lanes that can fill the row
 
 
 def live_buckets(rows: int) -> list[int | None]:

@@ -1,8 +1,9 @@
 """Packed prefill (`kvjax.generate.prefill_packed`, `kvjax.models.base.Packing`): several
 sequences' next tokens end to end in one row give each sequence's logits and cache as
-prefilling it alone in its own row (Llama, stacked and per-layer weights; a call's lanes
-cut anywhere in a prompt), and the errors at the boundary: a family that does not pack
-(DeepSeek MLA here), a packing of the wrong size, lengths that do not fit."""
+prefilling it alone in its own row (Llama, stacked and per-layer weights; Gemma, with its
+local layers on full pages and on window-only rings; a call's lanes cut anywhere in a
+prompt), and the errors at the boundary: a family that does not pack (DeepSeek MLA here),
+a packing of the wrong size, lengths that do not fit."""
 
 import jax
 import numpy as np
@@ -10,28 +11,46 @@ import pytest
 
 import kvjax.generate as gen
 from kvjax.generate.loop import prefill, prefill_packed
-from kvjax.models import tiny
+from kvjax.models import gemma, get_family, tiny
 from kvjax.models.base import Packing
+from kvjax.rope import RopeConfig
 
 PAGE = 8
+GEMMA_WINDOW = 12  # the local layers' window: shorter than most prompts here
 
 
 def _model(name):
+    if name == "gemma":
+        # Gemma 3's layout (local, local, global; QK-norm; two RoPEs) with Gemma 2's soft
+        # caps: every part of the layer that sees the packed row or its lanes.
+        config = gemma.GemmaConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, q_heads=4,
+            kv_heads=2, head_dim=16, layer_types=(gemma.LOCAL, gemma.LOCAL, gemma.GLOBAL),
+            sliding_window=GEMMA_WINDOW, rope_local=RopeConfig(theta=10000.0, dim=16),
+            rope_global=RopeConfig(theta=1e6, dim=16), query_pre_attn_scalar=24.0,
+            attn_softcap=20.0, final_softcap=30.0, qk_norm=True)
+        fam = get_family("gemma")
+        return fam.model(config), fam.init_params(config, jax.random.key(1), std=0.2)
     config = tiny.tiny_config(name)
     return tiny.tiny_model(config), tiny.init_tiny(config, jax.random.key(1))
 
 
-@pytest.mark.parametrize("unstack", [False, True])
-def test_packed_calls_equal_each_prompt_alone(rng, unstack):
-    model, params = _model("gqa")
+@pytest.mark.parametrize("name,unstack,rings", [("gqa", False, False), ("gqa", True, False),
+                                                ("gemma", False, False), ("gemma", True, True)])
+def test_packed_calls_equal_each_prompt_alone(rng, name, unstack, rings):
+    model, params = _model(name)
     if unstack:
         params = model.unstack_layers(params)
     assert model.packs
     lens = [int(n) for n in rng.integers(3, 70, 4)]
     prompts = [rng.integers(0, model.vocab_size, n).astype(np.int32) for n in lens]
-    cfg = gen.CacheConfig(page_size=PAGE)
-    # Reference: every prompt whole in its own row.
-    ref_cache = cfg.build(model, num_seqs=4, max_tokens=128)
+    # Window-only rings are built for the most tokens one call adds to a sequence (a lane
+    # here takes at most 32).
+    cfg = gen.CacheConfig(page_size=PAGE, window_pages=rings)
+    build = dict(num_seqs=4, max_tokens=128, chunk=32)
+    # Reference: every prompt whole in its own row (on full pages: the rings hold one
+    # lane's chunk, not a whole prompt).
+    ref_cache = gen.CacheConfig(page_size=PAGE, window_pages=False).build(model, **build)
     width = -(-max(lens) // 32) * 32
     rows = np.zeros((4, width), np.int32)
     for i, p in enumerate(prompts):
@@ -39,7 +58,8 @@ def test_packed_calls_equal_each_prompt_alone(rng, unstack):
     ref_cache, ref, *_ = prefill(model, params, ref_cache, rows, np.array(lens, np.int32),
                                  np.arange(4, dtype=np.int32), chunk_size=width)
     # Packed: calls of a 64-token row, up to 32 tokens a prompt, cut wherever the row ends.
-    cache = cfg.build(model, num_seqs=4, max_tokens=128)
+    cache = cfg.build(model, **build)
+    assert bool(cache.spec.window_groups) == rings
     done, got = [0] * 4, np.zeros(np.shape(ref), np.float32)
     while done != lens:
         take, left = [], 64

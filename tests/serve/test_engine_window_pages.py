@@ -14,6 +14,7 @@ prompt's ring starts at page 6 by then; without window pages it would).
 """
 
 import jax
+import numpy as np
 import pytest
 
 import kvjax.generate as gen
@@ -43,7 +44,12 @@ def _alone(engine, prompt):
     return toks, cached
 
 
-def test_engine_window_pages_equal_generate_and_hits_stop_at_the_rings(model_params, rng):
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_engine_window_pages_equal_generate_and_hits_stop_at_the_rings(model_params, rng,
+                                                                        lanes):
+    """Tokens equal generate's and prefix hits stop where the rings end, prefilling up to
+    `lanes` prompts a call (4: packed rows of 32 tokens, each prompt's lane at most one
+    chunk, as much as a ring takes in a call)."""
     model, params = model_params
     system = rng.integers(0, 64, 16).tolist()
     a = system + rng.integers(0, 64, 20).tolist()
@@ -53,9 +59,11 @@ def test_engine_window_pages_equal_generate_and_hits_stop_at_the_rings(model_par
     ref = gen.generate(model, params, prompts + [a] + later, key=jax.random.key(0),
                        max_new_tokens=NEW, chunk_size=CHUNK, cache=gen.CacheConfig(page_size=PAGE))
     want = [t[:NEW] for t in ref.sequences()]
-    engine = Engine(model, params, max_seqs=3, max_seq_len=64, chunk_size=CHUNK, prefill_rows=2,
-                    cache=gen.CacheConfig(page_size=PAGE, window_pages=True))
+    engine = Engine(model, params, max_seqs=max(3, lanes), max_seq_len=64, chunk_size=CHUNK,
+                    prefill_rows=lanes, cache=gen.CacheConfig(page_size=PAGE, window_pages=True))
     assert [g.layers for g in engine.spec.window_groups] == [(0,)]
+    assert engine.packed and max(s[1] for s in engine.scheduler.lane_shapes) == CHUNK
+    assert max(s[2] for s in engine.scheduler.lane_shapes) == lanes * CHUNK
     assert window.ring_size(engine.spec, 0) == 4
     got, reasons = _drive(engine, prompts, [NEW] * len(prompts), first=3, arrive_every=3)
     assert reasons == ["length"] * len(prompts)
@@ -111,3 +119,32 @@ def test_cli_serves_a_sliding_window_model_on_window_pages(tmp_path, monkeypatch
     # This save of the tokenizer decodes without spaces; the words are prefix-free.
     assert (choice["text"].replace(" ", ""), choice["finish_reason"]) == (
         tiny_chat.words(ref).replace(" ", ""), "stop" if stop else "length")
+
+
+def test_gemma_packs_its_prompts_on_window_rings(rng, monkeypatch):
+    """Gemma (local layers on window-only rings, its default) prefills packed rows: each
+    call's prompts end to end in one row, no prompt's lane wider than a chunk (what a ring
+    takes in one call), and every request gets generate's tokens with the same chunk."""
+    from kvjax.serve import steps
+    from tests.models.test_packing import _model
+    from tests.serve.test_engine_scheduling import _four_prompts_equal_generate
+
+    model, params = _model("gemma")
+    chunk = 16
+    engine = Engine(model, params, max_seqs=4, max_seq_len=128, chunk_size=chunk,
+                    cache=gen.CacheConfig(page_size=PAGE), prefill_rows=4,
+                    token_budget=4 + 4 * chunk)
+    assert engine.packed and len(engine.spec.window_groups) == 1
+    calls, step = [], steps.step
+
+    def spy(model, params, dparams, state, lanes, *args, **kwargs):
+        if lanes is not None:
+            assert lanes.packing is not None and lanes.tokens.shape[0] == 1
+            calls.append((lanes.tokens.shape[1], np.asarray(lanes.lengths).tolist()))
+        return step(model, params, dparams, state, lanes, *args, **kwargs)
+
+    monkeypatch.setattr(steps, "step", spy)
+    lengths = _four_prompts_equal_generate(
+        engine, rng, gen.CacheConfig(page_size=PAGE, window_pages=False), chunk)
+    assert sum(sum(n) for _, n in calls) == sum(lengths)
+    assert max(max(n) for _, n in calls) == chunk and calls[0][0] == 4 * chunk, calls

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax import cache as kv_cache
-from kvjax.models.base import check_logits_at, gather_positions
+from kvjax.models.base import Packing, check_logits_at, check_packing, gather_positions
 from kvjax.models.gemma.config import GLOBAL, LOCAL, GemmaConfig
 from kvjax.models.gemma.params import GemmaLayerParams, GemmaParams
 from kvjax.models.layers import (
@@ -65,8 +65,9 @@ def _mlp(config: GemmaConfig, lp: GemmaLayerParams, x):
 
 
 def _layer(c: GemmaConfig, lp: GemmaLayerParams, layer: int, x, rope, cache, rows, impl,
-           select):
-    """One decoder layer over the paged cache. Returns (x, cache, post-RoPE q)."""
+           select, packing=None):
+    """One decoder layer over the paged cache. Returns (x, cache, post-RoPE q). With
+    `packing`, x holds sequences end to end in one row; the cache sees them as rows."""
     batch, q_len, _ = x.shape
     eps = c.rms_norm_eps
     cos, sin = rope
@@ -79,11 +80,15 @@ def _layer(c: GemmaConfig, lp: GemmaLayerParams, layer: int, x, rope, cache, row
         k = rms_norm_1p(k, lp.k_norm, eps)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    if packing is not None:
+        q, k, v = packing.lanes(q), packing.lanes(k), packing.lanes(v)
     cache = kv_cache.write(cache, layer, k, v, **rows)
     selection = select(cache, layer, q[:, 0]) if select is not None and q_len == 1 else None
     out, _ = kv_cache.attend(cache, layer, q, selection=selection, scale=c.scale,
                              soft_cap=c.attn_softcap, sliding_window=c.window(layer),
                              impl=impl, **rows)
+    if packing is not None:
+        out = packing.packed(out)
     h = linear(out.astype(x.dtype).reshape(batch, q_len, -1), lp.wo)
     x = x + rms_norm_1p(h, lp.post_attn_norm, eps)
     h = _mlp(c, lp, rms_norm_1p(x, lp.mlp_norm, eps))
@@ -104,6 +109,7 @@ def forward(
     select: Callable | None = None,
     observe: bool = False,
     logits_at: Int[Array, "batch k"] | None = None,
+    packing: Packing | None = None,
 ):
     """Runs the model on new tokens whose cache slots are already reserved.
 
@@ -123,6 +129,9 @@ def forward(
       observe: also return the post-RoPE queries of every layer.
       logits_at: int32[batch, k] token indices (in [0, q_len)) at which to compute logits;
         None: every token (see `kvjax.models.base`).
+      packing: a `kvjax.models.base.Packing`: tokens and positions are then one row [1,
+        tokens] holding several sequences end to end, `q_lengths` and `seq_ids` (required)
+        are per sequence and `logits_at` indexes the row ([1, k]). Not with `observe`.
 
     Returns:
       (float32 logits [batch, q_len, vocab] (or [batch, k, vocab] with `logits_at`), soft-
@@ -145,6 +154,8 @@ def forward(
     check_logits_at(logits_at, tokens.shape)
     dtype = jnp.dtype(c.dtype)
     rows = dict(q_lengths=jnp.asarray(q_lengths, jnp.int32), seq_ids=seq_ids)
+    if packing is not None:
+        check_packing(packing, tokens.shape, rows["q_lengths"], seq_ids, observe)
     ropes = {LOCAL: rope_cos_sin(positions, c.rope_local, dtype)}
     ropes[GLOBAL] = (ropes[LOCAL] if c.rope_global == c.rope_local  # Gemma 2: one RoPE
                      else rope_cos_sin(positions, c.rope_global, dtype))
@@ -155,7 +166,7 @@ def forward(
         lp = (params.layers[layer] if isinstance(params.layers, tuple)
               else layer_params(params.layers, layer))
         x, cache, q = _layer(c, lp, layer, x, ropes[c.layer_types[layer]], cache, rows, impl,
-                             select)
+                             select, packing)
         queries.append(q)
     if logits_at is not None:
         x = gather_positions(x, logits_at)
