@@ -464,3 +464,17 @@ def _packed_lanes_one_early(mp):
     from kvjax.models.base import Packing
 
     mp.setattr(Packing, "lanes", lambda self, x: x[0][jnp.maximum(self.gather - 1, 0)])
+
+
+@mutation("packed_ring_lanes_uncapped", "on window-only rings a packed row's lanes may be "
+                                        "wider than a chunk (steps.packed_shapes ignores "
+                                        "widest)",
+          ("tests/serve/test_engine_window_pages.py::"
+           "test_engine_window_pages_equal_generate_and_hits_stop_at_the_rings",
+           "tests/serve/test_engine_window_pages.py::"
+           "test_gemma_packs_its_prompts_on_window_rings"))
+def _packed_ring_lanes_uncapped(mp):
+    from kvjax.serve import steps
+
+    shapes = steps.packed_shapes
+    mp.setattr(steps, "packed_shapes", lambda *a, widest=None, **k: shapes(*a, **k))
