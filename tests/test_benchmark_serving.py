@@ -364,3 +364,48 @@ def test_kivi_reads_the_servers_metrics_registry(script):
         peak_running=seen[:, 0].max(), mean_running=seen[:, 0].mean(),
         peak_waiting=seen[:, 1].max(), peak_pages_in_use=seen[:, 2].max(),
         polls=len(seen))
+
+
+def test_peer_runs_join_the_readme_table_newest_per_machine_and_dtype(tmp_path):
+    """`benchmarks/report.py`'s vLLM rows: the newest `--peer-vllm` JSON per machine folder
+    and dtype (an older one and a JSON of another benchmark ignored), with both servers'
+    burst tokens/s and ratio, TTFT p90s, each Poisson rate's, the burst's identical tokens,
+    the machine's AVX-512 flags, date and commit; the README summary carries them."""
+    from benchmarks import report
+
+    rng = np.random.default_rng()
+
+    def peer(date, dtype, commit):
+        def server():
+            return dict(tokens_per_s=float(rng.uniform(100, 900)),
+                        ttft_s=sorted(rng.uniform(0.05, 2.0, 3).tolist()))
+        return dict(benchmark="serving-peer-vllm", dtype=dtype, date=date, kvjax_commit=commit,
+                    requests=32, versions=dict(vllm="0.32.0"),
+                    machine=dict(cpu="Some CPU", cpus=2, simd_flags=["avx2", "avx512f"]),
+                    medians={t: dict(kvjax=server(), vllm=server())
+                             for t in ("single", "burst", "poisson 2/s")},
+                    tokens={"burst": [dict(identical=int(rng.integers(0, 33)), requests=32)]})
+
+    folder = tmp_path / "benchmarks" / "results" / "cpu-some"
+    folder.mkdir(parents=True)
+    old, new = peer("2026-01-01T00:00:00", "float32", "aaa"), peer("2026-02-01T00:00:00",
+                                                                    "float32", "bbb")
+    (folder / "serving-vllm-old.json").write_text(json.dumps(old))
+    (folder / "serving-vllm.json").write_text(json.dumps(new))
+    (folder / "serving-vllm-other.json").write_text(json.dumps(dict(benchmark="other")))
+    rows = report.peer_rows(tmp_path)
+    assert len(rows) == 1
+    measure, fig = rows[0]
+    assert "Some CPU (avx512f; no avx512fp16), 2 cores" in measure
+    m = new["medians"]
+    k, v = m["burst"]["kvjax"], m["burst"]["vllm"]
+    assert (f"float32: burst {k['tokens_per_s']:.0f} / {v['tokens_per_s']:.0f} tokens/s "
+            f"({k['tokens_per_s'] / v['tokens_per_s']:.2f}x), TTFT p90 "
+            f"{k['ttft_s'][1]:.2f} / {v['ttft_s'][1]:.2f} s") in fig
+    k, v = m["poisson 2/s"]["kvjax"], m["poisson 2/s"]["vllm"]
+    assert (f"poisson 2/s {k['tokens_per_s']:.0f} / {v['tokens_per_s']:.0f} tokens/s, TTFT "
+            f"p90 {k['ttft_s'][1]:.2f} / {v['ttft_s'][1]:.2f} s") in fig
+    assert f"identical {new['tokens']['burst'][0]['identical']}/32" in fig
+    assert "2026-02-01, commit bbb" in fig and "aaa" not in fig
+    run = json.loads((report.ROOT / "benchmarks/results/cpu-intel-2core/run.json").read_text())
+    assert fig in report.summary(run, "x", tmp_path)
