@@ -240,6 +240,26 @@ def test_prefill_window_soft_cap_and_layer(rng):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 33])
+def test_prefill_bf16_pages_by_query_dtype(rng, head_dim):
+    """bfloat16 pages: bfloat16 queries (on an AVX512_BF16 build their logits run on
+    vdpbf16ps, the scale applied to the logits) with a window, a soft cap and a scale, and
+    float32 queries, which stay float32 (equal to the reference at float32's tolerance);
+    an odd head_dim takes the float32 path."""
+    _, k, v, lengths, tables = _case(rng, batch=3, q_heads=8, kv_heads=2, head_dim=head_dim,
+                                     page_size=16, max_pages=10, dtype=jnp.bfloat16,
+                                     lengths=[160, 97, 40])
+    q32 = rng.standard_normal((3, 40, 8, head_dim)).astype(np.float32)
+    q_lengths = _put([40, 33, 40], np.int32)
+    for q, tol in ((_put(q32, jnp.bfloat16), jnp.bfloat16), (_put(q32, np.float32), jnp.float32)):
+        for kw in (dict(), dict(sliding_window=5),
+                   dict(sliding_window=70, soft_cap=4.0, scale=0.2)):
+            want = prefill_reference(q, k, v, lengths, tables, q_lengths, **kw)
+            _close(attention.paged_prefill_attention(q, k, v, lengths, tables, q_lengths,
+                                                     impl="cpu", **kw), want, tol)
+
+
+@needs_kernel
 def test_jit_and_layers_scan_read_pools_in_place(rng):
     """Under jit, whole pools + a traced layer inside a scan over layers (how the models
     call it): equal to the reference per layer, and the program copies no layer pool."""

@@ -253,6 +253,7 @@ def _paged_prefill(q, k_pages, v_pages, lengths, block_tables, q_lengths, layer,
         block_tables.astype(jnp.int32), q_lengths.astype(jnp.int32),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
         window=np.int64(sliding_window or 0), item_rows=np.int64(item_rows),
+        q_bf16=np.int64(q.dtype == jnp.bfloat16),
     )
     return out.astype(q.dtype), lse
 

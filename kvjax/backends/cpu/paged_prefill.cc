@@ -10,7 +10,10 @@
 // vectors (query elements broadcast, keys along the lanes), the online softmax folds them
 // into each row's (max, sum) and rescales its accumulator, and the values are added by a
 // register block of rows x output vectors. Register blocks use the target's own vector
-// width (native.h): 6 rows x 4 zmm on AVX-512, 6 rows x 2 ymm on AVX2.
+// width (native.h): 6 rows x 4 zmm on AVX-512, 6 rows x 2 ymm on AVX2. bfloat16 queries on
+// bfloat16 pages (an even head_dim, a build with AVX512_BF16) take their logits on
+// vdpbf16ps instead: the keys' element pairs transposed as 32-bit words, unwidened, and
+// two products per lane and instruction (logits_block_pairs).
 //
 // Semantics are kernels_pallas/paged_attention/reference.py's prefill: query t of row b
 // (t < q_lengths[b]) sits at position lengths[b] - q_lengths[b] + t and sees key positions
@@ -53,6 +56,7 @@ struct PrefillArgs {
   int64_t window;         // <= 0: none
   float* out;             // [batch, q_len, q_heads, v_head_dim]
   float* lse;             // [batch, q_len, q_heads]
+  bool q_bf16;            // q's values are bfloat16 (widened): the pairs path may take it
 };
 
 // s[m][j0 + ...] = q[m] . key j for rows [0, MR) and kKeyVecs vectors of keys from j0;
@@ -117,6 +121,41 @@ inline void values_any(const float* p, const float* vb, int64_t Dvp, int64_t nk,
   for (; c0 < Dvp; c0 += kNat) values_block<MR, 1>(p, vb, Dvp, c0, nk, o);
 }
 
+#if defined(__AVX512BF16__) && KVJAX_NAT == 16
+#define KVJAX_PREFILL_PAIRS 1
+// The logits of bfloat16 queries and keys on vdpbf16ps: q rows of P = head_dim / 2 words,
+// word p holding the row's elements 2p and 2p + 1; keys in kt [P][kBlockKeys], word (p, j)
+// key j's elements 2p and 2p + 1. One instruction adds both products of a pair (exact in
+// float32) to a key's sum: half the multiply-adds of the float32 block, and half its key
+// block's transposed words.
+template <int MR>
+inline void logits_block_pairs(const uint32_t* __restrict q, int64_t P,
+                               const uint32_t* __restrict kt, int64_t j0, float* __restrict s) {
+  __m512 acc[MR][kKeyVecs];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kKeyVecs; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh kv[kKeyVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kKeyVecs; ++v)
+      kv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + p * kBlockKeys + j0 + v * kNat));
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh qb =
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(q[m * P + p])));
+#pragma GCC unroll 4
+      for (int v = 0; v < kKeyVecs; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], qb, kv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kKeyVecs; ++v) _mm512_storeu_ps(s + m * kBlockKeys + j0 + v * kNat, acc[m][v]);
+}
+#endif
+
 // Flash attention of one work item's R query rows over the keys [lo, hi) the rows can see,
 // kBlockKeys at a time. q_row(r): row r's query (head_dim floats, unscaled); pos_of(r): its
 // position (< 0: a padding row, which sees nothing); fill(k0, nk, kt, vb): the keys of
@@ -125,8 +164,11 @@ inline void values_any(const float* p, const float* vb, int64_t Dvp, int64_t nk,
 // lse): row r's normalised output (Dv floats; zeros and lse -inf for a row that saw
 // nothing). Row r sees the keys k in [lo, hi) with k <= pos_of(r) and, with a window,
 // pos_of(r) - k < window. When `sorted` (the rows' positions never decrease), rows that
-// end below a key block skip it.
-template <typename QRow, typename PosOf, typename Fill, typename Store>
+// end below a key block skip it. With `Pairs` (bfloat16 queries and keys, an even
+// head_dim), the queries' values are taken as bfloat16 (exactly what they are) and
+// `fill` writes kt as logits_block_pairs' words ([D / 2][kBlockKeys] uint32); the scale
+// then multiplies the logits instead of the queries.
+template <bool Pairs = false, typename QRow, typename PosOf, typename Fill, typename Store>
 void flash_rows(int64_t R, int64_t D, int64_t Dv, float scale, float soft_cap, int64_t window,
                 int64_t lo, int64_t hi, bool sorted, QRow q_row, PosOf pos_of, Fill fill,
                 Store store) {
@@ -141,9 +183,23 @@ void flash_rows(int64_t R, int64_t D, int64_t Dv, float scale, float soft_cap, i
   float* o = s + Rp * kBlockKeys;
   float* mx = o + Rp * Dvp;
   float* sum = mx + Rp;
+  [[maybe_unused]] uint32_t* qp = reinterpret_cast<uint32_t*>(qs);  // Pairs: [Rp][D / 2] words
   for (int64_t r = 0; r < Rp; ++r) {
     float* dst = qs + r * D;
-    if (r < R) {
+    if constexpr (Pairs) {
+      uint32_t* words = qp + r * (D / 2);
+      if (r < R) {
+        const float* src = q_row(r);
+        for (int64_t p = 0; p < D / 2; ++p) {
+          uint32_t lo, hi;  // a widened bfloat16's bits are its top half
+          std::memcpy(&lo, src + 2 * p, 4);
+          std::memcpy(&hi, src + 2 * p + 1, 4);
+          words[p] = (lo >> 16) | (hi & 0xffff0000u);
+        }
+      } else {
+        std::fill(words, words + D / 2, 0u);
+      }
+    } else if (r < R) {
       const float* src = q_row(r);
       for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
     } else {
@@ -167,8 +223,17 @@ void flash_rows(int64_t R, int64_t D, int64_t Dv, float scale, float soft_cap, i
     const int64_t r_first = first / kRowBlock * kRowBlock;
     const int64_t kv_end = (nk + kKeyVecs * kNat - 1) / (kKeyVecs * kNat) * (kKeyVecs * kNat);
     for (int64_t r = r_first; r < Rp; r += kRowBlock)
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kKeyVecs * kNat)
+      for (int64_t j0 = 0; j0 < kv_end; j0 += kKeyVecs * kNat) {
+#ifdef KVJAX_PREFILL_PAIRS
+        if constexpr (Pairs) {
+          logits_block_pairs<kRowBlock>(qp + r * (D / 2), D / 2,
+                                        reinterpret_cast<const uint32_t*>(kt), j0,
+                                        s + r * kBlockKeys);
+          continue;
+        }
+#endif
         logits_block<kRowBlock>(qs + r * D, D, kt, j0, s + r * kBlockKeys);
+      }
     for (int64_t r = r_first; r < R; ++r) {
       float* sr = s + r * kBlockKeys;
       const int64_t pos = pos_of(r);
@@ -183,6 +248,7 @@ void flash_rows(int64_t R, int64_t D, int64_t Dv, float scale, float soft_cap, i
       v16 top = splat(kNegInf);
       for (int c = 0; c < kBlockKeys / kLanes; ++c) {
         x[c] = load16(sr + c * kLanes);
+        if constexpr (Pairs) x[c] *= scale;
         if (cap > 0.0f) x[c] = cap * vtanh(x[c] / cap);
         const v16 at = iota + static_cast<float>(c * kLanes);
         const v16i vis = ge(at, splat(static_cast<float>(vis_lo))) &
@@ -245,35 +311,54 @@ void prefill_item(const PrefillArgs& a, int64_t b, int64_t h, int64_t t0) {
   const T* kbase = static_cast<const T*>(a.k) + (a.layer * a.kv_heads + h) * a.pages * ps * D;
   const T* vbase = static_cast<const T*>(a.v) + (a.layer * a.kv_heads + h) * a.pages * ps * Dv;
   const int32_t* table = a.tables + b * a.max_pages;
+  // The pairs path (below) takes the keys as 32-bit words of two bfloat16 elements.
+  [[maybe_unused]] bool pairs = false;
+#ifdef KVJAX_PREFILL_PAIRS
+  if constexpr (std::is_same_v<T, Bf16>) pairs = a.q_bf16 && D % 2 == 0;
+#endif
   auto fill = [&](int64_t k0, int64_t nk, float* kt, float* vb, int64_t Dvp) {
+    uint32_t* kw = reinterpret_cast<uint32_t*>(kt);  // pairs: [D / 2][kBlockKeys] words
     for (int64_t j = 0; j < kBlockKeys; ++j) {
       if (j < nk) {
         const int64_t pos = k0 + j;
         const int64_t row = clamp_index(table[pos / ps], a.pages) * ps + pos % ps;
         const T* kr = kbase + row * D;
         const T* vr = vbase + row * Dv;
-        for (int64_t d = 0; d < D; ++d) kt[d * kBlockKeys + j] = to_float(kr[d]);
+        if (pairs) {
+          for (int64_t p = 0; p < D / 2; ++p) std::memcpy(kw + p * kBlockKeys + j, kr + 2 * p, 4);
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * kBlockKeys + j] = to_float(kr[d]);
+        }
         float* vd = vb + j * Dvp;
         for (int64_t d = 0; d < Dv; ++d) vd[d] = to_float(vr[d]);
         std::fill(vd + Dv, vd + Dvp, 0.0f);
       } else {
-        for (int64_t d = 0; d < D; ++d) kt[d * kBlockKeys + j] = 0.0f;
+        for (int64_t d = 0; d < (pairs ? D / 2 : D); ++d) kw[d * kBlockKeys + j] = 0u;
         std::fill(vb + j * Dvp, vb + (j + 1) * Dvp, 0.0f);
       }
     }
   };
-  flash_rows(
-      R, D, Dv, a.scale, a.soft_cap, a.window, lo, hi, /*sorted=*/true,
-      [&](int64_t r) { return a.q + row_index(r) * D; },
-      [&](int64_t r) { return pos0 + r / G; }, fill, store);
+  auto q_row = [&](int64_t r) { return a.q + row_index(r) * D; };
+  auto pos_of = [&](int64_t r) { return pos0 + r / G; };
+#ifdef KVJAX_PREFILL_PAIRS
+  if constexpr (std::is_same_v<T, Bf16>) {
+    if (pairs) {
+      flash_rows<true>(R, D, Dv, a.scale, a.soft_cap, a.window, lo, hi, /*sorted=*/true, q_row,
+                       pos_of, fill, store);
+      return;
+    }
+  }
+#endif
+  flash_rows(R, D, Dv, a.scale, a.soft_cap, a.window, lo, hi, /*sorted=*/true, q_row, pos_of,
+             fill, store);
 }
 
 ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> tables,
                             ffi::Buffer<ffi::S32> q_lengths, float scale, float soft_cap,
-                            int64_t window, int64_t item_rows, ffi::ResultBuffer<ffi::F32> out,
-                            ffi::ResultBuffer<ffi::F32> lse) {
+                            int64_t window, int64_t item_rows, int64_t q_bf16,
+                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument(
@@ -310,6 +395,7 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   a.window = window;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
+  a.q_bf16 = q_bf16 != 0;
   if (a.batch == 0 || a.q_len == 0 || a.q_heads == 0) return ffi::Error::Success();
   // Query positions per work item: about `item_rows` rows (a multiple of the group).
   a.positions = std::max<int64_t>(1, (std::max<int64_t>(item_rows, 1) + a.group - 1) / a.group);
@@ -589,6 +675,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedPrefill, kvjax::PagedPrefillImpl,
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("item_rows")
+                                  .Attr<int64_t>("q_bf16")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // lse
 
