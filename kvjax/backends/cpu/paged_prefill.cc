@@ -121,6 +121,16 @@ inline void values_any(const float* p, const float* vb, int64_t Dvp, int64_t nk,
   for (; c0 < Dvp; c0 += kNat) values_block<MR, 1>(p, vb, Dvp, c0, nk, o);
 }
 
+// x rounded to bfloat16 (to nearest, ties to even; NaN stays NaN): its bits. Exact for a
+// widened bfloat16; XLA may hand a bfloat16 program's values over in float32 with more
+// precision than bfloat16 holds (excess precision), which this rounds as a convert would.
+inline uint32_t bf16_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
+  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
 #if defined(__AVX512BF16__) && KVJAX_NAT == 16
 #define KVJAX_PREFILL_PAIRS 1
 // The logits of bfloat16 queries and keys on vdpbf16ps: q rows of P = head_dim / 2 words,
@@ -165,7 +175,7 @@ inline void logits_block_pairs(const uint32_t* __restrict q, int64_t P,
 // nothing). Row r sees the keys k in [lo, hi) with k <= pos_of(r) and, with a window,
 // pos_of(r) - k < window. When `sorted` (the rows' positions never decrease), rows that
 // end below a key block skip it. With `Pairs` (bfloat16 queries and keys, an even
-// head_dim), the queries' values are taken as bfloat16 (exactly what they are) and
+// head_dim), the queries are rounded to bfloat16, their program's dtype (`bf16_bits`), and
 // `fill` writes kt as logits_block_pairs' words ([D / 2][kBlockKeys] uint32); the scale
 // then multiplies the logits instead of the queries.
 template <bool Pairs = false, typename QRow, typename PosOf, typename Fill, typename Store>
@@ -190,12 +200,8 @@ void flash_rows(int64_t R, int64_t D, int64_t Dv, float scale, float soft_cap, i
       uint32_t* words = qp + r * (D / 2);
       if (r < R) {
         const float* src = q_row(r);
-        for (int64_t p = 0; p < D / 2; ++p) {
-          uint32_t lo, hi;  // a widened bfloat16's bits are its top half
-          std::memcpy(&lo, src + 2 * p, 4);
-          std::memcpy(&hi, src + 2 * p + 1, 4);
-          words[p] = (lo >> 16) | (hi & 0xffff0000u);
-        }
+        for (int64_t p = 0; p < D / 2; ++p)
+          words[p] = bf16_bits(src[2 * p]) | (bf16_bits(src[2 * p + 1]) << 16);
       } else {
         std::fill(words, words + D / 2, 0u);
       }
