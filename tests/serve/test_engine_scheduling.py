@@ -214,8 +214,12 @@ def test_warmup_compiles_every_program_a_trace_runs(tiny, rng):
     engine.warmup()
     programs = (steps.prefill_lanes, steps.decode_rows, steps.release, steps.share)
     compiled = [f._cache_size() for f in programs]
-    # Prompts of 35 to 48 tokens: the references' programs are the other tests'.
+    # Prompts of 35 to 48 tokens: the references' programs are the other tests'. The last
+    # under another system prompt, whose pages the one prefix slot takes by evicting the
+    # first's (five prompts alone evicted nothing on about 1% of draws).
     prompts, max_new = _workload(rng, model.vocab_size, 5, system=32, new=(2, 12))
+    other, other_new = _workload(rng, model.vocab_size, 1, system=32, new=(2, 12))
+    prompts, max_new = prompts + other, max_new + other_new
     got, _ = _drive(engine, prompts, max_new)  # hits, evictions, host stops, bursts
     assert engine.stats["hit_pages"] > 0 and engine.stats["evictions"] > 0, engine.stats
     assert [f._cache_size() for f in programs] == compiled
@@ -480,14 +484,19 @@ def test_packed_prefill_fills_each_row_end_to_end(tiny, rng, monkeypatch):
     def spy(model, params, dparams, state, lanes, *args, **kwargs):
         if lanes is not None:
             assert lanes.packing is not None and lanes.tokens.shape[0] == 1
-            calls.append((lanes.tokens.shape[1], int(lanes.lengths.sum())))
+            lens, last = np.asarray(lanes.lengths), np.asarray(lanes.last)
+            calls.append((lanes.tokens.shape[1], int(lens.sum()), lanes.packing.gather.shape[1],
+                          [(int(n), bool(e)) for n, e in zip(lens, last, strict=True) if n]))
         return step(model, params, dparams, state, lanes, *args, **kwargs)
 
     monkeypatch.setattr(steps, "step", spy)
     lengths = _four_prompts_equal_generate(engine, rng, cfg, chunk)
-    assert sum(real for _, real in calls) == sum(lengths) == engine.stats["prefill_tokens"]
-    assert all(row == real for row, real in calls[:-1]), calls
-    assert sum(row for row, _ in calls) < 8 * chunk, calls  # one-chunk lanes: 8 chunks
+    assert sum(c[1] for c in calls) == sum(lengths) == engine.stats["prefill_tokens"]
+    # Every call but the last fills its row, unless each of its lanes is full (its width)
+    # or ends its prompt: a prompt's rest wider than the lanes waits for the next call.
+    assert all(row == real or all(n == width or end for n, end in used)
+               for row, real, width, used in calls[:-1]), calls
+    assert sum(c[0] for c in calls) < 8 * chunk, calls  # one-chunk lanes: 8 chunks
 
     kivi = gen.CacheConfig(page_size=PAGE, quant=QuantSpec(bits=4, group_size=PAGE,
                                                            residual=PAGE))
