@@ -154,3 +154,19 @@ class _Replay:
                 assert rid in self.cancelled and got == want[: len(got)], (rid, got, want)
             else:
                 assert (reason, got) == ("length", want), (rid, reason, got, want)
+
+
+def _four_prompts_equal_generate(engine, rng, cfg, chunk) -> list[int]:
+    """Drives 4 prompts of a chunk and up to half another, all at once, through `engine`;
+    each must get generate's tokens with chunk `chunk`. Returns the prompts' lengths."""
+    model, params = engine.model, engine.params
+    lengths = [int(n) for n in rng.integers(chunk + 1, chunk * 3 // 2 + 1, 4)]
+    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in lengths]
+    new = [int(k) for k in rng.integers(2, 10, 4)]
+    tokens, _ = _drive(engine, prompts, new, first=4)
+    for p, m, got in zip(prompts, new, tokens, strict=True):
+        alone = gen.generate(model, params, [p], key=jax.random.key(0)[None],
+                             max_new_tokens=10, chunk_size=chunk,
+                             cache=cfg.build(model, num_seqs=1, max_tokens=128))
+        assert got == alone.sequences()[0][:m]
+    return lengths

@@ -5,7 +5,6 @@ request generate's tokens."""
 
 import functools
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +21,7 @@ from tests.serve.engine_helpers import (
     PAGE,
     _alone,
     _drive,
+    _four_prompts_equal_generate,
     _Replay,
     _workload,
 )
@@ -414,22 +414,6 @@ def test_fewer_prompts_take_wider_lanes(tiny, rng):
                   cache=gen.CacheConfig(page_size=PAGE, quant=QuantSpec(
                       bits=4, group_size=PAGE, residual=PAGE)))
     assert kivi.scheduler.lane_shapes == [(1, C), (2, C), (4, C)]
-
-
-def _four_prompts_equal_generate(engine, rng, cfg, chunk) -> list[int]:
-    """Drives 4 prompts of a chunk and up to half another, all at once, through `engine`;
-    each must get generate's tokens with chunk `chunk`. Returns the prompts' lengths."""
-    model, params = engine.model, engine.params
-    lengths = [int(n) for n in rng.integers(chunk + 1, chunk * 3 // 2 + 1, 4)]
-    prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in lengths]
-    new = [int(k) for k in rng.integers(2, 10, 4)]
-    tokens, _ = _drive(engine, prompts, new, first=4)
-    for p, m, got in zip(prompts, new, tokens, strict=True):
-        alone = gen.generate(model, params, [p], key=jax.random.key(0)[None],
-                             max_new_tokens=10, chunk_size=chunk,
-                             cache=cfg.build(model, num_seqs=1, max_tokens=128))
-        assert got == alone.sequences()[0][:m]
-    return lengths
 
 
 def test_many_prompts_share_a_call_in_narrow_lanes(tiny, rng, monkeypatch):

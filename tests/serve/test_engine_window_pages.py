@@ -21,7 +21,7 @@ import kvjax.generate as gen
 from kvjax.cache import window
 from kvjax.serve import Engine
 from tests.generate.test_window_pages import tiny
-from tests.serve.engine_helpers import _drive
+from tests.serve.engine_helpers import _drive, _four_prompts_equal_generate
 
 WINDOW, PAGE, CHUNK, NEW = 6, 4, 8, 20
 
@@ -127,7 +127,6 @@ def test_gemma_packs_its_prompts_on_window_rings(rng, monkeypatch):
     takes in one call), and every request gets generate's tokens with the same chunk."""
     from kvjax.serve import steps
     from tests.models.test_packing import _model
-    from tests.serve.test_engine_scheduling import _four_prompts_equal_generate
 
     model, params = _model("gemma")
     chunk = 16
