@@ -95,14 +95,14 @@ def experts(config, ex: SwiGLUParams, x, weights, idx):
         dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)
         g = jnp.einsum("nh,ehi->nei", x, ex.gate)
         u = jnp.einsum("nh,ehi->nei", x, ex.up)
-        y = jnp.einsum("nei,eih->neh", jax.nn.silu(g) * u, ex.down)
+        y = jnp.einsum("nei,eih->neh", layers.silu(g) * u, ex.down)
         return jnp.einsum("neh,ne->nh", y.astype(jnp.float32), dense_w).astype(x.dtype)
     if impl == "gather":
         flat = idx.reshape(-1)  # [N*k]
         xs = jnp.repeat(x, k, axis=0)
         g = jnp.einsum("mh,mhi->mi", xs, ex.gate[flat])
         u = jnp.einsum("mh,mhi->mi", xs, ex.up[flat])
-        y = jnp.einsum("mi,mih->mh", jax.nn.silu(g) * u, ex.down[flat])
+        y = jnp.einsum("mi,mih->mh", layers.silu(g) * u, ex.down[flat])
         y = y.astype(jnp.float32).reshape(n, k, h) * weights[..., None]
         return y.sum(1).astype(x.dtype)
     # ragged: sort (token, choice) pairs by expert; one grouped GEMM per projection.
@@ -113,7 +113,7 @@ def experts(config, ex: SwiGLUParams, x, weights, idx):
     xs = x[token]
     g = jax.lax.ragged_dot(xs, ex.gate, sizes)
     u = jax.lax.ragged_dot(xs, ex.up, sizes)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, ex.down, sizes)
+    y = jax.lax.ragged_dot(layers.silu(g) * u, ex.down, sizes)
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, h), jnp.float32).at[token].add(y).astype(x.dtype)
 
