@@ -148,12 +148,25 @@ class Packing:
 
     def lanes(self, x: Float[Array, "1 tokens ..."]) -> Float[Array, "sequences width ..."]:
         """A packed row's per-token values as one row per sequence."""
-        return x[0][self.gather]
+        n, w = self.gather.shape
+        return _take_rows(x[0], self.gather.reshape(-1)).reshape(n, w, *x.shape[2:])
 
     def packed(self, y: Float[Array, "sequences width ..."]) -> Float[Array, "1 tokens ..."]:
         """Rows per sequence back into the packed row."""
         n, w = self.gather.shape
-        return y.reshape(n * w, *y.shape[2:])[self.scatter][None]
+        return _take_rows(y.reshape(n * w, *y.shape[2:]), self.scatter)[None]
+
+
+def _take_rows(x: Float[Array, "rows ..."], idx: Int[Array, " n"]) -> Float[Array, "n ..."]:
+    """`x[idx]`; on one CPU device, 16-bit rows are copied by `kvjax.backends.cpu.take_rows`
+    (XLA:CPU gathers them in float32, converting before and after)."""
+    if jax.default_backend() == "cpu" and jnp.dtype(x.dtype).itemsize == 2 and x.ndim >= 2:
+        from kvjax.backends import cpu
+
+        if cpu.choose("take_rows", dtype=x.dtype).use_kernel:
+            flat = x.reshape(x.shape[0], -1)
+            return cpu.take_rows(flat, idx).reshape(idx.shape[0], *x.shape[1:])
+    return x[idx]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

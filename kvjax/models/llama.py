@@ -392,7 +392,7 @@ def _layer(config, lp: LlamaLayerParams, layer, x, cos, sin, cache, seq_ids, q_l
     out, _ = kv_cache.attend(cache, layer, q, selection=selection, scale=c.head_dim ** -0.5,
                              sliding_window=window, impl=impl, **rows)
     if packing is not None:
-        out = packing.packed(out)
+        out = packing.packed(out.astype(x.dtype))  # rounded first: rows copied at 16 bits
     x = x + linear(out.astype(x.dtype).reshape(batch, q_len, -1), lp.wo, lp.bo)
     h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
     x = x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down, lp.b_gate, lp.b_up, lp.b_down)

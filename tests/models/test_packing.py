@@ -111,3 +111,29 @@ def test_packing_errors(rng):
     with pytest.raises(ValueError, match="takes no packing"):
         mla.apply(mla_params, np.zeros((1, 8), np.int32), np.zeros((1, 8), np.int32), None,
                   q_lengths=np.array([3, 2], np.int32), packing=packing)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lanes_and_packed_copy_rows(rng, dtype, monkeypatch):
+    """`Packing.lanes` / `packed` equal NumPy's indexing; on one CPU device 16-bit rows are
+    copied by the take_rows custom call, no XLA gather (which runs them in float32). One
+    device: the tests see 8, over which the custom call would not partition."""
+    import jax.numpy as jnp
+
+    from kvjax.backends import cpu
+
+    monkeypatch.setattr(jax, "device_count", lambda backend=None: 1)
+    packing = Packing.of([5, 1, 7], 16, 8)
+    x = jnp.asarray(rng.standard_normal((1, 16, 3, 4)), dtype)
+    lanes = jax.jit(packing.lanes)
+    got = lanes(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x)[0][packing.gather])
+    y = jnp.asarray(rng.standard_normal((3, 8, 3, 4)), dtype)
+    packed = jax.jit(packing.packed)
+    np.testing.assert_array_equal(np.asarray(packed(y))[0],
+                                  np.asarray(y).reshape(24, 3, 4)[packing.scatter])
+    if dtype == "bfloat16" and jax.default_backend() == "cpu":
+        assert cpu.choose("take_rows", dtype=dtype).use_kernel
+        for f, a in ((lanes, x), (packed, y)):
+            hlo = f.lower(a).compile().as_text()
+            assert 'custom_call_target="kvjax_take_rows' in hlo and " gather(" not in hlo, hlo

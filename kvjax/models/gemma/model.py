@@ -88,7 +88,7 @@ def _layer(c: GemmaConfig, lp: GemmaLayerParams, layer: int, x, rope, cache, row
                              soft_cap=c.attn_softcap, sliding_window=c.window(layer),
                              impl=impl, **rows)
     if packing is not None:
-        out = packing.packed(out)
+        out = packing.packed(out.astype(x.dtype))  # rounded first: rows copied at 16 bits
     h = linear(out.astype(x.dtype).reshape(batch, q_len, -1), lp.wo)
     x = x + rms_norm_1p(h, lp.post_attn_norm, eps)
     h = _mlp(c, lp, rms_norm_1p(x, lp.mlp_norm, eps))
