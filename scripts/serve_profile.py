@@ -84,9 +84,9 @@ def main(argv=None) -> int:
                              "sets it)")
     parser.add_argument("--prefill-rows", type=int, default=16,
                         help="Engine prefill_rows (default the server's --prefill-lanes, 16)")
-    parser.add_argument("--prefill-tokens", type=int, default=512,
+    parser.add_argument("--prefill-tokens", type=int, default=1024,
                         help="prompt tokens per call: Engine token_budget is the rows plus "
-                        "these (default the server's --prefill-tokens, 512)")
+                        "these (default the server's --prefill-tokens, 1024)")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (default 64)")
     parser.add_argument("--rate", type=float, default=None,
                         help="replay the peer run's Poisson trace at this many requests per "

@@ -104,9 +104,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "call's fixed cost over several tokens, which stream together)")
     p.add_argument("--prefill-lanes", type=positive_int, default=16, metavar="N",
                    help="prompts prefilled per engine call at most, one per lane (default 16)")
-    p.add_argument("--prefill-tokens", type=positive_int, default=512, metavar="TOKENS",
+    p.add_argument("--prefill-tokens", type=positive_int, default=1024, metavar="TOKENS",
                    help="prompt tokens per engine call at most, and at least one chunk "
-                   "(default 512): each call takes the lane shape that prefills the most "
+                   "(default 1024): each call takes the lane shape that prefills the most "
                    "tokens per cost within them, several prompts in narrow lanes or one in "
                    "a wide lane (on float pages; one chunk per lane on KIVI pages and "
                    "window-only rings)")
