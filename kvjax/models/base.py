@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from kvjax.models.layers import embed_rows
 from kvjax.specs import CacheSpec
 
 __all__ = ["Model", "Packing", "Family", "register_family", "get_family", "family_for_architecture",
@@ -158,15 +159,9 @@ class Packing:
 
 
 def _take_rows(x: Float[Array, "rows ..."], idx: Int[Array, " n"]) -> Float[Array, "n ..."]:
-    """`x[idx]`; on one CPU device, 16-bit rows are copied by `kvjax.backends.cpu.take_rows`
+    """`x[idx]` as `layers.embed_rows` takes rows: 16-bit rows copied on one CPU device
     (XLA:CPU gathers them in float32, converting before and after)."""
-    if jax.default_backend() == "cpu" and jnp.dtype(x.dtype).itemsize == 2 and x.ndim >= 2:
-        from kvjax.backends import cpu
-
-        if cpu.choose("take_rows", dtype=x.dtype).use_kernel:
-            flat = x.reshape(x.shape[0], -1)
-            return cpu.take_rows(flat, idx).reshape(idx.shape[0], *x.shape[1:])
-    return x[idx]
+    return embed_rows(x.reshape(x.shape[0], -1), idx).reshape(idx.shape[0], *x.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
